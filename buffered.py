@@ -1,0 +1,421 @@
+"""
+Linear, Embedding and LayerNorm layers that record per-example squared gradient
+norms during backward, in plain PyTorch.
+
+Vocabulary (used everywhere in this project):
+  example      one index along dim 0 of a layer's input; every other leading
+               dim (the sequence, T) belongs to that example. 2-D input (N, K)
+               is read as T = 1.
+  pe_sqnorm    per-example squared gradient norm: ||dL/dp restricted to example i||^2.
+  buffer       `<param>_upegsqnorm` (BUFFER_SUFFIX), float32, shape (2,):
+               [sum over examples of pe_sqnorm, count of examples]. Backward
+               adds to it, so micro-batches of a gradient-accumulation step
+               accumulate; `zero_sqgradnorm_buffers` clears it after the step.
+
+Why [sum, count]: the step's loss is the mean over its B examples, so backward
+sees g_i / B where g_i is example i's own gradient. The buffer then holds
+[sum_i ||g_i||^2 / B^2, B] and its product is sum_i ||g_i||^2 / B =
+mean_i ||g_i||^2, the quantity the GNS estimator needs (gnstracking.py).
+
+The per-example identities (example i, its rows t; x inputs, g output grads):
+  Linear y_t = W x_t + b:   dW_i = sum_t g_t x_t^T,  db_i = sum_t g_t
+      ||dW_i||^2 = sum_{s,t} (g_s . g_t)(x_s . x_t)          (the "Gram trick")
+  Embedding y_t = E[id_t]:  dE_i[v] = sum_{t: id_t = v} g_t
+  LayerNorm y_t = xhat_t * w + b:  dw_i = sum_t g_t * xhat_t,  db_i = sum_t g_t
+
+Linear picks, per call, the cheaper of two exact ways (Li et al. 2022; the
+paper's cost analysis), with K inputs, L outputs, T rows per example:
+  materialise dW_i:  N*T*K*L FLOPs, N*K*L memory
+  Gram trick:        N*T^2*(K+L) FLOPs, N*T^2 memory
+so the Gram trick is used when T*(K + L) < K*L (always for T = 1).
+
+Three flavours per layer kind (registered in layer_config.py):
+  shim   the plain layer, plus a no-op autograd node that reads the output
+         gradient and computes the norms in backward (parameter gradients come
+         from PyTorch as usual);
+  gns    one autograd Function computes the parameter gradients and the norms
+         together ("simultaneous"), sharing the per-example work;
+  fused  Triton kernels (fused_gns.py).
+All keep the replaced class's constructor, parameter names, order and shapes.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BUFFER_SUFFIX = "_upegsqnorm"
+
+
+# -----------------------------------------------------------------------------
+# buffers
+
+def register_pe_sqnorm_buffers(module, param_names):
+    """Give `module` one `<name>_upegsqnorm` buffer per parameter name (those that exist)."""
+    for name in param_names:
+        if getattr(module, name, None) is not None:
+            # non-persistent: checkpoints stay loadable by plain nanoGPT layers
+            module.register_buffer(name + BUFFER_SUFFIX, torch.zeros(2, device=getattr(module, name).device), persistent=False)
+
+
+def accumulate_pe_sqnorm(buffer, pe_sqnorm):
+    """buffer += [sum of pe_sqnorm (N,), N]."""
+    if buffer is None:
+        return
+    with torch.no_grad():
+        buffer[0] += pe_sqnorm.sum().to(buffer.dtype)
+        buffer[1] += pe_sqnorm.numel()
+
+
+def zero_sqgradnorm_buffers(model):
+    """Clear every per-example norm buffer of `model`; call after each optimizer step's reading."""
+    for name, buffer in model.named_buffers():
+        if name.endswith(BUFFER_SUFFIX):
+            buffer.zero_()
+
+
+class PESqNormBuffersMixin:
+    """Keeps the buffers float32 when the module is cast (model.to(torch.bfloat16)):
+    a bf16 count stops being exact past 256 examples."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name, buffer in self._buffers.items():
+            if name.endswith(BUFFER_SUFFIX) and buffer is not None and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
+    def pe_buffer(self, param_name):
+        return self._buffers.get(param_name + BUFFER_SUFFIX)
+
+
+def _norm_dtype(t):
+    # norms are summed in float32 (float64 kept for tests)
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _per_example(t):
+    """(N, ..., D) -> (N, T, D) with T the product of the middle dims (1 for 2-D)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+def _autocast_inputs(x, *params):
+    """Cast x and params to autocast's dtype if it is on, as F.linear would; the
+    casts are differentiable so parameter gradients come back in their own dtype."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return (x, *params)
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None else None for t in (x, *params))
+
+
+# -----------------------------------------------------------------------------
+# the per-example norm functions (one per layer type, shared by every flavour)
+
+def linear_uses_gram(T, in_features, out_features):
+    """True when the Gram trick is cheaper than materialising per-example dW (see module docstring)."""
+    return T * (in_features + out_features) < in_features * out_features
+
+
+def linear_pe_sqnorm(x, grad_out, has_bias=True):
+    """Per-example squared norms of a Linear layer's weight and bias gradients.
+
+    Args:
+        x: input (N, ..., K).
+        grad_out: output gradient (N, ..., L).
+        has_bias: whether to return the bias norms.
+    Returns:
+        (weight_sq (N,), bias_sq (N,) or None), float32 (float64 for float64 input).
+    """
+    dtype = _norm_dtype(x)
+    x, g = _per_example(x).to(dtype), _per_example(grad_out).to(dtype)  # (N, T, K), (N, T, L)
+    N, T, K = x.shape
+    L = g.shape[-1]
+    if linear_uses_gram(T, K, L):
+        x_gram = torch.bmm(x, x.transpose(1, 2))  # (N, T, T)
+        g_gram = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
+        weight_sq = (x_gram * g_gram).sum(dim=(1, 2))
+    else:
+        weight_sq = torch.einsum("ntl,ntk->nlk", g, x).pow(2).sum(dim=(1, 2))
+    bias_sq = g.sum(dim=1).pow(2).sum(dim=1) if has_bias else None
+    return weight_sq, bias_sq
+
+
+def embedding_pe_sqnorm(ids, grad_out, num_embeddings):
+    """Per-example squared norms of an Embedding's weight gradient.
+
+    Rows of one example that hit the same token add up before squaring. Each
+    (example, token) pair is gathered with torch.unique + index_add: memory
+    O(N*T*D), no one-hot over the vocabulary, no loop over examples.
+
+    Args:
+        ids: token ids (N, ...).
+        grad_out: output gradient (N, ..., D).
+        num_embeddings: vocabulary size V.
+    Returns:
+        weight_sq (N,), float32 (float64 for float64 grads).
+    """
+    dtype = _norm_dtype(grad_out)
+    N = ids.shape[0]
+    ids = ids.reshape(N, -1)  # (N, T)
+    g = _per_example(grad_out).to(dtype)  # (N, T, D)
+    example = torch.arange(N, device=ids.device).unsqueeze(1).expand_as(ids)
+    pair = (example * num_embeddings + ids).reshape(-1)  # one key per (example, token)
+    unique_pairs, pair_index = torch.unique(pair, return_inverse=True)
+    summed = torch.zeros(unique_pairs.numel(), g.shape[-1], dtype=dtype, device=g.device)
+    summed.index_add_(0, pair_index, g.reshape(-1, g.shape[-1]))  # (pairs, D)
+    weight_sq = torch.zeros(N, dtype=dtype, device=g.device)
+    weight_sq.index_add_(0, unique_pairs // num_embeddings, summed.pow(2).sum(dim=1))
+    return weight_sq
+
+
+def layernorm_pe_sqnorm(xhat, grad_out, has_bias=True):
+    """Per-example squared norms of a LayerNorm's (or RMSNorm's) affine gradients.
+
+    Args:
+        xhat: the normalised input (N, ..., D), before the affine transform.
+        grad_out: output gradient (N, ..., D).
+        has_bias: whether to return the bias norms.
+    Returns:
+        (weight_sq (N,), bias_sq (N,) or None), float32 (float64 for float64 input).
+    """
+    weight_grads, bias_grads = layernorm_pe_grads(xhat, grad_out, has_bias)
+    bias_sq = bias_grads.pow(2).sum(dim=1) if has_bias else None
+    return weight_grads.pow(2).sum(dim=1), bias_sq
+
+
+def layernorm_pe_grads(xhat, grad_out, has_bias=True):
+    """Per-example affine gradients (N, D): dw_i = sum_t g_t * xhat_t, db_i = sum_t g_t."""
+    dtype = _norm_dtype(grad_out)
+    g = _per_example(grad_out).to(dtype)  # (N, T, D)
+    weight_grads = (g * _per_example(xhat).to(dtype)).sum(dim=1)
+    bias_grads = g.sum(dim=1) if has_bias else None
+    return weight_grads, bias_grads
+
+
+# -----------------------------------------------------------------------------
+# shims: an identity on the layer output whose backward records the norms
+
+class _LinearShim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, x, weight_buffer, bias_buffer):
+        ctx.save_for_backward(x)
+        ctx.buffers = (weight_buffer, bias_buffer)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        weight_buffer, bias_buffer = ctx.buffers
+        weight_sq, bias_sq = linear_pe_sqnorm(x, grad_out, has_bias=bias_buffer is not None)
+        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+        accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        return grad_out, None, None, None
+
+
+class _EmbeddingShim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, ids, num_embeddings, weight_buffer):
+        ctx.save_for_backward(ids)
+        ctx.num_embeddings, ctx.weight_buffer = num_embeddings, weight_buffer
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, ctx.num_embeddings))
+        return grad_out, None, None, None
+
+
+class _LayerNormShim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, xhat, weight_buffer, bias_buffer):
+        ctx.save_for_backward(xhat)
+        ctx.buffers = (weight_buffer, bias_buffer)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (xhat,) = ctx.saved_tensors
+        weight_buffer, bias_buffer = ctx.buffers
+        weight_sq, bias_sq = layernorm_pe_sqnorm(xhat, grad_out, has_bias=bias_buffer is not None)
+        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+        accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        return grad_out, None, None, None
+
+
+# -----------------------------------------------------------------------------
+# simultaneous: parameter gradients and norms from the same per-example work
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_buffer, bias_buffer):
+        ctx.save_for_backward(x, weight)
+        ctx.buffers = (weight_buffer, bias_buffer)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        weight_buffer, bias_buffer = ctx.buffers
+        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
+        xs, gs = _per_example(x), _per_example(grad_out)  # (N, T, K), (N, T, L)
+        N, T, K = xs.shape
+        L = gs.shape[-1]
+        if linear_uses_gram(T, K, L):
+            grad_weight = gs.reshape(-1, L).t() @ xs.reshape(-1, K)
+            weight_sq, _ = linear_pe_sqnorm(xs, gs, has_bias=False)
+        else:
+            dtype = _norm_dtype(x)
+            pe_grad_weight = torch.einsum("ntl,ntk->nlk", gs.to(dtype), xs.to(dtype))  # (N, L, K)
+            grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
+            weight_sq = pe_grad_weight.pow(2).sum(dim=(1, 2))
+        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+        grad_bias = None
+        if ctx.has_bias:
+            pe_grad_bias = gs.to(_norm_dtype(x)).sum(dim=1)  # (N, L)
+            grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
+            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, weight_buffer):
+        ctx.save_for_backward(ids)
+        ctx.weight_shape, ctx.weight_buffer = weight.shape, weight_buffer
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        num_embeddings, dim = ctx.weight_shape
+        grad_weight = torch.zeros(ctx.weight_shape, dtype=grad_out.dtype, device=grad_out.device)
+        grad_weight.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, dim))
+        accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, num_embeddings))
+        return None, grad_weight, None
+
+
+class _AffineFunction(torch.autograd.Function):
+    """y = xhat * weight + bias, the affine half of a LayerNorm."""
+
+    @staticmethod
+    def forward(ctx, xhat, weight, bias, weight_buffer, bias_buffer):
+        ctx.save_for_backward(xhat, weight)
+        ctx.buffers = (weight_buffer, bias_buffer)
+        ctx.has_bias = bias is not None
+        return xhat * weight + bias if bias is not None else xhat * weight
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xhat, weight = ctx.saved_tensors
+        weight_buffer, bias_buffer = ctx.buffers
+        pe_grad_weight, pe_grad_bias = layernorm_pe_grads(xhat, grad_out, ctx.has_bias)  # (N, D) each
+        accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
+        grad_bias = None
+        if ctx.has_bias:
+            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+            grad_bias = pe_grad_bias.sum(dim=0).to(weight.dtype)
+        return grad_out * weight, pe_grad_weight.sum(dim=0).to(weight.dtype), grad_bias, None, None
+
+
+# -----------------------------------------------------------------------------
+# the layers
+
+class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
+    """nn.Linear whose backward also records per-example norms of weight and bias gradients."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        register_pe_sqnorm_buffers(self, ["weight", "bias"])
+
+    def forward(self, x):
+        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        out = F.linear(x, weight, bias)
+        return _LinearShim.apply(out, x.detach(), self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
+    """nn.Linear whose backward computes weight/bias gradients and per-example norms together."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        register_pe_sqnorm_buffers(self, ["weight", "bias"])
+
+    def forward(self, x):
+        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+            return _LinearFunction.apply(x, weight, bias, self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+_PLAIN_EMBEDDING_DEFAULTS = dict(padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+
+
+def _check_plain_embedding(kwargs):
+    unsupported = [k for k, v in kwargs.items()
+                   if k in _PLAIN_EMBEDDING_DEFAULTS and v != _PLAIN_EMBEDDING_DEFAULTS[k]
+                   or k not in _PLAIN_EMBEDDING_DEFAULTS and k not in ("device", "dtype")]
+    if unsupported:
+        raise ValueError(f"per-example norm Embedding does not support {sorted(unsupported)}; "
+                         f"use embeddingclass='nn' for such an embedding")
+
+
+class PEGradNormShimEmbedding(PESqNormBuffersMixin, nn.Embedding):
+    """nn.Embedding whose backward also records per-example norms of the weight gradient."""
+
+    def __init__(self, num_embeddings, embedding_dim, **kwargs):
+        _check_plain_embedding(kwargs)
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        register_pe_sqnorm_buffers(self, ["weight"])
+
+    def forward(self, ids):
+        out = F.embedding(ids, self.weight)
+        return _EmbeddingShim.apply(out, ids, self.num_embeddings, self.pe_buffer("weight"))
+
+
+class PEGradNormEmbedding(PESqNormBuffersMixin, nn.Embedding):
+    """nn.Embedding whose backward scatters the weight gradient and records per-example norms."""
+
+    def __init__(self, num_embeddings, embedding_dim, **kwargs):
+        _check_plain_embedding(kwargs)
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        register_pe_sqnorm_buffers(self, ["weight"])
+
+    def forward(self, ids):
+        return _EmbeddingFunction.apply(ids, self.weight, self.pe_buffer("weight"))
+
+
+class _PEGradNormLayerNormBase(PESqNormBuffersMixin, nn.Module):
+    """LayerNorm(ndim, bias=True, eps=1e-5) with parameters `weight` (ones) and `bias` (zeros or None)."""
+
+    def __init__(self, ndim, bias=True, eps=1e-5, device=None, dtype=None):
+        super().__init__()
+        self.normalized_shape = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        assert len(self.normalized_shape) == 1, "per-example norm LayerNorm normalises the last dim only"
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype)) if bias else None
+        register_pe_sqnorm_buffers(self, ["weight", "bias"])
+
+    def normalize(self, x):
+        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class PEGradNormSeparatedLayerNorm(_PEGradNormLayerNormBase):
+    """LayerNorm split into normalisation and affine parts, with a shim recording the affine norms."""
+
+    def forward(self, x):
+        xhat = self.normalize(x)
+        out = xhat * self.weight + self.bias if self.bias is not None else xhat * self.weight
+        return _LayerNormShim.apply(out, xhat.detach(), self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
+    """LayerNorm whose affine backward computes gradients and per-example norms together."""
+
+    def forward(self, x):
+        return _AffineFunction.apply(self.normalize(x), self.weight, self.bias,
+                                     self.pe_buffer("weight"), self.pe_buffer("bias"))

@@ -1,0 +1,233 @@
+"""
+Per-example norm layers of buffered.py against a brute-force per-example loop.
+
+    python -m pytest tests/test_buffered.py -q
+
+Every class is compared with the plain torch layer (same weights) run one
+example at a time (tests/oracle.py). Tolerances, relative to the oracle:
+float64 1e-6 (the buffers are float32), float32 1e-5, bf16 / fp16 3e-2.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import buffered
+from buffered import (BUFFER_SUFFIX, PEGradNormEmbedding, PEGradNormLayerNorm, PEGradNormLinear,
+                      PEGradNormSeparatedLayerNorm, PEGradNormShimEmbedding, PEGradNormShimLinear,
+                      zero_sqgradnorm_buffers)
+from oracle import per_example_sqnorms_by_loop
+
+LINEARS = [PEGradNormShimLinear, PEGradNormLinear]
+EMBEDDINGS = [PEGradNormShimEmbedding, PEGradNormEmbedding]
+LAYERNORMS = [PEGradNormSeparatedLayerNorm, PEGradNormLayerNorm]
+RTOL = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+# input shapes, (N, ..., features-last); odd sizes and N = 1 on purpose
+SHAPES = [(3,), (1,), (3, 17), (1, 5), (2, 3, 4)]
+
+
+def buffer_of(module, name):
+    return getattr(module, name + BUFFER_SUFFIX)
+
+
+def plain_twin(module):
+    """The torch layer the per-example class replaces, with the same weights (float64)."""
+    if isinstance(module, nn.Linear):
+        twin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+    elif isinstance(module, nn.Embedding):
+        twin = nn.Embedding(module.num_embeddings, module.embedding_dim)
+    else:
+        twin = nn.LayerNorm(module.normalized_shape, eps=module.eps, bias=module.bias is not None)
+    twin.double().load_state_dict(module.state_dict())  # float64 first: no rounding through float32
+    return twin
+
+
+def check_against_oracle(module, inputs, grad_out, dtype, autocast=False):
+    """Backward through `module`, then compare its buffers with the oracle (float64)."""
+    zero_sqgradnorm_buffers(module)
+    twin = plain_twin(module)
+    float_inputs = inputs.is_floating_point()
+    expected = per_example_sqnorms_by_loop(twin, inputs.double() if float_inputs else inputs, grad_out.double())
+    x = inputs.to(dtype).requires_grad_() if float_inputs else inputs
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        out = module(x)
+    out.backward(grad_out.to(out.dtype))
+    for name, _ in module.named_parameters():
+        buffer = buffer_of(module, name)
+        assert buffer.dtype == torch.float32
+        assert buffer[1].item() == inputs.shape[0], "one count per example"
+        torch.testing.assert_close(buffer[0].double(), expected[name].sum(), rtol=RTOL[dtype], atol=1e-6)
+    return x, out
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", SHAPES)
+@pytest.mark.parametrize("features", [(5, 6), (3, 2), (24, 1)])
+def test_linear_matches_oracle_and_plain_grads(cls, bias, lead, features):
+    torch.manual_seed(0)
+    K, L = features
+    module = cls(K, L, bias=bias).double()
+    inputs, grad_out = torch.randn(*lead, K), torch.randn(*lead, L)
+    x, _ = check_against_oracle(module, inputs, grad_out, torch.float64)
+    twin = plain_twin(module)
+    x_plain = inputs.double().requires_grad_()
+    twin(x_plain).backward(grad_out.double())
+    torch.testing.assert_close(x.grad, x_plain.grad)
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad)
+    if bias:
+        torch.testing.assert_close(module.bias.grad, twin.bias.grad)
+
+
+@pytest.mark.parametrize("T, K, L", [(1, 7, 5), (17, 3, 2), (4, 40, 24), (9, 2, 30)])
+def test_linear_pe_sqnorm_both_paths_per_example(T, K, L):
+    """Gram trick and materialisation each give every example's norm."""
+    torch.manual_seed(1)
+    x, g = torch.randn(3, T, K, dtype=torch.float64), torch.randn(3, T, L, dtype=torch.float64)
+    expected = torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(3)])
+    weight_sq, bias_sq = buffered.linear_pe_sqnorm(x, g)
+    torch.testing.assert_close(weight_sq, expected)
+    torch.testing.assert_close(bias_sq, g.sum(1).pow(2).sum(1))
+
+
+def test_linear_cost_rule():
+    assert buffered.linear_uses_gram(1, 8, 8)  # a single row: Gram is N*(K+L)
+    assert buffered.linear_uses_gram(64, 768, 768)
+    assert not buffered.linear_uses_gram(1024, 768, 768)  # long sequences: materialise
+    assert not buffered.linear_uses_gram(17, 3, 2)
+
+
+@pytest.mark.parametrize("cls", EMBEDDINGS)
+@pytest.mark.parametrize("lead", [(3,), (1,), (3, 17), (2, 3, 4)])
+def test_embedding_matches_oracle_and_plain_grads(cls, lead):
+    torch.manual_seed(0)
+    module = cls(11, 6).double()
+    ids = torch.randint(0, 11, lead)  # 17 draws from 11 ids: repeats within an example
+    grad_out = torch.randn(*lead, 6)
+    check_against_oracle(module, ids, grad_out, torch.float64)
+    twin = plain_twin(module)
+    twin(ids).backward(grad_out.double())
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad)
+
+
+def test_embedding_repeated_token_adds_before_squaring():
+    ids = torch.tensor([[2, 2, 5]])
+    g = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]], dtype=torch.float64)
+    # row 2 gets (2, 0), row 5 gets (0, 1): 4 + 1, not 1 + 1 + 1
+    assert buffered.embedding_pe_sqnorm(ids, g, 7).item() == 5.0
+
+
+def test_embedding_large_vocab_needs_no_vocab_sized_tensor():
+    """A B*V*D one-hot here would be 3*17*2e6*8 floats (3 GB); the unique/index_add path is tiny."""
+    module = PEGradNormEmbedding(2_000_000, 8)
+    ids = torch.randint(0, 2_000_000, (3, 17))
+    ids[0, :5] = 7  # a repeated token
+    module(ids).sum().backward()  # all-ones output gradient
+    # each example's norm: sum over its distinct ids of (occurrences^2 * D)
+    expected = torch.stack([torch.unique(row, return_counts=True)[1].double().pow(2).sum() * 8 for row in ids])
+    assert buffer_of(module, "weight")[1].item() == 3
+    torch.testing.assert_close(buffer_of(module, "weight")[0].double(), expected.sum(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("cls", LAYERNORMS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", SHAPES)
+@pytest.mark.parametrize("D", [7, 40])
+def test_layernorm_matches_oracle_and_plain_grads(cls, bias, lead, D):
+    torch.manual_seed(0)
+    module = cls(D, bias=bias).double()
+    with torch.no_grad():  # away from the identity init, so the affine part matters
+        module.weight.normal_()
+        if bias:
+            module.bias.normal_()
+    inputs, grad_out = torch.randn(*lead, D), torch.randn(*lead, D)
+    x, _ = check_against_oracle(module, inputs, grad_out, torch.float64)
+    twin = plain_twin(module)
+    x_plain = inputs.double().requires_grad_()
+    twin(x_plain).backward(grad_out.double())
+    torch.testing.assert_close(x.grad, x_plain.grad)
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad)
+    if bias:
+        torch.testing.assert_close(module.bias.grad, twin.bias.grad)
+
+
+def make(cls, bias=True):
+    if cls in LINEARS:
+        return cls(24, 10, bias=bias), (3, 17, 24), (3, 17, 10)
+    if cls in EMBEDDINGS:
+        return cls(13, 10), None, (3, 17, 10)
+    return cls(24, bias=bias), (3, 17, 24), (3, 17, 24)
+
+
+def inputs_for(cls, shape):
+    return torch.randint(0, 13, (3, 17)) if cls in EMBEDDINGS else torch.randn(*shape)
+
+
+@pytest.mark.parametrize("cls", LINEARS + EMBEDDINGS + LAYERNORMS)
+def test_float32(cls):
+    torch.manual_seed(0)
+    module, in_shape, out_shape = make(cls)
+    check_against_oracle(module, inputs_for(cls, in_shape), torch.randn(*out_shape), torch.float32)
+
+
+@pytest.mark.parametrize("cls", LINEARS + EMBEDDINGS + LAYERNORMS)
+def test_bf16_autocast(cls):
+    """fp32 weights under bf16 autocast, as train.py runs: norms within 3e-2 of float64."""
+    torch.manual_seed(0)
+    module, in_shape, out_shape = make(cls)
+    check_against_oracle(module, inputs_for(cls, in_shape), torch.randn(*out_shape), torch.bfloat16, autocast=True)
+
+
+@pytest.mark.parametrize("cls", LINEARS + EMBEDDINGS + LAYERNORMS)
+def test_fp16_module(cls):
+    """A module cast to fp16 (pure half training): buffers stay float32, norms within 3e-2."""
+    torch.manual_seed(0)
+    module, in_shape, out_shape = make(cls)
+    module.half()
+    check_against_oracle(module, inputs_for(cls, in_shape), torch.randn(*out_shape), torch.float16)
+
+
+@pytest.mark.parametrize("cls", LINEARS + EMBEDDINGS + LAYERNORMS)
+def test_gradient_accumulation_adds_micro_batches(cls):
+    torch.manual_seed(0)
+    module, in_shape, out_shape = make(cls)
+    module.double()
+    first, second = inputs_for(cls, in_shape), inputs_for(cls, in_shape)
+    g1, g2 = torch.randn(*out_shape), torch.randn(*out_shape)
+    twin = plain_twin(module)
+    cast = (lambda t: t.double()) if first.is_floating_point() else (lambda t: t)
+    expected = {n: per_example_sqnorms_by_loop(twin, cast(first), g1.double())[n].sum()
+                + per_example_sqnorms_by_loop(twin, cast(second), g2.double())[n].sum() for n, _ in twin.named_parameters()}
+    zero_sqgradnorm_buffers(module)
+    module(cast(first)).backward(g1.double())
+    module(cast(second)).backward(g2.double())
+    for name, _ in module.named_parameters():
+        assert buffer_of(module, name)[1].item() == 6
+        torch.testing.assert_close(buffer_of(module, name)[0].double(), expected[name], rtol=1e-6, atol=0)
+    zero_sqgradnorm_buffers(module)
+    assert all(buffer_of(module, name).abs().sum().item() == 0 for name, _ in module.named_parameters())
+
+
+@pytest.mark.parametrize("cls", LINEARS + EMBEDDINGS + LAYERNORMS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_drop_in_parameters_and_state_dict(cls, bias):
+    """Same parameter names, order and shapes as the plain layer; buffers stay out of checkpoints."""
+    module, _, _ = make(cls, bias=bias)
+    twin = plain_twin(module)
+    assert [(n, p.shape) for n, p in module.named_parameters()] == [(n, p.shape) for n, p in twin.named_parameters()]
+    assert list(module.state_dict()) == list(twin.state_dict())
+    twin.load_state_dict(module.state_dict())
+    buffers = [n for n, _ in module.named_buffers()]
+    assert buffers == [n + BUFFER_SUFFIX for n, _ in module.named_parameters()]
+
+
+def test_buffers_stay_float32_when_cast():
+    module = PEGradNormLinear(4, 3).to(torch.bfloat16)
+    assert module.weight.dtype == torch.bfloat16
+    assert buffer_of(module, "weight").dtype == torch.float32
+
+
+def test_embedding_rejects_options_it_cannot_honour():
+    with pytest.raises(ValueError, match="padding_idx"):
+        PEGradNormEmbedding(10, 4, padding_idx=0)
+    PEGradNormShimEmbedding(10, 4, padding_idx=None)  # the default is fine
