@@ -88,7 +88,7 @@ class PESqNormBuffersMixin:
         return self._buffers.get(param_name + BUFFER_SUFFIX)
 
 
-def _norm_dtype(t):
+def norm_dtype(t):
     # norms are summed in float32 (float64 kept for tests)
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -126,7 +126,7 @@ def linear_pe_sqnorm(x, grad_out, has_bias=True):
     Returns:
         (weight_sq (N,), bias_sq (N,) or None), float32 (float64 for float64 input).
     """
-    dtype = _norm_dtype(x)
+    dtype = norm_dtype(x)
     x, g = _per_example(x).to(dtype), _per_example(grad_out).to(dtype)  # (N, T, K), (N, T, L)
     N, T, K = x.shape
     L = g.shape[-1]
@@ -154,7 +154,7 @@ def embedding_pe_sqnorm(ids, grad_out, num_embeddings):
     Returns:
         weight_sq (N,), float32 (float64 for float64 grads).
     """
-    dtype = _norm_dtype(grad_out)
+    dtype = norm_dtype(grad_out)
     N = ids.shape[0]
     ids = ids.reshape(N, -1)  # (N, T)
     g = _per_example(grad_out).to(dtype)  # (N, T, D)
@@ -185,7 +185,7 @@ def layernorm_pe_sqnorm(xhat, grad_out, has_bias=True):
 
 def layernorm_pe_grads(xhat, grad_out, has_bias=True):
     """Per-example affine gradients (N, D): dw_i = sum_t g_t * xhat_t, db_i = sum_t g_t."""
-    dtype = _norm_dtype(grad_out)
+    dtype = norm_dtype(grad_out)
     g = _per_example(grad_out).to(dtype)  # (N, T, D)
     weight_grads = (g * _per_example(xhat).to(dtype)).sum(dim=1)
     bias_grads = g.sum(dim=1) if has_bias else None
@@ -266,14 +266,14 @@ class _LinearFunction(torch.autograd.Function):
             grad_weight = gs.reshape(-1, L).t() @ xs.reshape(-1, K)
             weight_sq, _ = linear_pe_sqnorm(xs, gs, has_bias=False)
         else:
-            dtype = _norm_dtype(x)
+            dtype = norm_dtype(x)
             pe_grad_weight = torch.einsum("ntl,ntk->nlk", gs.to(dtype), xs.to(dtype))  # (N, L, K)
             grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
             weight_sq = pe_grad_weight.pow(2).sum(dim=(1, 2))
         accumulate_pe_sqnorm(weight_buffer, weight_sq)
         grad_bias = None
         if ctx.has_bias:
-            pe_grad_bias = gs.to(_norm_dtype(x)).sum(dim=1)  # (N, L)
+            pe_grad_bias = gs.to(norm_dtype(x)).sum(dim=1)  # (N, L)
             grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
             accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
         return grad_x, grad_weight, grad_bias, None, None

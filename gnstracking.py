@@ -29,7 +29,7 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-from buffered import BUFFER_SUFFIX
+from buffered import BUFFER_SUFFIX, norm_dtype
 
 
 def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
@@ -73,7 +73,7 @@ def gns_from_emas(gtg_ema, trsigma_ema):
 
 class EMA:
     """Exponential moving average that skips non-finite values (as pandas'
-    `ewm(alpha=1 - decay, adjust=False)` does for NaN), so one bad step does not
+    `ewm(alpha=1 - decay, adjust=False, ignore_na=True)` does for NaN), so one bad step does not
     poison it. `value` is NaN until the first finite update."""
 
     def __init__(self, decay):
@@ -205,7 +205,7 @@ class MeasurementTracker:
         """
         rows = []
         for _, param, buffer in self.tracked:
-            grad_sq = torch.linalg.vector_norm(param.grad, dtype=torch.float32).double() ** 2 if param.grad is not None else torch.zeros((), device=buffer.device)
+            grad_sq = torch.linalg.vector_norm(param.grad, dtype=norm_dtype(param.grad)).double() ** 2 if param.grad is not None else torch.zeros((), device=buffer.device)
             sums = buffer.double()
             rows.append(torch.stack([grad_sq.to(buffer.device, torch.float64), sums[0] * sums[1] ** 2, sums[1]]))
         if not rows:

@@ -1,0 +1,181 @@
+"""
+Measurements, the tracker and the GNS estimator of gnstracking.py.
+
+    python -m pytest tests/test_gnstracking.py -q
+"""
+
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gnstracking
+from buffered import PEGradNormLayerNorm, PEGradNormLinear, PEGradNormShimEmbedding, zero_sqgradnorm_buffers
+from oracle import per_example_sqnorms_by_loop
+
+
+def test_unbiased_stats_formula_and_batch_of_one():
+    gtg, trsigma = gnstracking.unbiased_stats(2.0, 10.0, 4)
+    assert gtg == pytest.approx((4 * 2.0 - 10.0) / 3)
+    assert trsigma == pytest.approx((10.0 - 2.0) / (1 - 1 / 4))
+    gtg, trsigma = gnstracking.unbiased_stats(2.0, 10.0, 1)  # GNS undefined: NaN, no ZeroDivisionError
+    assert math.isnan(gtg) and math.isnan(trsigma)
+    series = gnstracking.unbiased_stats(pd.Series([2.0, 2.0]), pd.Series([10.0, 10.0]), pd.Series([4, 1]))
+    assert isinstance(series[0], pd.Series)
+    assert series[0].iloc[0] == pytest.approx(-2 / 3) and math.isnan(series[0].iloc[1])
+
+
+def test_gns_from_emas_is_nan_when_gtg_not_positive():
+    assert gnstracking.gns_from_emas(2.0, 10.0) == 5.0
+    assert math.isnan(gnstracking.gns_from_emas(-1.0, 10.0))
+    np.testing.assert_array_equal(np.isnan(gnstracking.gns_from_emas([1.0, 0.0], [3.0, 3.0])), [False, True])
+
+
+def test_ema_skips_non_finite_values():
+    ema = gnstracking.EMA(0.5)
+    assert math.isnan(ema.value)
+    assert ema.update(4.0) == 4.0
+    assert ema.update(float("nan")) == 4.0
+    assert ema.update(float("inf")) == 4.0
+    assert ema.update(2.0) == 3.0
+    # the same rule as pandas' ewm(adjust=False, ignore_na=True), which gns-analysis.py uses
+    assert pd.Series([4.0, np.nan, 2.0]).ewm(alpha=0.5, adjust=False, ignore_na=True).mean().iloc[-1] == 3.0
+
+
+class TinyNet(nn.Module):
+    """Embedding -> LayerNorm -> Linear, plus a plain layer the tracker must skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = PEGradNormShimEmbedding(13, 8)
+        self.ln = PEGradNormLayerNorm(8)
+        self.head = PEGradNormLinear(8, 5)
+        self.plain = nn.Linear(5, 5)
+
+    def forward(self, ids):
+        return self.plain(self.head(self.ln(self.emb(ids))))
+
+
+def test_tracker_matches_per_example_loop_with_accumulation():
+    torch.manual_seed(0)
+    net = TinyNet().double()
+    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
+    tracker = gnstracking.MeasurementTracker.from_model(net, callback=accumulate)
+    assert set(tracker.skipped) == {"plain.weight", "plain.bias"}
+    micro_batches = [torch.randint(0, 13, (3, 7)) for _ in range(2)]  # B = 6 over two micro-batches
+    targets = [torch.randn(3, 7, 5, dtype=torch.float64) for _ in range(2)]
+    B = 6
+    for ids, y in zip(micro_batches, targets):
+        loss = F.mse_loss(net(ids), y) / len(micro_batches)
+        loss.backward()
+    measurements = tracker.step(batch_size=B)
+    grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    # oracle: each example's own gradient g_i of its loss (mean over its tokens)
+    per_example = {n: [] for n, _ in net.named_parameters()}
+    for ids, y in zip(micro_batches, targets):
+        for i in range(ids.shape[0]):
+            net.zero_grad()
+            F.mse_loss(net(ids[i:i + 1]), y[i:i + 1]).backward()
+            for n, p in net.named_parameters():
+                per_example[n].append(p.grad.pow(2).sum().item())
+    names = [m.metadata["name"] for m in measurements]
+    assert names == ["emb.weight", "ln.weight", "ln.bias", "head.weight", "head.bias"]  # named_parameters() order
+    for m in measurements:
+        name = m.metadata["name"]
+        assert m.big_batch_size == B and m.small_batch_size == 1
+        assert m.big_batch_norm == pytest.approx(grads[name].norm().item(), rel=1e-9)
+        assert m.small_batch_norm == pytest.approx(math.sqrt(np.mean(per_example[name])), rel=1e-6)
+    msg = accumulate.get_msg()
+    assert msg["train/gns/ln.weight/batch_size"] == B
+    assert msg["train/gns/head.bias/pegn"] == measurements[-1].small_batch_norm
+    assert accumulate.get_msg() == {}
+
+
+def test_tracker_divides_out_the_grad_scale():
+    class FakeScaler:
+        def is_enabled(self):
+            return True
+
+        def get_scale(self):
+            return 1024.0
+
+    torch.manual_seed(0)
+    layer = PEGradNormLinear(6, 4)
+    x = torch.randn(4, 6)
+    (layer(x).pow(2).mean()).backward()
+    plain = gnstracking.MeasurementTracker.from_model(layer).step(batch_size=4)
+    layer.zero_grad()
+    zero_sqgradnorm_buffers(layer)
+    (1024.0 * layer(x).pow(2).mean()).backward()
+    scaled = gnstracking.MeasurementTracker.from_model(layer, scaler=FakeScaler()).step(batch_size=4)
+    for a, b in zip(plain, scaled):
+        assert b.big_batch_norm == pytest.approx(a.big_batch_norm, rel=1e-5)
+        assert b.small_batch_norm == pytest.approx(a.small_batch_norm, rel=1e-5)
+
+
+def test_tracker_rejects_a_wrong_batch_size_and_skips_unused_layers():
+    layer = PEGradNormLinear(3, 2)
+    tracker = gnstracking.MeasurementTracker.from_model(layer)
+    assert tracker.step(batch_size=4) == []  # nothing ran backward: no measurement
+    layer(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(ValueError, match="counted 4 examples"):
+        tracker.step(batch_size=8)
+
+
+def test_tied_parameter_is_skipped_not_mixed():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = PEGradNormShimEmbedding(10, 4)
+            self.lm_head = PEGradNormLinear(4, 10, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    with pytest.warns(UserWarning, match="not tracking wte.weight"):
+        tracker = gnstracking.MeasurementTracker.from_model(Tied())
+    assert tracker.tracked == [] and "tied to lm_head.weight" in tracker.skipped["wte.weight"]
+
+
+def test_summed_sqnorms_and_running_gns():
+    ms = [gnstracking.Measurement(1.0, 2.0, 8), gnstracking.Measurement(2.0, 3.0, 8)]
+    assert gnstracking.summed_sqnorms(ms) == (5.0, 13.0, 8)
+    running = gnstracking.RunningGNS(decay=0.9)
+    assert math.isnan(running.gns)
+    gtg, trsigma = gnstracking.unbiased_stats(5.0, 13.0, 8)
+    assert running.update(5.0, 13.0, 8) == pytest.approx(trsigma / gtg)
+    assert running.update(5.0, 13.0, 1) == pytest.approx(trsigma / gtg)  # B = 1 carries no information
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_gns_matches_analytic_least_squares(T):
+    """Least squares, x ~ N(0, I_d), y = w*.x + eps with eps ~ N(0, s^2), loss 1/2 (w.x - y)^2
+    per token, an example's loss the mean over its T iid tokens, weights held fixed:
+        G = w - w*,  tr(Sigma) = ((d + 1)|w - w*|^2 + d s^2) / T
+    so GNS = ((d + 1) + d s^2 / |w - w*|^2) / T. Averaging the unbiased per-step
+    estimates over many steps must land within 3% of it."""
+    torch.manual_seed(0)
+    d, s, B, steps = 8, 0.5, 32, 300
+    layer = PEGradNormLinear(d, 1, bias=False).double()
+    w_star = torch.randn(1, d, dtype=torch.float64)
+    with torch.no_grad():
+        layer.weight.copy_(w_star + torch.randn(1, d, dtype=torch.float64) / math.sqrt(d))  # |w - w*| ~ 1
+    delta_sq = (layer.weight - w_star).pow(2).sum().item()
+    expected = ((d + 1) + d * s ** 2 / delta_sq) / T
+    tracker = gnstracking.MeasurementTracker.from_model(layer)
+    gtgs, trsigmas = [], []
+    for _ in range(steps):
+        x = torch.randn(B, T, d, dtype=torch.float64)
+        y = x @ w_star.T + s * torch.randn(B, T, 1, dtype=torch.float64)
+        (0.5 * F.mse_loss(layer(x), y)).backward()  # mean over tokens and examples
+        gtg, trsigma = gnstracking.unbiased_stats(*gnstracking.summed_sqnorms(tracker.step(batch_size=B)))
+        gtgs.append(gtg)
+        trsigmas.append(trsigma)
+        layer.zero_grad()
+        zero_sqgradnorm_buffers(layer)
+    assert np.mean(gtgs) == pytest.approx(delta_sq, rel=0.03)
+    assert np.mean(trsigmas) / np.mean(gtgs) == pytest.approx(expected, rel=0.03)
