@@ -27,7 +27,13 @@ Linear picks, per call, the cheaper of two exact ways (Li et al. 2022; the
 paper's cost analysis), with K inputs, L outputs, T rows per example:
   materialise dW_i:  N*T*K*L FLOPs, N*K*L memory
   Gram trick:        N*T^2*(K+L) FLOPs, N*T^2 memory
-so the Gram trick is used when T*(K + L) < K*L (always for T = 1).
+The shim computes the norms on top of PyTorch's own weight gradient, so it pays
+those costs in full and uses the Gram trick when T*(K + L) < K*L (always for
+T = 1). The simultaneous (gns) Linear sums the materialised dW_i into the
+weight gradient, so materialising only adds the N*K*L squares; it uses the Gram
+trick when that is cheaper still, T^2*(K + L) <= K*L, and otherwise
+materialises a chunk of examples at a time (at most SIMULTANEOUS_CHUNK_ELEMENTS
+per-example gradient elements), bounding the memory.
 
 Three flavours per layer kind (registered in layer_config.py):
   shim   the plain layer, plus a no-op autograd node that reads the output
@@ -44,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BUFFER_SUFFIX = "_upegsqnorm"
+SIMULTANEOUS_CHUNK_ELEMENTS = 2**24  # per-example weight-gradient elements held at once (64 MB in fp32)
 
 
 # -----------------------------------------------------------------------------
@@ -112,8 +119,13 @@ def _autocast_inputs(x, *params):
 # the per-example norm functions (one per layer type, shared by every flavour)
 
 def linear_uses_gram(T, in_features, out_features):
-    """True when the Gram trick is cheaper than materialising per-example dW (see module docstring)."""
+    """Shim rule: True when the Gram trick is cheaper than materialising per-example dW."""
     return T * (in_features + out_features) < in_features * out_features
+
+
+def simultaneous_uses_gram(T, in_features, out_features):
+    """Simultaneous rule: the Gram trick's N*T^2*(K+L) against materialising's extra N*K*L."""
+    return T * T * (in_features + out_features) <= in_features * out_features
 
 
 def linear_pe_sqnorm(x, grad_out, has_bias=True):
@@ -262,14 +274,20 @@ class _LinearFunction(torch.autograd.Function):
         xs, gs = _per_example(x), _per_example(grad_out)  # (N, T, K), (N, T, L)
         N, T, K = xs.shape
         L = gs.shape[-1]
-        if linear_uses_gram(T, K, L):
+        if simultaneous_uses_gram(T, K, L):
             grad_weight = gs.reshape(-1, L).t() @ xs.reshape(-1, K)
             weight_sq, _ = linear_pe_sqnorm(xs, gs, has_bias=False)
         else:
+            # per-example dW_i in the compute dtype, a chunk of examples at a time; sums in float32
             dtype = norm_dtype(x)
-            pe_grad_weight = torch.einsum("ntl,ntk->nlk", gs.to(dtype), xs.to(dtype))  # (N, L, K)
-            grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
-            weight_sq = pe_grad_weight.pow(2).sum(dim=(1, 2))
+            grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
+            weight_sq = torch.empty(N, dtype=dtype, device=x.device)
+            chunk = max(1, SIMULTANEOUS_CHUNK_ELEMENTS // (K * L))
+            for start in range(0, N, chunk):
+                pe_grad_weight = torch.bmm(gs[start:start + chunk].transpose(1, 2), xs[start:start + chunk])  # (n, L, K)
+                grad_weight += pe_grad_weight.sum(dim=0, dtype=dtype)
+                weight_sq[start:start + chunk] = torch.linalg.vector_norm(pe_grad_weight, dim=(1, 2), dtype=dtype).pow(2)
+            grad_weight = grad_weight.to(weight.dtype)
         accumulate_pe_sqnorm(weight_buffer, weight_sq)
         grad_bias = None
         if ctx.has_bias:

@@ -90,11 +90,27 @@ def test_linear_pe_sqnorm_both_paths_per_example(T, K, L):
     torch.testing.assert_close(bias_sq, g.sum(1).pow(2).sum(1))
 
 
-def test_linear_cost_rule():
+def test_linear_cost_rules():
     assert buffered.linear_uses_gram(1, 8, 8)  # a single row: Gram is N*(K+L)
     assert buffered.linear_uses_gram(64, 768, 768)
     assert not buffered.linear_uses_gram(1024, 768, 768)  # long sequences: materialise
     assert not buffered.linear_uses_gram(17, 3, 2)
+    # simultaneous: materialising only adds N*K*L squares, so Gram only for very short rows
+    assert buffered.simultaneous_uses_gram(1, 8, 8)
+    assert not buffered.simultaneous_uses_gram(64, 768, 768)
+
+
+@pytest.mark.parametrize("N, T, K, L", [(5, 1, 7, 6), (5, 17, 7, 6), (5, 9, 40, 24)])
+def test_simultaneous_linear_chunks_examples(monkeypatch, N, T, K, L):
+    """Chunks of 2 examples (odd N: a short last chunk) give the same gradients and norms."""
+    torch.manual_seed(0)
+    module = PEGradNormLinear(K, L).double()
+    inputs, grad_out = torch.randn(N, T, K), torch.randn(N, T, L)
+    monkeypatch.setattr(buffered, "SIMULTANEOUS_CHUNK_ELEMENTS", 2 * K * L)
+    check_against_oracle(module, inputs, grad_out, torch.float64)
+    twin = plain_twin(module)
+    twin(inputs.double()).backward(grad_out.double())
+    torch.testing.assert_close(module.weight.grad, twin.weight.grad)
 
 
 @pytest.mark.parametrize("cls", EMBEDDINGS)

@@ -1,0 +1,157 @@
+"""
+Cost of per-example gradient norms on a whole training step, as a ratio to
+plain torch layers measured in the same run, plus peak memory.
+
+    python bench/step_overhead.py                      # baby Shakespeare GPT on the CPU
+    python bench/step_overhead.py --device=cuda --dtype=bfloat16 --compile=True \
+        --n_layer=12 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=16 --vocab_size=50304
+
+A step is what train.py does: forward + backward of each micro-batch, reading
+and zeroing the per-example norm buffers, clipping and AdamW. Each layer
+choice runs in its own subprocess (so peak memory is its own); the choices
+take turns for --rounds rounds so that drift of the machine hits them alike,
+and the median step time over all rounds is reported.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# name -> (linearclass, embeddingclass, lnclass)
+CHOICES = {
+    "nn": ("nn", "nn", "nn"),
+    "LayerNorm-only gns": ("nn", "nn", "gns"),
+    "LayerNorm-only fused": ("nn", "nn", "fused"),
+    "all-layer shim": ("shim", "shim", "shim"),
+    "all-layer gns": ("gns", "gns", "gns"),
+    "all-layer fused": ("fused", "gns", "fused"),
+}
+DEFAULT_CPU = ["nn", "LayerNorm-only gns", "all-layer shim", "all-layer gns"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast dtype (default: float32)")
+    p.add_argument("--compile", default="False", choices=["True", "False"], help="torch.compile the model (default: False)")
+    p.add_argument("--choices", default=None, help="comma-separated layer choices (default: the four CPU ones, or all six on cuda)")
+    p.add_argument("--n_layer", type=int, default=6)
+    p.add_argument("--n_head", type=int, default=6)
+    p.add_argument("--n_embd", type=int, default=384)
+    p.add_argument("--block_size", type=int, default=256)
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--vocab_size", type=int, default=65)
+    p.add_argument("--bias", default="False", choices=["True", "False"])
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per round (default: 2)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round (default: 4)")
+    p.add_argument("--rounds", type=int, default=3, help="turns each choice takes (default: 3)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one choice, print JSON
+    return p.parse_args(argv)
+
+
+def run_one(args):
+    """Time --steps training steps of one layer choice in this process; print JSON."""
+    import torch
+    import layer_config as lc
+    from buffered import zero_sqgradnorm_buffers
+    import gnstracking
+
+    linearclass, embeddingclass, lnclass = CHOICES[args.one]
+    torch.manual_seed(0)
+    device_type = "cuda" if "cuda" in args.device else "cpu"
+    ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype, enabled=args.dtype != "float32")
+    with lc.set_contextual_config(**lc.layer_classes(linearclass, embeddingclass, lnclass)):
+        from model import GPT, GPTConfig
+        model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
+                              vocab_size=args.vocab_size, bias=args.bias == "True", dropout=0.0)).to(args.device)
+    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
+    tracked = lc.tracks_per_example_norms(linearclass, embeddingclass, lnclass)
+    tracker = gnstracking.MeasurementTracker.from_model(model, scaler=scaler)
+    step_model = torch.compile(model) if args.compile == "True" else model
+    ga = args.gradient_accumulation_steps
+    batches = [torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), device=args.device) for _ in range(ga)]
+
+    def step():
+        for x, y in batches:
+            with ctx:
+                _, loss = step_model(x, y)
+            scaler.scale(loss / ga).backward()
+        if tracked:
+            tracker.step(batch_size=args.batch_size * ga)
+            zero_sqgradnorm_buffers(model)
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync():
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        step()
+    sync()
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    if device_type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        import resource
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    print(json.dumps({"times": times, "peak_mb": peak_mb}))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.one:
+        return run_one(args)
+    names = args.choices.split(",") if args.choices else (list(CHOICES) if "cuda" in args.device else DEFAULT_CPU)
+    unknown = [n for n in names if n not in CHOICES]
+    if unknown:
+        raise SystemExit(f"step_overhead.py: unknown choice(s) {unknown}; choose from {list(CHOICES)}")
+    if "nn" not in names:
+        names = ["nn"] + names  # ratios need the plain baseline
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--choices")]
+    times = {n: [] for n in names}
+    peaks = {n: 0.0 for n in names}
+    for r in range(args.rounds):
+        for name in names:
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
+                                 capture_output=True, text=True, cwd=REPO)
+            if out.returncode != 0:
+                raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            times[name] += result["times"]
+            peaks[name] = max(peaks[name], result["peak_mb"])
+            print(f"round {r + 1}/{args.rounds} {name:22s} median {statistics.median(result['times']) * 1000:9.1f} ms", file=sys.stderr)
+    base_time, base_peak = statistics.median(times["nn"]), peaks["nn"]
+    memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB"
+    print(f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
+          f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
+          f"{args.rounds} rounds x {args.steps} steps")
+    print(f"| layers | step ms | ratio to nn | {memory_label} | memory ratio |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        t = statistics.median(times[name])
+        print(f"| {name} | {t * 1000:.1f} | {t / base_time:.3f} | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

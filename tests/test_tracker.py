@@ -1,0 +1,225 @@
+"""
+Tests of tracker.LogWrapper and csv_tools.load_csv: the CSV layout, a run in
+progress, a killed run, non-finite values, print formatting, out_dir=None.
+
+    cd /work/main && python -m pytest -q tests/test_tracker.py
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from csv_tools import load_csv  # noqa: E402
+from tracker import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
+
+
+def _write_three_steps(out_dir):
+    t = LogWrapper(out_dir=str(out_dir))
+    t.log({"a": 1.5})
+    t.step()
+    t.log({"a": 2.5, "b": "x"})  # b appears mid-run
+    t.step()
+    t.log({"b": "y"})  # a missing
+    t.step()
+    return t
+
+
+def test_columns_appear_mid_run_and_missing_keys_are_empty(tmp_path):
+    t = _write_three_steps(tmp_path)
+    t.close()
+    with open(tmp_path / LOG_CSV) as f:
+        lines = f.read().splitlines()
+    assert lines == ["step,a,b", "0,1.5,", "1,2.5,x", "2,,y"]
+    df = load_csv(tmp_path)
+    assert list(df.columns) == ["step", "a", "b"]
+    assert df["step"].tolist() == [0, 1, 2]
+    assert math.isnan(df["b"][0]) and math.isnan(df["a"][2])
+    assert not (tmp_path / HEADER_TMP).exists() and not (tmp_path / DATA_TMP).exists()
+
+
+def test_run_in_progress_loads_with_short_rows_padded(tmp_path):
+    t = _write_three_steps(tmp_path)
+    assert not (tmp_path / LOG_CSV).exists()
+    with open(tmp_path / DATA_TMP) as f:
+        first = f.readline()
+    assert first == "0,1.5\n"  # written before column b existed
+    df = load_csv(tmp_path)
+    assert df["a"].tolist()[:2] == [1.5, 2.5] and df["b"].tolist()[1:] == ["x", "y"]
+    assert math.isnan(df["b"][0])
+    t.close()
+
+
+def test_truncated_last_line_is_dropped(tmp_path):
+    t = _write_three_steps(tmp_path)
+    with open(tmp_path / DATA_TMP, "a") as f:
+        f.write("3,9.")  # a row cut off by a kill mid-write
+    assert load_csv(tmp_path)["step"].tolist() == [0, 1, 2]
+    t.close()  # close() drops it too
+    assert load_csv(tmp_path)["step"].tolist() == [0, 1, 2]
+
+
+def test_step_counter_advances_on_every_step_call(tmp_path):
+    t = LogWrapper(out_dir=str(tmp_path))
+    t.step()  # nothing logged: no row, but the counter moves
+    t.log({"a": 1})
+    assert t.log_dict == {"a": 1}
+    t.step()
+    assert t.log_dict == {}
+    t.close()
+    assert load_csv(tmp_path)["step"].tolist() == [1]
+
+
+def test_non_finite_and_exact_floats_round_trip(tmp_path):
+    values = {
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "ninf": float("-inf"),
+        "third": 1 / 3,
+        "f32": np.float32(0.1),
+        "f64": np.float64(0.1) + 0.2,
+        "big": 2**53 + 1,
+    }
+    t = LogWrapper(out_dir=str(tmp_path))
+    t.log(values)
+    t.step()
+    t.close()
+    with open(tmp_path / LOG_CSV) as f:
+        row = f.read().splitlines()[1].split(",")
+    assert row[1:4] == ["nan", "inf", "-inf"]
+    df = load_csv(tmp_path)
+    assert math.isnan(df["nan"][0]) and df["inf"][0] == math.inf and df["ninf"][0] == -math.inf
+    assert df["third"][0] == 1 / 3
+    assert df["f32"][0] == float(np.float32(0.1))
+    assert df["f64"][0] == 0.1 + 0.2
+    assert int(df["big"][0]) == 2**53 + 1
+
+
+def test_config_json_written_with_str_for_unserialisable(tmp_path):
+    t = LogWrapper(config={"lr": 0.1, "device": object, "layers": ["gns"]}, out_dir=str(tmp_path))
+    t.close()
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    assert config["lr"] == 0.1 and config["layers"] == ["gns"] and config["device"] == str(object)
+
+
+def test_print_formats_like_an_fstring(tmp_path, capsys):
+    t = LogWrapper(out_dir=None)
+    t.log({"train/lossf": 0.123456, "dt": 0.5, "mfu": 12.345, "tokens_per_sec": 12345.6})
+    line = t.print("{train_lossf=:.4f}, dt={dt:.3f}s, {mfu=:.2f}%, {tokens_per_sec=:,.0f}", prefix="iter 3: ")
+    expected = "iter 3: train/lossf=0.1235, dt=0.500s, mfu=12.35%, tokens_per_sec=12,346"
+    assert line == expected
+    assert capsys.readouterr().out == expected + "\n"
+    assert t.print("{step} {{literal}}") == "0 {literal}"
+
+
+def test_print_missing_key_names_available_keys():
+    t = LogWrapper()
+    t.log({"train/lossf": 1.0, "lr": 0.1})
+    with pytest.raises(KeyError, match=r"'val_loss'.*available: \['lr', 'train/lossf'\]"):
+        t.print("{val_loss=:.3f}")
+
+
+def test_out_dir_none_writes_nothing_but_calls_logf(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    t = LogWrapper(logf=calls.append, config={"a": 1}, out_dir=None)
+    t.log({"x": 1})
+    t.log({"x": 2, "y": 3})  # later values overwrite
+    t.step()
+    t.step()  # nothing logged: logf not called
+    t.close()
+    t.close()
+    assert calls == [{"x": 2, "y": 3}]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_close_twice_is_safe_and_flushes_pending_values(tmp_path):
+    calls = []
+    t = LogWrapper(logf=calls.append, out_dir=str(tmp_path))
+    t.log({"a": 1})
+    t.step()
+    t.log({"val/loss": 2.0})  # logged but never stepped
+    t.close()
+    first = (tmp_path / LOG_CSV).read_text()
+    t.close()
+    assert (tmp_path / LOG_CSV).read_text() == first
+    assert calls == [{"a": 1}, {"val/loss": 2.0}]
+    assert load_csv(tmp_path)["val/loss"].tolist()[-1] == 2.0
+    with pytest.raises(RuntimeError):
+        t.log({"a": 2})
+
+
+def test_resume_appends_to_a_finished_log(tmp_path):
+    _write_three_steps(tmp_path).close()
+    t = LogWrapper(out_dir=str(tmp_path), resume=True)
+    t.log({"c": 7})
+    t.step()
+    t.close()
+    df = load_csv(tmp_path)
+    assert list(df.columns) == ["step", "a", "b", "c"]
+    assert df["step"].tolist() == [0, 1, 2, 3]
+    assert df["a"].tolist()[:2] == [1.5, 2.5] and df["c"].tolist()[-1] == 7
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys
+    sys.path.insert(0, {root!r})
+    from tracker import LogWrapper
+    t = LogWrapper(config={{"n": 1}}, out_dir={out!r})
+    step = 0
+    while True:
+        t.log({{"loss": step / 7, "sq": step * step}})
+        if step >= 3:
+            t.log({{"late": -step}})  # a column that appears mid-run
+        t.step()
+        print(step, flush=True)
+        if step == {exit_at}:
+            os._exit(0)  # no close(), no atexit
+        step += 1
+    """
+)
+
+
+def _check_rows(df, n_completed):
+    assert len(df) >= n_completed
+    assert df["step"].tolist() == list(range(len(df)))
+    assert np.allclose(df["loss"], df["step"] / 7, rtol=0, atol=0)
+    assert (df["sq"] == df["step"] ** 2).all()
+    late = df["late"].to_numpy()
+    assert np.isnan(late[:3]).all() and (late[3:] == -df["step"].to_numpy()[3:]).all()
+
+
+def test_run_exited_without_close_loads_every_row(tmp_path):
+    script = WRITER.format(root=ROOT, out=str(tmp_path), exit_at=9)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / LOG_CSV).exists()
+    df = load_csv(tmp_path)
+    assert len(df) == 10
+    _check_rows(df, 10)
+
+
+def test_sigkilled_run_loads_every_completed_row(tmp_path):
+    script = WRITER.format(root=ROOT, out=str(tmp_path), exit_at=-1)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if int(line) == 25:  # 26 rows reported complete; kill while it keeps writing
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+        proc.stdout.close()
+    df = load_csv(tmp_path)
+    _check_rows(df, 26)
