@@ -157,10 +157,10 @@ def find_tracked_parameters(model):
     for name, param in model.named_parameters():
         buffer = buffers.get(name + BUFFER_SUFFIX)
         names = aliases[id(param)]
-        if len(names) > 1:
-            skipped[name] = f"tied to {', '.join(n for n in names if n != name)}: exact per-example norm of a shared tensor needs the cross term"
-        elif buffer is None:
+        if buffer is None:
             skipped[name] = "its layer records no per-example norms (a plain torch layer)"
+        elif len(names) > 1:
+            skipped[name] = f"tied to {', '.join(n for n in names if n != name)}: exact per-example norm of a shared tensor needs the cross term"
         else:
             tracked.append((name, param, buffer))
     return tracked, skipped

@@ -1,0 +1,396 @@
+"""
+This training script can be run both on a single gpu in debug mode,
+and also in a larger training run with distributed data parallel (ddp).
+
+It is nanoGPT's train.py plus exact per-example gradient norms for the
+gradient noise scale (GNS); every addition is in a block labelled `# gns:`.
+
+To run on a single GPU, example:
+$ python train.py --batch_size=32 --compile=False
+
+To run on the CPU with per-example norms on every layer (the quick start):
+$ python train.py config/train_shakespeare_char_cpu.py
+
+To run with DDP on 4 gpus on 1 node, example:
+$ torchrun --standalone --nproc_per_node=4 train.py
+"""
+
+import os
+import time
+import math
+import pickle
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import init_process_group, destroy_process_group
+
+# gns: the layer registry, the buffers, the measurements and the CSV log
+import layer_config as lc
+from buffered import zero_sqgradnorm_buffers
+import gnstracking
+from tracker import LogWrapper
+
+# -----------------------------------------------------------------------------
+# default config values designed to train a gpt2 (124M) on OpenWebText
+# I/O
+out_dir = 'out'
+eval_interval = 2000
+log_interval = 1
+eval_iters = 200
+eval_only = False # if True, script exits right after the first eval
+always_save_checkpoint = True # if True, always save a checkpoint after each eval
+init_from = 'scratch' # 'scratch' or 'resume' or 'gpt2*'
+# wandb logging
+wandb_log = False # disabled by default
+wandb_project = 'owt'
+wandb_run_name = 'gpt2' # 'run' + str(time.time())
+# data
+dataset = 'openwebtext'
+gradient_accumulation_steps = 5 * 8 # used to simulate larger batch sizes
+batch_size = 12 # if gradient_accumulation_steps > 1, this is the micro-batch size
+block_size = 1024
+# model
+n_layer = 12
+n_head = 12
+n_embd = 768
+dropout = 0.0 # for pretraining 0 is good, for finetuning try 0.1+
+bias = False # do we use bias inside LayerNorm and Linear layers?
+linearclass = 'nn' # per-example norm layer classes: 'nn' (off), 'shim', 'gns' or 'fused'
+embeddingclass = 'nn' # 'nn', 'shim', 'gns' or 'fused'
+lnclass = 'nn' # 'nn', 'shim', 'gns' or 'fused'
+cos_attn = [] # block indices that use cosine attention
+spectral_c_attn = [] # block indices whose QKV projection is spectrally normalised
+fp32_attention_layers = [] # block indices whose attention runs in float32
+# adamw optimizer
+learning_rate = 6e-4 # max learning rate
+max_iters = 600000 # total number of training iterations
+max_tokens = 15 * 10**12 # total number of tokens to process (whichever of the two comes first)
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0 # clip gradients at this value, or disable if == 0.0
+# learning rate decay settings, in tokens (linear decay, as in the Cerebras-GPT recipe)
+decay_lr = True # whether to decay the learning rate
+warmup_tokens = 2000 * 40 * 12 * 1024 # 2000 steps of 40 x 12 sequences of 1024 tokens
+lr_decay_tokens = 600000 * 40 * 12 * 1024 # should be ~= max_tokens per Chinchilla
+min_lr = 6e-5 # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
+# DDP settings
+backend = 'nccl' # 'nccl', 'gloo', etc.
+# system
+device = 'cuda' # examples: 'cpu', 'cuda', 'cuda:0', 'cuda:1' etc., or try 'mps' on macbooks
+device_name = 'A100' # peak FLOPS for MFU: 'A100', 'A10', 'H100', 'H200', 'cpu', ... (see model.py)
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' # 'float32', 'bfloat16', or 'float16', the latter will auto implement a GradScaler
+compile = True # use PyTorch 2.0 to compile the model to be faster
+gns_ema_decay = 0.95 # decay of the running GNS estimate shown in the status line
+# -----------------------------------------------------------------------------
+config_keys = [k for k,v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read()) # overrides from command line or config file
+config = {k: globals()[k] for k in config_keys} # will be useful for logging
+# -----------------------------------------------------------------------------
+
+# gns: check the layer choice before anything starts, and say why B = 1 cannot work
+layer_choice = dict(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
+try:
+    layer_classes = lc.layer_classes(**layer_choice)
+except ValueError as e:
+    raise SystemExit(f"train.py: {e}")
+tracked = lc.tracks_per_example_norms(**layer_choice)
+
+# various inits, derived attributes, I/O setup
+ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
+if ddp:
+    init_process_group(backend=backend)
+    ddp_rank = int(os.environ['RANK'])
+    ddp_local_rank = int(os.environ['LOCAL_RANK'])
+    ddp_world_size = int(os.environ['WORLD_SIZE'])
+    device = f'cuda:{ddp_local_rank}' if device.startswith('cuda') else device
+    if device.startswith('cuda'):
+        torch.cuda.set_device(device)
+    master_process = ddp_rank == 0 # this process will do logging, checkpointing etc.
+    seed_offset = ddp_rank # each process gets a different seed
+    # world_size number of processes will be training simultaneously, so we can scale
+    # down the desired gradient accumulation iterations per process proportionally
+    assert gradient_accumulation_steps % ddp_world_size == 0
+    gradient_accumulation_steps //= ddp_world_size
+else:
+    # if not ddp, we are running on a single gpu, and one process
+    master_process = True
+    seed_offset = 0
+    ddp_world_size = 1
+examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
+tokens_per_iter = examples_per_iter * block_size
+print(f"tokens per iteration will be: {tokens_per_iter:,}")
+if tracked and examples_per_iter < 2:
+    raise SystemExit("train.py: the GNS needs at least 2 examples per optimizer step (it compares per-example "
+                     "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
+                     "gradient_accumulation_steps, or set all layer classes to 'nn'")
+
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
+torch.manual_seed(1337 + seed_offset)
+torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
+torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
+device_type = 'cuda' if 'cuda' in device else 'cpu' # for later use in torch.autocast
+# note: float16 data type will automatically use a GradScaler
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if device_type == 'cpu' and dtype == 'float32' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+
+# poor man's data loader
+data_dir = os.path.join('data', dataset)
+for split in ('train', 'val'):
+    if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
+        raise SystemExit(f"train.py: missing {os.path.join(data_dir, f'{split}.bin')}; "
+                         f"prepare the dataset first: python data/{dataset}/prepare.py")
+def get_batch(split):
+    # We recreate np.memmap every batch to avoid a memory leak, as per
+    # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
+    data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
+    ix = torch.randint(len(data) - block_size, (batch_size,))
+    x = torch.stack([torch.from_numpy((data[i:i+block_size]).astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy((data[i+1:i+1+block_size]).astype(np.int64)) for i in ix])
+    if device_type == 'cuda':
+        # pin arrays x,y, which allows us to move them to GPU asynchronously (non_blocking=True)
+        x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    else:
+        x, y = x.to(device), y.to(device)
+    return x, y
+
+# init these up here, can override if init_from='resume' (i.e. from a checkpoint)
+iter_num = 0
+best_val_loss = 1e9
+
+# attempt to derive vocab_size from the dataset
+meta_path = os.path.join(data_dir, 'meta.pkl')
+meta_vocab_size = None
+if os.path.exists(meta_path):
+    with open(meta_path, 'rb') as f:
+        meta = pickle.load(f)
+    meta_vocab_size = meta['vocab_size']
+    print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
+
+# model init
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
+                  bias=bias, vocab_size=None, dropout=dropout, device_name=device_name,
+                  cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
+                  fp32_attention_layers=fp32_attention_layers) # start with model_args from command line
+tokens_processed = 0
+# gns: build the model with the chosen layer classes
+with lc.set_contextual_config(**layer_classes):
+    from model import GPTConfig, GPT
+    if init_from == 'scratch':
+        # init a new model from scratch
+        print("Initializing a new model from scratch")
+        # determine the vocab size we'll use for from-scratch training
+        if meta_vocab_size is None:
+            print("defaulting to vocab_size of GPT-2 to 50304 (50257 rounded up for efficiency)")
+        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
+        gptconf = GPTConfig(**model_args)
+        model = GPT(gptconf)
+    elif init_from == 'resume':
+        print(f"Resuming training from {out_dir}")
+        # resume training from a checkpoint.
+        ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+        checkpoint = torch.load(ckpt_path, map_location=device)
+        checkpoint_model_args = checkpoint['model_args']
+        # force these config attributes to be equal otherwise we can't even resume training
+        # the rest of the attributes (e.g. dropout) can stay as desired from command line
+        for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
+            model_args[k] = checkpoint_model_args[k]
+        # create the model
+        gptconf = GPTConfig(**model_args)
+        model = GPT(gptconf)
+        state_dict = checkpoint['model']
+        # fix the keys of the state dictionary :(
+        # honestly no idea how checkpoints sometimes get this prefix, have to debug more
+        unwanted_prefix = '_orig_mod.'
+        for k,v in list(state_dict.items()):
+            if k.startswith(unwanted_prefix):
+                state_dict[k[len(unwanted_prefix):]] = state_dict.pop(k)
+        tokens_processed = int(state_dict.pop('tokens_processed', 0))
+        model.load_state_dict(state_dict)
+        iter_num = checkpoint['iter_num']
+        best_val_loss = checkpoint['best_val_loss']
+    elif init_from.startswith('gpt2'):
+        print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
+        # initialize from OpenAI GPT-2 weights
+        override_args = dict(dropout=dropout)
+        model = GPT.from_pretrained(init_from, override_args)
+        # read off the created config params, so we can store them into checkpoint correctly
+        for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
+            model_args[k] = getattr(model.config, k)
+    else:
+        raise SystemExit(f"train.py: unknown init_from {init_from!r}; choose 'scratch', 'resume' or 'gpt2*'")
+# gns: training is denominated in tokens; the counter lives in the model (and so in checkpoints)
+model.register_buffer('tokens_processed', torch.tensor(tokens_processed, dtype=torch.int64))
+# crop down the model block size if desired, using model surgery
+if block_size < model.config.block_size:
+    model.crop_block_size(block_size)
+    model_args['block_size'] = block_size # so that the checkpoint will have the right value
+model.to(device)
+
+# initialize a GradScaler. If enabled=False scaler is a no-op
+scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+
+# optimizer
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+if init_from == 'resume':
+    optimizer.load_state_dict(checkpoint['optimizer'])
+checkpoint = None # free up memory
+
+# gns: the tracker reads every layer's buffers once per step (on every rank: it all-reduces)
+accumulate_gns = gnstracking.AccumulateMeasurements(prefix="train/gns/") # becomes CSV columns
+gns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_gns, scaler=scaler)
+running_gns = gnstracking.RunningGNS(decay=gns_ema_decay) # for the status line only
+
+# compile the model
+if compile:
+    print("compiling the model... (takes a ~minute)")
+    unoptimized_model = model
+    model = torch.compile(model) # requires PyTorch 2.0
+
+# wrap model into DDP container
+if ddp:
+    # gns: no buffer broadcast, or rank 0's per-example norm buffers would overwrite the others'
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
+
+# helps estimate an arbitrarily accurate loss over either split using many batches
+@torch.no_grad()
+def estimate_loss():
+    out = {}
+    model.eval()
+    for split in ['train', 'val']:
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            X, Y = get_batch(split)
+            with ctx:
+                logits, loss = model(X, Y)
+            losses[k] = loss.item()
+        out[split] = losses.mean().item()
+    model.train()
+    return out
+
+# learning rate decay scheduler (linear with warmup, in tokens)
+def get_lr(tokens):
+    # 1) linear warmup for warmup_tokens tokens
+    if tokens < warmup_tokens:
+        return learning_rate * tokens / warmup_tokens
+    # 2) if tokens > lr_decay_tokens, return min learning rate
+    if tokens > lr_decay_tokens:
+        return min_lr
+    # 3) in between, use linear decay down to min learning rate
+    decay_ratio = (tokens - warmup_tokens) / (lr_decay_tokens - warmup_tokens)
+    assert 0 <= decay_ratio <= 1
+    return min_lr + (1.0 - decay_ratio) * (learning_rate - min_lr)
+
+# logging: every step is a CSV row in out_dir/log.csv; wandb gets the same dict
+logf = None
+if wandb_log and master_process:
+    import wandb
+    wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    logf = wandb_run.log
+tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else None, resume=init_from == 'resume')
+
+# training loop
+X, Y = get_batch('train') # fetch the very first batch
+t0 = time.time()
+local_iter_num = 0 # number of iterations in the lifetime of this process
+raw_model = model.module if ddp else model # unwrap DDP container if needed
+raw_model = getattr(raw_model, '_orig_mod', raw_model) # and the compile wrapper
+running_mfu = -1.0
+final_iter = eval_only
+while True:
+
+    # determine and set the learning rate for this iteration
+    lr = get_lr(tokens_processed) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
+    # evaluate the loss on train/val sets and write checkpoints (and always on the final iteration)
+    if (iter_num % eval_interval == 0 or final_iter) and master_process:
+        losses = estimate_loss()
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        tracker.log({"train/loss": losses['train'], "val/loss": losses['val']})
+        if losses['val'] < best_val_loss or always_save_checkpoint:
+            best_val_loss = losses['val']
+            if iter_num > 0:
+                checkpoint = {
+                    'model': raw_model.state_dict(),
+                    'optimizer': optimizer.state_dict(),
+                    'model_args': model_args,
+                    'iter_num': iter_num,
+                    'best_val_loss': best_val_loss,
+                    'config': config,
+                }
+                print(f"saving checkpoint to {out_dir}")
+                # written to a temp file first so a crash while saving keeps the previous checkpoint
+                torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt.tmp'))
+                os.replace(os.path.join(out_dir, 'ckpt.pt.tmp'), os.path.join(out_dir, 'ckpt.pt'))
+    if final_iter:
+        tracker.log({"iter_num": iter_num, "tokens_processed": tokens_processed})
+        tracker.step()
+        break
+
+    # forward backward update, with optional gradient accumulation to simulate larger batch size
+    # and using the GradScaler if data type is float16
+    for micro_step in range(gradient_accumulation_steps):
+        if ddp:
+            # in DDP training we only need to sync gradients at the last micro step.
+            # the official way to do this is with model.no_sync() context manager, but
+            # I really dislike that this bloats the code and forces us to repeat code
+            # looking at the source of that context manager, it just toggles this variable
+            model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
+        with ctx:
+            logits, loss = model(X, Y)
+            loss = loss / gradient_accumulation_steps # scale the loss to account for gradient accumulation
+        # immediately async prefetch next batch while model is doing the forward pass on the GPU
+        X, Y = get_batch('train')
+        # backward pass, with gradient scaling if training in fp16
+        scaler.scale(loss).backward()
+    # gns: record + zero after step (before clipping, which would change the batch gradient's norm)
+    if tracked:
+        measurements = gns_tracker.step(batch_size=examples_per_iter)
+        zero_sqgradnorm_buffers(raw_model)
+        tracker.log({**accumulate_gns.get_msg(), "gns": running_gns.update(*gnstracking.summed_sqnorms(measurements))})
+    tokens_processed += tokens_per_iter # a python mirror of the buffer: reading the buffer would sync the GPU
+    raw_model.tokens_processed.add_(tokens_per_iter)
+    # clip the gradient (the norm is logged before clipping)
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip != 0.0 else float('inf')).item()
+    # step the optimizer and scaler if training in fp16
+    scaler.step(optimizer)
+    scaler.update()
+    # flush the gradients as soon as we can, no need for this memory anymore
+    optimizer.zero_grad(set_to_none=True)
+
+    # timing and logging
+    t1 = time.time()
+    dt = t1 - t0
+    t0 = t1
+    if iter_num % log_interval == 0 and master_process:
+        # get loss as float. note: this is a CPU-GPU sync point
+        # scale up to undo the division above, approximating the true total loss (exact would have been a sum)
+        lossf = loss.item() * gradient_accumulation_steps
+        if local_iter_num >= 5: # let the training loop settle a bit
+            mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps, dt)
+            running_mfu = mfu if running_mfu == -1.0 else 0.9*running_mfu + 0.1*mfu
+        tracker.log({
+            "train/lossf": lossf, "lr": lr, "grad_norm": grad_norm, "dt": dt,
+            "tokens_per_sec": tokens_per_iter / dt, "mfu": max(running_mfu, 0.0) * 100,
+            "gradient_accumulation_steps": gradient_accumulation_steps * ddp_world_size,
+        })
+        gns_status = ", {gns=:.2f}" if tracked else ""
+        tracker.print(f"iter {iter_num}: " + "{train_lossf=:.4f}, {dt=:.3f}s, {mfu=:.2f}%, {tokens_per_sec=:,.0f}" + gns_status)
+    # gns: one CSV row per optimizer step, indexed by iteration and tokens
+    tracker.log({"iter_num": iter_num, "tokens_processed": tokens_processed})
+    tracker.step()
+    iter_num += 1
+    local_iter_num += 1
+
+    # termination conditions: the next iteration only evaluates
+    final_iter = iter_num >= max_iters or tokens_processed >= max_tokens
+
+tracker.close()
+if ddp:
+    destroy_process_group()
