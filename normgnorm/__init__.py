@@ -1,0 +1,13 @@
+"""
+Triton kernels that compute gradients together with exact per-example squared
+gradient norms. Kernels only: the autograd glue and the layers using them live
+in fused_gns.py, which imports this package only when Triton is installed.
+
+    layernorm.py  _ln_fwd, _ln_bwd_dx_pesq      LayerNorm / RMSNorm
+    linear.py     _linear_bwd_dw_pesq           Linear weight (and bias) gradient
+"""
+
+from normgnorm.layernorm import _ln_bwd_dx_pesq, _ln_fwd
+from normgnorm.linear import _linear_bwd_dw_pesq
+
+__all__ = ["_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq"]

@@ -1,0 +1,122 @@
+"""
+Triton kernels for LayerNorm and RMSNorm that also produce, per example, the
+gradients of the affine parameters, so their squared norms come out of the same
+backward pass. The autograd glue (allocation, grids, shape guards) is in
+fused_gns.py.
+
+The maths (one row x of D features; "example" i owns the rows t = 1..T of
+input i, every leading dim after the first flattened into t):
+
+    forward   mu = mean(x)            (0 for RMSNorm)
+              rstd = 1 / sqrt(mean((x - mu)^2) + eps)
+              xhat = (x - mu) * rstd
+              y = xhat * w + b        (no b for RMSNorm / bias=False)
+
+    backward  given g = dL/dy for the row, let wg = w * g. Then
+              dx = rstd * (wg - (xhat * c1 + c2)),
+                  c1 = mean(xhat * wg),   c2 = mean(wg)   (c2 = 0 for RMSNorm)
+              example i's parameter gradients are sums over its own rows:
+                  dw_i = sum_t g_t * xhat_t,   db_i = sum_t g_t
+              and the batch gradients are dw = sum_i dw_i, db = sum_i db_i.
+              The per-example squared norms are ||dw_i||^2 and ||db_i||^2.
+
+`_ln_bwd_dx_pesq` runs one program per (example, chunk of that example's rows).
+It writes dx, and keeps dw_i / db_i restricted to its rows in fp32 registers,
+storing them once as a row of the (N * chunks, D) partial buffers. No (N, T, D)
+tensor of per-example partials exists; the glue sums the chunks of each example
+(N * chunks * D numbers), squares, and sums over examples for dw and db.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ln_fwd(
+    X,  # pointer to the input, (M, D) rows, contiguous
+    Y,  # pointer to the output, (M, D), same dtype as X
+    W,  # pointer to the weight, (D,)
+    B,  # pointer to the bias, (D,) (unused unless HAS_BIAS)
+    MEAN,  # pointer to the saved row means, (M,) fp32 (unused for RMSNorm)
+    RSTD,  # pointer to the saved row 1/std, (M,) fp32
+    D,  # number of features per row
+    eps,  # added to the variance
+    IS_RMS: tl.constexpr,  # RMSNorm: no mean subtraction, no bias
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # power of two >= D
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    # load one row, compute its statistics in fp32
+    x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=0) / D
+        xc = tl.where(mask, x - mean, 0.0)
+        tl.store(MEAN + row, mean)
+    var = tl.sum(xc * xc, axis=0) / D
+    rstd = 1.0 / tl.sqrt(var + eps)
+    tl.store(RSTD + row, rstd)
+    # normalise and apply the affine transform
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    y = xc * rstd * w
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_bwd_dx_pesq(
+    X,  # pointer to the forward input, (N * T, D) rows, contiguous
+    G,  # pointer to the upstream gradient dL/dy, (N * T, D), contiguous
+    DX,  # pointer to the input gradient, (N * T, D), same dtype as X
+    W,  # pointer to the weight, (D,)
+    MEAN,  # pointer to the saved row means, (N * T,) fp32 (unused for RMSNorm)
+    RSTD,  # pointer to the saved row 1/std, (N * T,) fp32
+    DW_PART,  # pointer to per-(example, chunk) weight-grad partials, (N * chunks, D) fp32
+    DB_PART,  # pointer to per-(example, chunk) bias-grad partials, (N * chunks, D) fp32 (unused unless HAS_BIAS)
+    T,  # rows per example
+    D,  # features per row
+    ROWS_PER_CHUNK,  # rows of one example handled by one program
+    IS_RMS: tl.constexpr,  # RMSNorm: no mean, c2 = 0
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # power of two >= D
+):
+    example = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)  # grid axis 1: chunks of one example's rows
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_i = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    db_i = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    t_start = chunk * ROWS_PER_CHUNK
+    t_end = tl.minimum(t_start + ROWS_PER_CHUNK, T)
+    for t in range(t_start, t_end):
+        row = example * T + t
+        # reload the row and rebuild xhat from the saved statistics
+        x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        if IS_RMS:
+            xhat = x * rstd
+        else:
+            xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+        # dx = rstd * (w g - (xhat c1 + c2))
+        wg = w * g
+        c1 = tl.sum(xhat * wg, axis=0) / D
+        if IS_RMS:
+            dx = (wg - xhat * c1) * rstd
+        else:
+            c2 = tl.sum(wg, axis=0) / D
+            dx = (wg - (xhat * c1 + c2)) * rstd
+        tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        # this example's parameter gradients, restricted to this chunk's rows
+        dw_i += g * xhat
+        if HAS_BIAS:
+            db_i += g
+    part = example * tl.num_programs(1) + chunk
+    tl.store(DW_PART + part * D + cols, dw_i, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB_PART + part * D + cols, db_i, mask=mask)
