@@ -1,0 +1,71 @@
+"""
+Poor Man's Configurator (nanoGPT's, with clear errors). train.py runs it with
+`exec(open('configurator.py').read())`, so it reads and writes train.py's globals:
+
+$ python train.py config/train_shakespeare_char.py --batch_size=32 --cos_attn=[1]
+
+A positional argument is a config file: Python assignments, run with the current
+config in scope and applied in order. `--key=value` overrides one key; the value
+is parsed with ast.literal_eval (numbers, bools, lists), else kept as a string.
+Every key must already be a config global of train.py and keep its type (an int
+may stand in for a float). Mistakes end the run with a one-line message.
+Names starting with `_` here and in config files are scratch, not config.
+"""
+
+import difflib
+import os
+import sys
+from ast import literal_eval
+
+_config_types = (int, float, bool, str, list, type(None))
+_config_keys = sorted(k for k, v in globals().items()
+                      if not k.startswith('_') and k != 'config_keys' and isinstance(v, _config_types))
+
+
+def _fail(message):
+    sys.exit(f"configurator: {message}")
+
+
+def _checked(key, value, source):
+    """`value` for `key` if the key exists and the type fits; otherwise exit saying why."""
+    if key not in _config_keys:
+        close = difflib.get_close_matches(key, _config_keys, n=3)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        _fail(f"unknown config key {key!r} (from {source}); {hint}valid keys: {', '.join(_config_keys)}")
+    default = globals()[key]
+    if default is None or type(value) is type(default):
+        return value
+    if type(default) is float and type(value) is int:
+        return float(value)
+    _fail(f"config key {key!r} (from {source}) expects {type(default).__name__} like its default "
+          f"{default!r}, got {type(value).__name__} {value!r}")
+
+
+for _arg in sys.argv[1:]:
+    if not _arg.startswith('--'):
+        if '=' in _arg:
+            _fail(f"{_arg!r} is not a config file; overrides are written --{_arg}")
+        if not os.path.isfile(_arg):
+            _fail(f"config file {_arg!r} not found (relative paths start at {os.getcwd()})")
+        print(f"Overriding config with {_arg}:")
+        with open(_arg) as _f:
+            _source = _f.read()
+        print(_source)
+        _scope = {k: globals()[k] for k in _config_keys}
+        exec(_source, _scope)
+        for _key, _value in _scope.items():
+            if not _key.startswith('_') and not isinstance(_value, type(sys)):  # skip scratch names and imports
+                globals()[_key] = _checked(_key, _value, _arg)
+    else:
+        _key, _eq, _text = _arg[2:].partition('=')
+        if not _eq:
+            _fail(f"{_arg!r} has no value; write --{_key}=VALUE (one argument, no spaces)")
+        try:
+            _value = literal_eval(_text)
+        except (SyntaxError, ValueError):
+            _value = _text  # a plain string, e.g. --device=cuda:1
+        if isinstance(globals().get(_key), str):
+            _value = _text  # string keys take the text as typed, e.g. --wandb_run_name=2024
+        _value = _checked(_key, _value, _arg)
+        print(f"Overriding: {_key} = {_value!r}")
+        globals()[_key] = _value
