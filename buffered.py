@@ -105,7 +105,7 @@ def _per_example(t):
     return t.reshape(t.shape[0], -1, t.shape[-1])
 
 
-def _autocast_inputs(x, *params):
+def autocast_inputs(x, *params):
     """Cast x and params to autocast's dtype if it is on, as F.linear would; the
     casts are differentiable so parameter gradients come back in their own dtype."""
     device_type = x.device.type
@@ -315,14 +315,14 @@ class _EmbeddingFunction(torch.autograd.Function):
 
 
 class _AffineFunction(torch.autograd.Function):
-    """y = xhat * weight + bias, the affine half of a LayerNorm."""
+    """y = xhat * weight (+ bias): the affine half of a norm layer whose normalisation autograd handles."""
 
     @staticmethod
     def forward(ctx, xhat, weight, bias, weight_buffer, bias_buffer):
         ctx.save_for_backward(xhat, weight)
         ctx.buffers = (weight_buffer, bias_buffer)
         ctx.has_bias = bias is not None
-        return xhat * weight + bias if bias is not None else xhat * weight
+        return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -337,6 +337,40 @@ class _AffineFunction(torch.autograd.Function):
         return grad_out * weight, pe_grad_weight.sum(dim=0).to(weight.dtype), grad_bias, None, None
 
 
+class _LayerNormFunction(torch.autograd.Function):
+    """LayerNorm over the last dim whose backward also records the affine per-example norms.
+
+    Forward and the input gradient are PyTorch's own fused kernels; backward then
+    rebuilds xhat = (x - mean) * rstd once to form dw_i = sum_t g_t * xhat_t."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, weight_buffer, bias_buffer):
+        out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.buffers = (weight_buffer, bias_buffer)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        weight_buffer, bias_buffer = ctx.buffers
+        grad_out = grad_out.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x, _, _ = torch.ops.aten.native_layer_norm_backward(
+                grad_out, x, weight.shape, mean, rstd, weight, bias, [True, False, False])
+        dtype = norm_dtype(grad_out)
+        xhat_times_g = torch.sub(x, mean).mul_(rstd).mul_(grad_out)  # one temporary, reused in place
+        pe_grad_weight = _per_example(xhat_times_g).sum(dim=1, dtype=dtype)  # (N, D)
+        accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
+        grad_bias = None
+        if bias is not None:
+            pe_grad_bias = _per_example(grad_out).sum(dim=1, dtype=dtype)  # (N, D)
+            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+            grad_bias = pe_grad_bias.sum(dim=0).to(bias.dtype)
+        return grad_x, pe_grad_weight.sum(dim=0).to(weight.dtype), grad_bias, None, None, None
+
+
 # -----------------------------------------------------------------------------
 # the layers
 
@@ -348,7 +382,7 @@ class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
         register_pe_sqnorm_buffers(self, ["weight", "bias"])
 
     def forward(self, x):
-        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         out = F.linear(x, weight, bias)
         return _LinearShim.apply(out, x.detach(), self.pe_buffer("weight"), self.pe_buffer("bias"))
 
@@ -361,7 +395,7 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
         register_pe_sqnorm_buffers(self, ["weight", "bias"])
 
     def forward(self, x):
-        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             return _LinearFunction.apply(x, weight, bias, self.pe_buffer("weight"), self.pe_buffer("bias"))
 
@@ -432,8 +466,24 @@ class PEGradNormSeparatedLayerNorm(_PEGradNormLayerNormBase):
 
 
 class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
-    """LayerNorm whose affine backward computes gradients and per-example norms together."""
+    """LayerNorm whose backward computes the affine gradients and per-example norms together."""
 
     def forward(self, x):
-        return _AffineFunction.apply(self.normalize(x), self.weight, self.bias,
-                                     self.pe_buffer("weight"), self.pe_buffer("bias"))
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.float()  # autocast runs layer_norm in float32, and so do we
+        with torch.autocast(x.device.type, enabled=False):
+            return _LayerNormFunction.apply(x, self.weight, self.bias, self.eps,
+                                            self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
+    """RMSNorm with a weight, y = x / sqrt(mean(x^2) + eps) * weight, recording the weight's per-example norms."""
+
+    def __init__(self, ndim, eps=1e-6, device=None, dtype=None):
+        super().__init__(ndim, bias=False, eps=eps, device=device, dtype=dtype)
+
+    def normalize(self, x):
+        return F.rms_norm(x, self.normalized_shape, None, self.eps)
+
+    def forward(self, x):
+        return _AffineFunction.apply(self.normalize(x), self.weight, None, self.pe_buffer("weight"), None)

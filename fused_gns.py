@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from buffered import PEGradNormLayerNorm, PEGradNormLinear, _autocast_inputs, accumulate_pe_sqnorm
+from buffered import PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, autocast_inputs, accumulate_pe_sqnorm
 
 try:
     import triton
@@ -301,14 +301,8 @@ class PEGradNormFusedLayerNorm(PEGradNormLayerNorm):
         return fused_layer_norm(x, self.weight, self.bias, self.eps, self.pe_buffer("weight"), self.pe_buffer("bias"))
 
 
-class PEGradNormFusedRMSNorm(PEGradNormLayerNorm):
+class PEGradNormFusedRMSNorm(PEGradNormRMSNorm):
     """RMSNorm y = x / sqrt(mean(x^2) + eps) * weight, with per-example norms of the weight gradient."""
-
-    def __init__(self, ndim, eps=1e-6, device=None, dtype=None):
-        super().__init__(ndim, bias=False, eps=eps, device=device, dtype=dtype)
-
-    def normalize(self, x):  # the torch fallback's normalisation
-        return F.rms_norm(x, self.normalized_shape, None, self.eps)
 
     def forward(self, x):
         reason = kernel_unavailable_reason(x)
@@ -326,6 +320,6 @@ class PEGradNormFusedLinear(PEGradNormLinear):
         if reason is not None:
             _warn_fallback(type(self).__name__, reason)
             return super().forward(x)
-        x, weight, bias = _autocast_inputs(x, self.weight, self.bias)
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             return fused_linear(x, weight, bias, self.pe_buffer("weight"), self.pe_buffer("bias"))

@@ -17,7 +17,6 @@ $ torchrun --standalone --nproc_per_node=4 train.py
 
 import os
 import time
-import math
 import pickle
 from contextlib import nullcontext
 

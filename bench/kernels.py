@@ -60,7 +60,7 @@ def bench_layernorm(B, T, D, dtype):
     plain_ms, plain_mib = measure(plain, (x, w, b))
     fused_ms, fused_mib = measure(fused, (x, w, b))
     report(f"layernorm fwd+bwd F.layer_norm ({B}x{T}x{D})", plain_ms, plain_ms, nbytes, plain_mib)
-    report(f"layernorm fwd+bwd fused + norms", fused_ms, plain_ms, nbytes, fused_mib)
+    report("layernorm fwd+bwd fused + norms", fused_ms, plain_ms, nbytes, fused_mib)
 
 
 def bench_linear_weight_grad(B, T, K, L, dtype):
@@ -85,8 +85,8 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     torch_ms, torch_mib = measure(torch_with_norms)
     fused_ms, fused_mib = measure(fused)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
-    report(f"linear dW + norms, buffered.py torch", torch_ms, plain_ms, nbytes, torch_mib)
-    report(f"linear dW + norms, fused kernel", fused_ms, plain_ms, nbytes, fused_mib)
+    report("linear dW + norms, buffered.py torch", torch_ms, plain_ms, nbytes, torch_mib)
+    report("linear dW + norms, fused kernel", fused_ms, plain_ms, nbytes, fused_mib)
 
 
 def main():

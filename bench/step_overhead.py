@@ -7,10 +7,11 @@ plain torch layers measured in the same run, plus peak memory.
         --n_layer=12 --n_head=12 --n_embd=768 --block_size=1024 --batch_size=16 --vocab_size=50304
 
 A step is what train.py does: forward + backward of each micro-batch, reading
-and zeroing the per-example norm buffers, clipping and AdamW. Each layer
-choice runs in its own subprocess (so peak memory is its own); the choices
-take turns for --rounds rounds so that drift of the machine hits them alike,
-and the median step time over all rounds is reported.
+and zeroing the per-example norm buffers, clipping and AdamW. Times: every
+layer choice is built in this one process (same initial weights) and the
+choices take turns, one step each, for --steps rounds, so that drift of the
+machine hits them alike; the median step time is reported. Peak memory: each
+choice runs a few steps alone in a subprocess, so the peak is its own.
 """
 
 import argparse
@@ -50,21 +51,20 @@ def parse_args(argv=None):
     p.add_argument("--vocab_size", type=int, default=65)
     p.add_argument("--bias", default="False", choices=["True", "False"])
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per round (default: 2)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per round (default: 4)")
-    p.add_argument("--rounds", type=int, default=3, help="turns each choice takes (default: 3)")
-    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one choice, print JSON
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per choice (default: 2)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per choice, interleaved (default: 10)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: peak memory of one choice, as JSON
     return p.parse_args(argv)
 
 
-def run_one(args):
-    """Time --steps training steps of one layer choice in this process; print JSON."""
+def build(args, name):
+    """Model, optimizer, scaler and a `step()` closure for one layer choice."""
     import torch
     import layer_config as lc
     from buffered import zero_sqgradnorm_buffers
     import gnstracking
 
-    linearclass, embeddingclass, lnclass = CHOICES[args.one]
+    linearclass, embeddingclass, lnclass = CHOICES[name]
     torch.manual_seed(0)
     device_type = "cuda" if "cuda" in args.device else "cpu"
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -79,7 +79,9 @@ def run_one(args):
     tracker = gnstracking.MeasurementTracker.from_model(model, scaler=scaler)
     step_model = torch.compile(model) if args.compile == "True" else model
     ga = args.gradient_accumulation_steps
-    batches = [torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), device=args.device) for _ in range(ga)]
+    generator = torch.Generator().manual_seed(1)  # the same batches for every choice
+    batches = [torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), generator=generator).to(args.device)
+               for _ in range(ga)]
 
     def step():
         for x, y in batches:
@@ -94,34 +96,55 @@ def run_one(args):
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-
-    def sync():
         if device_type == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(args.warmup):
-        step()
-    sync()
-    if device_type == "cuda":
+    return step
+
+
+def peak_memory_mb(args):
+    """Peak memory of --one's choice running alone: the GPU allocator's peak, or on the
+    CPU the process's peak RSS minus its RSS after importing torch."""
+    import torch
+    rss_before_mb = _current_rss_mb()  # torch's own import is not the layers' memory
+    step = build(args, args.one)
+    if "cuda" in args.device:
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
+    for _ in range(args.warmup + 1):
         step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    if device_type == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        import resource
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    print(json.dumps({"times": times, "peak_mb": peak_mb}))
+    if "cuda" in args.device:
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before_mb  # Linux reports KiB
+
+
+def _current_rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def interleaved_times(args, names):
+    """{name: [step seconds]}: all choices in this process, one step each per round."""
+    steps = {name: build(args, name) for name in names}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step()
+    times = {name: [] for name in names}
+    for r in range(args.steps):
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
+        for name in order:
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+        print(f"round {r + 1}/{args.steps}: " + ", ".join(f"{n} {times[n][-1] * 1000:.0f} ms" for n in names), file=sys.stderr)
+    return times
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.one:
-        return run_one(args)
+        print(json.dumps({"peak_mb": peak_memory_mb(args)}))
+        return
     names = args.choices.split(",") if args.choices else (list(CHOICES) if "cuda" in args.device else DEFAULT_CPU)
     unknown = [n for n in names if n not in CHOICES]
     if unknown:
@@ -129,23 +152,19 @@ def main(argv=None):
     if "nn" not in names:
         names = ["nn"] + names  # ratios need the plain baseline
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--choices")]
-    times = {n: [] for n in names}
-    peaks = {n: 0.0 for n in names}
-    for r in range(args.rounds):
-        for name in names:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
-                                 capture_output=True, text=True, cwd=REPO)
-            if out.returncode != 0:
-                raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            times[name] += result["times"]
-            peaks[name] = max(peaks[name], result["peak_mb"])
-            print(f"round {r + 1}/{args.rounds} {name:22s} median {statistics.median(result['times']) * 1000:9.1f} ms", file=sys.stderr)
+    peaks = {}
+    for name in names:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
+                             capture_output=True, text=True, cwd=REPO)
+        if out.returncode != 0:
+            raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
+        peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
+    times = interleaved_times(args, names)
     base_time, base_peak = statistics.median(times["nn"]), peaks["nn"]
-    memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB"
+    memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above import"
     print(f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
           f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
-          f"{args.rounds} rounds x {args.steps} steps")
+          f"median of {args.steps} interleaved steps")
     print(f"| layers | step ms | ratio to nn | {memory_label} | memory ratio |")
     print("|---|---|---|---|---|")
     for name in names:

@@ -167,6 +167,31 @@ def test_layernorm_matches_oracle_and_plain_grads(cls, bias, lead, D):
         torch.testing.assert_close(module.bias.grad, twin.bias.grad)
 
 
+@pytest.mark.parametrize("lead", SHAPES)
+@pytest.mark.parametrize("dtype, autocast", [(torch.float64, False), (torch.bfloat16, True)])
+def test_rmsnorm_matches_oracle_and_plain_grads(lead, dtype, autocast):
+    torch.manual_seed(0)
+    module = buffered.PEGradNormRMSNorm(40).double()
+    with torch.no_grad():
+        module.weight.normal_()
+    twin = nn.RMSNorm(40, eps=module.eps).double()
+    twin.load_state_dict(module.state_dict())
+    inputs, grad_out = torch.randn(*lead, 40), torch.randn(*lead, 40)
+    expected = per_example_sqnorms_by_loop(twin, inputs.double(), grad_out.double())
+    module.float() if autocast else None
+    x = inputs.to(torch.float32 if autocast else dtype).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = module(x)
+    out.backward(grad_out.to(out.dtype))
+    assert module.weight_upegsqnorm[1].item() == inputs.shape[0]
+    torch.testing.assert_close(module.weight_upegsqnorm[0].double(), expected["weight"].sum(), rtol=RTOL[dtype], atol=1e-6)
+    if not autocast:
+        x_plain = inputs.double().requires_grad_()
+        twin(x_plain).backward(grad_out.double())
+        torch.testing.assert_close(x.grad, x_plain.grad)
+        torch.testing.assert_close(module.weight.grad, twin.weight.grad)
+
+
 def make(cls, bias=True):
     if cls in LINEARS:
         return cls(24, 10, bias=bias), (3, 17, 24), (3, 17, 10)

@@ -5,7 +5,6 @@ Measurements, the tracker and the GNS estimator of gnstracking.py.
 """
 
 import math
-import warnings
 
 import numpy as np
 import pandas as pd
@@ -16,7 +15,6 @@ import torch.nn.functional as F
 
 import gnstracking
 from buffered import PEGradNormLayerNorm, PEGradNormLinear, PEGradNormShimEmbedding, zero_sqgradnorm_buffers
-from oracle import per_example_sqnorms_by_loop
 
 
 def test_unbiased_stats_formula_and_batch_of_one():

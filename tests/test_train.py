@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 
-import pandas as pd
 import pytest
 
 from csv_tools import load_csv
