@@ -1,0 +1,57 @@
+"""Worker for tests/test_ddp.py: run under torchrun (gloo, CPU).
+
+    torchrun --standalone --nproc_per_node=2 tests/scripts/ddp_tracker_worker.py OUT.json
+
+Every rank builds the same tiny GPT with per-example norm layers, takes its share
+of one fixed global batch (two micro-batches per rank), runs one optimizer step's
+backward under DDP and reads the tracker; rank 0 writes the measurements as JSON.
+Without torchrun (no RANK in the environment) the same global batch runs in one
+process with twice the accumulation steps, which is what the DDP numbers must equal.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+import gnstracking  # noqa: E402
+import layer_config as lc  # noqa: E402
+
+GLOBAL_BATCH, MICRO_BATCH, BLOCK, VOCAB = 8, 2, 12, 29
+
+
+def main(out_path):
+    ddp = "RANK" in os.environ
+    if ddp:
+        dist.init_process_group(backend="gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    torch.manual_seed(0)
+    with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass="gns")):
+        from model import GPT, GPTConfig
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0, bias=True))
+    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
+    tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate)
+    step_model = DDP(model, broadcast_buffers=False) if ddp else model
+    data = torch.randint(0, VOCAB, (GLOBAL_BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(1))
+    mine = data[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]  # this rank's examples
+    micro_batches = mine.split(MICRO_BATCH)
+    for i, xy in enumerate(micro_batches):
+        if ddp:
+            step_model.require_backward_grad_sync = i == len(micro_batches) - 1
+        _, loss = step_model(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())
+        (loss / len(micro_batches)).backward()
+    tracker.step(batch_size=GLOBAL_BATCH)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(accumulate.get_msg(), f)
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
