@@ -1,0 +1,120 @@
+"""
+The paper's figures from run directories (the plotting behind "Replicating Figures.ipynb").
+
+    import figures
+    fig = figures.gns_by_layer_type("out-cgpt-openwebtext")
+    fig.savefig("gns_by_layer_type.png")
+
+Every function takes out_dirs written by train.py, returns a matplotlib Figure
+and leaves saving to the caller. The numbers come from gns-analysis.py's
+`analyze_gns` (the same estimator and EMA), so figures and printed results agree.
+"""
+
+import importlib.util
+import os
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")  # figures are saved, never shown: works headless
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from csv_tools import load_csv  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "gns_analysis", os.path.join(os.path.dirname(os.path.abspath(__file__)), "gns-analysis.py"))
+gns_analysis = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gns_analysis)
+
+GROUP_COLUMNS = {"all parameters": "gns", "LayerNorm only": "gns_layernorm",
+                 "Linear only": "gns_linear", "Embedding only": "gns_embedding"}
+_BLOCK = re.compile(r"\.h\.(\d+)\.")
+
+
+def gns_by_layer_type(out_dir, alpha=0.95):
+    """GNS over tokens from all parameters, LayerNorm only, and each layer type (the paper's Fig. 1 idea)."""
+    results = gns_analysis.analyze_gns(out_dir, alpha=alpha)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, column in GROUP_COLUMNS.items():
+        if results[column].notna().any():
+            ax.plot(results["tokens_processed"], results[column], label=label, lw=2 if column == "gns" else 1.2)
+    ax.set(xlabel="tokens", ylabel="GNS", yscale="log", title=f"GNS by layer type ({os.path.basename(os.path.normpath(out_dir))})")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def phase_plot(out_dir, alpha=0.95):
+    """tr(Sigma) EMA against |G|^2 EMA, log-log, coloured by tokens: lines of constant GNS are diagonals."""
+    results = gns_analysis.analyze_gns(out_dir, alpha=alpha)
+    ok = (results["gtg_ema"] > 0) & (results["trsigma_ema"] > 0)
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    points = ax.scatter(results.loc[ok, "gtg_ema"], results.loc[ok, "trsigma_ema"], c=results.loc[ok, "tokens_processed"], s=8)
+    fig.colorbar(points, ax=ax, label="tokens")
+    ax.set(xscale="log", yscale="log", xlabel="|G|² (EMA)", ylabel="tr(Σ) (EMA)", title="phase plot")
+    fig.tight_layout()
+    return fig
+
+
+def per_layer_gns(out_dir, alpha=0.95):
+    """DataFrame: GNS over steps for every tracked parameter and for every transformer block.
+
+    Columns: tokens_processed, one per parameter name, and `block <i>` for the sum over block i's parameters.
+    """
+    df = load_csv(out_dir)
+    params, chosen = gns_analysis._select_params(df, "train/gns", gns_analysis.tied_exact(out_dir))
+    df = df[df[[chosen[p]["norm"] for p in chosen]].notna().any(axis=1)].reset_index(drop=True)
+    out = {"tokens_processed": df["tokens_processed"] if "tokens_processed" in df else df["step"]}
+    for name, columns in chosen.items():
+        out[name] = gns_analysis.estimate(df, {name: columns}, alpha)["gns"]
+    blocks = {}
+    for name in chosen:
+        match = _BLOCK.search(name)
+        if match:
+            blocks.setdefault(int(match.group(1)), {})[name] = chosen[name]
+    for index in sorted(blocks):
+        out[f"block {index}"] = gns_analysis.estimate(df, blocks[index], alpha)["gns"]
+    return pd.DataFrame(out)
+
+
+def per_layer_figure(out_dir, alpha=0.95):
+    """Left: GNS of each block over tokens. Right: the final GNS of every parameter."""
+    table = per_layer_gns(out_dir, alpha)
+    blocks = [c for c in table.columns if c.startswith("block ")]
+    params = [c for c in table.columns if c != "tokens_processed" and c not in blocks]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, max(4, 0.22 * len(params))),
+                                      gridspec_kw={"width_ratios": [1, 1.3]})
+    for column in blocks:
+        left.plot(table["tokens_processed"], table[column], label=column)
+    left.set(xlabel="tokens", ylabel="GNS", yscale="log", title="GNS per block")
+    if blocks:
+        left.legend(fontsize=8)
+    final = table[params].ffill().iloc[-1]
+    right.barh(np.arange(len(params)), final.to_numpy(), color=["C1" if gns_analysis.param_group(p) == "LayerNorm" else "C0" for p in params])
+    right.set_yticks(np.arange(len(params)), params, fontsize=7)
+    right.set(xscale="log", xlabel="final GNS", title="per parameter (orange: LayerNorm)")
+    right.invert_yaxis()
+    fig.tight_layout()
+    return fig
+
+
+def schedule_comparison(runs, loss_column="train/lossf"):
+    """Loss against tokens and against wall time for several runs (e.g. fixed vs linear vs gns batch-size schedules).
+
+    Args:
+        runs: {label: out_dir}. Wall time is the running sum of each run's logged `dt`.
+    """
+    fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, out_dir in runs.items():
+        df = load_csv(out_dir)
+        rows = df[df[loss_column].notna()]
+        wall = df["dt"].fillna(0).cumsum().loc[rows.index]
+        by_tokens.plot(rows["tokens_processed"], rows[loss_column], label=label)
+        by_time.plot(wall, rows[loss_column], label=label)
+    by_tokens.set(xlabel="tokens", ylabel=loss_column, title="loss against tokens")
+    by_time.set(xlabel="wall time (s)", ylabel=loss_column, title="loss against wall time")
+    by_tokens.legend()
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,57 @@
+"""
+figures.py and "Replicating Figures.ipynb", executed headless on small CPU runs of train.py.
+
+    python -m pytest tests/test_figures.py -q
+"""
+
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import figures
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32", "--device_name=cpu",
+        "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--eval_interval=4", "--eval_iters=2",
+        "--log_interval=1", "--dropout=0.0", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
+FIGURES = ["gns_by_layer_type.png", "per_layer_gns.png", "phase_plot.png", "schedule_comparison.png"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
+        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+    root = tmp_path_factory.mktemp("runs")
+    made = {}
+    for label, flags in {"small": ["--batch_size=4", "--max_iters=12"], "large": ["--batch_size=8", "--max_iters=6"]}.items():
+        out = subprocess.run([sys.executable, "train.py", *TINY, *flags, f"--out_dir={root / label}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        made[label] = str(root / label)
+    return made
+
+
+def test_per_layer_gns_has_every_parameter_and_block(runs):
+    table = figures.per_layer_gns(runs["small"])
+    assert {"block 0", "block 1", "transformer.h.1.ln_2.weight", "transformer.wpe.weight"} <= set(table.columns)
+    assert len(table) == 12 and table["block 0"].notna().any()
+
+
+def test_notebook_runs_headless_and_saves_every_figure(runs, tmp_path, monkeypatch):
+    fig_dir = tmp_path / "figs"
+    monkeypatch.setenv("GNS_RUN", runs["small"])
+    monkeypatch.setenv("GNS_SCHEDULE_RUNS", f"batch 4={runs['small']},batch 8={runs['large']}")
+    monkeypatch.setenv("GNS_FIG_DIR", str(fig_dir))
+    monkeypatch.setenv("PYTHONPATH", REPO)
+    nb = nbformat.read(os.path.join(REPO, "Replicating Figures.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": REPO}}).execute()
+    assert sorted(os.listdir(fig_dir)) == sorted(FIGURES)
+    assert all((fig_dir / name).stat().st_size > 10_000 for name in FIGURES)
+    errors = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
+    assert not errors
