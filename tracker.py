@@ -41,6 +41,11 @@ then read as trailing empty cells by pandas).
 LogWrapper(..., resume=True) continues an existing log in out_dir (a finished
 log.csv or a killed run's .tmp files): old rows are kept and `step` goes on
 from the last one. Without it, a new run replaces the old log when it closes.
+With resume_step=N as well (train.py passes the step count its checkpoint
+recorded), the log continues at step N so that log and weights agree: rows with
+step >= N, written after the checkpoint by a run that then crashed, are moved
+to out_dir/log_after_step_N.csv (log_after_step_N_1.csv, ... if it exists),
+kept for inspection but out of the log.
 """
 
 import atexit
@@ -103,9 +108,10 @@ class LogWrapper:
         config: dict written to out_dir/config.json, or None.
         out_dir: directory for the CSV files; None writes no files at all.
         resume: continue the log already in out_dir instead of replacing it.
+        resume_step: with resume, the step to continue at (rows from it on are set aside).
     """
 
-    def __init__(self, logf=None, config=None, out_dir=None, resume=False):
+    def __init__(self, logf=None, config=None, out_dir=None, resume=False, resume_step=None):
         self.logf = logf
         self.config = config
         self.out_dir = out_dir
@@ -123,8 +129,12 @@ class LogWrapper:
             self._known = set(self.columns)
             if rows:
                 self.step_count = int(float(rows[-1][0])) + 1
-            _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
+            if resume and resume_step is not None:
+                rows = self._set_aside(rows, int(resume_step))
+                self.step_count = int(resume_step)
+            # data first: a kill between the two leaves the old header (or log.csv) with the same columns
             _write_atomic(self._path(DATA_TMP), "".join(_csv_line(r) for r in rows))
+            _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
             self._data = open(self._path(DATA_TMP), "a", newline="")
         atexit.register(self.close)
 
@@ -149,6 +159,25 @@ class LogWrapper:
             with open(data_path, newline="") as f:
                 rows = list(csv.reader(io.StringIO(_complete_lines(f.read()))))
         return [r for r in rows if r]
+
+    def _set_aside(self, rows, resume_step):
+        """Rows before resume_step; later ones are written to a side file first."""
+        keep = [r for r in rows if int(float(r[0])) < resume_step]
+        later = [r for r in rows if int(float(r[0])) >= resume_step]
+        if later:
+            name = f"log_after_step_{resume_step}"
+            path, n = self._path(name + ".csv"), 0
+            while os.path.exists(path):
+                n += 1
+                path = self._path(f"{name}_{n}.csv")
+            width = len(self.columns)
+            _write_atomic(path, _csv_line(self.columns) + "".join(_csv_line(r + [""] * (width - len(r))) for r in later))
+            print(f"log: {len(later)} row(s) written after the checkpoint (step >= {resume_step}) moved to {path}")
+        last = int(float(keep[-1][0])) if keep else -1
+        if last != resume_step - 1:
+            print(f"log: warning: the log ends at step {last} but the checkpoint was saved at step {resume_step}; "
+                  f"steps {last + 1}..{resume_step - 1} are missing from the log")
+        return keep
 
     def log(self, values):
         """Cache values for the current step; a key logged twice keeps the later value."""

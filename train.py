@@ -126,8 +126,11 @@ if tracked and examples_per_iter < 2:
                      "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
                      "gradient_accumulation_steps, or set all layer classes to 'nn'")
 
-if master_process:
-    os.makedirs(out_dir, exist_ok=True)
+# gns: a new run never mixes its log or checkpoint into another run's out_dir
+run_files = [f for f in ('log.csv', 'log_header.csv.tmp', 'ckpt.pt') if os.path.exists(os.path.join(out_dir, f))]
+if init_from != 'resume' and run_files:
+    raise SystemExit(f"train.py: out_dir {out_dir!r} already holds another run ({', '.join(run_files)}); "
+                     f"choose another --out_dir, delete the old one, or continue it with --init_from=resume")
 torch.manual_seed(1337 + seed_offset)
 torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
 torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
@@ -142,6 +145,10 @@ for split in ('train', 'val'):
     if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
         raise SystemExit(f"train.py: missing {os.path.join(data_dir, f'{split}.bin')}; "
                          f"prepare the dataset first: python data/{dataset}/prepare.py")
+    n_tokens = os.path.getsize(os.path.join(data_dir, f'{split}.bin')) // 2 # uint16 tokens
+    if n_tokens <= block_size:
+        raise SystemExit(f"train.py: {os.path.join(data_dir, f'{split}.bin')} holds {n_tokens} tokens, too few for "
+                         f"block_size={block_size} (a batch needs block_size + 1); lower --block_size or use more data")
 def get_batch(split):
     # We recreate np.memmap every batch to avoid a memory leak, as per
     # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
@@ -164,10 +171,17 @@ best_val_loss = 1e9
 meta_path = os.path.join(data_dir, 'meta.pkl')
 meta_vocab_size = None
 if os.path.exists(meta_path):
-    with open(meta_path, 'rb') as f:
-        meta = pickle.load(f)
-    meta_vocab_size = meta['vocab_size']
+    try:
+        with open(meta_path, 'rb') as f:
+            meta = pickle.load(f)
+        meta_vocab_size = int(meta['vocab_size'])
+    except Exception as e:
+        raise SystemExit(f"train.py: cannot read vocab_size from {meta_path} ({type(e).__name__}: {e}); "
+                         f"the file is damaged: re-run python data/{dataset}/prepare.py")
     print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
+
+if master_process: # only now: bad input above leaves no empty out_dir behind
+    os.makedirs(out_dir, exist_ok=True)
 
 # model init
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
@@ -191,7 +205,20 @@ with lc.set_contextual_config(**layer_classes):
         print(f"Resuming training from {out_dir}")
         # resume training from a checkpoint.
         ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        checkpoint = torch.load(ckpt_path, map_location=device)
+        if master_process and os.path.exists(ckpt_path + '.tmp'): # left by a crash while saving; ckpt.pt is the previous one
+            print(f"removing {ckpt_path}.tmp, an unfinished checkpoint")
+            os.remove(ckpt_path + '.tmp')
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"train.py: cannot resume: no checkpoint {ckpt_path} (the run stopped before its first "
+                             f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir")
+        try:
+            checkpoint = torch.load(ckpt_path, map_location=device)
+            missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
+        except Exception as e:
+            checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]
+        if missing:
+            raise SystemExit(f"train.py: cannot resume: {ckpt_path} is not a readable checkpoint (missing or damaged: "
+                             f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir")
         checkpoint_model_args = checkpoint['model_args']
         # force these config attributes to be equal otherwise we can't even resume training
         # the rest of the attributes (e.g. dropout) can stay as desired from command line
@@ -211,6 +238,7 @@ with lc.set_contextual_config(**layer_classes):
         model.load_state_dict(state_dict)
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
+        resume_log_step = checkpoint.get('log_step', iter_num) # gns: the log rows the weights have seen
     elif init_from.startswith('gpt2'):
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         # initialize from OpenAI GPT-2 weights
@@ -236,6 +264,8 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':
     optimizer.load_state_dict(checkpoint['optimizer'])
+    if 'scaler' in checkpoint:
+        scaler.load_state_dict(checkpoint['scaler'])
 checkpoint = None # free up memory
 
 # gns: the tracker reads every layer's buffers once per step (on every rank: it all-reduces)
@@ -289,7 +319,9 @@ if wandb_log and master_process:
     import wandb
     wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, config=config)
     logf = wandb_run.log
-tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else None, resume=init_from == 'resume')
+# gns: a resumed log continues from the checkpoint; rows written after it move to log_after_step_<N>.csv
+tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else None, resume=init_from == 'resume',
+                     resume_step=resume_log_step if init_from == 'resume' else None)
 
 # training loop
 X, Y = get_batch('train') # fetch the very first batch
@@ -298,7 +330,7 @@ local_iter_num = 0 # number of iterations in the lifetime of this process
 raw_model = model.module if ddp else model # unwrap DDP container if needed
 raw_model = getattr(raw_model, '_orig_mod', raw_model) # and the compile wrapper
 running_mfu = -1.0
-final_iter = eval_only
+final_iter = eval_only or iter_num >= max_iters or tokens_processed >= max_tokens
 while True:
 
     # determine and set the learning rate for this iteration
@@ -321,6 +353,8 @@ while True:
                     'iter_num': iter_num,
                     'best_val_loss': best_val_loss,
                     'config': config,
+                    'scaler': scaler.state_dict(),
+                    'log_step': tracker.step_count, # gns: rows of the log before this checkpoint
                 }
                 print(f"saving checkpoint to {out_dir}")
                 # written to a temp file first so a crash while saving keeps the previous checkpoint
