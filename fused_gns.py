@@ -14,7 +14,8 @@ exposed as `fused_layer_norm`, `fused_rms_norm` and `fused_linear`.
 Where the kernel can run is decided per call (`kernel_unavailable_reason`):
 a CUDA tensor with Triton installed on a GPU it supports, or a CPU tensor while
 Triton's interpreter is active (TRITON_INTERPRET=1 set before triton is first
-imported; this is how the tests run the kernels on CPU). Which of the two Triton
+imported; this is how the tests run the kernels on CPU) and torch.compile is not
+tracing (Dynamo cannot trace the interpreter). Which of the two Triton
 chose is read from Triton itself: its jitted functions are then interpreter
 functions.
 Anywhere else a layer falls back to the buffered.py torch computation (the same
@@ -75,6 +76,8 @@ def kernel_unavailable_reason(x):
         return ("TRITON_INTERPRET changed between importing triton and importing fused_gns, so Triton's "
                 "interpreter is half active; set it (or not) before anything imports triton")
     if ours:
+        if torch.compiler.is_compiling():  # Dynamo would trace into the interpreter's numpy code and fail
+            return "Triton's interpreter (TRITON_INTERPRET=1) cannot run inside torch.compile"
         if x.device.type == "cpu":
             return None
         return (f"Triton's interpreter is active (TRITON_INTERPRET=1) and runs the kernels on CPU tensors only, "
