@@ -15,6 +15,7 @@ To run with DDP on 4 gpus on 1 node, example:
 $ torchrun --standalone --nproc_per_node=4 train.py
 """
 
+import gc
 import os
 import time
 import pickle
@@ -30,6 +31,8 @@ import layer_config as lc
 from buffered import zero_sqgradnorm_buffers
 import gnstracking
 from tracker import LogWrapper
+import schedules
+import ddpgns
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -83,6 +86,12 @@ device_name = 'A100' # peak FLOPS for MFU: 'A100', 'A10', 'H100', 'H200', 'cpu',
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16' # 'float32', 'bfloat16', or 'float16', the latter will auto implement a GradScaler
 compile = True # use PyTorch 2.0 to compile the model to be faster
 gns_ema_decay = 0.95 # decay of the running GNS estimate shown in the status line
+# gns: batch-size schedule (schedules.py); steps count accumulation steps over all ranks
+bs_schedule = 'none' # 'none', 'linear' (out_dir/grad_accum_schedule.txt, re-read every step) or 'gns' (follows the running GNS)
+bs_min_accum_steps = 1
+bs_max_accum_steps = 0 # 0 = gradient_accumulation_steps
+bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples
+data_seed = -1 # >= 0: training batches drawn from (data_seed, iter_num, global micro-batch index), the same for any number of ranks
 # -----------------------------------------------------------------------------
 config_keys = [k for k,v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read()) # overrides from command line or config file
@@ -96,6 +105,15 @@ try:
 except ValueError as e:
     raise SystemExit(f"train.py: {e}")
 tracked = lc.tracks_per_example_norms(**layer_choice)
+# gns: check the batch-size schedule
+bs_max_accum_steps = bs_max_accum_steps or gradient_accumulation_steps
+if bs_schedule not in ('none', 'linear', 'gns'):
+    raise SystemExit(f"train.py: unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear' or 'gns'")
+if bs_schedule == 'gns' and not tracked:
+    raise SystemExit("train.py: bs_schedule='gns' follows the measured GNS: set a layer class other than 'nn' "
+                     "(e.g. --linearclass=gns)")
+if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
+    raise SystemExit(f"train.py: need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
 
 # various inits, derived attributes, I/O setup
 ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
@@ -111,17 +129,19 @@ if ddp:
     seed_offset = ddp_rank # each process gets a different seed
     # world_size number of processes will be training simultaneously, so we can scale
     # down the desired gradient accumulation iterations per process proportionally
-    assert gradient_accumulation_steps % ddp_world_size == 0
-    gradient_accumulation_steps //= ddp_world_size
+    assert bs_schedule != 'none' or gradient_accumulation_steps % ddp_world_size == 0
+    gradient_accumulation_steps = schedules.per_rank_steps(gradient_accumulation_steps, ddp_world_size)
 else:
     # if not ddp, we are running on a single gpu, and one process
     master_process = True
     seed_offset = 0
     ddp_world_size = 1
+if bs_schedule != 'none': # gns: a schedule sets these before every step; 'gns' starts at the minimum
+    gradient_accumulation_steps = schedules.per_rank_steps(bs_min_accum_steps, ddp_world_size)
 examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
 tokens_per_iter = examples_per_iter * block_size
 print(f"tokens per iteration will be: {tokens_per_iter:,}")
-if tracked and examples_per_iter < 2:
+if tracked and examples_per_iter < 2: # (a schedule starts at its smallest batch)
     raise SystemExit("train.py: the GNS needs at least 2 examples per optimizer step (it compares per-example "
                      "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
                      "gradient_accumulation_steps, or set all layer classes to 'nn'")
@@ -149,11 +169,16 @@ for split in ('train', 'val'):
     if n_tokens <= block_size:
         raise SystemExit(f"train.py: {os.path.join(data_dir, f'{split}.bin')} holds {n_tokens} tokens, too few for "
                          f"block_size={block_size} (a batch needs block_size + 1); lower --block_size or use more data")
-def get_batch(split):
+def get_batch(split, index=None):
     # We recreate np.memmap every batch to avoid a memory leak, as per
     # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
-    ix = torch.randint(len(data) - block_size, (batch_size,))
+    if data_seed >= 0 and index is not None: # gns: index = (iter_num, micro_step); micro-batch g of the global batch
+        it, micro = index
+        rng = np.random.default_rng([data_seed, it, micro * ddp_world_size + seed_offset])
+        ix = torch.from_numpy(rng.integers(len(data) - block_size, size=batch_size))
+    else:
+        ix = torch.randint(len(data) - block_size, (batch_size,))
     x = torch.stack([torch.from_numpy((data[i:i+block_size]).astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy((data[i+1:i+1+block_size]).astype(np.int64)) for i in ix])
     if device_type == 'cuda':
@@ -182,6 +207,15 @@ if os.path.exists(meta_path):
 
 if master_process: # only now: bad input above leaves no empty out_dir behind
     os.makedirs(out_dir, exist_ok=True)
+# gns: the 'linear' schedule's file, written once (a resumed run keeps it, a user may edit it) and read by rank 0
+accum_schedule = None
+if bs_schedule == 'linear' and master_process:
+    accum_schedule = schedules.FileSchedule(os.path.join(out_dir, schedules.SCHEDULE_FILE))
+    schedules.write_schedule_if_absent(accum_schedule.path, schedules.linear_points(bs_min_accum_steps, bs_max_accum_steps, max_tokens))
+    try:
+        accum_schedule.read()
+    except ValueError as e:
+        raise SystemExit(f"train.py: {e}")
 
 # model init
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size,
@@ -283,6 +317,23 @@ if compile:
 if ddp:
     # gns: no buffer broadcast, or rank 0's per-example norm buffers would overwrite the others'
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
+    # gns: cross-rank GNS, each rank's local gradient (b examples) against the averaged one (B examples)
+    if tracked:
+        ddp_grad_stats = ddpgns.DDPGradientStatsHook(model)
+        ddp_noise = ddpgns.GradientNoiseScale(decay=gns_ema_decay)
+
+# gns: this step's accumulation steps per rank under a batch-size schedule, decided by rank 0
+def scheduled_accum_steps():
+    if bs_schedule == 'linear':
+        total = accum_schedule(tokens_processed) if master_process else 1
+    else: # 'gns': the running GNS from the last step (NaN early on keeps the current value)
+        total = schedules.gns_steps(gradient_accumulation_steps * ddp_world_size, running_gns.gns, batch_size, bs_gns_factor,
+                                    bs_min_accum_steps, bs_max_accum_steps, max_delta=ddp_world_size)
+    steps = schedules.per_rank_steps(total, ddp_world_size)
+    if ddp: # every rank must run the same number of micro-batches
+        steps = torch.tensor([steps], device=device if device_type == 'cuda' else 'cpu')
+        torch.distributed.broadcast(steps, 0)
+    return int(steps)
 
 # helps estimate an arbitrarily accurate loss over either split using many batches
 @torch.no_grad()
@@ -324,7 +375,7 @@ tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else
                      resume_step=resume_log_step if init_from == 'resume' else None)
 
 # training loop
-X, Y = get_batch('train') # fetch the very first batch
+X, Y = get_batch('train', (iter_num, 0)) # fetch the very first batch
 t0 = time.time()
 local_iter_num = 0 # number of iterations in the lifetime of this process
 raw_model = model.module if ddp else model # unwrap DDP container if needed
@@ -365,6 +416,11 @@ while True:
         tracker.step()
         break
 
+    if bs_schedule != 'none': # gns: the batch-size schedule picks this step's batch
+        gradient_accumulation_steps = scheduled_accum_steps()
+        examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
+        tokens_per_iter = examples_per_iter * block_size
+
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     # and using the GradScaler if data type is float16
     for micro_step in range(gradient_accumulation_steps):
@@ -378,7 +434,7 @@ while True:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps # scale the loss to account for gradient accumulation
         # immediately async prefetch next batch while model is doing the forward pass on the GPU
-        X, Y = get_batch('train')
+        X, Y = get_batch('train', (iter_num, micro_step + 1) if micro_step + 1 < gradient_accumulation_steps else (iter_num + 1, 0))
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss).backward()
     # gns: record + zero after step (before clipping, which would change the batch gradient's norm)
@@ -386,6 +442,10 @@ while True:
         measurements = gns_tracker.step(batch_size=examples_per_iter)
         zero_sqgradnorm_buffers(raw_model)
         tracker.log({**accumulate_gns.get_msg(), "gns": running_gns.update(*gnstracking.summed_sqnorms(measurements))})
+        if ddp:
+            small, big = ddp_grad_stats.sq_norms(scaler.get_scale() if scaler.is_enabled() else 1.0)
+            ddp_noise.update(small, big, batch_size * gradient_accumulation_steps, examples_per_iter)
+            tracker.log(ddp_noise.get_msg())
     tokens_processed += tokens_per_iter # a python mirror of the buffer: reading the buffer would sync the GPU
     raw_model.tokens_processed.add_(tokens_per_iter)
     # clip the gradient (the norm is logged before clipping)
@@ -411,12 +471,12 @@ while True:
         tracker.log({
             "train/lossf": lossf, "lr": lr, "grad_norm": grad_norm, "dt": dt,
             "tokens_per_sec": tokens_per_iter / dt, "mfu": max(running_mfu, 0.0) * 100,
-            "gradient_accumulation_steps": gradient_accumulation_steps * ddp_world_size,
         })
         gns_status = ", {gns=:.2f}" if tracked else ""
         tracker.print(f"iter {iter_num}: " + "{train_lossf=:.4f}, {dt=:.3f}s, {mfu=:.2f}%, {tokens_per_sec=:,.0f}" + gns_status)
     # gns: one CSV row per optimizer step, indexed by iteration and tokens
-    tracker.log({"iter_num": iter_num, "tokens_processed": tokens_processed})
+    tracker.log({"iter_num": iter_num, "tokens_processed": tokens_processed,
+                 "gradient_accumulation_steps": gradient_accumulation_steps * ddp_world_size, "batch_size": examples_per_iter})
     tracker.step()
     iter_num += 1
     local_iter_num += 1
@@ -426,4 +486,7 @@ while True:
 
 tracker.close()
 if ddp:
+    # gns: free DDP before its process group: left alive until exit, a gloo rank can abort at teardown
+    model = None
+    gc.collect()
     destroy_process_group()

@@ -50,6 +50,9 @@ def main(out_path):
         with open(out_path, "w") as f:
             json.dump(accumulate.get_msg(), f)
     if ddp:
+        del step_model  # gloo aborts at exit if a DDP model outlives its process group
+        import gc
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1,0 +1,110 @@
+"""
+Cross-rank gradient noise scale under DDP.
+
+Each rank's gradient, before DDP averages it, is a small-batch gradient (the
+rank's own b examples); the averaged gradient is the big-batch one (all
+B = b x world_size examples). McCandlish et al. 2018 (arXiv 1812.06162, app. A)
+give unbiased estimates from the two squared norms:
+
+    |G|^2     = (B |g_B|^2 - b |g_b|^2) / (B - b)
+    tr(Sigma) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+    GNS       = EMA(tr(Sigma)) / EMA(|G|^2)
+
+where |g_b|^2 is the mean over ranks of each rank's local squared norm. This
+covers every parameter DDP synchronises (tied ones included) and needs no
+per-example norm layers, only more than one rank.
+
+Usage:
+
+    hook = DDPGradientStatsHook(ddp_model)        # registers a comm hook
+    noise = GradientNoiseScale(decay=0.95)
+    ...backward of every micro-batch (the hook runs on the synchronising one)...
+    small, big = hook.sq_norms()                  # one all-reduce; resets the hook
+    noise.update(small, big, b, B)
+    log(noise.get_msg())                          # {'ddp/gns': ..., 'ddp/gtg': ..., 'ddp/trsigma': ..., ...}
+    ...
+    del ddp_model; gc.collect()                   # before destroy_process_group()
+
+With gloo, a DDP model still alive at destroy_process_group() / interpreter exit
+was seen to abort a rank ("terminate called without an active exception"), with
+or without this hook (tests/scripts/ddp_tracker_worker.py: 5 runs in 16), so free
+the DDP model first, as train.py does.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from gnstracking import EMA, gns_from_emas
+
+
+class DDPGradientStatsHook:
+    """A DDP comm hook that sums the squared norms of this rank's local gradient
+    buckets (before they are averaged) and then averages them over the ranks as
+    DDP's default hook does. `sq_norms()` adds the averaged gradient's squared norm,
+    read from the parameters' .grad after backward."""
+
+    def __init__(self, ddp_model, process_group=None):
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.parameters = [p for p in ddp_model.parameters() if p.requires_grad]
+        self.local_sq = None  # sum over buckets of ||local bucket||^2 (this rank), since the last sq_norms()
+        ddp_model.register_comm_hook(state=process_group, hook=self._hook)
+
+    def _hook(self, process_group, bucket):
+        local_sq = bucket.buffer().detach().double().pow(2).sum()
+        self.local_sq = local_sq if self.local_sq is None else self.local_sq + local_sq
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    def sq_norms(self, scale=1.0):
+        """(mean over ranks of ||local grad||^2, ||averaged grad||^2) of the last synchronised
+        backward, divided by scale^2 (a GradScaler's scale); all-reduces once, so every rank must
+        call it, after backward and before the gradients are clipped. NaN, NaN if the hook has not run."""
+        if self.local_sq is None:
+            return math.nan, math.nan
+        local = self.local_sq.clone()
+        dist.all_reduce(local, group=self.process_group)
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        big = sum(g.detach().double().pow(2).sum() for g in grads).item() if grads else math.nan
+        self.local_sq = None
+        return local.item() / self.world_size / scale ** 2, big / scale ** 2
+
+
+class GradientNoiseScale:
+    """EMAs of the unbiased |G|^2 and tr(Sigma) from a small- and a big-batch squared norm per step."""
+
+    def __init__(self, decay=0.95):
+        self.gtg_ema = EMA(decay)
+        self.trsigma_ema = EMA(decay)
+        self.last = {}
+
+    @staticmethod
+    def estimate(sq_norm_small, sq_norm_large, small_batch_size, big_batch_size):
+        """(|G|^2, tr(Sigma)) of one step; NaN when the two batch sizes are equal."""
+        b, B = float(small_batch_size), float(big_batch_size)
+        if not B > b > 0:
+            return math.nan, math.nan
+        gtg = (B * sq_norm_large - b * sq_norm_small) / (B - b)
+        trsigma = (sq_norm_small - sq_norm_large) / (1.0 / b - 1.0 / B)
+        return gtg, trsigma
+
+    def update(self, sq_norm_small, sq_norm_large, small_batch_size, big_batch_size):
+        gtg, trsigma = self.estimate(sq_norm_small, sq_norm_large, small_batch_size, big_batch_size)
+        if math.isfinite(gtg) and math.isfinite(trsigma):
+            self.gtg_ema.update(gtg)
+            self.trsigma_ema.update(trsigma)
+        self.last = dict(sq_norm_small=sq_norm_small, sq_norm_large=sq_norm_large,
+                         small_batch_size=small_batch_size, big_batch_size=big_batch_size, gtg_step=gtg,
+                         trsigma_step=trsigma)
+        return self.gns
+
+    @property
+    def gns(self):
+        return gns_from_emas(self.gtg_ema.value, self.trsigma_ema.value)
+
+    def get_msg(self, prefix="ddp/"):
+        """The current EMAs, GNS and the last step's inputs as a flat dict for the log."""
+        msg = {"gns": self.gns, "gtg": self.gtg_ema.value, "trsigma": self.trsigma_ema.value, **self.last}
+        return {prefix + k: v for k, v in msg.items()}

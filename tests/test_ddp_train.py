@@ -1,0 +1,95 @@
+"""
+train.py under torchrun (2 ranks, gloo, CPU): the ddp/ columns of the cross-rank GNS
+(ddpgns.py), and the per-parameter norms against one process that sees the same
+global batch (--data_seed makes the data order independent of the number of ranks).
+
+    python -m pytest tests/test_ddp_train.py -q
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ddpgns
+from csv_tools import load_csv
+from test_train import TINY
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = [*TINY, "--max_iters=3", "--eval_interval=100", "--gradient_accumulation_steps=4", "--data_seed=7",
+         "--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shakespeare_data():
+    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
+        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+
+
+def train(out_dir, *args, nproc=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    launch = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    out = subprocess.run([*launch, "train.py", *FLAGS, *args, f"--out_dir={out_dir}"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-8000:]
+    return load_csv(out_dir).dropna(subset=["batch_size"])  # the optimizer steps' rows
+
+
+@pytest.mark.slow
+def test_two_ranks_log_ddp_gns_and_match_one_process(tmp_path):
+    ddp = train(tmp_path / "ddp", "--backend=gloo", nproc=2)
+    single = train(tmp_path / "single")
+    assert len(ddp) == len(single) == 3
+    assert (ddp["batch_size"] == 16).all() and (ddp["gradient_accumulation_steps"] == 4).all()
+
+    # ddp/ columns: each rank's 8 examples against the global 16
+    assert (ddp["ddp/small_batch_size"] == 8).all() and (ddp["ddp/big_batch_size"] == 16).all()
+    for col in ("ddp/gns", "ddp/gtg", "ddp/trsigma", "ddp/sq_norm_small", "ddp/sq_norm_large"):
+        assert np.isfinite(ddp[col]).all(), col
+    assert (ddp["ddp/sq_norm_small"] > ddp["ddp/sq_norm_large"]).all()  # a rank's gradient is noisier
+    # the averaged buckets are the whole (unclipped) gradient: grad_norm^2
+    np.testing.assert_allclose(ddp["ddp/sq_norm_large"], ddp["grad_norm"] ** 2, rtol=1e-5)
+    assert not [c for c in single.columns if c.startswith("ddp/")]
+
+    # per-parameter columns: finite, B = the global batch, and equal to one process on the same examples
+    cols = [c for c in ddp.columns if c.startswith("train/gns/")]
+    assert len(cols) > 30 and set(cols) == {c for c in single.columns if c.startswith("train/gns/")}
+    for c in cols:
+        assert np.isfinite(ddp[c]).all(), c
+        if c.endswith("/batch_size"):
+            assert (ddp[c] == 16).all() and (single[c] == 16).all()
+        else:
+            np.testing.assert_allclose(ddp[c].to_numpy(), single[c].to_numpy(), rtol=1e-4, err_msg=c)
+    np.testing.assert_allclose(ddp["grad_norm"].to_numpy(), single["grad_norm"].to_numpy(), rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_follow_a_gns_batch_schedule_together(tmp_path):
+    """Rank 0 decides each step's accumulation steps and broadcasts them; a mismatch would hang or fail."""
+    df = train(tmp_path, "--backend=gloo", "--bs_schedule=gns", "--bs_min_accum_steps=2", "--bs_max_accum_steps=8",
+               "--max_iters=6", nproc=2)
+    accum = df["gradient_accumulation_steps"].tolist()
+    assert accum[0] == 2 and all(a % 2 == 0 and 2 <= a <= 8 for a in accum)
+    assert all(abs(a - b) <= 2 for a, b in zip(accum, accum[1:]))  # one micro-batch per rank per step at most
+    assert len(set(accum)) > 1  # the measured GNS (~10) asks for more than 2 x 4 examples
+    assert (df["batch_size"] == df["gradient_accumulation_steps"] * 4).all()
+    assert (df["ddp/big_batch_size"] == df["batch_size"]).all()
+    assert math.isfinite(df["ddp/gns"].iloc[-1])
+
+
+def test_gradient_noise_scale_estimator_recovers_known_statistics():
+    """E|g_b|^2 = |G|^2 + tr(Sigma) / b: with |G|^2 = 2, tr(Sigma) = 8, b = 4, B = 16 the inputs are 4 and 2.5."""
+    noise = ddpgns.GradientNoiseScale(decay=0.9)
+    assert math.isnan(noise.gns)
+    for _ in range(3):
+        noise.update(4.0, 2.5, 4, 16)
+    msg = noise.get_msg()
+    assert msg["ddp/gtg"] == pytest.approx(2.0) and msg["ddp/trsigma"] == pytest.approx(8.0)
+    assert msg["ddp/gns"] == pytest.approx(4.0) and msg["ddp/big_batch_size"] == 16
+    noise.update(4.0, 2.5, 16, 16)  # one rank: no small batch, the EMAs stay
+    assert noise.get_msg()["ddp/gns"] == pytest.approx(4.0) and math.isnan(noise.get_msg()["ddp/gtg_step"])
