@@ -33,7 +33,6 @@ the DDP model first, as train.py does.
 
 import math
 
-import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
