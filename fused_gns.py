@@ -26,9 +26,9 @@ raise RuntimeError here, before any kernel is launched.
 import warnings
 
 import torch
-import torch.nn.functional as F
 
-from buffered import PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, autocast_inputs, accumulate_pe_sqnorm
+from buffered import (PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, _LinearFunction,
+                      accumulate_pe_sqnorm, autocast_inputs)
 
 try:
     import triton
@@ -93,12 +93,16 @@ def kernel_unavailable_reason(x):
     return None
 
 
-def _warn_fallback(layer_name, reason):
-    if reason in _warned_reasons:
-        return
-    _warned_reasons.add(reason)
-    warnings.warn(f"{layer_name}: Triton kernel not used ({reason}); falling back to buffered.py's torch "
-                  f"computation, which gives the same numbers more slowly.", RuntimeWarning, stacklevel=2)
+def _use_kernel(layer, x):
+    """True when the Triton kernel can run on x; otherwise warn once per reason and return False."""
+    reason = kernel_unavailable_reason(x)
+    if reason is None:
+        return True
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(f"{type(layer).__name__}: Triton kernel not used ({reason}); falling back to buffered.py's "
+                      f"torch computation, which gives the same numbers more slowly.", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def _check_input(x, features, what):
@@ -272,9 +276,7 @@ class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_buffer, bias_buffer):
         _check_input(x, weight.shape[1], "fused Linear")
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.buffers = bias is not None, (weight_buffer, bias_buffer)
-        return F.linear(x, weight, bias)
+        return _LinearFunction.forward(ctx, x, weight, bias, weight_buffer, bias_buffer)  # the same saved state
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -297,9 +299,7 @@ class PEGradNormFusedLayerNorm(PEGradNormLayerNorm):
     """PEGradNormLayerNorm computed by the Triton kernels where they can run."""
 
     def forward(self, x):
-        reason = kernel_unavailable_reason(x)
-        if reason is not None:
-            _warn_fallback(type(self).__name__, reason)
+        if not _use_kernel(self, x):
             return super().forward(x)
         return fused_layer_norm(x, self.weight, self.bias, self.eps, self.pe_buffer("weight"), self.pe_buffer("bias"))
 
@@ -308,9 +308,7 @@ class PEGradNormFusedRMSNorm(PEGradNormRMSNorm):
     """RMSNorm y = x / sqrt(mean(x^2) + eps) * weight, with per-example norms of the weight gradient."""
 
     def forward(self, x):
-        reason = kernel_unavailable_reason(x)
-        if reason is not None:
-            _warn_fallback(type(self).__name__, reason)
+        if not _use_kernel(self, x):
             return super().forward(x)
         return fused_rms_norm(x, self.weight, self.eps, self.pe_buffer("weight"))
 
@@ -319,9 +317,7 @@ class PEGradNormFusedLinear(PEGradNormLinear):
     """PEGradNormLinear whose weight gradient and per-example norms come from one Triton kernel."""
 
     def forward(self, x):
-        reason = kernel_unavailable_reason(x)
-        if reason is not None:
-            _warn_fallback(type(self).__name__, reason)
+        if not _use_kernel(self, x):
             return super().forward(x)
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
