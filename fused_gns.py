@@ -116,15 +116,21 @@ def _check_input(x, features, what):
 # -----------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 
+def _split_for_gpu(length, other_programs, programs_per_sm, device):
+    """Split `length` items (rows, examples) into chunks so that chunks x other_programs reaches about
+    programs_per_sm programs per SM; one chunk on CPU. Returns (chunks, items per chunk)."""
+    if device.type != "cuda":
+        return 1, length
+    target = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    chunks = max(1, min(length, triton.cdiv(target, other_programs)))
+    per_chunk = triton.cdiv(length, chunks)
+    return triton.cdiv(length, per_chunk), per_chunk
+
+
 def _norm_chunks(N, T, device):
     """(chunks per example, rows per chunk) for _ln_bwd_dx_pesq: on a GPU about 4 programs per SM
     (more chunks: more parallelism but a larger (N * chunks, D) partial buffer); one chunk on CPU."""
-    if device.type != "cuda":
-        return 1, T
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    chunks = max(1, min(T, triton.cdiv(target, N)))
-    rows = triton.cdiv(T, chunks)
-    return triton.cdiv(T, rows), rows
+    return _split_for_gpu(T, N, 4, device)
 
 
 def _norm_forward(ctx, x, weight, bias, eps, is_rms):
@@ -231,12 +237,7 @@ def _linear_blocks(T, L, K, dtype, device):
 def _linear_chunks(N, tiles, device):
     """Examples are split over grid axis 1 when there are too few dW tiles to fill the GPU; each
     chunk then writes its own (L, K) dW partial, summed in the glue. Returns (chunks, examples per chunk)."""
-    if device.type != "cuda":
-        return 1, N
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    chunks = max(1, min(N, triton.cdiv(target, tiles)))
-    per_chunk = triton.cdiv(N, chunks)
-    return triton.cdiv(N, per_chunk), per_chunk
+    return _split_for_gpu(N, tiles, 2, device)
 
 
 def _linear_dw_pesq(x, grad_out, has_bias):
