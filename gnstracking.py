@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from buffered import BUFFER_SUFFIX, norm_dtype
+from tied import link_tied_parameters
 
 
 def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
@@ -138,31 +139,41 @@ def summed_sqnorms(measurements):
     return sq_norm, pe_sqnorm, measurements[0].big_batch_size
 
 
-def find_tracked_parameters(model):
+def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
     """Split `model`'s parameters by whether their per-example norms can be read.
 
+    Args:
+        suffix: the buffer suffix to look for (BUFFER_SUFFIX for exact norms;
+            another suffix reads another method's buffers, e.g. sogns.SOGNS_SUFFIX).
     Returns:
-        tracked: [(name, parameter, buffer)] in `named_parameters()` order, for
-            parameters whose owning module has a `<name>_upegsqnorm` buffer.
+        tracked: [(name, parameter, terms)] in `named_parameters()` order, where
+            terms = [(buffer, coefficient)] whose weighted sum is the parameter's
+            [sum_i ||g_i / B||^2, count]: one buffer for an ordinary parameter;
+            three for a tensor tied between an Embedding and a Linear (each use's
+            buffer and twice the cross term, see tied.py), logged under its names
+            joined by "+".
         skipped: {name: reason} for every other parameter.
-    A tied parameter (one tensor registered under several names, such as
-    nanoGPT's wte/lm_head) is skipped: each use's buffer only holds that use's
-    per-example norms, and the exact norm of their sum needs the cross term.
     """
     buffers = dict(model.named_buffers())
     aliases = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
+    tied = link_tied_parameters(model) if suffix == BUFFER_SUFFIX else {}
     tracked, skipped = [], {}
     for name, param in model.named_parameters():
-        buffer = buffers.get(name + BUFFER_SUFFIX)
         names = aliases[id(param)]
-        if buffer is None:
+        if id(param) in tied:
+            tracked.append(("+".join(tied[id(param)].names), param, tied[id(param)].terms))
+            continue
+        buffer = buffers.get(name + suffix)
+        if len(names) > 1 and any(n + suffix in buffers for n in names):
+            skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: the exact per-example norm of a "
+                             "shared tensor is recorded only for one Embedding and one Linear that both record "
+                             "per-example norms (e.g. --embeddingclass=gns --linearclass=gns)")
+        elif buffer is None:
             skipped[name] = "its layer records no per-example norms (a plain torch layer)"
-        elif len(names) > 1:
-            skipped[name] = f"tied to {', '.join(n for n in names if n != name)}: exact per-example norm of a shared tensor needs the cross term"
         else:
-            tracked.append((name, param, buffer))
+            tracked.append((name, param, [(buffer, 1.0)]))
     return tracked, skipped
 
 
@@ -170,33 +181,61 @@ class MeasurementTracker:
     """Reads every per-example norm buffer of a model once per optimizer step.
 
     Args:
-        tracked: [(name, parameter, buffer)], see `find_tracked_parameters`.
+        tracked: [(name, parameter, terms)], see `find_tracked_parameters`.
         callback: a callable, or a list of callables, given each Measurement.
-        scaler: the GradScaler of fp16 training, or None; its scale is divided out.
+        scaler: the GradScaler of fp16 training, or None; its scale is divided out,
+            and a step it will skip (an inf/nan gradient) is not a measurement.
+        skipped: {name: reason} of the parameters not tracked.
+        other_params: the model's untracked parameters, whose gradients are also
+            checked for inf/nan when a scaler is on (GradScaler skips the step if
+            any gradient is non-finite).
     Call `step(batch_size=B)` after the last micro-batch's backward and before
     gradient clipping / `scaler.unscale_` / `scaler.step`, then
     `zero_sqgradnorm_buffers(model)`.
+
+    Counters: `scaler_skipped_steps` (steps not measured because the scaler
+    skips them) and `nonfinite_steps` (measured steps with an inf/nan norm;
+    those are passed on as inf/nan, never replaced by a number).
     """
 
-    def __init__(self, tracked, callback=None, scaler=None, skipped=None):
+    def __init__(self, tracked, callback=None, scaler=None, skipped=None, other_params=()):
         self.tracked = tracked
         if callback is None:
             callback = []
         self.callbacks = list(callback) if isinstance(callback, (list, tuple)) else [callback]
         self.scaler = scaler
         self.skipped = dict(skipped or {})
+        self.other_params = list(other_params)
         self.step_count = 0
+        self.scaler_skipped_steps = 0
+        self.nonfinite_steps = 0
 
     @classmethod
-    def from_model(cls, model, callback=None, scaler=None):
-        tracked, skipped = find_tracked_parameters(model)
+    def from_model(cls, model, callback=None, scaler=None, suffix=BUFFER_SUFFIX):
+        """A tracker of every parameter of `model` whose layer records per-example norms.
+
+        Links tied Embedding/Linear tensors (tied.link_tied_parameters) so that
+        they are logged exactly; warns about tied tensors it cannot log exactly.
+        Call it after `model.to(device)` (moving a module replaces its buffers).
+        """
+        tracked, skipped = find_tracked_parameters(model, suffix)
         for name, reason in skipped.items():
             if reason.startswith("tied"):
                 warnings.warn(f"GNS: not tracking {name}: {reason}")
-        return cls(tracked, callback=callback, scaler=scaler, skipped=skipped)
+        tracked_ids = {id(p) for _, p, _ in tracked}
+        other_params = [p for p in model.parameters() if id(p) not in tracked_ids]
+        return cls(tracked, callback=callback, scaler=scaler, skipped=skipped, other_params=other_params)
+
+    def _scaler_on(self):
+        return self.scaler is not None and self.scaler.is_enabled()
 
     def read(self):
         """Per tracked parameter: (||grad||^2, sum_i ||g_i||^2, examples counted), in one host sync.
+
+        Returns:
+            (values (n, 3) float64 on the CPU, all_grads_finite: bool). The flag
+            covers the untracked parameters too, and is only computed (else True)
+            when a GradScaler is on.
 
         The buffer holds [sum_i ||g_i / n||^2, n] for the n examples this process
         saw, so sum_i ||g_i||^2 = buffer[0] * n^2. Under torch.distributed the sums
@@ -204,25 +243,37 @@ class MeasurementTracker:
         covers every example of the global batch; p.grad is already all-reduced.
         """
         rows = []
-        for _, param, buffer in self.tracked:
-            grad_sq = torch.linalg.vector_norm(param.grad, dtype=norm_dtype(param.grad)).double() ** 2 if param.grad is not None else torch.zeros((), device=buffer.device)
-            sums = buffer.double()
-            rows.append(torch.stack([grad_sq.to(buffer.device, torch.float64), sums[0] * sums[1] ** 2, sums[1]]))
-        if not rows:
-            return torch.zeros(0, 3, dtype=torch.float64)
-        values = torch.stack(rows)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for _, param, terms in self.tracked:
+            device = terms[0][0].device
+            grad_sq = torch.linalg.vector_norm(param.grad, dtype=norm_dtype(param.grad)).double() ** 2 if param.grad is not None else torch.zeros((), device=device)
+            sums = sum(coefficient * buffer.double() for buffer, coefficient in terms)
+            count = terms[0][0][1].double()  # every term counts the same examples
+            rows.append(torch.stack([grad_sq.to(device, torch.float64), sums[0] * count ** 2, count]))
+        values = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+        if rows and torch.distributed.is_available() and torch.distributed.is_initialized():
             world_size = torch.distributed.get_world_size()
             if world_size > 1:
                 sums = values[:, 1:].clone()
                 torch.distributed.all_reduce(sums)
                 values = torch.cat([values[:, :1], sums], dim=1)
-        return values.cpu()
+        if not self._scaler_on():
+            return values.cpu(), True
+        # GradScaler skips the step when any gradient is inf/nan: check them all in the same sync
+        grads = [p.grad for p in self.other_params if p.grad is not None]
+        other_sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).double().sum() if grads else torch.zeros((), dtype=torch.float64)
+        flat = torch.cat([values[:, 0].reshape(-1).to(other_sq.device), other_sq.reshape(1)]).cpu()
+        return values.cpu(), bool(torch.isfinite(flat).all())
 
     def step(self, batch_size, step=None):
-        """Emit one Measurement per tracked parameter that took part in this step; returns them."""
-        values = self.read()
-        scale = self.scaler.get_scale() if self.scaler is not None and self.scaler.is_enabled() else 1.0
+        """Emit one Measurement per tracked parameter that took part in this step; returns them.
+
+        Returns [] for a step the GradScaler will skip (counted in scaler_skipped_steps)."""
+        values, grads_finite = self.read()
+        if not grads_finite:
+            self.scaler_skipped_steps += 1
+            self.step_count += 1
+            return []
+        scale = self.scaler.get_scale() if self._scaler_on() else 1.0
         measurements = []
         for (name, _, _), (grad_sq, pe_sqnorm_sum, count) in zip(self.tracked, values.tolist()):
             if count == 0:
@@ -230,10 +281,11 @@ class MeasurementTracker:
             if count != batch_size:
                 raise ValueError(f"GNS: {name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
                                  f"pass the number of examples of the whole step (micro-batch size x accumulation steps x ranks)")
-            # GradScaler multiplies every gradient by scale, so squared norms by scale^2
+            # GradScaler multiplies every gradient by scale, so squared norms by scale^2.
+            # nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too, never a made-up number
             measurement = Measurement(
-                big_batch_norm=math.sqrt(grad_sq) / scale,
-                small_batch_norm=math.sqrt(pe_sqnorm_sum / count) / scale,
+                big_batch_norm=math.sqrt(grad_sq) / scale if grad_sq >= 0 else math.nan,
+                small_batch_norm=math.sqrt(pe_sqnorm_sum / count) / scale if pe_sqnorm_sum >= 0 else math.nan,
                 big_batch_size=batch_size,
                 small_batch_size=1,
                 metadata={"name": name, "step": self.step_count if step is None else step},
@@ -241,6 +293,8 @@ class MeasurementTracker:
             for callback in self.callbacks:
                 callback(measurement)
             measurements.append(measurement)
+        if any(not (math.isfinite(m.big_batch_norm) and math.isfinite(m.small_batch_norm)) for m in measurements):
+            self.nonfinite_steps += 1
         self.step_count += 1
         return measurements
 

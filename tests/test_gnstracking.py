@@ -126,7 +126,7 @@ def test_tracker_rejects_a_wrong_batch_size_and_skips_unused_layers():
         tracker.step(batch_size=8)
 
 
-def test_tied_parameter_is_skipped_not_mixed():
+def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -134,9 +134,9 @@ def test_tied_parameter_is_skipped_not_mixed():
             self.lm_head = PEGradNormLinear(4, 10, bias=False)
             self.lm_head.weight = self.wte.weight
 
-    with pytest.warns(UserWarning, match="not tracking wte.weight"):
-        tracker = gnstracking.MeasurementTracker.from_model(Tied())
-    assert tracker.tracked == [] and "tied to lm_head.weight" in tracker.skipped["wte.weight"]
+    tracker = gnstracking.MeasurementTracker.from_model(Tied())
+    assert [name for name, _, _ in tracker.tracked] == ["wte.weight+lm_head.weight"] and tracker.skipped == {}
+    assert [c for _, c in tracker.tracked[0][2]] == [1.0, 1.0, 2.0]  # embedding, head, 2 x cross term (tests/test_tied.py)
 
 
 def test_summed_sqnorms_and_running_gns():

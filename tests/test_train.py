@@ -41,7 +41,8 @@ def test_gns_run_logs_every_tracked_parameter_and_analysis_reads_it(tmp_path):
     names = {c.split("/")[2] for c in norms}
     assert "transformer.h.0.ln_1.weight" in names and "transformer.h.1.mlp.c_fc.weight" in names
     assert "transformer.wpe.weight" in names
-    assert "transformer.wte.weight" not in names  # tied to lm_head: never a mixed number
+    assert "transformer.wte.weight+lm_head.weight" in names  # the tied matrix, once, exactly (tied.py)
+    assert "transformer.wte.weight" not in names and "lm_head.weight" not in names
     assert (df["train/gns/transformer.h.0.attn.c_attn.weight/batch_size"].dropna() == 8).all()
     assert df[norms].iloc[:6].notna().all().all() and df["val/loss"].notna().iloc[-1]
     analysis = run("gns-analysis.py", str(tmp_path), "--no-plots")

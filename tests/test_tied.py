@@ -1,0 +1,205 @@
+"""
+Tied embedding / output matrix (tied.py): the tracker logs the shared tensor once,
+as `<names joined by +>`, with the exact per-example norm of its whole gradient,
+checked against a brute-force loop over examples on small tied GPTs.
+
+    python -m pytest -q tests/test_tied.py
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import gnstracking
+import layer_config as lc
+import tied
+from buffered import PEGradNormEmbedding, PEGradNormLinear, zero_sqgradnorm_buffers
+from model import GPT, GPTConfig
+
+CONFIG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab_size=67, dropout=0.0)
+TIED = "transformer.wte.weight+lm_head.weight"
+
+
+def build(linearclass="gns", embeddingclass="gns", lnclass="gns", dtype=torch.float64):
+    torch.manual_seed(0)
+    with lc.set_contextual_config(**lc.layer_classes(linearclass, embeddingclass, lnclass)):
+        return GPT(GPTConfig(**CONFIG)).to(dtype)
+
+
+def brute_force(model, loss_fn, x, y):
+    """Per parameter: (||batch-mean gradient||^2, mean_i ||g_i||^2) from one backward per example."""
+    model.zero_grad(set_to_none=True)
+    loss_fn(model, x, y).backward()
+    batch = {n: p.grad.double().pow(2).sum().item() for n, p in model.named_parameters()}
+    per_example = {n: 0.0 for n in batch}
+    for i in range(x.shape[0]):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, x[i:i + 1], y[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            per_example[n] += p.grad.double().pow(2).sum().item() / x.shape[0]
+    model.zero_grad(set_to_none=True)
+    zero_sqgradnorm_buffers(model)
+    return batch, per_example
+
+
+def gpt_loss(model, x, y):
+    return model(x, y)[1]
+
+
+def last_position_loss(model, x, y):
+    """nanoGPT without targets runs lm_head on the last position only: S = 1 output rows against T ids."""
+    logits, _ = model(x)
+    return F.cross_entropy(logits[:, -1, :].float(), y[:, -1]).to(logits.dtype)
+
+
+def tracked_step(model, loss_fn, x, y, micro_batches=(None,)):
+    """Backward over micro-batches (each scaled to the mean over the whole batch), then one tracker step."""
+    tracker = gnstracking.MeasurementTracker.from_model(model)
+    model.zero_grad(set_to_none=True)
+    B = x.shape[0]
+    for part in micro_batches:
+        sl = slice(None) if part is None else part
+        n = x[sl].shape[0]
+        (loss_fn(model, x[sl], y[sl]) * n / B).backward()
+    measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+    zero_sqgradnorm_buffers(model)
+    return measurements
+
+
+@pytest.mark.parametrize("classes", [("gns", "gns"), ("shim", "shim"), ("fused", "gns"), ("gns", "shim")],
+                         ids=lambda c: f"linear={c[0]}-embedding={c[1]}")
+@pytest.mark.parametrize("loss_fn", [gpt_loss, last_position_loss], ids=["all-positions", "last-position"])
+@pytest.mark.filterwarnings("ignore:.*Triton kernel not used:RuntimeWarning")
+def test_tied_matrix_norm_matches_brute_force(classes, loss_fn):
+    model = build(linearclass=classes[0], embeddingclass=classes[1])
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 67, (2, 5, 11), generator=gen)
+    m = tracked_step(model, loss_fn, x, y, micro_batches=[slice(0, 2), slice(2, 5)])  # accumulation over 2 micro-batches
+    batch, per_example = brute_force(model, loss_fn, x, y)
+    assert TIED in m and "transformer.wte.weight" not in m and "lm_head.weight" not in m
+    assert m[TIED].big_batch_norm ** 2 == pytest.approx(batch["transformer.wte.weight"], rel=1e-9)
+    assert m[TIED].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
+    # the other parameters are untouched by the linking
+    assert m["transformer.wpe.weight"].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wpe.weight"], rel=1e-6)
+
+
+def test_cross_term_is_needed():
+    """Leaving the cross term out (or logging one use only) gives a different number: the test above is not vacuous."""
+    model = build()
+    x, y = torch.randint(0, 67, (2, 4, 9), generator=torch.Generator().manual_seed(2))
+    tracker = gnstracking.MeasurementTracker.from_model(model)
+    _, loss = model(x, y)
+    loss.backward()
+    (_, _, terms), = [t for t in tracker.tracked if t[0] == TIED]
+    (emb, _), (head, _), (cross, two) = terms
+    assert two == 2.0 and abs(cross[0].item()) > 1e-3 * (emb[0].item() + head[0].item())
+    assert cross[1].item() == emb[1].item() == head[1].item() == 4
+
+
+def test_batch_of_one_and_2d_inputs():
+    """ids (N,) and an output layer on (N, D): one position per example."""
+
+    class TinyTied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = PEGradNormEmbedding(13, 6)
+            self.mix = PEGradNormLinear(6, 6)
+            self.head = PEGradNormLinear(6, 13, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+    torch.manual_seed(0)
+    model = TinyTied().double()
+
+    def loss_fn(model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    for B in (1, 7):
+        x, y = torch.randint(0, 13, (2, B), generator=torch.Generator().manual_seed(B))
+        m = tracked_step(model, loss_fn, x, y)
+        _, per_example = brute_force(model, loss_fn, x, y)
+        assert m["emb.weight+head.weight"].small_batch_norm ** 2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
+
+
+def test_embedding_without_the_head_in_backward():
+    """A backward that never reaches the output layer: the cross term is 0 and the norm is the embedding's."""
+    model = build()
+    x = torch.randint(0, 67, (3, 8), generator=torch.Generator().manual_seed(3))
+    tracker = gnstracking.MeasurementTracker.from_model(model)
+    model.transformer.wte(x).pow(2).mean().backward()
+    (_, _, terms), = [t for t in tracker.tracked if t[0] == TIED]
+    assert terms[2][0][0].item() == 0.0 and terms[0][0][0].item() > 0
+    zero_sqgradnorm_buffers(model)
+
+
+def test_flattened_output_layer_input_is_a_clear_error():
+    class Flattening(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = PEGradNormEmbedding(11, 4)
+            self.head = PEGradNormLinear(4, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).reshape(-1, 4))
+
+    model = Flattening()
+    gnstracking.MeasurementTracker.from_model(model)
+    with pytest.raises(ValueError, match="keep the examples on dim 0"):
+        model(torch.randint(0, 11, (3, 5)))
+
+
+def test_linking_is_idempotent():
+    model = build()
+    x, y = torch.randint(0, 67, (2, 3, 7), generator=torch.Generator().manual_seed(4))
+    once = tracked_step(model, gpt_loss, x, y)[TIED].small_batch_norm
+    for _ in range(2):
+        gnstracking.MeasurementTracker.from_model(model)
+    assert len(model.transformer.wte._forward_hooks) == 1 and len(model.lm_head._forward_hooks) == 1
+    assert tracked_step(model, gpt_loss, x, y)[TIED].small_batch_norm == pytest.approx(once, rel=1e-12)
+
+
+def test_no_grad_forward_records_nothing():
+    model = build()
+    gnstracking.MeasurementTracker.from_model(model)
+    with torch.no_grad():
+        model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=3)
+    assert all(b.abs().sum() == 0 for n, b in model.named_buffers() if n.endswith("_upegsqnorm"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tied_norm_under_autocast_within_tolerance(dtype):
+    """Autocast (bf16, fp16) against float32: within 3e-2 relative, the tolerance of every layer under autocast."""
+    x, y = torch.randint(0, 67, (2, 6, 16), generator=torch.Generator().manual_seed(5))
+    reference = tracked_step(build(dtype=torch.float32), gpt_loss, x, y)
+    model = build(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=dtype):
+        got = tracked_step(model, gpt_loss, x, y)
+    for name in (TIED, "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight", "transformer.ln_f.weight"):
+        assert got[name].small_batch_norm == pytest.approx(reference[name].small_batch_norm, rel=3e-2), name
+        assert got[name].big_batch_norm == pytest.approx(reference[name].big_batch_norm, rel=3e-2), name
+
+
+def test_tied_pairs_that_cannot_be_exact_are_skipped():
+    class TwoLinears(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = PEGradNormLinear(4, 4, bias=False)
+            self.b = PEGradNormLinear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+
+    class PlainEmbedding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(10, 4)
+            self.lm_head = PEGradNormLinear(4, 10, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    for model, name in ((TwoLinears(), "a.weight"), (PlainEmbedding(), "wte.weight")):
+        with pytest.warns(UserWarning, match=f"not tracking {name}"):
+            tracker = gnstracking.MeasurementTracker.from_model(model)
+        assert tracker.tracked == [] and "tied to" in tracker.skipped[name]
+        assert tied.link_tied_parameters(model) == {}
