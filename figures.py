@@ -12,7 +12,6 @@ and leaves saving to the caller. The numbers come from gns-analysis.py's
 
 import importlib.util
 import os
-import re
 
 import matplotlib
 
@@ -30,7 +29,6 @@ _spec.loader.exec_module(gns_analysis)
 
 GROUP_COLUMNS = {"all parameters": "gns", "LayerNorm only": "gns_layernorm",
                  "Linear only": "gns_linear", "Embedding only": "gns_embedding"}
-_BLOCK = re.compile(r"\.h\.(\d+)\.")
 
 
 def gns_by_layer_type(out_dir, alpha=0.95):
@@ -61,22 +59,16 @@ def phase_plot(out_dir, alpha=0.95):
 def per_layer_gns(out_dir, alpha=0.95):
     """DataFrame: GNS over steps for every tracked parameter and for every transformer block.
 
-    Columns: tokens_processed, one per parameter name, and `block <i>` for the sum over block i's parameters.
+    Columns: tokens_processed, one per parameter name, and `block <i>` for the sum over block i's parameters
+    (the blocks of gns-analysis.py's `param_block`, the same numbers as its gns_block_<i> columns).
     """
-    df = load_csv(out_dir)
-    params, chosen = gns_analysis._select_params(df, "train/gns", gns_analysis.tied_exact(out_dir))
-    df = df[df[[chosen[p]["norm"] for p in chosen]].notna().any(axis=1)].reset_index(drop=True)
+    df, _, chosen = gns_analysis.load_measurements(out_dir)
     out = {"tokens_processed": df["tokens_processed"] if "tokens_processed" in df else df["step"]}
     for name, columns in chosen.items():
         out[name] = gns_analysis.estimate(df, {name: columns}, alpha)["gns"]
-    blocks = {}
-    for name in chosen:
-        match = _BLOCK.search(name)
-        if match:
-            blocks.setdefault(int(match.group(1)), {})[name] = chosen[name]
-    for index in sorted(blocks):
-        out[f"block {index}"] = gns_analysis.estimate(df, blocks[index], alpha)["gns"]
-    return pd.DataFrame(out)
+    for index, members in gns_analysis.blocks_of(chosen).items():
+        out[f"block {index}"] = gns_analysis.estimate(df, members, alpha)["gns"]
+    return pd.DataFrame(out).reset_index(drop=True)
 
 
 def per_layer_figure(out_dir, alpha=0.95):

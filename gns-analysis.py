@@ -1,7 +1,8 @@
 """
 Gradient noise scale (GNS) of a run, from the per-parameter norms in its log.
 
-    python gns-analysis.py OUT_DIR [--alpha 0.95] [--prefix train/gns] [--no-plots]
+    python gns-analysis.py OUT_DIR [--alpha 0.95] [--prefix train/gns]
+                           [--approx-prefix train/sogns] [--no-plots]
 
 For each step, over the chosen parameters p (columns `<prefix>/<p>/norm`,
 `/pegn`, `/batch_size`):
@@ -11,9 +12,12 @@ For each step, over the chosen parameters p (columns `<prefix>/<p>/norm`,
     gtg_ema, trsigma_ema = EMAs with decay alpha, i.e. pandas
         ewm(alpha=1 - alpha, adjust=False, ignore_na=True)
     gns = gnstracking.gns_from_emas(gtg_ema, trsigma_ema) = trsigma_ema / gtg_ema
-Rows without any GNS column (eval-only rows) are dropped first. A step whose gtg
-or trsigma is not finite (B = 1, a missing parameter, an inf) is skipped: both
-EMAs keep their previous value, exactly as gnstracking.EMA does online.
+Rows with no norm value (eval-only rows; steps a fp16 GradScaler skipped, whose
+GNS cells are empty; a step whose every norm is nan) are dropped first. A step whose gtg or trsigma is not
+finite (B = 1, a parameter not logged that step, a norm logged as nan/inf) is
+skipped: both EMAs keep their previous value, exactly as gnstracking.EMA does
+online. Steps with a norm logged as nan/inf are counted (a warning) apart from
+steps that lack a parameter's columns.
 
 Groups, by parameter name (the dotted components of its module path, i.e. the
 name without its last component such as `weight`):
@@ -21,11 +25,17 @@ name without its last component such as `weight`):
                 (transformer.h.0.ln_1.weight, transformer.ln_f.bias)
     Embedding   otherwise, a component is wte or wpe, or contains "emb"
     Linear      everything else (attn.c_attn.weight, mlp.c_proj.bias, ...)
+Blocks: the integer component after `h` (transformer.h.3.attn.c_attn.weight is
+in block 3), else the first integer component (layers.2.mlp.w1.weight: block 2);
+a name with neither (transformer.wpe.weight) is in no block.
 
-Tied weights: parameters whose name contains `wte` or `lm_head` are left out of
-every group, because nanoGPT ties the two and a plain log mixes one use's
-per-example norm with the whole gradient. A run whose config.json sets
-"gns_tied_exact": true logged the tied matrix exactly; they are kept then.
+Tied weights: nanoGPT ties transformer.wte.weight and lm_head.weight. train.py
+logs the tied tensor exactly, once, under its names joined by "+"
+(`transformer.wte.weight+lm_head.weight`): such a parameter is used like any
+other, in the group and block of its first name (Embedding, no block), and the
+GNS without it is reported too. A name without "+" that contains `wte` or
+`lm_head` is a tied column as the paper's reference code logs it (one use's
+per-example norm with the whole gradient's norm): it is left out.
 
 Compatibility with the paper's reference script (CerebrasResearch/nanoGNS
 exact/gns-analysis.py): on its logs this gives the same numbers. Two differences,
@@ -33,12 +43,21 @@ both only where its numbers are meaningless: the GNS is NaN where the gtg EMA is
 not positive (the reference clips the denominator at 1e-6), and non-finite
 steps are skipped rather than propagated.
 
-Writes OUT_DIR/gns_analysis.csv and the PNG figures gns_emas.png,
-gns_phase.png, gns_over_tokens.png and gns_groups.png.
+Approximate norms: a run may also log `<approx-prefix>/<p>/norm`, `/pegn`,
+`/batch_size` (default train/sogns: exact batch norm, SOGNS approximation of the
+per-example norm). Their GNS, by the same estimator, is compared with the exact
+GNS over the same parameters when `<prefix>` has them all, else with the exact
+all-parameter GNS.
+
+Prints the final GNS and EMAs, the GNS without the tied tensor (if logged
+exactly), tables by group and by block, LayerNorm-only against all parameters
+and approximate against exact. Writes OUT_DIR/gns_analysis.csv and the PNG
+figures gns_emas.png, gns_phase.png, gns_over_tokens.png, gns_groups.png,
+gns_layernorm_vs_all.png (when LayerNorms are logged) and gns_sogns_vs_exact.png
+(when approximate norms are logged).
 """
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -53,12 +72,19 @@ from plot import save_png, terminal_plot
 GROUPS = ("LayerNorm", "Linear", "Embedding")
 METRICS = ("norm", "pegn", "batch_size")
 TIED_MARKERS = ("wte", "lm_head")
+TIED_JOIN = "+"
 _LN_COMPONENT = re.compile(r"ln(_f|_\d+)?")
+_INDEX = re.compile(r"[0-9]+")
+
+
+def _module_path(name):
+    """The module path components of a parameter (of its first name, for a tied tensor)."""
+    return name.split(TIED_JOIN)[0].split(".")[:-1]
 
 
 def param_group(name):
     """'LayerNorm', 'Embedding' or 'Linear' for a parameter name (see module docstring)."""
-    components = [c.lower() for c in name.split(".")[:-1]]
+    components = [c.lower() for c in _module_path(name)]
     if any(_LN_COMPONENT.fullmatch(c) or "norm" in c for c in components):
         return "LayerNorm"
     if any(c in ("wte", "wpe") or "emb" in c for c in components):
@@ -66,22 +92,23 @@ def param_group(name):
     return "Linear"
 
 
-def is_tied(name):
-    return any(marker in name for marker in TIED_MARKERS)
+def param_block(name):
+    """Block index of a parameter name, or None (see module docstring)."""
+    path = _module_path(name)
+    for before, component in zip(path, path[1:]):
+        if before == "h" and _INDEX.fullmatch(component):
+            return int(component)
+    return next((int(c) for c in path if _INDEX.fullmatch(c)), None)
 
 
-def tied_exact(out_dir):
-    """True when the run's config.json says the tied matrix was logged exactly."""
-    path = os.path.join(out_dir, "config.json")
-    if not os.path.exists(path):
-        return False
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        print(f"warning: cannot read {path} ({e}); treating tied weights as not exact")
-        return False
-    return isinstance(config, dict) and config.get("gns_tied_exact") is True
+def is_exact_tied(name):
+    """A tied tensor logged exactly, under its names joined by '+'."""
+    return TIED_JOIN in name
+
+
+def is_reference_tied(name):
+    """A tied column as the reference code logs it: one use's per-example norm, not the tensor's."""
+    return not is_exact_tied(name) and any(marker in name for marker in TIED_MARKERS)
 
 
 def find_params(columns, prefix):
@@ -126,52 +153,128 @@ def estimate(df, params, alpha):
     return out
 
 
-def _select_params(df, prefix, include_tied):
-    params = find_params(df.columns, prefix)
-    if not params:
-        shown = ", ".join(map(str, df.columns[:40])) + (", ..." if len(df.columns) > 40 else "")
-        raise ValueError(
-            f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log; its columns are: {shown}. "
-            "Was the run trained with all layer classes 'nn'? Use --linearclass=gns "
-            "(and --embeddingclass, --lnclass) to record per-example norms, or pass the right --prefix."
-        )
-    chosen = {}
+def blocks_of(params):
+    """{block index: {name: columns}} for the parameters in a block (param_block), in block order."""
+    blocks = {}
+    for name in params:
+        index = param_block(name)
+        if index is not None:
+            blocks.setdefault(index, {})[name] = params[name]
+    return {index: blocks[index] for index in sorted(blocks)}
+
+
+def _usable(params, prefix):
+    """The parameters a GNS can sum over: all three metrics logged, not a reference-style tied column."""
+    usable = {}
     for name in sorted(params):
         if len(params[name]) < len(METRICS):
             missing = [m for m in METRICS if m not in params[name]]
-            print(f"warning: parameter {name} lacks {missing} columns; skipped")
-        elif include_tied or not is_tied(name):
-            chosen[name] = params[name]
+            print(f"warning: parameter {name} under '{prefix}' lacks {missing} columns; skipped")
+        elif not is_reference_tied(name):
+            usable[name] = params[name]
+    return usable
+
+
+def _no_columns_message(columns, prefix, approx_prefix):
+    if approx_prefix and approx_prefix != prefix and find_params(columns, approx_prefix):
+        return (f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log, but it has approximate "
+                f"'{approx_prefix.rstrip('/')}/<param>/norm' columns: analyse those with "
+                f"--prefix {approx_prefix.rstrip('/')}")
+    shown = ", ".join(map(str, columns[:40])) + (", ..." if len(columns) > 40 else "")
+    return (f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log; its columns are: {shown}. "
+            "Was the run trained with all layer classes 'nn'? Use --linearclass=gns "
+            "(and --embeddingclass, --lnclass) to record per-example norms, or pass the right --prefix.")
+
+
+def _count_bad_steps(df, chosen):
+    """Warn about steps with a norm logged as nan/inf, and apart from them, steps lacking a parameter.
+
+    A parameter is logged at a step when any of its cells has a value; a step
+    none of whose parameters is logged (eval-only, skipped by a GradScaler) is
+    not a step here.
+    """
+    logged = pd.DataFrame({p: df[list(cols.values())].notna().any(axis=1) for p, cols in chosen.items()})
+    finite = pd.DataFrame({p: np.isfinite(df[[cols["norm"], cols["pegn"]]]).all(axis=1)
+                           for p, cols in chosen.items()})
+    steps = logged.any(axis=1)
+    nonfinite = int((logged & ~finite).any(axis=1).sum())
+    lacking = int((steps & ~logged.all(axis=1)).sum())
+    if nonfinite:
+        print(f"warning: {nonfinite} step(s) have non-finite norms (logged as nan/inf); skipped by the EMAs")
+    if lacking:
+        print(f"warning: {lacking} step(s) lack some parameter's columns (not logged at that step); skipped")
+
+
+def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
+    """The log's measured rows and its parameters under `prefix`.
+
+    Returns:
+        (rows, params, chosen): rows with at least one logged norm (eval-only
+        and skipped steps dropped), every {name: {metric: column}} found, and
+        those the GNS sums over (see _usable).
+    Raises ValueError when there is nothing to sum over; approx_prefix only
+    shapes that message.
+    """
+    print(f"Loading data from {out_dir}")
+    df = load_csv(out_dir)
+    params = find_params(df.columns, prefix)
+    if not params:
+        raise ValueError(_no_columns_message(df.columns, prefix, approx_prefix))
+    chosen = _usable(params, prefix)
     if not chosen:
         raise ValueError(
-            f"only tied-weight columns ({', '.join(sorted(params))}) under '{prefix}'; their norms are "
-            "not exact unless the run's config.json sets \"gns_tied_exact\": true"
+            f"only tied-weight columns ({', '.join(sorted(params))}) under '{prefix}': each holds one use's "
+            "per-example norm, not the tied tensor's, so it is left out (an exactly logged tied tensor is "
+            "named by all its names joined by '+')"
         )
-    return params, chosen
+    _count_bad_steps(df, chosen)
+    all_norms = [cols["norm"] for cols in params.values() if "norm" in cols]
+    rows = df[df[all_norms].notna().any(axis=1)]
+    if rows.empty:
+        raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
+    return rows, params, chosen
 
 
-def analyze_gns(out_dir, alpha=0.95, prefix="train/gns"):
+def _approximate(df, chosen, prefix, approx_prefix, alpha):
+    """The GNS from approximate norms, and the exact one over the same parameters when `prefix` has them all.
+
+    Returns ({results column: series}, what was compared), or ({}, None) when
+    the log has no approximate norms.
+    """
+    if not approx_prefix or approx_prefix.rstrip("/") == prefix.rstrip("/"):
+        return {}, None
+    approx = _usable(find_params(df.columns, approx_prefix), approx_prefix)
+    if not approx:
+        return {}, None
+    columns = {"gns_sogns": estimate(df, approx, alpha)["gns"]}
+    lacking = sorted(p for p in approx if p not in chosen)
+    if not lacking:
+        columns["gns_exact_same_params"] = estimate(df, {p: chosen[p] for p in approx}, alpha)["gns"]
+    return columns, {"prefix": approx_prefix.rstrip("/"), "exact_prefix": prefix.rstrip("/"),
+                     "params": sorted(approx), "exact_lacks": lacking, "n_exact": len(chosen)}
+
+
+def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/sogns"):
     """The GNS estimate for every step of the run in out_dir, as a DataFrame.
 
     Columns: step, tokens_processed, batch_size, sgn, spegn, gtg, trsigma,
     gtg_ema, trsigma_ema, gns, gns_layernorm, gns_linear, gns_embedding (a
-    group's column is NaN when it has no parameter) and ddp_gns when the log
-    has ddp/gns. `tokens_processed` is the log's column, else step * batch_size.
-    `results.attrs` holds the parameters used per group and the last ddp/gns.
+    group's column is NaN when it has no parameter), then when present in the
+    log: ddp_gns (ddp/gns), gns_without_tied (all parameters but the exactly
+    logged tied tensor), gns_block_<N> per block, gns_sogns (approximate norms
+    under approx_prefix) and gns_exact_same_params (exact GNS over the
+    approximate parameters, when `prefix` has them all). `tokens_processed` is
+    the log's column, else step * batch_size.
+    `results.attrs` holds the parameters per group and block, the tied and
+    excluded names, and what the approximate GNS was compared with.
     Raises FileNotFoundError / ValueError with a message for the user.
     """
-    print(f"Loading data from {out_dir}")
-    df = load_csv(out_dir)
-    include_tied = tied_exact(out_dir)
-    params, chosen = _select_params(df, prefix, include_tied)
+    df, params, chosen = load_measurements(out_dir, prefix, approx_prefix)
     excluded = sorted(p for p in params if p not in chosen and len(params[p]) == len(METRICS))
-    print(f"Processing {len(chosen)} parameters" + (f" (tied weights left out: {', '.join(excluded)})" if excluded else ""))
-
-    # eval-only rows carry no GNS columns at all
-    all_norms = [cols["norm"] for cols in params.values() if "norm" in cols]
-    df = df[df[all_norms].notna().any(axis=1)]
-    if df.empty:
-        raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
+    tied = [p for p in chosen if is_exact_tied(p)]
+    notes = ([f"tied weights logged exactly, included: {', '.join(tied)}"] if tied else []) + (
+        [f"tied weights left out (one use's norm, not exact): {', '.join(excluded)}"] if excluded else [])
+    print(f"Processing {len(chosen)} parameters" + (f" ({'; '.join(notes)})" if notes else ""))
 
     bs = df[[chosen[p]["batch_size"] for p in chosen]]
     uneven = bs.nunique(axis=1) > 1
@@ -185,20 +288,29 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns"):
     step = df["step"] if "step" in df else pd.Series(np.arange(len(df)), index=df.index)
     tokens = df["tokens_processed"] if "tokens_processed" in df else step * batch_size
     results = pd.DataFrame({"step": step, "tokens_processed": tokens, "batch_size": batch_size})
-    est = estimate(df, chosen, alpha)
-    results = pd.concat([results, est], axis=1)
-    partial = int((est["sgn"].isna() | est["spegn"].isna()).sum())
-    if partial:
-        print(f"warning: {partial} step(s) lack some parameter's norms; skipped")
+    results = pd.concat([results, estimate(df, chosen, alpha)], axis=1)
 
     groups = {g: {p: chosen[p] for p in chosen if param_group(p) == g} for g in GROUPS}
     for g, members in groups.items():
         results[f"gns_{g.lower()}"] = estimate(df, members, alpha)["gns"] if members else np.nan
     if "ddp/gns" in df:
         results["ddp_gns"] = df["ddp/gns"]
+    if tied:
+        untied = {p: cols for p, cols in chosen.items() if p not in tied}
+        results["gns_without_tied"] = estimate(df, untied, alpha)["gns"] if untied else np.nan
+    blocks = blocks_of(chosen)
+    for index, members in blocks.items():
+        results[f"gns_block_{index}"] = estimate(df, members, alpha)["gns"]
+    approx_columns, approx = _approximate(df, chosen, prefix, approx_prefix, alpha)
+    for name, series in approx_columns.items():
+        results[name] = series
+
     results = results.reset_index(drop=True)
     results.attrs["groups"] = {g: sorted(m) for g, m in groups.items()}
+    results.attrs["blocks"] = {index: sorted(members) for index, members in blocks.items()}
+    results.attrs["tied"] = tied
     results.attrs["excluded"] = excluded
+    results.attrs["approx"] = approx
     return results
 
 
@@ -216,6 +328,12 @@ def summary(results):
         f"Final G^TG (EMA): {last['gtg_ema']:.4f}",
         f"Final tr(Σ) (EMA): {last['trsigma_ema']:.4f}",
     ]
+    tied = results.attrs.get("tied", [])
+    if tied:
+        without = last["gns_without_tied"]
+        noun, verb = ("tied matrix", "changes") if len(tied) == 1 else ("tied matrices", "change")
+        lines.append(f"GNS without the {noun} ({', '.join(tied)}): {without:.4f} "
+                     f"({noun} {verb} the final GNS by {(last['gns'] / without - 1) * 100:+.1f}%)")
     if "ddp_gns" in results and results["ddp_gns"].notna().any():
         lines.append(f"Final DDP GNS: {results['ddp_gns'].dropna().iloc[-1]:.4f}")
     lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")
@@ -223,24 +341,86 @@ def summary(results):
     return "\n".join(lines)
 
 
+_TABLE_HEADER = f"{'params':>8}{'final GNS':>14}{'corr w/ all':>14}"
+
+
+def _table_row(label, n_params, gns, all_gns):
+    if n_params == 0 or gns.isna().all():
+        return f"{label:<12}{n_params:>8}{'-':>14}{'-':>14}"
+    return f"{label:<12}{n_params:>8}{gns.iloc[-1]:>14.4f}{all_gns.corr(gns):>14.4f}"
+
+
 def group_table(results):
     """Final GNS per group and the Pearson correlation of its series with the all-parameter GNS."""
     groups = results.attrs.get("groups", {})
-    n_all = sum(len(m) for m in groups.values())
-    lines = [
-        "GNS by parameter group:",
-        f"{'group':<12}{'params':>8}{'final GNS':>14}{'corr w/ all':>14}",
-        f"{'all':<12}{n_all:>8}{results['gns'].iloc[-1]:>14.4f}{1.0:>14.4f}",
-    ]
+    lines = ["GNS by parameter group:", f"{'group':<12}{_TABLE_HEADER}",
+             _table_row("all", sum(len(m) for m in groups.values()), results["gns"], results["gns"])]
     for g in GROUPS:
-        col = results[f"gns_{g.lower()}"]
-        n = len(groups.get(g, []))
-        if n == 0 or col.isna().all():
-            lines.append(f"{g:<12}{n:>8}{'-':>14}{'-':>14}")
-            continue
-        corr = results["gns"].corr(col)
-        lines.append(f"{g:<12}{n:>8}{col.iloc[-1]:>14.4f}{corr:>14.4f}")
+        lines.append(_table_row(g, len(groups.get(g, [])), results[f"gns_{g.lower()}"], results["gns"]))
     return "\n".join(lines)
+
+
+def block_table(results):
+    """Final GNS per block and the Pearson correlation of its series with the all-parameter GNS."""
+    blocks = results.attrs.get("blocks", {})
+    if not blocks:
+        return "GNS by block: no parameter name has a block index"
+    lines = ["GNS by block:", f"{'block':<12}{_TABLE_HEADER}"]
+    for index, names in blocks.items():
+        lines.append(_table_row(str(index), len(names), results[f"gns_block_{index}"], results["gns"]))
+    return "\n".join(lines)
+
+
+def compare(series, reference):
+    """How `series` tracks `reference` over the steps where both are finite.
+
+    Returns a dict: steps (how many such steps), corr (Pearson), log10_corr
+    (Pearson of the log10s, over those steps where both are positive),
+    median_rel_diff (median |series / reference - 1|), and final and
+    final_reference (the values at the last row, as every 'final' printed).
+    """
+    a = pd.Series(np.asarray(series, dtype=np.float64))
+    b = pd.Series(np.asarray(reference, dtype=np.float64))
+    both = np.isfinite(a) & np.isfinite(b)
+    positive = both & (a > 0) & (b > 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = (a[both] / b[both] - 1).abs()
+    return {
+        "steps": int(both.sum()),
+        "corr": a[both].corr(b[both]),
+        "log10_corr": np.log10(a[positive]).corr(np.log10(b[positive])),
+        "median_rel_diff": rel[np.isfinite(rel)].median(),
+        "final": a.iloc[-1],
+        "final_reference": b.iloc[-1],
+    }
+
+
+def layernorm_line(results):
+    """LayerNorm-only GNS against the all-parameter GNS (the paper's claim), or a note that there is none."""
+    if not results.attrs.get("groups", {}).get("LayerNorm"):
+        return "LayerNorm-only vs all parameters: no LayerNorm columns in the log; comparison and plot skipped"
+    c = compare(results["gns_layernorm"], results["gns"])
+    return (f"LayerNorm-only vs all parameters: corr {c['corr']:.3f} (log10: {c['log10_corr']:.3f}) "
+            f"over {c['steps']} steps, final ratio LN/all {c['final'] / c['final_reference']:.3f}")
+
+
+def approx_line(results):
+    """Approximate (SOGNS) GNS against the exact one, or None when the log has no approximate norms."""
+    approx = results.attrs.get("approx")
+    if not approx:
+        return None
+    n = len(approx["params"])
+    if "gns_exact_same_params" in results:
+        head = f"Approximate (SOGNS) vs exact GNS over the same {n} parameters"
+        c = compare(results["gns_sogns"], results["gns_exact_same_params"])
+    else:
+        head = (f"Approximate (SOGNS) GNS over {n} parameters vs exact GNS over all {approx['n_exact']} parameters "
+                f"(not the same parameters: {approx['exact_prefix']} lacks {len(approx['exact_lacks'])} of the {n})")
+        c = compare(results["gns_sogns"], results["gns"])
+    return (f"{head}: final {c['final']:.4f} vs {c['final_reference']:.4f} "
+            f"({(c['final'] / c['final_reference'] - 1) * 100:+.1f}%), "
+            f"median |relative difference| {c['median_rel_diff'] * 100:.1f}% over {c['steps']} steps, "
+            f"corr {c['corr']:.3f}")
 
 
 def _log10(series):
@@ -249,15 +429,17 @@ def _log10(series):
 
 
 def _figures(results):
-    """(file stem, title, series, x_label, y_label, scatter) for every figure."""
+    """(file stem, title, series, x_label, y_label, scatter) for every figure the results allow."""
     tokens = results["tokens_processed"]
     gns = [("GNS (estimated)", tokens, results["gns"])]
+    if "gns_without_tied" in results:
+        gns.append(("GNS without the tied matrix", tokens, results["gns_without_tied"]))
     if "ddp_gns" in results:
         gns.append(("GNS (ddp)", tokens, results["ddp_gns"]))
     groups = [("all", tokens, results["gns"])] + [
         (g, tokens, results[f"gns_{g.lower()}"]) for g in GROUPS if results[f"gns_{g.lower()}"].notna().any()
     ]
-    return [
+    figures = [
         ("gns_emas", "log_10(tr(Σ)) and log_10(G^TG) over tokens",
          [("G^TG (EMA)", tokens, _log10(results["gtg_ema"])), ("tr(Σ) (EMA)", tokens, _log10(results["trsigma_ema"]))],
          "tokens", "log10", False),
@@ -267,6 +449,16 @@ def _figures(results):
         ("gns_over_tokens", "GNS over tokens", gns, "tokens", "GNS", False),
         ("gns_groups", "GNS per parameter group over tokens", groups, "tokens", "GNS", False),
     ]
+    if results.attrs.get("groups", {}).get("LayerNorm"):
+        figures.append(("gns_layernorm_vs_all", "GNS from LayerNorm only vs all parameters, over tokens",
+                        [("all parameters", tokens, results["gns"]),
+                         ("LayerNorm only", tokens, results["gns_layernorm"])], "tokens", "GNS", False))
+    if "gns_sogns" in results:
+        exact = (("exact, same parameters", tokens, results["gns_exact_same_params"])
+                 if "gns_exact_same_params" in results else ("exact, all parameters", tokens, results["gns"]))
+        figures.append(("gns_sogns_vs_exact", "GNS from approximate (SOGNS) vs exact norms, over tokens",
+                        [exact, ("approximate (SOGNS)", tokens, results["gns_sogns"])], "tokens", "GNS", False))
+    return figures
 
 
 def print_plots(results):
@@ -292,6 +484,9 @@ def main(argv=None):
                         help="EMA decay of G^TG and tr(Σ); the EMA weight of a new step is 1 - alpha (default: 0.95)")
     parser.add_argument("--prefix", default="train/gns",
                         help="column prefix of the per-parameter norms (default: train/gns)")
+    parser.add_argument("--approx-prefix", default="train/sogns",
+                        help="column prefix of approximate (SOGNS) per-parameter norms, compared with the exact "
+                             "ones when the log has them (default: train/sogns)")
     parser.add_argument("--no-plots", action="store_true",
                         help="skip the terminal plots (PNG figures are always written)")
     args = parser.parse_args(argv)
@@ -299,7 +494,7 @@ def main(argv=None):
         parser.error(f"--alpha must be in [0, 1), got {args.alpha}")
 
     try:
-        results = analyze_gns(args.out_dir, args.alpha, args.prefix)
+        results = analyze_gns(args.out_dir, args.alpha, args.prefix, args.approx_prefix)
     except (FileNotFoundError, ValueError) as e:
         print(f"gns-analysis.py: error: {e}", file=sys.stderr)
         return 1
@@ -308,6 +503,12 @@ def main(argv=None):
     print(summary(results))
     print()
     print(group_table(results))
+    print()
+    print(block_table(results))
+    print()
+    for line in (layernorm_line(results), approx_line(results)):
+        if line:
+            print(line)
     if not args.no_plots:
         print_plots(results)
     paths = save_plots(results, args.out_dir)

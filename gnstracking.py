@@ -147,14 +147,14 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
             another suffix reads another method's buffers, e.g. sogns.SOGNS_SUFFIX).
     Returns:
         tracked: [(name, parameter, terms)] in `named_parameters()` order, where
-            terms = [(buffer, coefficient)] whose weighted sum is the parameter's
+            terms = [(module, buffer name, coefficient)] whose buffers' weighted sum is the parameter's
             [sum_i ||g_i / B||^2, count]: one buffer for an ordinary parameter;
             three for a tensor tied between an Embedding and a Linear (each use's
             buffer and twice the cross term, see tied.py), logged under its names
             joined by "+".
         skipped: {name: reason} for every other parameter.
     """
-    buffers = dict(model.named_buffers())
+    buffers = {name for name, _ in model.named_buffers()}
     aliases = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -165,15 +165,21 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
         if id(param) in tied:
             tracked.append(("+".join(tied[id(param)].names), param, tied[id(param)].terms))
             continue
-        buffer = buffers.get(name + suffix)
-        if len(names) > 1 and any(n + suffix in buffers for n in names):
+        owners = {id(model.get_submodule(n.rpartition(".")[0])) for n in names}
+        if len(names) > 1 and len(owners) == 1 and name + suffix in buffers:
+            # one module registered under several paths (a shared module): its buffer is exact as long as it
+            # runs once per example; step() stops tracking it, with a warning, if it counts more
+            module_name, _, param_name = name.rpartition(".")
+            tracked.append((name, param, [(model.get_submodule(module_name), param_name + suffix, 1.0)]))
+        elif len(names) > 1 and any(n + suffix in buffers for n in names):
             skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: the exact per-example norm of a "
                              "shared tensor is recorded only for one Embedding and one Linear that both record "
                              "per-example norms (e.g. --embeddingclass=gns --linearclass=gns)")
-        elif buffer is None:
+        elif name + suffix not in buffers:
             skipped[name] = "its layer records no per-example norms (a plain torch layer)"
         else:
-            tracked.append((name, param, [(buffer, 1.0)]))
+            module_name, _, param_name = name.rpartition(".")
+            tracked.append((name, param, [(model.get_submodule(module_name), param_name + suffix, 1.0)]))
     return tracked, skipped
 
 
@@ -209,6 +215,7 @@ class MeasurementTracker:
         self.step_count = 0
         self.scaler_skipped_steps = 0
         self.nonfinite_steps = 0
+        self.dropped = set()  # parameters found used several times per example (see step)
 
     @classmethod
     def from_model(cls, model, callback=None, scaler=None, suffix=BUFFER_SUFFIX):
@@ -216,7 +223,6 @@ class MeasurementTracker:
 
         Links tied Embedding/Linear tensors (tied.link_tied_parameters) so that
         they are logged exactly; warns about tied tensors it cannot log exactly.
-        Call it after `model.to(device)` (moving a module replaces its buffers).
         """
         tracked, skipped = find_tracked_parameters(model, suffix)
         for name, reason in skipped.items():
@@ -244,10 +250,12 @@ class MeasurementTracker:
         """
         rows = []
         for _, param, terms in self.tracked:
-            device = terms[0][0].device
+            # buffers looked up on every read: module.to(device) replaces them
+            buffers = [(module._buffers[buffer_name], coefficient) for module, buffer_name, coefficient in terms]
+            device = buffers[0][0].device
             grad_sq = torch.linalg.vector_norm(param.grad, dtype=norm_dtype(param.grad)).double() ** 2 if param.grad is not None else torch.zeros((), device=device)
-            sums = sum(coefficient * buffer.double() for buffer, coefficient in terms)
-            count = terms[0][0][1].double()  # every term counts the same examples
+            sums = sum(coefficient * buffer.double() for buffer, coefficient in buffers)
+            count = buffers[0][0][1].double()  # every term counts the same examples
             rows.append(torch.stack([grad_sq.to(device, torch.float64), sums[0] * count ** 2, count]))
         values = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
         if rows and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -278,6 +286,13 @@ class MeasurementTracker:
         for (name, _, _), (grad_sq, pe_sqnorm_sum, count) in zip(self.tracked, values.tolist()):
             if count == 0:
                 continue  # the layer was not used in this step
+            if count != batch_size and count % batch_size == 0 and name not in self.dropped:
+                warnings.warn(f"GNS: {name} recorded {count / batch_size:.0f} uses per example (a module called more than "
+                              "once per forward, e.g. shared across depth); the norm of the summed gradient needs the cross "
+                              "terms between uses, so it is no longer tracked")
+                self.dropped.add(name)
+            if name in self.dropped:
+                continue
             if count != batch_size:
                 raise ValueError(f"GNS: {name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
                                  f"pass the number of examples of the whole step (micro-batch size x accumulation steps x ranks)")

@@ -89,7 +89,7 @@ class TiedParameter:
 
     Attributes:
         names: the tensor's names in `named_parameters(remove_duplicate=False)` order.
-        terms: [(buffer, coefficient)] whose weighted sum is sum_i ||e_i + h_i||^2 / B^2.
+        terms: [(module, buffer name, coefficient)] whose weighted sum is sum_i ||e_i + h_i||^2 / B^2.
     """
 
     def __init__(self, names, param_name, embedding, linear):
@@ -106,11 +106,10 @@ class TiedParameter:
 
     @property
     def terms(self):
-        # looked up on each call: module.to(device) replaces buffer tensors
-        buffers = self.embedding._buffers
-        return [(buffers[self._param_name + BUFFER_SUFFIX], 1.0),
-                (self.linear._buffers[self._param_name + BUFFER_SUFFIX], 1.0),
-                (buffers[self._cross_buffer_name], 2.0)]
+        """[(module, buffer name, coefficient)], the tracker's format (gnstracking.find_tracked_parameters)."""
+        return [(self.embedding, self._param_name + BUFFER_SUFFIX, 1.0),
+                (self.linear, self._param_name + BUFFER_SUFFIX, 1.0),
+                (self.embedding, self._cross_buffer_name, 2.0)]
 
     def _after_embedding(self, module, args, out):
         ids = args[0]

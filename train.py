@@ -30,6 +30,7 @@ from torch.distributed import init_process_group, destroy_process_group
 import layer_config as lc
 from buffered import zero_sqgradnorm_buffers
 import gnstracking
+from sogns import SOGNS_SUFFIX
 from tracker import LogWrapper
 import schedules
 import ddpgns
@@ -59,7 +60,7 @@ n_head = 12
 n_embd = 768
 dropout = 0.0 # for pretraining 0 is good, for finetuning try 0.1+
 bias = False # do we use bias inside LayerNorm and Linear layers?
-linearclass = 'nn' # per-example norm layer classes: 'nn' (off), 'shim', 'gns' or 'fused'
+linearclass = 'nn' # per-example norm layer classes: 'nn' (off), 'shim', 'gns', 'fused'; 'sogns' (approximate) or 'gns+sogns' (both)
 embeddingclass = 'nn' # 'nn', 'shim', 'gns' or 'fused'
 lnclass = 'nn' # 'nn', 'shim', 'gns' or 'fused'
 cos_attn = [] # block indices that use cosine attention
@@ -306,6 +307,9 @@ checkpoint = None # free up memory
 accumulate_gns = gnstracking.AccumulateMeasurements(prefix="train/gns/") # becomes CSV columns
 gns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_gns, scaler=scaler)
 running_gns = gnstracking.RunningGNS(decay=gns_ema_decay) # for the status line only
+# gns: approximate (SOGNS) norms, when a Linear class records them, logged beside the exact ones
+accumulate_sogns = gnstracking.AccumulateMeasurements(prefix="train/sogns/")
+sogns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_sogns, scaler=scaler, suffix=SOGNS_SUFFIX)
 
 # compile the model
 if compile:
@@ -440,8 +444,11 @@ while True:
     # gns: record + zero after step (before clipping, which would change the batch gradient's norm)
     if tracked:
         measurements = gns_tracker.step(batch_size=examples_per_iter)
+        sogns_measurements = sogns_tracker.step(batch_size=examples_per_iter) if sogns_tracker.tracked else []
+        measurements = measurements or sogns_measurements # the status line shows the exact GNS when there is one
         zero_sqgradnorm_buffers(raw_model)
-        tracker.log({**accumulate_gns.get_msg(), "gns": running_gns.update(*gnstracking.summed_sqnorms(measurements))})
+        tracker.log({**accumulate_gns.get_msg(), **accumulate_sogns.get_msg(),
+                     "gns": running_gns.update(*gnstracking.summed_sqnorms(measurements))})
         if ddp:
             small, big = ddp_grad_stats.sq_norms(scaler.get_scale() if scaler.is_enabled() else 1.0)
             ddp_noise.update(small, big, batch_size * gradient_accumulation_steps, examples_per_iter)
@@ -485,6 +492,9 @@ while True:
     final_iter = iter_num >= max_iters or tokens_processed >= max_tokens
 
 tracker.close()
+if tracked and master_process and (gns_tracker.scaler_skipped_steps or gns_tracker.nonfinite_steps):
+    print(f"GNS: {gns_tracker.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
+          f"{gns_tracker.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
 if ddp:
     # gns: free DDP before its process group: left alive until exit, a gloo rank can abort at teardown
     model = None

@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import nbformat
+import numpy as np
+import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
@@ -41,6 +43,29 @@ def test_per_layer_gns_has_every_parameter_and_block(runs):
     table = figures.per_layer_gns(runs["small"])
     assert {"block 0", "block 1", "transformer.h.1.ln_2.weight", "transformer.wpe.weight"} <= set(table.columns)
     assert len(table) == 12 and table["block 0"].notna().any()
+    results = figures.gns_analysis.analyze_gns(runs["small"])  # the blocks are gns-analysis.py's, not a copy
+    for index in (0, 1):
+        np.testing.assert_array_equal(table[f"block {index}"], results[f"gns_block_{index}"])
+
+
+def test_per_layer_gns_uses_the_analysis_rules_for_blocks_and_tied_weights(tmp_path):
+    """A log in another naming scheme, with an exactly logged tied tensor and a reference-style tied column."""
+    rng = np.random.default_rng(0)
+    params = ["tok_emb.weight+head.weight", "layers.0.norm.weight", "layers.0.mlp.weight", "layers.3.mlp.weight",
+              "lm_head.weight"]
+    cols = {"step": np.arange(10), "tokens_processed": (np.arange(10) + 1) * 512}
+    for p in params:
+        norm = rng.uniform(0.5, 2.0, 10)
+        cols[f"train/gns/{p}/norm"] = norm
+        cols[f"train/gns/{p}/pegn"] = np.sqrt(norm**2 + rng.uniform(1.0, 10.0, 10))
+        cols[f"train/gns/{p}/batch_size"] = np.full(10, 32)
+    pd.DataFrame(cols).to_csv(tmp_path / "log.csv", index=False)
+    table = figures.per_layer_gns(str(tmp_path))
+    assert list(table.columns) == ["tokens_processed", "layers.0.mlp.weight", "layers.0.norm.weight",
+                                   "layers.3.mlp.weight", "tok_emb.weight+head.weight", "block 0", "block 3"]
+    results = figures.gns_analysis.analyze_gns(str(tmp_path))
+    np.testing.assert_array_equal(table["block 0"], results["gns_block_0"])
+    np.testing.assert_array_equal(table["block 3"], results["gns_block_3"])
 
 
 def test_notebook_runs_headless_and_saves_every_figure(runs, tmp_path, monkeypatch):

@@ -1,13 +1,14 @@
 """
-Tests of gns-analysis.py against independent numpy re-computations: the printed
-numbers, the parameter groups, skipped non-finite steps, logs in the paper's
+Tests of gns-analysis.py against independent numpy/pandas re-computations: the
+printed numbers, the parameter groups and blocks, tied weights (exact "+" columns
+and reference-style ones), LayerNorm-only against all parameters, approximate
+(SOGNS) against exact norms, non-finite and skipped steps, logs in the paper's
 reference format, error messages and the files written.
 
     cd /work/main && python -m pytest -q tests/test_gns_analysis.py
 """
 
 import importlib.util
-import json
 import math
 import os
 import re
@@ -21,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gnstracking import RunningGNS  # noqa: E402
+from gnstracking import RunningGNS, unbiased_stats  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
@@ -52,7 +53,8 @@ def synthetic_norms(n_steps, seed=0):
     return out
 
 
-def write_run(out_dir, norms, batch_size=64, eval_every=None, config=None):
+def write_run(out_dir, norms, batch_size=64, eval_every=None, config=None, approx=None, prefix="train/gns"):
+    """A log.csv as train.py writes it: `norms` under prefix, `approx` ({param: (norm, pegn)}) under train/sogns."""
     n_steps = len(next(iter(norms.values()))[0])
     t = LogWrapper(config=config, out_dir=str(out_dir))
     for s in range(n_steps):
@@ -60,10 +62,11 @@ def write_run(out_dir, norms, batch_size=64, eval_every=None, config=None):
             t.log({"val/loss": 3.0})
             t.step()  # an eval-only row
         row = {"train/lossf": 1.0, "tokens_processed": (s + 1) * batch_size * 256}
-        for p, (norm, pegn) in norms.items():
-            row[f"train/gns/{p}/norm"] = norm[s]
-            row[f"train/gns/{p}/pegn"] = pegn[s]
-            row[f"train/gns/{p}/batch_size"] = batch_size
+        for pre, logged in ((prefix, norms), ("train/sogns", approx or {})):
+            for p, (norm, pegn) in logged.items():
+                row[f"{pre}/{p}/norm"] = norm[s]
+                row[f"{pre}/{p}/pegn"] = pegn[s]
+                row[f"{pre}/{p}/batch_size"] = batch_size
         t.log(row)
         t.step()
     t.close()
@@ -85,6 +88,17 @@ def expected_gns(norms, params, batch_size, alpha):
             tr_ema = tr if math.isnan(tr_ema) else alpha * tr_ema + (1 - alpha) * tr
         out.append((gtg_ema, tr_ema, tr_ema / gtg_ema))
     return np.array(out)
+
+
+def pandas_gns(df, names, alpha, prefix="train/gns"):
+    """The GNS over `names` from the raw log columns: unbiased_stats and pandas EMAs that skip NaN
+    (NaN where the |G|^2 EMA is not positive)."""
+    sgn = sum(df[f"{prefix}/{n}/norm"] ** 2 for n in names)
+    spegn = sum(df[f"{prefix}/{n}/pegn"] ** 2 for n in names)
+    gtg, tr = unbiased_stats(sgn, spegn, df[f"{prefix}/{names[0]}/batch_size"])
+    gtg_ema = gtg.ewm(alpha=1 - alpha, adjust=False, ignore_na=True).mean()
+    tr_ema = tr.ewm(alpha=1 - alpha, adjust=False, ignore_na=True).mean()
+    return (tr_ema / gtg_ema).where(gtg_ema > 0).to_numpy()
 
 
 def printed(text, label):
@@ -134,10 +148,32 @@ def test_default_alpha_is_095_and_help_says_so(tmp_path, capsys):
         ("transformer.h.0.mlp.c_proj.bias", "Linear"),
         ("lm_head.weight", "Linear"),
         ("kiln.weight", "Linear"),  # 'ln' inside a word is not a LayerNorm
+        ("transformer.wte.weight+lm_head.weight", "Embedding"),  # an exact tied tensor: its first name's group
+        ("lm_head.weight+transformer.wte.weight", "Linear"),
     ],
 )
 def test_param_group(name, group):
     assert ga.param_group(name) == group
+
+
+@pytest.mark.parametrize(
+    "name, block",
+    [
+        ("transformer.h.3.attn.c_attn.weight", 3),
+        ("transformer.h.11.ln_2.bias", 11),
+        ("h.0.mlp.c_fc.weight", 0),
+        ("model.0.h.5.attn.weight", 5),  # the index after `h` wins over an earlier integer
+        ("layers.2.mlp.w1.weight", 2),  # other naming schemes: the first integer component
+        ("model.layers.7.self_attn.q_proj.weight", 7),
+        ("transformer.wpe.weight", None),
+        ("transformer.ln_f.weight", None),
+        ("transformer.wte.weight+lm_head.weight", None),
+        ("transformer.hh.3x.weight", None),  # not a component `h`, not an integer component
+        ("params.0", None),  # an integer attribute name is not a module index
+    ],
+)
+def test_param_block(name, block):
+    assert ga.param_block(name) == block
 
 
 def test_group_columns_and_table(tmp_path, capsys):
@@ -170,6 +206,8 @@ def test_non_finite_steps_are_skipped_without_poisoning_the_ema(tmp_path, capsys
     exp = expected_gns(norms, NOT_TIED, 16, 0.95)
     assert np.isfinite(exp[-1]).all()
     assert printed(out, "Final GNS") == f"{exp[-1, 2]:.4f}"
+    assert "warning: 2 step(s) have non-finite norms (logged as nan/inf); skipped by the EMAs" in out
+    assert "lack some parameter" not in out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     assert np.isnan(results["gtg"][7]) and np.isnan(results["trsigma"][12])
     np.testing.assert_allclose(results["gns"], exp[:, 2], rtol=1e-12)
@@ -231,14 +269,253 @@ def test_reference_format_log_gives_the_reference_numbers(tmp_path, capsys):
     np.testing.assert_allclose(results["ddp_gns"], df["ddp/gns"], rtol=1e-15)
 
 
-def test_tied_columns_included_when_config_says_exact(tmp_path):
-    _, norms = write_reference_log(tmp_path)
+def test_old_tied_exact_config_flag_changes_nothing(tmp_path):
+    df, _ = write_reference_log(tmp_path)
     with open(tmp_path / "config.json", "w") as f:
-        json.dump({"gns_tied_exact": True}, f)
+        f.write('{"gns_tied_exact": true}')
     results = ga.analyze_gns(str(tmp_path))
-    used = [p for p in PARAMS if p != "lm_head.weight"]
-    np.testing.assert_allclose(results["gns"], expected_gns(norms, used, 64, 0.95)[:, 2], rtol=1e-12)
-    assert "transformer.wte.weight" in results.attrs["groups"]["Embedding"]
+    np.testing.assert_allclose(results["gns"], reference_method(df, 0.95)[2], rtol=1e-12)
+    assert results.attrs["excluded"] == ["transformer.wte.weight"] and results.attrs["tied"] == []
+    assert "gns_without_tied" not in results
+
+
+TIED = "transformer.wte.weight+lm_head.weight"
+
+
+def test_exact_tied_column_is_included_in_embedding_and_compared_without_it(tmp_path, capsys):
+    norms = synthetic_norms(30, seed=5)
+    norms[TIED] = norms.pop("transformer.wte.weight")
+    del norms["lm_head.weight"]
+    write_run(tmp_path, norms, batch_size=32)
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    results = pd.read_csv(tmp_path / "gns_analysis.csv")
+    exp = expected_gns(norms, NOT_TIED + [TIED], 32, 0.95)[:, 2]
+    without = expected_gns(norms, NOT_TIED, 32, 0.95)[:, 2]
+    np.testing.assert_allclose(results["gns"], exp, rtol=1e-12)
+    np.testing.assert_allclose(results["gns_without_tied"], without, rtol=1e-12)
+    np.testing.assert_allclose(results["gns_embedding"],
+                               expected_gns(norms, ["transformer.wpe.weight", TIED], 32, 0.95)[:, 2], rtol=1e-12)
+    assert f"tied weights logged exactly, included: {TIED}" in out
+    change = (exp[-1] / without[-1] - 1) * 100
+    line = (f"GNS without the tied matrix ({TIED}): {without[-1]:.4f} "
+            f"(tied matrix changes the final GNS by {change:+.1f}%)")
+    assert line in out.splitlines()
+    assert re.search(r"^Embedding\s+2\s", out, re.MULTILINE)
+
+
+def test_exact_tied_column_kept_and_reference_style_tied_column_left_out(tmp_path, capsys):
+    norms = synthetic_norms(20, seed=6)
+    norms[TIED] = norms["lm_head.weight"]  # the exact tensor, beside a reference-style wte column
+    del norms["lm_head.weight"]
+    write_run(tmp_path, norms)
+    results = ga.analyze_gns(str(tmp_path))
+    assert "tied weights left out (one use's norm, not exact): transformer.wte.weight" in capsys.readouterr().out
+    assert results.attrs["tied"] == [TIED] and results.attrs["excluded"] == ["transformer.wte.weight"]
+    assert TIED in results.attrs["groups"]["Embedding"]
+    assert "transformer.wte.weight" not in sum(results.attrs["groups"].values(), [])
+    np.testing.assert_allclose(results["gns"], expected_gns(norms, NOT_TIED + [TIED], 64, 0.95)[:, 2], rtol=1e-12)
+
+
+BLOCK_PARAMS = [
+    "transformer.wpe.weight",
+    "transformer.h.0.ln_1.weight",
+    "transformer.h.0.attn.c_attn.weight",
+    "transformer.h.1.ln_1.weight",
+    "transformer.h.1.mlp.c_fc.weight",
+    "transformer.h.1.mlp.c_proj.bias",
+    "transformer.h.10.attn.c_proj.weight",  # block 10, not block 1
+    "transformer.ln_f.weight",
+]
+
+
+def block_norms(params, n_steps, seed):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for p in params:
+        norm = rng.uniform(0.5, 2.0, n_steps)
+        out[p] = (norm, np.sqrt(norm**2 + rng.uniform(1.0, 30.0, n_steps)))
+    return out
+
+
+def test_block_columns_and_table(tmp_path, capsys):
+    norms = block_norms(BLOCK_PARAMS, 25, seed=7)
+    write_run(tmp_path, norms, batch_size=16)
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    results = pd.read_csv(tmp_path / "gns_analysis.csv")
+    df = pd.read_csv(tmp_path / "log.csv")
+    blocks = {0: ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.ln_1.weight"],
+              1: ["transformer.h.1.ln_1.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.bias"],
+              10: ["transformer.h.10.attn.c_proj.weight"]}
+    block_columns = sorted(c for c in results.columns if c.startswith("gns_block_"))
+    assert block_columns == ["gns_block_0", "gns_block_1", "gns_block_10"]
+    assert "GNS by block:" in out
+    for index, members in blocks.items():
+        exp = pandas_gns(df, members, 0.95)
+        np.testing.assert_allclose(results[f"gns_block_{index}"], exp, rtol=1e-12)
+        corr = pd.Series(exp).corr(results["gns"])
+        row = re.search(rf"^{index}\s+(\d+)\s+(\S+)\s+(\S+)$", out, re.MULTILINE)
+        assert row and row.groups() == (str(len(members)), f"{exp[-1]:.4f}", f"{corr:.4f}")
+
+
+def test_blocks_in_another_naming_scheme(tmp_path):
+    params = ["tok_emb.weight", "layers.0.norm1.weight", "layers.0.mlp.w1.weight", "layers.2.mlp.w1.weight",
+              "layers.2.attn.wq.weight", "norm.weight"]
+    norms = block_norms(params, 15, seed=8)
+    write_run(tmp_path, norms)
+    results = ga.analyze_gns(str(tmp_path))
+    df = pd.read_csv(tmp_path / "log.csv")
+    assert results.attrs["blocks"] == {0: ["layers.0.mlp.w1.weight", "layers.0.norm1.weight"],
+                                       2: ["layers.2.attn.wq.weight", "layers.2.mlp.w1.weight"]}
+    for index, members in results.attrs["blocks"].items():
+        np.testing.assert_allclose(results[f"gns_block_{index}"], pandas_gns(df, members, 0.95), rtol=1e-12)
+
+
+def test_no_block_index_is_said_in_one_line(tmp_path, capsys):
+    write_run(tmp_path, block_norms(["transformer.wpe.weight", "transformer.ln_f.weight"], 6, seed=9))
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert "GNS by block: no parameter name has a block index" in capsys.readouterr().out
+    assert not [c for c in pd.read_csv(tmp_path / "gns_analysis.csv").columns if c.startswith("gns_block_")]
+
+
+def test_layernorm_vs_all_line_and_figure(tmp_path, capsys):
+    norms = block_norms(BLOCK_PARAMS, 40, seed=10)
+    write_run(tmp_path, norms, batch_size=16)
+    assert ga.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    df = pd.read_csv(tmp_path / "log.csv")
+    ln = ["transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight", "transformer.ln_f.weight"]
+    ln_gns, all_gns = pd.Series(pandas_gns(df, ln, 0.95)), pd.Series(pandas_gns(df, BLOCK_PARAMS, 0.95))
+    both = ln_gns.notna() & all_gns.notna()
+    positive = (ln_gns > 0) & (all_gns > 0)
+    assert 10 < positive.sum() and both.sum() < 40  # some steps have no GNS (|G|^2 EMA <= 0): left out
+    line = (f"LayerNorm-only vs all parameters: corr {ln_gns.corr(all_gns):.3f} "
+            f"(log10: {np.log10(ln_gns[positive]).corr(np.log10(all_gns[positive])):.3f}) over {both.sum()} steps, "
+            f"final ratio LN/all {ln_gns.iloc[-1] / all_gns.iloc[-1]:.3f}")
+    assert line in out.splitlines()
+    assert "GNS from LayerNorm only vs all parameters, over tokens:" in out
+    with open(tmp_path / "gns_layernorm_vs_all.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_counts_only_steps_where_both_are_finite():
+    a = pd.Series([1.0, 2.0, np.nan, 4.0, -1.0, 8.0])
+    b = pd.Series([1.0, 2.5, 3.0, np.inf, 2.0, 6.0])
+    c = ga.compare(a, b)
+    both = [0, 1, 4, 5]
+    assert c["steps"] == 4
+    assert c["corr"] == pytest.approx(a[both].corr(b[both]), rel=1e-12)
+    assert c["log10_corr"] == pytest.approx(np.log10(a[[0, 1, 5]]).corr(np.log10(b[[0, 1, 5]])), rel=1e-12)
+    assert c["median_rel_diff"] == pytest.approx(np.median(np.abs(a[both] / b[both] - 1)), rel=1e-12)
+    assert (c["final"], c["final_reference"]) == (8.0, 6.0)
+
+
+def test_run_without_layernorm_says_so_and_skips_its_figure(tmp_path, capsys):
+    write_run(tmp_path, block_norms(["transformer.h.0.attn.c_attn.weight", "transformer.wpe.weight"], 8, seed=11))
+    assert ga.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "LayerNorm-only vs all parameters: no LayerNorm columns in the log; comparison and plot skipped" in out
+    assert not (tmp_path / "gns_layernorm_vs_all.png").exists()
+    assert (tmp_path / "gns_groups.png").exists()
+
+
+LINEAR = ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight",
+          "transformer.h.1.mlp.c_proj.bias", "transformer.h.10.attn.c_proj.weight"]
+
+
+def approximate(norms, params, seed):
+    """SOGNS-like columns: the same batch norm, the per-example norm off by a few percent."""
+    rng = np.random.default_rng(seed)
+    return {p: (norms[p][0], norms[p][1] * rng.uniform(0.95, 1.08, len(norms[p][1]))) for p in params}
+
+
+def comparison_line(head, approx_gns, exact_gns):
+    a, e = pd.Series(approx_gns), pd.Series(exact_gns)
+    rel = (a / e - 1).abs().median()
+    return (f"{head}: final {a.iloc[-1]:.4f} vs {e.iloc[-1]:.4f} ({(a.iloc[-1] / e.iloc[-1] - 1) * 100:+.1f}%), "
+            f"median |relative difference| {rel * 100:.1f}% over {len(a)} steps, corr {a.corr(e):.3f}")
+
+
+def test_sogns_compared_with_exact_over_the_same_parameters(tmp_path, capsys):
+    norms = block_norms(BLOCK_PARAMS, 30, seed=12)
+    write_run(tmp_path, norms, batch_size=16, approx=approximate(norms, LINEAR, seed=13))
+    assert ga.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    results = pd.read_csv(tmp_path / "gns_analysis.csv")
+    df = pd.read_csv(tmp_path / "log.csv")
+    sogns = pandas_gns(df, LINEAR, 0.95, prefix="train/sogns")
+    exact = pandas_gns(df, LINEAR, 0.95)
+    assert np.abs(sogns / exact - 1).max() > 1e-3  # the two really differ
+    np.testing.assert_allclose(results["gns_sogns"], sogns, rtol=1e-12)
+    np.testing.assert_allclose(results["gns_exact_same_params"], exact, rtol=1e-12)
+    np.testing.assert_allclose(results["gns"], pandas_gns(df, BLOCK_PARAMS, 0.95), rtol=1e-12)  # sogns not mixed in
+    head = "Approximate (SOGNS) vs exact GNS over the same 4 parameters"
+    assert comparison_line(head, sogns, exact) in out.splitlines()
+    assert "GNS from approximate (SOGNS) vs exact norms, over tokens:" in out
+    with open(tmp_path / "gns_sogns_vs_exact.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sogns_without_exact_norms_for_its_parameters_is_compared_with_all_parameters(tmp_path, capsys):
+    norms = block_norms(BLOCK_PARAMS, 30, seed=14)
+    exact_ln = {p: norms[p] for p in BLOCK_PARAMS if p not in LINEAR}  # exact LayerNorm (+ wpe), approximate Linear
+    write_run(tmp_path, exact_ln, batch_size=16, approx=approximate(norms, LINEAR, seed=15))
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    results = pd.read_csv(tmp_path / "gns_analysis.csv")
+    df = pd.read_csv(tmp_path / "log.csv")
+    assert "gns_exact_same_params" not in results
+    sogns = pandas_gns(df, LINEAR, 0.95, prefix="train/sogns")
+    exact_all = pandas_gns(df, sorted(exact_ln), 0.95)
+    np.testing.assert_allclose(results["gns_sogns"], sogns, rtol=1e-12)
+    head = ("Approximate (SOGNS) GNS over 4 parameters vs exact GNS over all 4 parameters "
+            "(not the same parameters: train/gns lacks 4 of the 4)")
+    assert comparison_line(head, sogns, exact_all) in out.splitlines()
+    assert (tmp_path / "gns_sogns_vs_exact.png").exists()
+
+
+def test_sogns_only_log_is_analysed_with_its_prefix(tmp_path, capsys):
+    norms = block_norms(BLOCK_PARAMS, 12, seed=16)
+    write_run(tmp_path, norms, prefix="train/sogns")
+    assert ga.main([str(tmp_path), "--no-plots"]) == 1
+    assert re.search(r"no 'train/gns/<param>/norm' columns.*'train/sogns/<param>/norm'.*--prefix train/sogns",
+                     capsys.readouterr().err)
+    assert ga.main([str(tmp_path), "--no-plots", "--prefix", "train/sogns"]) == 0
+    out = capsys.readouterr().out
+    results = pd.read_csv(tmp_path / "gns_analysis.csv")
+    df = pd.read_csv(tmp_path / "log.csv")
+    np.testing.assert_allclose(results["gns"], pandas_gns(df, BLOCK_PARAMS, 0.95, prefix="train/sogns"), rtol=1e-12)
+    assert "Approximate (SOGNS)" not in out and "gns_sogns" not in results
+
+
+def test_skipped_and_partial_steps_are_not_counted_as_non_finite(tmp_path, capsys):
+    params = ["transformer.h.0.ln_1.weight", "transformer.h.0.attn.c_attn.weight"]
+    norms = block_norms(params, 10, seed=17)
+    t = LogWrapper(out_dir=str(tmp_path))
+    for s in range(10):
+        row = {"train/lossf": 1.0, "train/gns_skipped_steps": int(s >= 4)}
+        for p in params:
+            if s == 4 or (s == 7 and p == params[1]):
+                continue  # step 4: skipped by a GradScaler (no GNS values); step 7: one parameter not logged
+            row.update({f"train/gns/{p}/norm": norms[p][0][s], f"train/gns/{p}/pegn": norms[p][1][s],
+                        f"train/gns/{p}/batch_size": 8})
+        if s == 8:
+            row[f"train/gns/{params[0]}/pegn"] = math.nan
+        t.log(row)
+        t.step()
+    t.close()
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: 1 step(s) have non-finite norms (logged as nan/inf); skipped by the EMAs" in out
+    assert "warning: 1 step(s) lack some parameter's columns (not logged at that step); skipped" in out
+    assert "Processing 2 parameters\n" in out  # train/gns_skipped_steps is not a parameter
+    results = pd.read_csv(tmp_path / "gns_analysis.csv")
+    assert results["step"].tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert results.loc[results["step"].isin([7, 8]), "gtg"].isna().all()
+    kept = [s for s in range(10) if s not in (4, 7, 8)]
+    exp = expected_gns({p: (n[kept], pe[kept]) for p, (n, pe) in norms.items()}, params, 8, 0.95)
+    np.testing.assert_allclose(results["gns"].iloc[-1], exp[-1, 2], rtol=1e-12)
 
 
 def test_files_written_and_terminal_plots(tmp_path, capsys):
@@ -246,14 +523,16 @@ def test_files_written_and_terminal_plots(tmp_path, capsys):
     assert ga.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "GNS over tokens" in out and "Legend" in out and "GNS (ddp)" in out
-    for name in ("gns_emas.png", "gns_phase.png", "gns_over_tokens.png", "gns_groups.png"):
+    for name in ("gns_emas.png", "gns_phase.png", "gns_over_tokens.png", "gns_groups.png", "gns_layernorm_vs_all.png"):
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     expected_cols = ["step", "tokens_processed", "batch_size", "sgn", "spegn", "gtg", "trsigma",
                      "gtg_ema", "trsigma_ema", "gns", "gns_layernorm", "gns_linear", "gns_embedding"]
     assert list(results.columns[: len(expected_cols)]) == expected_cols
+    assert "gns_block_0" in results and "gns_sogns" not in results
     assert len(results) == 12
+    assert not (tmp_path / "gns_sogns_vs_exact.png").exists()
 
 
 def test_uneven_batch_sizes_and_batch_size_one_are_errors(tmp_path):
@@ -287,14 +566,20 @@ def _log_without_gns(d):
     t.close()
 
 
+def _log_with_only_tied_columns(d):
+    norms = synthetic_norms(3)
+    write_run(d, {p: norms[p] for p in ("transformer.wte.weight", "lm_head.weight")})
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (None, r"no log in .*log\.csv"),
         (_empty_log, "header but no rows"),
         (_log_without_gns, r"no 'train/gns/<param>/norm' columns.*train/lossf, lr.*--linearclass=gns"),
+        (_log_with_only_tied_columns, r"only tied-weight columns \(lm_head.weight, transformer.wte.weight\)"),
     ],
-    ids=["missing-dir", "empty-log", "no-gns-columns"],
+    ids=["missing-dir", "empty-log", "no-gns-columns", "only-reference-tied-columns"],
 )
 def test_errors_exit_1_with_a_message_and_no_traceback(tmp_path, make, message):
     d = str(tmp_path / "run")

@@ -136,7 +136,7 @@ def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
 
     tracker = gnstracking.MeasurementTracker.from_model(Tied())
     assert [name for name, _, _ in tracker.tracked] == ["wte.weight+lm_head.weight"] and tracker.skipped == {}
-    assert [c for _, c in tracker.tracked[0][2]] == [1.0, 1.0, 2.0]  # embedding, head, 2 x cross term (tests/test_tied.py)
+    assert [c for _, _, c in tracker.tracked[0][2]] == [1.0, 1.0, 2.0]  # embedding, head, 2 x cross term (tests/test_tied.py)
 
 
 def test_summed_sqnorms_and_running_gns():

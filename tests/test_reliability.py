@@ -343,6 +343,7 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
         np.testing.assert_equal(gns[step], gns[step - 1])
     assert math.isfinite(running.gtg.value) and math.isfinite(running.trsigma.value)
     assert (running.gtg.value, running.trsigma.value) == (clean_running.gtg.value, clean_running.trsigma.value)
+    assert tracker.nonfinite_steps == len(faults) and tracker.scaler_skipped_steps == 0  # counted, not hidden
 
     results = ga.analyze_gns(str(tmp_path), alpha=0.9).set_index("step")
     assert 2 not in results.index  # no finite norm at all: dropped like an eval-only row
@@ -357,3 +358,56 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
         np.testing.assert_allclose(results[col].iloc[-1], clean_results[col].iloc[-1], rtol=1e-12)
         np.testing.assert_allclose(results[col].iloc[-1], online, rtol=1e-9)
     np.testing.assert_allclose(results["gns"].iloc[-1], clean_results["gns"].iloc[-1], rtol=1e-12)
+
+
+def _tiny_fp16_gpt(lnclass="gns"):
+    torch.manual_seed(0)
+    with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass=lnclass)):
+        from model import GPT, GPTConfig
+        return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.0, bias=True))
+
+
+@pytest.mark.parametrize("bad", ["loss", "untracked-grad"])
+def test_grad_scaler_skipped_steps_are_not_measurements(bad):
+    """fp16 autocast + GradScaler: a normal step is measured (scale divided out, within 3e-2 of float32);
+    a step the scaler skips for inf/nan yields no measurement, is counted, and the weights stay put,
+    also when the inf is in a parameter the tracker does not read (lnclass='nn')."""
+    model = _tiny_fp16_gpt(lnclass="gns" if bad == "loss" else "nn")
+    reference = _tiny_fp16_gpt(lnclass="gns" if bad == "loss" else "nn")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    tracker = gnstracking.MeasurementTracker.from_model(model, scaler=scaler)
+    reference_tracker = gnstracking.MeasurementTracker.from_model(reference)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
+
+    _, loss = reference(x, torch.roll(x, 1, 1))
+    loss.backward()
+    expected = {m.metadata["name"]: m for m in reference_tracker.step(batch_size=4)}
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x, torch.roll(x, 1, 1))
+    scaler.scale(loss).backward()
+    got = tracker.step(batch_size=4)
+    assert len(got) == len(expected) > 0
+    for m in got:
+        assert m.small_batch_norm == pytest.approx(expected[m.metadata["name"]].small_batch_norm, rel=3e-2)
+        assert m.big_batch_norm == pytest.approx(expected[m.metadata["name"]].big_batch_norm, rel=3e-2)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    zero_sqgradnorm_buffers(model)
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scale = scaler.get_scale()
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, loss = model(x, torch.roll(x, 1, 1))
+    scaler.scale(loss * (math.inf if bad == "loss" else 1.0)).backward()
+    if bad == "untracked-grad":
+        assert "transformer.ln_f.weight" in tracker.skipped
+        model.transformer.ln_f.weight.grad[0] = math.nan
+    assert tracker.step(batch_size=4) == []
+    assert tracker.scaler_skipped_steps == 1 and tracker.nonfinite_steps == 0
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() < scale  # the scaler did skip it
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[n], rtol=0, atol=0)

@@ -63,7 +63,7 @@ def test_plain_run_writes_no_gns_columns(tmp_path):
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--linearclass=fast", "unknown linearclass 'fast'; choose from ['fused', 'gns', 'nn', 'shim']"),
+    ("--linearclass=fast", "unknown linearclass 'fast'; choose from ['fused', 'gns', 'gns+sogns', 'nn', 'shim', 'sogns']"),
     ("--lnclass=Shim", "unknown lnclass 'Shim'"),
 ])
 def test_unknown_layer_class_is_a_clear_error(tmp_path, flag, message):

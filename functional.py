@@ -1,0 +1,59 @@
+"""
+Per-example norm versions of linear, embedding, layer_norm and rms_norm, for
+layers that are not torch.nn modules (or subclasses with their own forward).
+Each takes the parameters it uses and the buffers to record into; a module
+registers those buffers once and the tracker finds them by name:
+
+    class CastedLinear(PESqNormBuffersMixin, nn.Module):   # stores W as (in, out)
+        def __init__(self, d_in, d_out):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
+            register_buffers(self, "weight")              # -> weight_upegsqnorm
+        def forward(self, x):
+            return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_upegsqnorm)
+
+The weight may be any differentiable view or cast of the parameter (a
+transpose or a dtype cast leaves each example's gradient norm unchanged).
+PESqNormBuffersMixin keeps the buffers float32 under model.to(torch.bfloat16).
+The numbers are those of buffered.py's `gns` layers (same autograd Functions).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from buffered import (_AffineFunction, _EmbeddingFunction, _LayerNormFunction, _LinearFunction, autocast_inputs,
+                      register_pe_sqnorm_buffers)
+
+
+def register_buffers(module, *param_names):
+    """Give `module` a `<name>_upegsqnorm` buffer for each of its parameters `param_names`."""
+    missing = [n for n in param_names if not isinstance(getattr(module, n, None), torch.nn.Parameter)]
+    if missing:
+        raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
+    register_pe_sqnorm_buffers(module, param_names)
+
+
+def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None):
+    """F.linear(x, weight, bias), weight (out, in), recording per-example norms of weight and bias gradients."""
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+        return _LinearFunction.apply(x, weight, bias, weight_buffer, bias_buffer)
+
+
+def embedding(ids, weight, weight_buffer=None):
+    """F.embedding(ids, weight) (no padding_idx / max_norm), recording per-example norms of the weight gradient."""
+    return _EmbeddingFunction.apply(ids, weight, weight_buffer)
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=None):
+    """F.layer_norm over the last dim with an affine weight (and bias), recording their per-example norms."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.float()  # autocast runs layer_norm in float32
+    with torch.autocast(x.device.type, enabled=False):
+        return _LayerNormFunction.apply(x, weight, bias, eps, weight_buffer, bias_buffer)
+
+
+def rms_norm(x, weight, eps=None, weight_buffer=None):
+    """F.rms_norm over the last dim times weight, recording per-example norms of the weight gradient."""
+    xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
+    return _AffineFunction.apply(xhat, weight, None, weight_buffer, None)

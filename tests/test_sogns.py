@@ -1,0 +1,103 @@
+"""
+SOGNS, the approximate per-example norms (sogns.py): the buffers hold the
+defining formula, it is exact where it should be (T = 1, bias), the `gns+sogns`
+class keeps the exact numbers, and train.py logs both under their own prefixes.
+
+    python -m pytest -q tests/test_sogns.py
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gnstracking
+from buffered import PEGradNormLinear, zero_sqgradnorm_buffers
+from csv_tools import load_csv
+from oracle import per_example_sqnorms_by_loop
+from sogns import SOGNS_SUFFIX, ExactAndSOGNSLinear, SOGNSLinear
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def defining_formula(x, g):
+    """Per example: (1/T) sum_{t,k} x_tk^2 * ||sum_t g_t||^2 (weight), ||sum_t g_t||^2 (bias), by loops."""
+    weight, bias = [], []
+    for xi, gi in zip(x.double(), g.double()):
+        xi, gi = xi.reshape(-1, xi.shape[-1]), gi.reshape(-1, gi.shape[-1])
+        out_sq = sum(gi[t] for t in range(gi.shape[0])).pow(2).sum()
+        weight.append(sum(xi[t].pow(2).sum() for t in range(xi.shape[0])) / xi.shape[0] * out_sq)
+        bias.append(out_sq)
+    return torch.stack(weight), torch.stack(bias)
+
+
+@pytest.mark.parametrize("cls", [SOGNSLinear, ExactAndSOGNSLinear])
+@pytest.mark.parametrize("shape", [(5, 7), (3, 9, 7), (1, 4, 7), (2, 3, 4, 7)], ids=str)
+def test_buffers_hold_the_defining_formula(cls, shape):
+    torch.manual_seed(0)
+    layer = cls(7, 5).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    g = torch.randn(*shape[:-1], 5, dtype=torch.float64)
+    layer(x).backward(g)
+    weight, bias = defining_formula(x, g)
+    torch.testing.assert_close(layer.weight_sogns_upegsqnorm, torch.tensor([weight.sum(), shape[0]], dtype=torch.float32))
+    torch.testing.assert_close(layer.bias_sogns_upegsqnorm, torch.tensor([bias.sum(), shape[0]], dtype=torch.float32))
+
+
+def test_exact_for_one_row_per_example_and_for_the_bias():
+    torch.manual_seed(0)
+    layer = SOGNSLinear(6, 3).double()
+    x, g = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    layer(x).backward(g)
+    recorded = layer.weight_sogns_upegsqnorm[0].item()  # read first: the oracle's own backward passes add to it
+    exact = per_example_sqnorms_by_loop(layer, x, g)
+    assert recorded == pytest.approx(exact["weight"].sum().item(), rel=1e-6)
+    layer.zero_grad()
+    zero_sqgradnorm_buffers(layer)
+    x3, g3 = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
+    layer(x3).backward(g3)
+    recorded_weight, recorded_bias = layer.weight_sogns_upegsqnorm[0].item(), layer.bias_sogns_upegsqnorm[0].item()
+    exact = per_example_sqnorms_by_loop(layer, x3, g3)
+    assert recorded_bias == pytest.approx(exact["bias"].sum().item(), rel=1e-6)
+    # the weight is an approximation for T > 1: not the exact number
+    assert recorded_weight != pytest.approx(exact["weight"].sum().item(), rel=1e-3)
+
+
+def test_gns_plus_sogns_keeps_the_exact_numbers_and_tracks_both():
+    torch.manual_seed(0)
+    exact_only, both = PEGradNormLinear(6, 4).double(), ExactAndSOGNSLinear(6, 4).double()
+    both.load_state_dict(exact_only.state_dict())
+    x, g = torch.randn(3, 5, 6, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
+    for layer in (exact_only, both):
+        layer(x).backward(g)
+    torch.testing.assert_close(both.weight.grad, exact_only.weight.grad)
+    torch.testing.assert_close(both.weight_upegsqnorm, exact_only.weight_upegsqnorm)
+    exact = gnstracking.MeasurementTracker.from_model(both).step(batch_size=3)
+    approx = gnstracking.MeasurementTracker.from_model(both, suffix=SOGNS_SUFFIX).step(batch_size=3)
+    assert [m.metadata["name"] for m in exact] == [m.metadata["name"] for m in approx] == ["weight", "bias"]
+    assert approx[0].big_batch_norm == exact[0].big_batch_norm  # the batch norm is exact in both
+    assert approx[1].small_batch_norm == pytest.approx(exact[1].small_batch_norm, rel=1e-6)  # bias: exact
+    assert approx[0].small_batch_norm != pytest.approx(exact[0].small_batch_norm, rel=1e-3)
+
+
+def test_sogns_buffers_stay_float32_under_bf16():
+    layer = SOGNSLinear(4, 4).to(torch.bfloat16)
+    assert layer.weight_sogns_upegsqnorm.dtype == torch.float32
+
+
+def test_train_logs_exact_and_approximate_side_by_side(tmp_path):
+    args = ["--device=cpu", "--compile=False", "--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_embd=16",
+            "--block_size=16", "--batch_size=8", "--gradient_accumulation_steps=1", "--max_iters=4", "--eval_interval=4",
+            "--eval_iters=1", "--log_interval=1", "--dropout=0.0", "--lnclass=gns", "--linearclass=sogns", f"--out_dir={tmp_path}"]
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    df = load_csv(tmp_path)
+    assert df["train/sogns/transformer.h.0.mlp.c_fc.weight/pegn"].iloc[:4].notna().all()
+    assert df["train/gns/transformer.h.0.ln_1.weight/pegn"].iloc[:4].notna().all()
+    assert not any(c.startswith("train/gns/transformer.h.0.mlp") for c in df.columns)  # Linear: approximate only
+    analysis = subprocess.run([sys.executable, "gns-analysis.py", str(tmp_path), "--no-plots"], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+    assert analysis.returncode == 0, analysis.stderr
+    assert "Approximate (SOGNS) GNS over" in analysis.stdout
