@@ -1,0 +1,219 @@
+"""
+layer_config.convert (swap the torch layers of a model built elsewhere) and
+functional.py (per-example norm functions for layers that are not nn modules),
+checked against a brute-force loop over examples.
+
+    python -m pytest -q tests/test_convert.py
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import functional
+import gnstracking
+import layer_config as lc
+from buffered import PEGradNormEmbedding, PEGradNormLinear, PESqNormBuffersMixin, zero_sqgradnorm_buffers
+
+
+class Nested(nn.Module):
+    """Embedding, LayerNorm, RMSNorm with a weight, a weightless RMSNorm, a module registered under two
+    paths (called once), nested containers and a tied output layer; plus modules convert cannot handle."""
+
+    def __init__(self, vocab=13, d=6):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                     for _ in range(2)])
+        self.norm = nn.RMSNorm(d)
+        self.bare_norm = nn.RMSNorm(d, elementwise_affine=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.alias = self.proj  # the same module under a second path
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.conv = nn.Conv1d(d, d, 1)  # no per-example norm class: listed
+        self.padded = nn.Embedding(4, d, padding_idx=0)  # unsupported option: listed
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(self.proj(self.bare_norm(self.norm(h))))
+
+
+def loss_fn(model, ids, targets):
+    logits = model(ids)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def brute_force_pe(model, ids, targets):
+    per_example = {n: 0.0 for n, _ in model.named_parameters()}
+    for i in range(ids.shape[0]):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, ids[i:i + 1], targets[i:i + 1]).backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                per_example[n] += p.grad.double().pow(2).sum().item() / ids.shape[0]
+    model.zero_grad(set_to_none=True)
+    zero_sqgradnorm_buffers(model)
+    return per_example
+
+
+@pytest.mark.parametrize("classes", [("gns", "gns", "gns"), ("shim", "shim", "shim")], ids="-".join)
+@pytest.mark.parametrize("shape", [(5, 7), (1, 7), (6,)], ids=str)  # 2-D ids, a batch of 1, 1-D ids (T = 1)
+def test_converted_model_matches_brute_force(classes, shape):
+    torch.manual_seed(0)
+    model = Nested().double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built before convert: must keep working
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(UserWarning, match="2 module\\(s\\) not converted"):
+        tracker = lc.convert(model, *classes)
+    assert set(tracker.unconverted) == {"conv", "padded"}
+    assert type(model.blocks[1][1]).__name__.startswith("PEGradNorm") and model.alias is model.proj
+    assert model.head.weight is model.emb.weight and isinstance(model.bare_norm, nn.RMSNorm)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), weights[n], rtol=0, atol=0)  # same values, same dtype
+    gen = torch.Generator().manual_seed(1)
+    ids, targets = torch.randint(1, 13, (2, *shape), generator=gen)
+    B = shape[0]
+    for part in ([slice(0, B)] if B == 1 else [slice(0, B // 2), slice(B // 2, B)]):  # accumulation
+        n = ids[part].shape[0]
+        (loss_fn(model, ids[part], targets[part]) * n / B).backward()
+    measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+    optimizer.step()  # the optimizer still holds the model's parameters
+    assert not torch.equal(model.proj.weight.detach(), weights["proj.weight"])
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    expected = brute_force_pe(model, ids, targets)
+    assert set(measurements) == {"emb.weight+head.weight", "blocks.0.0.weight", "blocks.0.0.bias", "blocks.0.1.weight",
+                                 "blocks.0.1.bias", "blocks.0.3.weight", "blocks.0.3.bias", "blocks.1.0.weight",
+                                 "blocks.1.0.bias", "blocks.1.1.weight", "blocks.1.1.bias", "blocks.1.3.weight",
+                                 "blocks.1.3.bias", "norm.weight", "proj.weight"}
+    for name, m in measurements.items():
+        reference = expected[name.split("+")[0]]
+        assert m.small_batch_norm ** 2 == pytest.approx(reference, rel=1e-6), name
+
+
+def test_convert_keeps_device_dtype_and_training_mode():
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)).to(torch.bfloat16).eval()
+    lc.convert(model)
+    assert model[0].weight.dtype == torch.bfloat16 and not model[0].training
+    assert model[0].weight_upegsqnorm.dtype == torch.float32 and model[0].weight_upegsqnorm.device.type == "cpu"
+
+
+def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
+    tracker = lc.convert(model, linearclass="nn", lnclass="gns")
+    assert type(model[0]) is nn.Linear and [n for n, _, _ in tracker.tracked] == ["1.weight", "1.bias"]
+    with pytest.raises(ValueError, match="wrap it in a module"):
+        lc.convert(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown linearclass 'fast'"):
+        lc.convert(model, linearclass="fast")
+
+
+def test_a_module_used_twice_per_forward_is_dropped_with_a_warning():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
+    tracker = lc.convert(model)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.warns(UserWarning, match="0.weight recorded 2 uses per example"):
+        names = [m.metadata["name"] for m in tracker.step(batch_size=3)]
+    assert names == ["3.weight", "3.bias"]
+
+
+# -----------------------------------------------------------------------------
+# functional API
+
+class TransposedLinear(PESqNormBuffersMixin, nn.Module):
+    """W stored (in, out), used as x @ W cast to the input dtype: modded-nanogpt's layout."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
+        functional.register_buffers(self, "weight")
+
+    def forward(self, x):
+        return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_upegsqnorm)
+
+
+class FunctionalNorms(PESqNormBuffersMixin, nn.Module):
+    def __init__(self, vocab, d):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(vocab, d))
+        self.ln_w, self.ln_b, self.rms_w = (nn.Parameter(torch.randn(d)) for _ in range(3))
+        functional.register_buffers(self, "table", "ln_w", "ln_b", "rms_w")
+
+    def forward(self, ids):
+        h = functional.embedding(ids, self.table, self.table_upegsqnorm)
+        h = functional.layer_norm(h, self.ln_w, self.ln_b, 1e-5, self.ln_w_upegsqnorm, self.ln_b_upegsqnorm)
+        return functional.rms_norm(h, self.rms_w, 1e-6, self.rms_w_upegsqnorm)
+
+
+def per_example_by_loop(model, inputs, grad_out):
+    out = {n: [] for n, _ in model.named_parameters()}
+    for i in range(inputs.shape[0]):
+        model.zero_grad(set_to_none=True)
+        model(inputs[i:i + 1]).backward(grad_out[i:i + 1])
+        for n, p in model.named_parameters():
+            out[n].append(p.grad.double().pow(2).sum().item())
+    return {n: sum(v) for n, v in out.items()}
+
+
+@pytest.mark.parametrize("shape", [(4, 7), (1, 7), (3, 5, 7), (2, 3, 2, 7)], ids=str)
+def test_functional_linear_with_a_transposed_weight(shape):
+    torch.manual_seed(0)
+    layer = TransposedLinear(7, 9).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    g = torch.randn(*shape[:-1], 9, dtype=torch.float64)
+    layer(x).backward(g)
+    recorded = layer.weight_upegsqnorm.clone()
+    grad = layer.weight.grad.clone()
+    zero_sqgradnorm_buffers(layer)
+    expected = per_example_by_loop(layer, x, g)
+    assert recorded[0].item() == pytest.approx(expected["weight"], rel=1e-6) and recorded[1] == shape[0]
+    layer.zero_grad()
+    (x @ layer.weight).backward(g)
+    torch.testing.assert_close(grad, layer.weight.grad)
+
+
+def test_functional_embedding_and_norms():
+    torch.manual_seed(0)
+    model = FunctionalNorms(11, 6).double()
+    ids = torch.randint(0, 11, (5, 8))
+    g = torch.randn(5, 8, 6, dtype=torch.float64)
+    model(ids).backward(g)
+    recorded = {n: model.get_buffer(n + "_upegsqnorm")[0].item() for n, _ in model.named_parameters()}
+    zero_sqgradnorm_buffers(model)
+    expected = per_example_by_loop(model, ids, g)
+    for name in expected:
+        assert recorded[name] == pytest.approx(expected[name], rel=1e-6), name
+
+
+def test_functional_under_bf16_autocast_within_tolerance():
+    torch.manual_seed(0)
+    layer = TransposedLinear(16, 8)
+    x, g = torch.randn(4, 6, 16), torch.randn(4, 6, 8)
+    layer(x).backward(g)
+    reference = layer.weight_upegsqnorm[0].item()
+    zero_sqgradnorm_buffers(layer)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    out.backward(g.to(torch.bfloat16))
+    assert layer.weight_upegsqnorm[0].item() == pytest.approx(reference, rel=3e-2)
+    assert layer.weight.grad.dtype == torch.float32
+
+
+def test_register_buffers_names_the_missing_parameter():
+    with pytest.raises(ValueError, match=r"no parameter\(s\) \['weight'\]"):
+        functional.register_buffers(nn.Module(), "weight")
+
+
+def test_functional_layers_are_found_by_the_tracker():
+    model = nn.Sequential(TransposedLinear(4, 3), PEGradNormLinear(3, 2))
+    model(torch.randn(5, 4)).sum().backward()
+    tracker = gnstracking.MeasurementTracker.from_model(model)
+    assert [m.metadata["name"] for m in tracker.step(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
+    assert isinstance(PEGradNormEmbedding(3, 2), nn.Embedding)
