@@ -12,7 +12,6 @@ so the same code can also be built under the context manager; tests check
 that both routes give the same numbers.
 """
 
-import argparse
 import os
 import sys
 
@@ -27,6 +26,9 @@ import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
 from buffered import zero_sqgradnorm_buffers  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import parse_args, shakespeare_batches  # noqa: E402
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,25 +97,8 @@ def build_in_context(vocab_size, seed=0, **kwargs):
     return model, gnstracking.MeasurementTracker.from_model(model)
 
 
-def shakespeare_batches(block_size, batch_size, seed=0):
-    """Random windows of the bundled Shakespeare text, as (x, y) character ids, forever."""
-    with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
-        text = f.read()
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text[:200_000]], dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
-        yield (torch.stack([data[s:s + block_size] for s in starts]),
-               torch.stack([data[s + 1:s + 1 + block_size] for s in starts]), len(chars))
-
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch_size", type=int, default=8)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     batches = shakespeare_batches(block_size=32, batch_size=args.batch_size)
     vocab_size = next(batches)[2]
     model, tracker = build_converted(vocab_size)

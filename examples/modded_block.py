@@ -8,7 +8,6 @@ Trained a few steps under bf16 autocast with GNS logged to a CSV.
     python examples/modded_block.py --out_dir=out-modded [--steps=20]
 """
 
-import argparse
 import os
 import sys
 
@@ -25,7 +24,7 @@ from buffered import PESqNormBuffersMixin, zero_sqgradnorm_buffers  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt2_notebook import shakespeare_batches  # noqa: E402
+from common import parse_args, shakespeare_batches  # noqa: E402
 
 
 class CastedLinear(PESqNormBuffersMixin, nn.Module):
@@ -71,11 +70,7 @@ class Model(nn.Module):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch_size", type=int, default=8)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     batches = shakespeare_batches(block_size=32, batch_size=args.batch_size)
     torch.manual_seed(0)
     model = Model(vocab_size=next(batches)[2])

@@ -14,7 +14,6 @@ tracking (see README "What it costs"); giving the norms a weight would bring the
 cheap LayerNorm-only estimate back.
 """
 
-import argparse
 import os
 import sys
 
@@ -31,7 +30,7 @@ from buffered import zero_sqgradnorm_buffers  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt2_notebook import shakespeare_batches  # noqa: E402
+from common import parse_args, shakespeare_batches  # noqa: E402
 
 
 def norm(x):
@@ -122,11 +121,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch_size", type=int, default=8)
-    args = parser.parse_args(argv)
+    args = parse_args(__doc__, argv)
     batches = shakespeare_batches(block_size=32, batch_size=args.batch_size)
     torch.manual_seed(0)
     model = GPT(vocab_size=next(batches)[2])
