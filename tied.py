@@ -16,7 +16,7 @@ output gradient at position s,
     <e_i, h_i> = sum_t delta_t . P_t,   P_t = sum_s dlogits_s[ids_t] x_s,
 
 i.e. gather the (S, T) matrix G[s, t] = dlogits_s[ids_t] and form P = G^T x:
-B*S*T*D work and B*S*T + B*T*D memory. The output layer runs its backward
+B*S*T*D work and B*T*D memory plus G for a chunk of examples at a time. The output layer runs its backward
 first, so it computes P; the embedding's backward then finishes the cross term
 and adds it to a third buffer, `<param>_tiecross_upegsqnorm` on the embedding.
 
@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from buffered import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype
 
+GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_upegsqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
 
 
@@ -78,8 +79,15 @@ class _TiedHeadNode(torch.autograd.Function):
         dtype = norm_dtype(grad_logits)
         dlogits = grad_logits.reshape(N, -1, grad_logits.shape[-1])  # (N, S, V)
         S = dlogits.shape[1]
-        gathered = torch.gather(dlogits, 2, ids.unsqueeze(1).expand(N, S, T)).to(dtype)  # G[n, s, t] = dlogits[n, s, ids[n, t]]
-        p = torch.bmm(gathered.transpose(1, 2), x.reshape(N, S, -1).to(dtype))  # (N, T, D)
+        x = x.reshape(N, S, -1)
+        p = torch.empty(N, T, x.shape[-1], dtype=dtype, device=x.device)
+        chunk = max(1, GATHER_CHUNK_ELEMENTS // (S * T))  # bounds G's memory: (chunk, S, T)
+        for start in range(0, N, chunk):
+            rows = slice(start, start + chunk)
+            n = ids[rows].shape[0]
+            # G[n, s, t] = dlogits[n, s, ids[n, t]]
+            gathered = torch.gather(dlogits[rows], 2, ids[rows].unsqueeze(1).expand(n, S, T)).to(dtype)
+            p[rows] = torch.bmm(gathered.transpose(1, 2), x[rows].to(dtype))  # (n, T, D)
         forward_pass.p = p if forward_pass.p is None else forward_pass.p + p  # a head used twice adds up
         return grad_logits, None, None
 

@@ -205,3 +205,10 @@ def test_tied_pairs_that_cannot_be_exact_are_skipped():
             tracker = gnstracking.MeasurementTracker.from_model(model)
         assert tracker.tracked == [] and "tied to" in tracker.skipped[name]
         assert tied.link_tied_parameters(model) == {}
+
+
+def test_gather_in_chunks_gives_the_same_cross_term(monkeypatch):
+    x, y = torch.randint(0, 67, (2, 5, 11), generator=torch.Generator().manual_seed(6))
+    whole = tracked_step(build(), gpt_loss, x, y)[TIED].small_batch_norm
+    monkeypatch.setattr(tied, "GATHER_CHUNK_ELEMENTS", 11 * 11 * 2)  # two examples per chunk: 3 chunks for B = 5
+    assert tracked_step(build(), gpt_loss, x, y)[TIED].small_batch_norm == pytest.approx(whole, rel=1e-12)
