@@ -1,7 +1,8 @@
 """
 What the examples share that is not the point of any of them: the command line
-and a stream of Shakespeare character batches. Each example's training loop is
-written out in full in its own file, since the loop is what it shows.
+and a stream of Shakespeare character batches. Each example's model and
+training loop are written out in full in its own file, since they are what it
+shows.
 """
 
 import argparse
@@ -10,24 +11,29 @@ import os
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMA_DECAY = 0.95  # the running GNS's decay: gns-analysis.py's default --alpha, so both print the same final GNS
 
 
 def parse_args(doc, argv=None):
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", required=True, help="where log.csv goes (then: python gns-analysis.py OUT_DIR)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--batch_size", type=int, default=8, help="examples (sequences) per step (default: 8)")
     return parser.parse_args(argv)
 
 
 def shakespeare_batches(block_size, batch_size, seed=0):
-    """Random windows of the bundled Shakespeare text, as (x, y) character ids, forever."""
+    """(vocab_size, an endless iterator of (x, y) random windows of the bundled Shakespeare, as character ids)."""
     with open(os.path.join(REPO, "data", "shakespeare_char", "input.txt")) as f:
         text = f.read()
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text[:200_000]], dtype=torch.long)
+    stoi = {c: i for i, c in enumerate(sorted(set(text)))}
+    data = torch.tensor([stoi[c] for c in text[:200_000]], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
-        yield (torch.stack([data[s:s + block_size] for s in starts]),
-               torch.stack([data[s + 1:s + 1 + block_size] for s in starts]), len(chars))
+
+    def batches():
+        while True:
+            starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
+            yield (torch.stack([data[s:s + block_size] for s in starts]),
+                   torch.stack([data[s + 1:s + 1 + block_size] for s in starts]))
+
+    return len(stoi), batches()

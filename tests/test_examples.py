@@ -1,14 +1,16 @@
 """
-The examples/ scripts: each runs, logs GNS columns that gns-analysis.py reads,
-and its per-example norms match a brute-force loop over examples; the notebook
+The examples/ scripts: each runs, logs the GNS columns gns-analysis.py reads,
+and its per-example norms equal a brute-force loop over examples; the notebook
 GPT-2 converted after construction equals the same model built under the
 context manager.
 
     python -m pytest -q tests/test_examples.py
 """
 
+import functools
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -18,121 +20,242 @@ import torch.nn.functional as F
 
 from buffered import zero_sqgradnorm_buffers
 from csv_tools import load_csv
+from gnstracking import MeasurementTracker
+from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(REPO, "examples")
+NAMES = ("nanochat_gpt", "modded_block", "gpt2_notebook")
+STEPS, BATCH = 4, 8
 
 
-def load_example(name):
-    sys.path.insert(0, EXAMPLES)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+@functools.cache
+def example(name):
+    """The module examples/<name>.py, imported once (its models and helpers are what the tests use)."""
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", os.path.join(REPO, "examples", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.mark.parametrize("name, expected, absent", [
-    # nanochat: untied, and its weightless RMSNorms have nothing to log
-    ("nanochat_gpt", ["wte.weight", "lm_head.weight", "blocks.1.attn.c_q.weight", "blocks.0.c_out.weight"], []),
-    ("modded_block", ["blocks.0.qkv.weight", "head.weight"], ["embed.weight"]),
-    ("gpt2_notebook", ["tok.weight+head.weight", "pos.weight", "blocks.0.ln1.weight", "blocks.1.mlp.2.bias"],
-     ["tok.weight", "head.weight"]),
-])
-def test_example_runs_and_logs_gns(tmp_path, name, expected, absent):
-    out = subprocess.run([sys.executable, f"examples/{name}.py", f"--out_dir={tmp_path}", "--steps=4"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "running GNS" in out.stdout
-    df = load_csv(tmp_path)
-    names = {c[len("train/gns/"):-len("/pegn")] for c in df.columns if c.startswith("train/gns/") and c.endswith("/pegn")}
-    assert set(expected) <= names, sorted(names)
-    assert not names & set(absent)
+def tracked_names(name):
+    """The names each example should log: every parameter (the tied pair once, '+'-joined), bar modded's embedding."""
     if name == "nanochat_gpt":
-        assert len(names) == 2 + 2 * 6  # embedding, head, 6 matrices per block: nothing else has parameters
-    assert df[[f"train/gns/{n}/pegn" for n in expected]].notna().all().all() and len(df) == 4
-    analysis = subprocess.run([sys.executable, "gns-analysis.py", str(tmp_path), "--no-plots"], cwd=REPO,
-                              capture_output=True, text=True, timeout=300)
-    assert analysis.returncode == 0, analysis.stderr
-    assert "Final GNS:" in analysis.stdout
+        return {n for n, _ in example(name).GPT(vocab_size=65).named_parameters()}
+    if name == "modded_block":
+        return {n for n, _ in example(name).GPT(vocab_size=65).named_parameters()} - {"embed.weight"}
+    names = {n for n, _ in example(name).GPT2(vocab_size=65).named_parameters()} - {"wte.weight"}
+    return names - {"lm_head.weight"} | {"wte.weight+lm_head.weight"}
 
+
+def run_in_parallel(commands):
+    """{key: CompletedProcess} for {key: argv}, all started at once (the runs are mostly import time)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {key: subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for key, argv in commands.items()}
+    results = {}
+    for key, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: (out_dir, script's CompletedProcess, gns-analysis.py's CompletedProcess)}."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in NAMES}
+    scripts = run_in_parallel({name: [sys.executable, f"examples/{name}.py", f"--out_dir={dirs[name]}",
+                                      f"--steps={STEPS}", f"--batch_size={BATCH}"] for name in NAMES})
+    analyses = run_in_parallel({name: [sys.executable, "gns-analysis.py", str(dirs[name]), "--no-plots"]
+                                for name in NAMES})
+    return {name: (dirs[name], scripts[name], analyses[name]) for name in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_runs_and_logs_gns_columns(runs, name):
+    out_dir, script, _ = runs[name]
+    assert script.returncode == 0, script.stderr
+    df = load_csv(out_dir)
+    assert len(df) == STEPS
+    assert list(df["iter_num"]) == list(range(STEPS))
+    assert list(df["tokens_processed"]) == [(i + 1) * BATCH * 32 for i in range(STEPS)]
+    logged = {c[len("train/gns/"):-len("/norm")] for c in df.columns if c.startswith("train/gns/") and c.endswith("/norm")}
+    assert logged == tracked_names(name)
+    for param in logged:
+        norm, pegn, batch = (df[f"train/gns/{param}/{m}"] for m in ("norm", "pegn", "batch_size"))
+        assert (batch == BATCH).all()
+        assert norm.notna().all() and pegn.notna().all() and (norm > 0).all(), param
+        # mean_i |g_i|^2 >= |mean_i g_i|^2 (Jensen); 3% slack for modded's bf16 autocast
+        assert (pegn >= 0.97 * norm).all(), param
+
+
+def test_nanochat_logs_no_norm_columns_and_says_why(runs):
+    out_dir, script, _ = runs["nanochat_gpt"]
+    params = [c.split("/")[2] for c in load_csv(out_dir).columns if c.startswith("train/gns/")]
+    assert params and not [p for p in params if "norm" in p.lower() or ".ln" in p]
+    model = example("nanochat_gpt").GPT(vocab_size=65)
+    assert not [m for m in model.modules() if "Norm" in type(m).__name__]  # F.rms_norm only: nothing to convert
+    assert "LayerNorm-only GNS is unavailable" in script.stdout
+
+
+def test_modded_reports_its_plain_embedding_untracked(runs):
+    assert "not tracked: embed.weight" in runs["modded_block"][1].stdout
+
+
+def test_gpt2_notebook_logs_the_tied_matrix_once(runs):
+    columns = set(load_csv(runs["gpt2_notebook"][0]).columns)
+    assert {"train/gns/wte.weight+lm_head.weight/norm", "train/gns/wte.weight+lm_head.weight/pegn"} <= columns
+    assert not {"train/gns/wte.weight/norm", "train/gns/lm_head.weight/norm"} & columns
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gns_analysis_reads_example_log(runs, name):
+    _, _, analysis = runs[name]
+    assert analysis.returncode == 0, analysis.stderr
+    assert re.search(r"Final GNS: -?[0-9.]+\n", analysis.stdout), analysis.stdout
+
+
+UNTIED_HEAD_DROPPED = pytest.mark.xfail(strict=True, reason=(
+    "known limit: gns-analysis.py leaves out every plain (no '+') column whose name contains 'wte' or 'lm_head', "
+    "as the paper's reference analysis does for its tied column, also in untied models (nanochat, modded)"))
+
+
+@pytest.mark.parametrize("name", [pytest.param("nanochat_gpt", marks=UNTIED_HEAD_DROPPED),
+                                  pytest.param("modded_block", marks=UNTIED_HEAD_DROPPED), "gpt2_notebook"])
+def test_gns_analysis_final_gns_equals_running_gns(runs, name):
+    """Same parameters, same EMA decay (0.95): the script's running GNS is the analysis's final GNS."""
+    _, script, analysis = runs[name]
+    running = float(re.search(r"final running GNS (-?[0-9.]+)", script.stdout).group(1))
+    final = float(re.search(r"Final GNS: (-?[0-9.]+)", analysis.stdout).group(1))
+    assert final == pytest.approx(running, abs=1.5e-4)
+    assert f"Processing {len(tracked_names(name))} parameters" in analysis.stdout
+
+
+# -----------------------------------------------------------------------------
+# CastedLinear (weight stored transposed) through functional.linear
+
+@pytest.mark.parametrize("shape", [(1, 7), (5, 7), (1, 3, 7), (4, 5, 7), (2, 3, 5, 7)])
+def test_casted_linear_matches_loop_over_examples(shape):
+    """float64, odd sizes, batch of 1, 2-D to 4-D input: the buffer's [sum, count] against one backward per example."""
+    torch.manual_seed(0)
+    layer = example("modded_block").CastedLinear(7, 11).double()
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(*shape[:-1], 11, dtype=torch.float64)
+    y = layer(x)
+    assert torch.allclose(y, x @ layer.weight, rtol=1e-12, atol=1e-12)
+    y.backward(grad_out)
+    reference = x.detach().reshape(-1, 7).T @ grad_out.reshape(-1, 11)  # dL/dW for W stored (in, out)
+    assert torch.allclose(layer.weight.grad, reference, rtol=1e-12, atol=1e-12)
+    total, count = layer.weight_upegsqnorm.tolist()
+    loop = per_example_sqnorms_by_loop(layer, x.detach(), grad_out)["weight"]
+    assert count == shape[0]
+    assert total == pytest.approx(loop.sum().item(), rel=1e-6)  # buffer sums in float32
+
+
+def test_casted_linear_bf16_autocast_close_to_float32():
+    torch.manual_seed(0)
+    layer = example("modded_block").CastedLinear(24, 40)
+    x, grad_out = torch.randn(6, 9, 24), torch.randn(6, 9, 40)
+    layer(x).backward(grad_out)
+    want = layer.weight_upegsqnorm.clone()
+    layer.weight_upegsqnorm.zero_()
+    layer.weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.backward(grad_out.bfloat16())
+    assert layer.weight.grad.dtype == torch.float32 and layer.weight_upegsqnorm.dtype == torch.float32
+    assert layer.weight_upegsqnorm[1].item() == want[1].item() == 6
+    assert layer.weight_upegsqnorm[0].item() == pytest.approx(want[0].item(), rel=3e-2)
+    assert layer.bfloat16().weight_upegsqnorm.dtype == torch.float32  # PESqNormBuffersMixin
+
+
+# -----------------------------------------------------------------------------
+# whole models against brute force, with gradient accumulation
 
 def brute_force(model, x, y):
-    """(||batch-mean grad||^2, mean_i ||g_i||^2) per parameter name (first name of a tied tensor)."""
-    def loss_fn(xs, ys):
-        return F.cross_entropy(model(xs).flatten(0, 1), ys.flatten())
-
-    model.zero_grad(set_to_none=True)
-    loss_fn(x, y).backward()
-    batch = {n: p.grad.pow(2).sum().item() for n, p in model.named_parameters() if p.grad is not None}
-    per_example = dict.fromkeys(batch, 0.0)
-    for i in range(x.shape[0]):
+    """{name: (|mean_i g_i|^2, mean_i |g_i|^2)} for every parameter (a tied tensor under its first name)."""
+    def backward(xs, ys):
         model.zero_grad(set_to_none=True)
-        loss_fn(x[i:i + 1], y[i:i + 1]).backward()
+        F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+
+    backward(x, y)
+    result = {n: [p.grad.pow(2).sum().item(), 0.0] for n, p in model.named_parameters()}
+    for i in range(x.size(0)):
+        backward(x[i:i + 1], y[i:i + 1])
         for n, p in model.named_parameters():
-            if n in per_example:
-                per_example[n] += p.grad.pow(2).sum().item() / x.shape[0]
+            result[n][1] += p.grad.pow(2).sum().item() / x.size(0)
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
-    return batch, per_example
+    return result
 
 
-def accumulated_step(model, tracker, x, y):
-    """Backward of two micro-batches (mean over the whole batch), then one tracker step."""
-    B = x.shape[0]
-    for part in (slice(0, B // 2), slice(B // 2, B)):
-        n = x[part].shape[0]
-        (F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten()) * n / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+def accumulated_step(model, tracker, x, y, split):
+    """Backward of two uneven micro-batches, each loss weighted by its share of the batch; then one tracker step."""
+    B = x.size(0)
+    losses = []
+    for part in (slice(0, split), slice(split, B)):
+        loss = F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten())
+        (loss * x[part].size(0) / B).backward()
+        losses.append(loss.item())
+    measurements = tracker.step(batch_size=B)
     zero_sqgradnorm_buffers(model)
-    return measurements
+    return losses, measurements
 
 
-@pytest.mark.parametrize("name", ["nanochat_gpt", "gpt2_notebook"])
-def test_converted_example_models_match_brute_force(name):
-    example = load_example(name)
+def converted_nanochat(vocab_size):
+    model = example("nanochat_gpt").GPT(vocab_size, block_size=7, n_layer=2, n_head=2, n_embd=12).double()
+    return model, example("nanochat_gpt").layer_config.convert(model)
+
+
+def converted_gpt2(vocab_size):
+    model = example("gpt2_notebook").GPT2(vocab_size, block_size=7, n_layer=2, n_head=2, n_embd=12).double()
+    return model, example("gpt2_notebook").layer_config.convert(model)
+
+
+def tracked_modded(vocab_size):
+    model = example("modded_block").GPT(vocab_size, dim=12, n_layer=2, n_head=2).double()
+    return model, MeasurementTracker.from_model(model)
+
+
+@pytest.mark.parametrize("build", [converted_nanochat, converted_gpt2, tracked_modded])
+def test_example_model_norms_match_brute_force(build):
     torch.manual_seed(0)
-    model_class = example.GPT if name == "nanochat_gpt" else example.GPT2
-    model = model_class(vocab_size=29, block_size=12, n_layer=2, n_head=2, n_embd=16).double()
-    tracker = example.layer_config.convert(model)
-    x, y = torch.randint(0, 29, (2, 5, 12), generator=torch.Generator().manual_seed(1))
-    measurements = accumulated_step(model, tracker, x, y)
-    batch, per_example = brute_force(model, x, y)
-    assert len(measurements) == len(batch)  # named_parameters lists a tied tensor once, as the tracker does
-    for tracked_name, m in measurements.items():
-        key = tracked_name.split("+")[0]
-        assert m.small_batch_norm ** 2 == pytest.approx(per_example[key], rel=1e-6), tracked_name
-        assert m.big_batch_norm ** 2 == pytest.approx(batch[key], rel=1e-9), tracked_name
-
-
-def test_modded_block_casted_linear_matches_brute_force():
-    example = load_example("modded_block")
-    torch.manual_seed(0)
-    model = example.Model(vocab_size=23, dim=16, n_layer=1, n_head=2).double()
-    from gnstracking import MeasurementTracker
-    tracker = MeasurementTracker.from_model(model)
-    assert "embed.weight" in tracker.skipped
-    x, y = torch.randint(0, 23, (2, 3, 10), generator=torch.Generator().manual_seed(2))
-    measurements = accumulated_step(model, tracker, x, y)
-    _, per_example = brute_force(model, x, y)
-    assert set(measurements) == {"blocks.0.qkv.weight", "blocks.0.proj.weight", "blocks.0.fc.weight",
-                                 "blocks.0.out.weight", "head.weight"}
-    for name, m in measurements.items():
-        assert m.small_batch_norm ** 2 == pytest.approx(per_example[name], rel=1e-6), name
+    model, tracker = build(vocab_size=23)
+    x, y = torch.randint(0, 23, (2, 5, 7), generator=torch.Generator().manual_seed(1))
+    _, measurements = accumulated_step(model, tracker, x, y, split=2)
+    want = brute_force(model, x, y)
+    names = {m.metadata["name"] for m in measurements}
+    untracked = {"embed.weight"} if build is tracked_modded else set()
+    assert {n.split("+")[0] for n in names} == set(want) - untracked
+    if build is converted_gpt2:
+        assert "wte.weight+lm_head.weight" in names
+    for m in measurements:
+        sq_norm, pe_sqnorm = want[m.metadata["name"].split("+")[0]]
+        assert m.big_batch_size == 5
+        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-9), m.metadata["name"]
+        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6), m.metadata["name"]  # float32 buffers
 
 
 def test_notebook_gpt2_converted_equals_context_manager():
-    example = load_example("gpt2_notebook")
-    kwargs = dict(block_size=12, n_layer=2, n_head=2, n_embd=16)
-    converted, converted_tracker = example.build_converted(31, **kwargs)
-    built, built_tracker = example.build_in_context(31, **kwargs)
-    assert [n for n, _ in converted.named_parameters()] == [n for n, _ in built.named_parameters()]
-    assert [type(m).__name__ for m in converted.modules()] == [type(m).__name__ for m in built.modules()]
-    x, y = torch.randint(0, 31, (2, 4, 12), generator=torch.Generator().manual_seed(3))
-    for model in (converted, built):
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    a = converted_tracker.step(batch_size=4)
-    b = built_tracker.step(batch_size=4)
-    assert len(a) == len(b) > 20
-    for ma, mb in zip(a, b):
-        assert ma.metadata["name"] == mb.metadata["name"]
-        assert (ma.big_batch_norm, ma.small_batch_norm) == (mb.big_batch_norm, mb.small_batch_norm)
+    nb = example("gpt2_notebook")
+    kwargs = dict(block_size=7, n_layer=2, n_head=2, n_embd=12)
+    converted, converted_tracker = nb.build_converted(31, seed=3, **kwargs)
+    built, built_tracker = nb.build_in_context(31, seed=3, **kwargs)
+    assert [type(m) for m in converted.modules()] == [type(m) for m in built.modules()]
+    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm))
+                   and type(m).__module__.startswith("torch.") for m in built.modules())
+    for (name_a, a), (name_b, b) in zip(converted.named_parameters(), built.named_parameters(), strict=True):
+        assert name_a == name_b and torch.equal(a, b), name_a
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (converted, built)]
+    for step in range(2):
+        x, y = torch.randint(0, 31, (2, 5, 7), generator=torch.Generator().manual_seed(step))
+        losses_a, measured_a = accumulated_step(converted, converted_tracker, x, y, split=3)
+        losses_b, measured_b = accumulated_step(built, built_tracker, x, y, split=3)
+        assert losses_a == losses_b
+        for (name, a), (_, b) in zip(converted.named_parameters(), built.named_parameters()):
+            assert torch.equal(a.grad, b.grad), name
+        assert len(measured_a) == len(measured_b) == 28
+        assert measured_a == measured_b  # every field of every Measurement, names and steps included
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
