@@ -165,13 +165,10 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
         if id(param) in tied:
             tracked.append(("+".join(tied[id(param)].names), param, tied[id(param)].terms))
             continue
+        # one module registered under several paths (a shared module) has one owner and one exact buffer, as
+        # long as it runs once per example (step() stops tracking it, with a warning, if it counts more)
         owners = {id(model.get_submodule(n.rpartition(".")[0])) for n in names}
-        if len(names) > 1 and len(owners) == 1 and name + suffix in buffers:
-            # one module registered under several paths (a shared module): its buffer is exact as long as it
-            # runs once per example; step() stops tracking it, with a warning, if it counts more
-            module_name, _, param_name = name.rpartition(".")
-            tracked.append((name, param, [(model.get_submodule(module_name), param_name + suffix, 1.0)]))
-        elif len(names) > 1 and any(n + suffix in buffers for n in names):
+        if len(owners) > 1 and any(n + suffix in buffers for n in names):
             skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: the exact per-example norm of a "
                              "shared tensor is recorded only for one Embedding and one Linear that both record "
                              "per-example norms (e.g. --embeddingclass=gns --linearclass=gns)")

@@ -168,6 +168,11 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
                          "wrap it in a module (e.g. nn.Sequential(layer)) and convert that")
     swapped, unconverted = {}, {}
 
+    def owns_untracked_parameters(module):
+        """Parameters of its own and no per-example norm buffer (layers built with functional.py have one)."""
+        return (any(True for _ in module.parameters(recurse=False))
+                and not any(n.endswith(gnstracking.BUFFER_SUFFIX) for n in module._buffers))
+
     def replacement(module, path):
         kind = torch_classes.get(type(module))
         if kind is not None and names[kind] != "nn":
@@ -177,13 +182,11 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
             if reason is None:
                 return _swap(module, kind, classes[kind])
             unconverted[path] = reason
-        elif kind is None and any(True for _ in module.parameters(recurse=False)):
-            tracked_already = any(n.endswith("_upegsqnorm") for n in module._buffers)
-            if not tracked_already:
-                base = next((c.__name__ for c in torch_classes if isinstance(module, c)), None)
-                unconverted[path] = (f"subclass of nn.{base} with its own forward" if base else
-                                     f"{type(module).__name__} owns parameters and has no per-example norm class") + \
-                                    "; call functional.py's per-example norm functions from its forward"
+        elif kind is None and owns_untracked_parameters(module):
+            base = next((c.__name__ for c in torch_classes if isinstance(module, c)), None)
+            unconverted[path] = (f"subclass of nn.{base} with its own forward" if base else
+                                 f"{type(module).__name__} owns parameters and has no per-example norm class") + \
+                                "; call functional.py's per-example norm functions from its forward"
         return module
 
     def visit(parent, prefix):
@@ -198,7 +201,7 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
             parent._modules[name] = swapped[id(child)]
 
     visit(model, "")
-    if any(True for _ in model.parameters(recurse=False)) and not any(n.endswith("_upegsqnorm") for n in model._buffers):
+    if owns_untracked_parameters(model):
         unconverted[""] = f"{type(model).__name__} owns parameters directly; call functional.py from its forward"
     tracker = gnstracking.MeasurementTracker.from_model(model, callback=callback, scaler=scaler)
     tracker.unconverted = unconverted
