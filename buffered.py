@@ -82,7 +82,10 @@ def zero_sqgradnorm_buffers(model):
 
 class PESqNormBuffersMixin:
     """Keeps the buffers float32 when the module is cast (model.to(torch.bfloat16)):
-    a bf16 count stops being exact past 256 examples."""
+    a bf16 count stops being exact past 256 examples. `pe_kind` names the layer
+    kind for the tracker's record (gnstracking.describe_tracked)."""
+
+    pe_kind = None
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -92,6 +95,10 @@ class PESqNormBuffersMixin:
         return self
 
     def pe_buffer(self, param_name):
+        """The parameter's buffer, or None when it is absent or frozen (no gradient: nothing to record)."""
+        param = getattr(self, param_name, None)
+        if param is None or not param.requires_grad:
+            return None
         return self._buffers.get(param_name + BUFFER_SUFFIX)
 
 
@@ -234,7 +241,8 @@ class _EmbeddingShim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, ctx.num_embeddings))
+        if ctx.weight_buffer is not None:
+            accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, ctx.num_embeddings))
         return grad_out, None, None, None
 
 
@@ -249,6 +257,8 @@ class _LayerNormShim(torch.autograd.Function):
     def backward(ctx, grad_out):
         (xhat,) = ctx.saved_tensors
         weight_buffer, bias_buffer = ctx.buffers
+        if weight_buffer is None and bias_buffer is None:  # frozen affine parameters
+            return grad_out, None, None, None
         weight_sq, bias_sq = layernorm_pe_sqnorm(xhat, grad_out, has_bias=bias_buffer is not None)
         accumulate_pe_sqnorm(weight_buffer, weight_sq)
         accumulate_pe_sqnorm(bias_buffer, bias_sq)
@@ -306,6 +316,8 @@ class _EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[1]:  # a frozen embedding: no gradient, no norms
+            return None, None, None
         (ids,) = ctx.saved_tensors
         num_embeddings, dim = ctx.weight_shape
         grad_weight = torch.zeros(ctx.weight_shape, dtype=grad_out.dtype, device=grad_out.device)
@@ -328,13 +340,17 @@ class _AffineFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         xhat, weight = ctx.saved_tensors
         weight_buffer, bias_buffer = ctx.buffers
-        pe_grad_weight, pe_grad_bias = layernorm_pe_grads(xhat, grad_out, ctx.has_bias)  # (N, D) each
-        accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
-        grad_bias = None
-        if ctx.has_bias:
-            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
-            grad_bias = pe_grad_bias.sum(dim=0).to(weight.dtype)
-        return grad_out * weight, pe_grad_weight.sum(dim=0).to(weight.dtype), grad_bias, None, None
+        grad_xhat = grad_out * weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # else frozen: no gradients, no norms
+            pe_grad_weight, pe_grad_bias = layernorm_pe_grads(xhat, grad_out, ctx.has_bias)  # (N, D) each
+            if ctx.needs_input_grad[1]:
+                accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
+                grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+                grad_bias = pe_grad_bias.sum(dim=0).to(weight.dtype)
+        return grad_xhat, grad_weight, grad_bias, None, None
 
 
 class _LayerNormFunction(torch.autograd.Function):
@@ -360,15 +376,17 @@ class _LayerNormFunction(torch.autograd.Function):
             grad_x, _, _ = torch.ops.aten.native_layer_norm_backward(
                 grad_out, x, weight.shape, mean, rstd, weight, bias, [True, False, False])
         dtype = norm_dtype(grad_out)
-        xhat_times_g = torch.sub(x, mean).mul_(rstd).mul_(grad_out)  # one temporary, reused in place
-        pe_grad_weight = _per_example(xhat_times_g).sum(dim=1, dtype=dtype)  # (N, D)
-        accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
-        grad_bias = None
-        if bias is not None:
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:  # else a frozen weight: no gradient, no norms
+            xhat_times_g = torch.sub(x, mean).mul_(rstd).mul_(grad_out)  # one temporary, reused in place
+            pe_grad_weight = _per_example(xhat_times_g).sum(dim=1, dtype=dtype)  # (N, D)
+            accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
+            grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
             pe_grad_bias = _per_example(grad_out).sum(dim=1, dtype=dtype)  # (N, D)
             accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
             grad_bias = pe_grad_bias.sum(dim=0).to(bias.dtype)
-        return grad_x, pe_grad_weight.sum(dim=0).to(weight.dtype), grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -376,6 +394,8 @@ class _LayerNormFunction(torch.autograd.Function):
 
 class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
     """nn.Linear whose backward also records per-example norms of weight and bias gradients."""
+
+    pe_kind = "Linear"
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -390,6 +410,8 @@ class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
 class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
     """nn.Linear whose backward computes weight/bias gradients and per-example norms together."""
 
+    pe_kind = "Linear"
+
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         register_pe_sqnorm_buffers(self, ["weight", "bias"])
@@ -398,6 +420,13 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             return _LinearFunction.apply(x, weight, bias, self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+def note_single_row_input(embedding, ids):
+    """Remember an input of one row (ids (1, T)): broadcast over a batch later (Hugging Face GPT-2's default
+    position_ids), it makes the buffer count 1 example per micro-batch, and the tracker then says why."""
+    if ids.dim() > 1 and ids.shape[0] == 1 and torch.is_grad_enabled():
+        embedding._pe_single_row_input = True
 
 
 _PLAIN_EMBEDDING_DEFAULTS = dict(padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
@@ -415,12 +444,15 @@ def _check_plain_embedding(kwargs):
 class PEGradNormShimEmbedding(PESqNormBuffersMixin, nn.Embedding):
     """nn.Embedding whose backward also records per-example norms of the weight gradient."""
 
+    pe_kind = "Embedding"
+
     def __init__(self, num_embeddings, embedding_dim, **kwargs):
         _check_plain_embedding(kwargs)
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         register_pe_sqnorm_buffers(self, ["weight"])
 
     def forward(self, ids):
+        note_single_row_input(self, ids)
         out = F.embedding(ids, self.weight)
         return _EmbeddingShim.apply(out, ids, self.num_embeddings, self.pe_buffer("weight"))
 
@@ -428,17 +460,22 @@ class PEGradNormShimEmbedding(PESqNormBuffersMixin, nn.Embedding):
 class PEGradNormEmbedding(PESqNormBuffersMixin, nn.Embedding):
     """nn.Embedding whose backward scatters the weight gradient and records per-example norms."""
 
+    pe_kind = "Embedding"
+
     def __init__(self, num_embeddings, embedding_dim, **kwargs):
         _check_plain_embedding(kwargs)
         super().__init__(num_embeddings, embedding_dim, **kwargs)
         register_pe_sqnorm_buffers(self, ["weight"])
 
     def forward(self, ids):
+        note_single_row_input(self, ids)
         return _EmbeddingFunction.apply(ids, self.weight, self.pe_buffer("weight"))
 
 
 class _PEGradNormLayerNormBase(PESqNormBuffersMixin, nn.Module):
     """LayerNorm(ndim, bias=True, eps=1e-5) with parameters `weight` (ones) and `bias` (zeros or None)."""
+
+    pe_kind = "LayerNorm"
 
     def __init__(self, ndim, bias=True, eps=1e-5, device=None, dtype=None):
         super().__init__()
@@ -478,6 +515,8 @@ class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
 
 class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
     """RMSNorm with a weight, y = x / sqrt(mean(x^2) + eps) * weight, recording the weight's per-example norms."""
+
+    pe_kind = "RMSNorm"
 
     def __init__(self, ndim, eps=1e-6, device=None, dtype=None):
         super().__init__(ndim, bias=False, eps=eps, device=device, dtype=dtype)

@@ -16,21 +16,56 @@ The weight may be any differentiable view or cast of the parameter (a
 transpose or a dtype cast leaves each example's gradient norm unchanged).
 PESqNormBuffersMixin keeps the buffers float32 under model.to(torch.bfloat16).
 The numbers are those of buffered.py's `gns` layers (same autograd Functions).
+`register_buffers(..., kind="Linear")` records the layer kind for the log's
+parameter record (gns-analysis.py groups by it).
+
+A parameter bank (modded-nanogpt keeps several layers' matrices in one
+Parameter, e.g. mlp_bank (n_layer, 2, 4 * dim, dim), sliced per layer): its
+per-example gradient is the sum of its slices', and disjoint slices have no
+cross terms, so its squared norm is the sum of theirs. Register the buffer with
+`bank_dims` = the number of leading dims that index slices; the buffer then has
+one [sum, count] row per slice and is indexed like the bank:
+
+    register_buffers(self, "mlp_bank", kind="Linear", bank_dims=2)       # buffer (n_layer, 2, 2)
+    h = linear(x, self.mlp_bank[i, 0], weight_buffer=self.mlp_bank_upegsqnorm[i, 0])
+
+The tracker adds the rows and logs the bank once. A slice used twice in one
+forward counts its examples twice, and the tracker then stops tracking the bank
+with a warning (the norm of a sum of uses needs cross terms), as for any layer.
 """
 
 import torch
 import torch.nn.functional as F
 
-from buffered import (_AffineFunction, _EmbeddingFunction, _LayerNormFunction, _LinearFunction, autocast_inputs,
-                      register_pe_sqnorm_buffers)
+from buffered import (BUFFER_SUFFIX, _AffineFunction, _EmbeddingFunction, _LayerNormFunction, _LinearFunction,
+                      autocast_inputs)
 
 
-def register_buffers(module, *param_names):
-    """Give `module` a `<name>_upegsqnorm` buffer for each of its parameters `param_names`."""
+KINDS = ("Linear", "Embedding", "LayerNorm", "RMSNorm")
+
+
+def register_buffers(module, *param_names, kind=None, bank_dims=0):
+    """Give `module` a `<name>_upegsqnorm` buffer for each of its parameters `param_names`.
+
+    Args:
+        kind: the layer kind recorded for these parameters (one of KINDS), or None ('unknown').
+        bank_dims: for a bank of disjoint slices, how many leading dims of the parameter index
+            them; the buffer is then shaped param.shape[:bank_dims] + (2,) (see the module docstring).
+    """
     missing = [n for n in param_names if not isinstance(getattr(module, n, None), torch.nn.Parameter)]
     if missing:
         raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
-    register_pe_sqnorm_buffers(module, param_names)
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"unknown layer kind {kind!r}; choose from {list(KINDS)} (or None)")
+    for name in param_names:
+        param = getattr(module, name)
+        if not 0 <= bank_dims < param.dim():
+            raise ValueError(f"bank_dims={bank_dims} for {name} of shape {tuple(param.shape)}: it must leave at least "
+                             "one dim to each slice (0 for a parameter that is not a bank)")
+        module.register_buffer(name + BUFFER_SUFFIX, torch.zeros(*param.shape[:bank_dims], 2, device=param.device),
+                               persistent=False)
+        if kind is not None:
+            module.__dict__.setdefault("_pe_kinds", {})[name] = kind
 
 
 def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None):

@@ -11,26 +11,43 @@ squared norms, summed over the parameters of interest, into unbiased estimates
 of |G|^2 and tr(Sigma); GNS = EMA(tr(Sigma)) / EMA(|G|^2). gns-analysis.py and
 the running estimate in train.py's status line both use these functions.
 
-Usage in a training loop:
+Usage in a training loop (GNSMonitor, at the end of this file, does these steps in one call):
 
     accumulate = AccumulateMeasurements(prefix="train/gns/")
     tracker = MeasurementTracker.from_model(model, callback=accumulate)
     ...backward of every micro-batch...
-    tracker.step(batch_size=B)        # before clipping and before scaler.step
+    tracker.step(batch_size=B)        # before clipping, scaler.step and zero_grad
     zero_sqgradnorm_buffers(model)
     log(accumulate.get_msg())         # {"train/gns/<name>/norm": ..., "/pegn": ..., "/batch_size": ...}
+
+Which parameters are tracked: every trainable one whose layer keeps a
+`<name>_upegsqnorm` buffer. Frozen parameters (requires_grad=False) are never
+measurements; they are listed in `tracker.skipped` with the other untracked
+ones and the reason. Parameters are looked up on their modules at every read,
+so a model sharded after the tracker was made (FSDP2) is read correctly.
 """
 
 import dataclasses
+import json
 import math
+import os
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, List, NamedTuple, Tuple
 
 import numpy as np
 import torch
+import torch.nn as nn
 
-from buffered import BUFFER_SUFFIX, norm_dtype
+from buffered import BUFFER_SUFFIX, norm_dtype, zero_sqgradnorm_buffers
 from tied import link_tied_parameters
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # a torch built without distributed
+    DTensor = Shard = None
+
+PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv: what each tracked parameter is (describe_tracked)
+APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
 
 
 def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
@@ -109,6 +126,12 @@ class RunningGNS:
     def gns(self):
         return gns_from_emas(self.gtg.value, self.trsigma.value)
 
+    def state_dict(self):
+        return {"decay": self.gtg.decay, "gtg": self.gtg.value, "trsigma": self.trsigma.value}
+
+    def load_state_dict(self, state):
+        self.gtg.value, self.trsigma.value = state["gtg"], state["trsigma"]
+
 
 # -----------------------------------------------------------------------------
 # measurements
@@ -139,6 +162,52 @@ def summed_sqnorms(measurements):
     return sq_norm, pe_sqnorm, measurements[0].big_batch_size
 
 
+class ParameterRef:
+    """Where a parameter lives: `module._parameters[attr]`, looked up on every read.
+
+    Engines that shard a model after the tracker was made (FSDP2's fully_shard)
+    put new Parameter objects (DTensors) on the same modules, so a tracker that
+    held the old objects would read gradients that never come."""
+
+    def __init__(self, module, attr):
+        self.module, self.attr = module, attr
+
+    def get(self):
+        return self.module._parameters[self.attr]
+
+
+class Tracked(NamedTuple):
+    """One tracked tensor: its logged name, where it lives, and the buffer terms whose
+    weighted sum is its [sum_i ||g_i / n||^2, n] (see find_tracked_parameters)."""
+
+    name: str
+    ref: ParameterRef
+    terms: List[Tuple[Any, str, float]]
+
+
+def _owner(model, name):
+    module_name, _, attr = name.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
+def layer_kind(module, attr):
+    """What kind of layer records `attr`'s per-example norms: 'Linear', 'Embedding', 'LayerNorm',
+    'RMSNorm' (a class's `pe_kind`, or what functional.register_buffers was told), else 'unknown'."""
+    declared = getattr(module, "_pe_kinds", {}).get(attr)
+    return declared or getattr(module, "pe_kind", None) or "unknown"
+
+
+def block_index(model, module_path):
+    """The index of the first container (nn.ModuleList / nn.Sequential) entry on the path to a
+    module: transformer.h.3.attn.c_attn -> 3, model.layers.2.mlp -> 2; None outside any."""
+    module = model
+    for component in module_path.split(".") if module_path else []:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and component.isdigit():
+            return int(component)
+        module = module._modules[component]
+    return None
+
+
 def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
     """Split `model`'s parameters by whether their per-example norms can be read.
 
@@ -146,13 +215,14 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
         suffix: the buffer suffix to look for (BUFFER_SUFFIX for exact norms;
             another suffix reads another method's buffers, e.g. sogns.SOGNS_SUFFIX).
     Returns:
-        tracked: [(name, parameter, terms)] in `named_parameters()` order, where
+        tracked: [Tracked(name, ref, terms)] in `named_parameters()` order, where
             terms = [(module, buffer name, coefficient)] whose buffers' weighted sum is the parameter's
-            [sum_i ||g_i / B||^2, count]: one buffer for an ordinary parameter;
-            three for a tensor tied between an Embedding and a Linear (each use's
-            buffer and twice the cross term, see tied.py), logged under its names
-            joined by "+".
-        skipped: {name: reason} for every other parameter.
+            [sum_i ||g_i / B||^2, count]: one buffer for an ordinary parameter (of shape (2,), or
+            (..., 2) for a bank of disjoint slices, see functional.register_buffers); three for a
+            tensor tied between an Embedding and a Linear (each use's buffer and twice the cross
+            term, see tied.py), logged under its names joined by "+".
+        skipped: {name: reason} for every other parameter; frozen ones (requires_grad=False)
+            are never measurements.
     """
     buffers = {name for name, _ in model.named_buffers()}
     aliases = {}
@@ -162,72 +232,131 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
     tracked, skipped = [], {}
     for name, param in model.named_parameters():
         names = aliases[id(param)]
+        module, attr = _owner(model, name)
+        if not param.requires_grad:
+            skipped[name] = "frozen (requires_grad=False): it gets no gradient, so there is nothing to measure"
+            continue
         if id(param) in tied:
-            tracked.append(("+".join(tied[id(param)].names), param, tied[id(param)].terms))
+            link = tied[id(param)]
+            tracked.append(Tracked("+".join(link.names), ParameterRef(module, attr), link.terms))
             continue
         # one module registered under several paths (a shared module) has one owner and one exact buffer, as
         # long as it runs once per example (step() stops tracking it, with a warning, if it counts more)
-        owners = {id(model.get_submodule(n.rpartition(".")[0])) for n in names}
+        owners = {id(_owner(model, n)[0]) for n in names}
+        parametrized_layer = name.split(".parametrizations.")[0] if ".parametrizations." in name else None
         if len(owners) > 1 and any(n + suffix in buffers for n in names):
             skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: the exact per-example norm of a "
                              "shared tensor is recorded only for one Embedding and one Linear that both record "
                              "per-example norms (e.g. --embeddingclass=gns --linearclass=gns)")
+        elif parametrized_layer is not None and parametrized_layer + "." + name.split(".")[-2] + suffix in buffers:
+            skipped[name] = ("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm): the layer records the "
+                             "per-example norms of the weight it computes, not of this trainable tensor")
         elif name + suffix not in buffers:
             skipped[name] = "its layer records no per-example norms (a plain torch layer)"
         else:
-            module_name, _, param_name = name.rpartition(".")
-            tracked.append((name, param, [(model.get_submodule(module_name), param_name + suffix, 1.0)]))
+            tracked.append(Tracked(name, ParameterRef(module, attr), [(module, attr + suffix, 1.0)]))
     return tracked, skipped
+
+
+def describe_tracked(model, tracked):
+    """{logged name: what it is}: layer kind, layer class, block, every name of the tensor, elements.
+
+    Written beside the log (PARAMETERS_JSON) so that gns-analysis.py groups by these
+    facts rather than by parameter names."""
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    record = {}
+    for entry in tracked:
+        param = entry.ref.get()
+        module, attr = entry.ref.module, entry.ref.attr
+        first = aliases[id(param)][0]
+        if len(entry.terms) > 1:  # a tied Embedding/Linear pair (tied.py)
+            kind, layer = "Embedding+Linear", "+".join(type(m).__name__ for m, _, _ in entry.terms[:2])
+        else:
+            kind, layer = layer_kind(module, attr), type(module).__name__
+        buffer = entry.terms[0][0]._buffers[entry.terms[0][1]]
+        record[entry.name] = {
+            "kind": kind, "layer": layer.removeprefix("FSDP"),
+            "block": block_index(model, first.rpartition(".")[0]),
+            "names": aliases[id(param)], "numel": param.numel(),
+            "bank_slices": int(buffer.numel() // 2) if buffer.dim() > 1 else None,
+        }
+    return record
+
+
+def write_parameter_record(out_dir, record):
+    """out_dir/PARAMETERS_JSON, written atomically (a resumed run rewrites the same facts)."""
+    path = os.path.join(out_dir, PARAMETERS_JSON)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"format": 1, "parameters": record}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def read_parameter_record(out_dir):
+    """{logged name: facts} from out_dir/PARAMETERS_JSON, or None for a log without one (e.g. the paper's code)."""
+    path = os.path.join(out_dir, PARAMETERS_JSON)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["parameters"]
+
+
+def _is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 class MeasurementTracker:
     """Reads every per-example norm buffer of a model once per optimizer step.
 
     Args:
-        tracked: [(name, parameter, terms)], see `find_tracked_parameters`.
+        model: the model whose parameters are tracked (looked up again at every
+            read, so sharding the model afterwards with FSDP2 is fine).
+        tracked: [Tracked(name, ref, terms)], see `find_tracked_parameters`.
         callback: a callable, or a list of callables, given each Measurement.
         scaler: the GradScaler of fp16 training, or None; its scale is divided out,
             and a step it will skip (an inf/nan gradient) is not a measurement.
         skipped: {name: reason} of the parameters not tracked.
-        other_params: the model's untracked parameters, whose gradients are also
-            checked for inf/nan when a scaler is on (GradScaler skips the step if
-            any gradient is non-finite).
     Call `step(batch_size=B)` after the last micro-batch's backward and before
-    gradient clipping / `scaler.unscale_` / `scaler.step`, then
-    `zero_sqgradnorm_buffers(model)`.
+    gradient clipping / `scaler.unscale_` / `scaler.step` / `zero_grad`, then
+    `zero_sqgradnorm_buffers(model)` (GNSMonitor does all of it in one call).
 
     Counters: `scaler_skipped_steps` (steps not measured because the scaler
     skips them) and `nonfinite_steps` (measured steps with an inf/nan norm;
     those are passed on as inf/nan, never replaced by a number).
     """
 
-    def __init__(self, tracked, callback=None, scaler=None, skipped=None, other_params=()):
+    def __init__(self, model, tracked, callback=None, scaler=None, skipped=None):
+        self.model = model
         self.tracked = tracked
         if callback is None:
             callback = []
         self.callbacks = list(callback) if isinstance(callback, (list, tuple)) else [callback]
         self.scaler = scaler
         self.skipped = dict(skipped or {})
-        self.other_params = list(other_params)
+        self.unconverted = {}  # filled by layer_config.convert
         self.step_count = 0
         self.scaler_skipped_steps = 0
         self.nonfinite_steps = 0
         self.dropped = set()  # parameters found used several times per example (see step)
 
     @classmethod
-    def from_model(cls, model, callback=None, scaler=None, suffix=BUFFER_SUFFIX):
-        """A tracker of every parameter of `model` whose layer records per-example norms.
+    def from_model(cls, model, callback=None, scaler=None, suffix=BUFFER_SUFFIX, warn=True):
+        """A tracker of every trainable parameter of `model` whose layer records per-example norms.
 
         Links tied Embedding/Linear tensors (tied.link_tied_parameters) so that
-        they are logged exactly; warns about tied tensors it cannot log exactly.
+        they are logged exactly; warns (unless warn=False) about tied tensors it cannot log exactly.
         """
         tracked, skipped = find_tracked_parameters(model, suffix)
         for name, reason in skipped.items():
-            if reason.startswith("tied"):
+            if warn and reason.startswith("tied"):
                 warnings.warn(f"GNS: not tracking {name}: {reason}")
-        tracked_ids = {id(p) for _, p, _ in tracked}
-        other_params = [p for p in model.parameters() if id(p) not in tracked_ids]
-        return cls(tracked, callback=callback, scaler=scaler, skipped=skipped, other_params=other_params)
+        return cls(model, tracked, callback=callback, scaler=scaler, skipped=skipped)
+
+    def describe(self):
+        """{logged name: layer kind, class, block, names, elements} (see describe_tracked)."""
+        return describe_tracked(self.model, self.tracked)
 
     def _scaler_on(self):
         return self.scaler is not None and self.scaler.is_enabled()
@@ -236,44 +365,73 @@ class MeasurementTracker:
         """Per tracked parameter: (||grad||^2, sum_i ||g_i||^2, examples counted), in one host sync.
 
         Returns:
-            (values (n, 3) float64 on the CPU, all_grads_finite: bool). The flag
-            covers the untracked parameters too, and is only computed (else True)
-            when a GradScaler is on.
+            (values (n, 3) float64 on the CPU, all_grads_finite: bool, names of tracked
+            parameters without a gradient). The flag covers the untracked parameters
+            too, and is only computed (else True) when a GradScaler is on.
 
         The buffer holds [sum_i ||g_i / n||^2, n] for the n examples this process
-        saw, so sum_i ||g_i||^2 = buffer[0] * n^2. Under torch.distributed the sums
-        and counts of all ranks are added (one small all-reduce), so the mean
-        covers every example of the global batch; p.grad is already all-reduced.
+        saw, so sum_i ||g_i||^2 = buffer[0] * n^2 (a bank's buffer has one such row
+        per disjoint slice; the rows add up). Under torch.distributed the sums and
+        counts of all ranks are added, and so are the squared norms of gradients
+        sharded by FSDP2 (one small all-reduce); a DDP gradient is already whole.
         """
-        rows = []
-        for _, param, terms in self.tracked:
+        rows, no_grad = [], []
+        for name, ref, terms in self.tracked:
+            grad = ref.get().grad
             # buffers looked up on every read: module.to(device) replaces them
             buffers = [(module._buffers[buffer_name], coefficient) for module, buffer_name, coefficient in terms]
             device = buffers[0][0].device
-            grad_sq = torch.linalg.vector_norm(param.grad, dtype=norm_dtype(param.grad)).double() ** 2 if param.grad is not None else torch.zeros((), device=device)
-            sums = sum(coefficient * buffer.double() for buffer, coefficient in buffers)
-            count = buffers[0][0][1].double()  # every term counts the same examples
-            rows.append(torch.stack([grad_sq.to(device, torch.float64), sums[0] * count ** 2, count]))
-        values = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
-        if rows and torch.distributed.is_available() and torch.distributed.is_initialized():
-            world_size = torch.distributed.get_world_size()
-            if world_size > 1:
-                sums = values[:, 1:].clone()
-                torch.distributed.all_reduce(sums)
-                values = torch.cat([values[:, :1], sums], dim=1)
+            whole_sq = sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
+            if grad is None:
+                no_grad.append(name)
+            elif _is_dtensor(grad) and all(isinstance(p, Shard) for p in grad.placements) \
+                    and grad.device_mesh.ndim == 1 and grad.device_mesh.size() == _world_size():
+                local = grad.to_local()  # this rank's shard: the squares of the shards add up
+                sharded_sq = torch.linalg.vector_norm(local, dtype=norm_dtype(local)).double().to(device) ** 2
+            elif _is_dtensor(grad):  # other layouts (HSDP, tensor parallel): DTensor reduces the norm itself
+                whole_sq = torch.linalg.vector_norm(grad, dtype=norm_dtype(grad)).full_tensor().double().to(device) ** 2
+            else:
+                whole_sq = torch.linalg.vector_norm(grad, dtype=norm_dtype(grad)).double().to(device) ** 2
+            table = sum(coefficient * buffer.double() for buffer, coefficient in buffers).reshape(-1, 2)
+            counts = buffers[0][0].double().reshape(-1, 2)[:, 1]  # every term counts the same examples
+            rows.append(torch.stack([whole_sq, sharded_sq, (table[:, 0] * counts ** 2).sum(), counts.max()]))
+        values = torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
+        if rows and _world_size() > 1:
+            summed = values[:, 1:].clone()
+            torch.distributed.all_reduce(summed)
+            values = torch.cat([values[:, :1], summed], dim=1)
+        values = torch.stack([values[:, 0] + values[:, 1], values[:, 2], values[:, 3]], dim=1)
         if not self._scaler_on():
-            return values.cpu(), True
+            return values.cpu(), True, no_grad
         # GradScaler skips the step when any gradient is inf/nan: check them all in the same sync
-        grads = [p.grad for p in self.other_params if p.grad is not None]
+        tracked_ids = {id(ref.get()) for _, ref, _ in self.tracked}
+        grads = [p.grad for p in self.model.parameters() if id(p) not in tracked_ids and p.grad is not None]
+        grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
         other_sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).double().sum() if grads else torch.zeros((), dtype=torch.float64)
         flat = torch.cat([values[:, 0].reshape(-1).to(other_sq.device), other_sq.reshape(1)]).cpu()
-        return values.cpu(), bool(torch.isfinite(flat).all())
+        return values.cpu(), bool(torch.isfinite(flat).all()), no_grad
+
+    def _count_error(self, name, count, batch_size):
+        """The ValueError for a buffer that counted `count` examples in a step of `batch_size`."""
+        modules = [module for module, _, _ in next(t for t in self.tracked if t.name == name).terms]
+        if count < batch_size and any(getattr(m, "_pe_single_row_input", False) for m in modules):
+            return ValueError(
+                f"GNS: {name}: the embedding's input had one row for the whole batch (shape (1, T), broadcast "
+                f"over the batch, as with Hugging Face GPT-2's default position_ids), so its {count:.0f} recorded "
+                f"example(s) are not the step's {batch_size} examples and its per-example gradients cannot be told "
+                f"apart; pass the positions expanded to (B, T), e.g. model(input_ids, "
+                f"position_ids=torch.arange(T).expand(B, T))")
+        return ValueError(f"GNS: {name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
+                          f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
+                          f"ranks), and keep the examples on dim 0 of every layer's input")
 
     def step(self, batch_size, step=None):
         """Emit one Measurement per tracked parameter that took part in this step; returns them.
 
-        Returns [] for a step the GradScaler will skip (counted in scaler_skipped_steps)."""
-        values, grads_finite = self.read()
+        Returns [] for a step the GradScaler will skip (counted in scaler_skipped_steps).
+        Raises ValueError when a buffer's count of examples is not batch_size, or when
+        a parameter whose layer recorded examples has no gradient."""
+        values, grads_finite, no_grad = self.read()
         if not grads_finite:
             self.scaler_skipped_steps += 1
             self.step_count += 1
@@ -283,16 +441,21 @@ class MeasurementTracker:
         for (name, _, _), (grad_sq, pe_sqnorm_sum, count) in zip(self.tracked, values.tolist()):
             if count == 0:
                 continue  # the layer was not used in this step
+            if name in no_grad:
+                raise ValueError(
+                    f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
+                    f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
+                    f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
+                    f"the tracker was made, make the tracker again (frozen parameters are not tracked)")
             if count != batch_size and count % batch_size == 0 and name not in self.dropped:
-                warnings.warn(f"GNS: {name} recorded {count / batch_size:.0f} uses per example (a module called more than "
-                              "once per forward, e.g. shared across depth); the norm of the summed gradient needs the cross "
-                              "terms between uses, so it is no longer tracked")
+                warnings.warn(f"GNS: {name} recorded {count / batch_size:.0f} uses per example (a module or bank slice "
+                              "used more than once per forward, e.g. shared across depth); the norm of the summed "
+                              "gradient needs the cross terms between uses, so it is no longer tracked")
                 self.dropped.add(name)
             if name in self.dropped:
                 continue
             if count != batch_size:
-                raise ValueError(f"GNS: {name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
-                                 f"pass the number of examples of the whole step (micro-batch size x accumulation steps x ranks)")
+                raise self._count_error(name, count, batch_size)
             # GradScaler multiplies every gradient by scale, so squared norms by scale^2.
             # nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too, never a made-up number
             measurement = Measurement(
@@ -309,6 +472,22 @@ class MeasurementTracker:
             self.nonfinite_steps += 1
         self.step_count += 1
         return measurements
+
+    def state_dict(self):
+        """The counters, for a checkpoint (the tracker holds no other state between steps)."""
+        return {"step_count": self.step_count, "scaler_skipped_steps": self.scaler_skipped_steps,
+                "nonfinite_steps": self.nonfinite_steps, "dropped": sorted(self.dropped)}
+
+    def load_state_dict(self, state):
+        self.step_count = state["step_count"]
+        self.scaler_skipped_steps = state["scaler_skipped_steps"]
+        self.nonfinite_steps = state["nonfinite_steps"]
+        self.dropped = set(state["dropped"])
+
+
+def _world_size():
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class AccumulateMeasurements:
@@ -328,3 +507,79 @@ class AccumulateMeasurements:
     def get_msg(self):
         msg, self.msg = self.msg, {}
         return msg
+
+
+# -----------------------------------------------------------------------------
+# everything a training loop adds, in one object
+
+class GNSMonitor:
+    """What a training loop adds for the GNS: make it once, call `step` once per optimizer step.
+
+        gns = GNSMonitor(model, log=log)     # after convert(model) or building with per-example norm layers
+        for ...:
+            ...forward/backward of every micro-batch...
+            gns.step(batch_size=B)           # after the last backward, before clipping and optimizer.step()
+            optimizer.step(); optimizer.zero_grad()
+
+    `step` reads every per-example norm buffer and gradient norm (one host sync),
+    zeroes the buffers, updates the running GNS and hands the row
+    {`<prefix><param>/norm`, `/pegn`, `/batch_size`, ..., "gns"} to `log` (a
+    tracker.LogWrapper, or any callable taking a dict, e.g. wandb's run.log); it
+    returns the row too. Approximate SOGNS norms, where a layer records them,
+    go under "train/sogns/". When `log` writes files (a LogWrapper with an
+    out_dir, or out_dir=...), what each tracked parameter is (layer kind,
+    block, names) is written there as PARAMETERS_JSON for gns-analysis.py.
+
+    Args:
+        model: the model (unwrapped: not the DDP wrapper; FSDP2-sharded is fine).
+        log: a LogWrapper, a callable, or None.
+        scaler: the fp16 GradScaler, or None.
+        ema_decay: decay of the running GNS's EMAs (gns-analysis.py's --alpha).
+        out_dir: where to write the record when `log` has no out_dir.
+    Under torch.distributed every rank must call `step` (it all-reduces once).
+    `state_dict()` / `load_state_dict()` carry the running GNS across a resume.
+    """
+
+    def __init__(self, model, log=None, scaler=None, ema_decay=0.95, prefix="train/gns/", out_dir=None):
+        from sogns import SOGNS_SUFFIX  # imported here: sogns imports buffered, as this module does
+
+        self.model = model
+        self.log = log
+        self._exact = AccumulateMeasurements(prefix=prefix)
+        self.tracker = MeasurementTracker.from_model(model, callback=self._exact, scaler=scaler)
+        self._approx = AccumulateMeasurements(prefix=APPROX_PREFIX)
+        # SOGNS approximates Linear layers only; a tied pair is logged exactly above, so say nothing of it here
+        self.approx_tracker = MeasurementTracker.from_model(model, callback=self._approx, scaler=scaler,
+                                                            suffix=SOGNS_SUFFIX, warn=False)
+        if not self.tracker.tracked and not self.approx_tracker.tracked:
+            raise ValueError(f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
+                             "it first (layer_config.convert(model)) or build it with per-example norm layer classes")
+        self.running = RunningGNS(decay=ema_decay)
+        out_dir = out_dir if out_dir is not None else getattr(log, "out_dir", None)
+        self.record_path = write_parameter_record(out_dir, self.tracker.describe()) if out_dir else None
+
+    @property
+    def gns(self):
+        """The running GNS (NaN until a step with B > 1 and a positive |G|^2 EMA)."""
+        return self.running.gns
+
+    def step(self, batch_size):
+        """Measure this step (B = batch_size examples over all micro-batches and ranks), zero the buffers, log."""
+        exact = self.tracker.step(batch_size)
+        approx = self.approx_tracker.step(batch_size) if self.approx_tracker.tracked else []
+        zero_sqgradnorm_buffers(self.model)
+        # the running GNS is the exact one when there is one
+        row = {**self._exact.get_msg(), **self._approx.get_msg(),
+               "gns": self.running.update(*summed_sqnorms(exact or approx))}
+        if self.log is not None:
+            (self.log.log if hasattr(self.log, "log") else self.log)(row)
+        return row
+
+    def state_dict(self):
+        return {"running": self.running.state_dict(), "tracker": self.tracker.state_dict(),
+                "approx_tracker": self.approx_tracker.state_dict()}
+
+    def load_state_dict(self, state):
+        self.running.load_state_dict(state["running"])
+        self.tracker.load_state_dict(state["tracker"])
+        self.approx_tracker.load_state_dict(state["approx_tracker"])

@@ -30,3 +30,33 @@ def per_example_sqnorms_by_loop(module, inputs, grad_out):
             sqnorms[name].append(grad.double().pow(2).sum())
     module.zero_grad(set_to_none=True)
     return {name: torch.stack(values) for name, values in sqnorms.items()}
+
+
+def per_example_loss_sqnorms_by_loop(model, loss_of, batch):
+    """Mean over examples of each trainable parameter's squared per-example gradient norm, and the
+    squared norm of the batch gradient (the mean of the examples' gradients), by one backward per example.
+
+    Args:
+        model: the model; its parameters' .grad are cleared before and after.
+        loss_of: callable(model, example batch) -> the loss of that batch, a mean over its examples
+            (each example's loss being the mean over its tokens).
+        batch: a tensor or a tuple of tensors whose dim 0 indexes the B examples.
+    Returns:
+        ({name: mean_i ||g_i||^2}, {name: ||mean_i g_i||^2}) as Python floats, for every parameter
+        with requires_grad (named_parameters() names; a tied tensor under its first name).
+    """
+    batch = batch if isinstance(batch, tuple) else (batch,)
+    B = batch[0].shape[0]
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sq = {n: 0.0 for n, _ in params}
+    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params}
+    for i in range(B):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, *[t[i:i + 1] for t in batch]).backward()
+        for n, p in params:
+            if p.grad is not None:
+                g = p.grad.detach().double()
+                sq[n] += g.pow(2).sum().item() / B
+                total[n] += g / B
+    model.zero_grad(set_to_none=True)
+    return sq, {n: t.pow(2).sum().item() for n, t in total.items()}

@@ -177,3 +177,70 @@ def test_gns_matches_analytic_least_squares(T):
         zero_sqgradnorm_buffers(layer)
     assert np.mean(gtgs) == pytest.approx(delta_sq, rel=0.03)
     assert np.mean(trsigmas) / np.mean(gtgs) == pytest.approx(expected, rel=0.03)
+
+
+class Blocks(nn.Module):
+    """Parameters whose names mislead a name rule: a norm called ln_attn, a Linear called norm_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = PEGradNormShimEmbedding(13, 8)
+        self.h = nn.ModuleList([nn.ModuleDict(dict(ln_attn=PEGradNormLayerNorm(8), norm_proj=PEGradNormLinear(8, 8)))
+                                for _ in range(2)])
+        self.head = PEGradNormLinear(8, 5)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.h:
+            x = x + block["norm_proj"](block["ln_attn"](x))
+        return self.head(x)
+
+
+def test_record_says_each_parameters_kind_and_block_from_the_model_not_its_name():
+    record = gnstracking.MeasurementTracker.from_model(Blocks()).describe()
+    assert record["h.1.ln_attn.weight"] == {"kind": "LayerNorm", "layer": "PEGradNormLayerNorm", "block": 1,
+                                            "names": ["h.1.ln_attn.weight"], "numel": 8, "bank_slices": None}
+    assert record["h.0.norm_proj.bias"]["kind"] == "Linear" and record["h.0.norm_proj.bias"]["block"] == 0
+    assert record["emb.weight"]["kind"] == "Embedding" and record["emb.weight"]["block"] is None
+
+
+def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
+    from tracker import LogWrapper
+
+    torch.manual_seed(0)
+    model = Blocks()
+    log = LogWrapper(out_dir=str(tmp_path))
+    monitor = gnstracking.GNSMonitor(model, log=log, ema_decay=0.9)
+    assert gnstracking.read_parameter_record(str(tmp_path)) == monitor.tracker.describe()
+    reference = gnstracking.RunningGNS(decay=0.9)
+    ids = torch.randint(0, 13, (6, 4, 5))
+    rows = []
+    for step in range(4):
+        model(ids[step]).pow(2).mean().backward()
+        measurements = {}
+        for name, ref, terms in monitor.tracker.tracked:  # what the row must hold, read before the monitor zeroes
+            module, buffer_name, _ = terms[0]
+            total, count = module._buffers[buffer_name].tolist()
+            measurements[name] = (ref.get().grad.norm().item(), (total * count) ** 0.5)
+        row = monitor.step(batch_size=4)
+        rows.append(row)
+        assert all(b.sum() == 0 for n, b in model.named_buffers() if n.endswith(gnstracking.BUFFER_SUFFIX))
+        for name, (norm, pegn) in measurements.items():
+            assert row[f"train/gns/{name}/norm"] == pytest.approx(norm, rel=1e-5)
+            assert row[f"train/gns/{name}/pegn"] == pytest.approx(pegn, rel=1e-5)
+            assert row[f"train/gns/{name}/batch_size"] == 4
+        sums = gnstracking.summed_sqnorms([gnstracking.Measurement(n, p, 4) for n, p in measurements.values()])
+        assert row["gns"] == pytest.approx(reference.update(*sums), rel=1e-5, nan_ok=True)
+        assert log.log_dict == row  # handed to the log for this step's row
+        log.step()
+        model.zero_grad(set_to_none=True)
+        if step == 1:  # a resume: a new monitor continues the running GNS from the saved state
+            state = monitor.state_dict()
+            monitor = gnstracking.GNSMonitor(model, log=log, ema_decay=0.9)
+            monitor.load_state_dict(state)
+    assert monitor.tracker.step_count == 4 and rows[-1]["gns"] == pytest.approx(reference.gns, rel=1e-5)
+
+
+def test_monitor_refuses_a_model_without_per_example_layers():
+    with pytest.raises(ValueError, match="no parameter of Sequential has a per-example norm layer; convert it first"):
+        gnstracking.GNSMonitor(nn.Sequential(nn.Linear(2, 2)))

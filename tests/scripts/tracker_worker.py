@@ -1,12 +1,15 @@
 """Worker for tests/test_ddp.py: run under torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/ddp_tracker_worker.py OUT.json
+    torchrun --standalone --nproc_per_node=2 tests/scripts/tracker_worker.py OUT.json ddp|fsdp
 
 Every rank builds the same tiny GPT with per-example norm layers, takes its share
 of one fixed global batch (two micro-batches per rank), runs one optimizer step's
-backward under DDP and reads the tracker; rank 0 writes the measurements as JSON.
+backward under DDP, or under FSDP2 (fully_shard on each block and the root), and
+reads the tracker; rank 0 writes the measurements as JSON. Under FSDP2 two
+trackers read the same step: one made before sharding (it must find the new,
+sharded parameters) and one after, written as {"before": ..., "after": ...}.
 Without torchrun (no RANK in the environment) the same global batch runs in one
-process with twice the accumulation steps, which is what the DDP numbers must equal.
+process with twice the accumulation steps, which is what the numbers must equal.
 """
 
 import json
@@ -15,6 +18,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,7 +29,7 @@ import layer_config as lc  # noqa: E402
 GLOBAL_BATCH, MICRO_BATCH, BLOCK, VOCAB = 8, 2, 12, 29
 
 
-def main(out_path):
+def main(out_path, engine="ddp"):
     ddp = "RANK" in os.environ
     if ddp:
         dist.init_process_group(backend="gloo")
@@ -36,19 +40,31 @@ def main(out_path):
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0, bias=True))
     accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
     tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate)
-    step_model = DDP(model, broadcast_buffers=False) if ddp else model
+    step_model, after = model, None
+    if ddp and engine == "ddp":
+        step_model = DDP(model, broadcast_buffers=False)
+    elif ddp and engine == "fsdp":
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        accumulate_after = gnstracking.AccumulateMeasurements(prefix="train/gns/")
+        after = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_after)
     data = torch.randint(0, VOCAB, (GLOBAL_BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(1))
     mine = data[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]  # this rank's examples
     micro_batches = mine.split(MICRO_BATCH)
     for i, xy in enumerate(micro_batches):
-        if ddp:
+        if ddp and engine == "ddp":
             step_model.require_backward_grad_sync = i == len(micro_batches) - 1
         _, loss = step_model(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())
         (loss / len(micro_batches)).backward()
     tracker.step(batch_size=GLOBAL_BATCH)
+    result = accumulate.get_msg()
+    if after is not None:
+        after.step(batch_size=GLOBAL_BATCH)
+        result = {"before": result, "after": accumulate_after.get_msg()}
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(accumulate.get_msg(), f)
+            json.dump(result, f)
     if ddp:
         del step_model  # gloo aborts at exit if a DDP model outlives its process group
         import gc
@@ -57,4 +73,4 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
