@@ -14,14 +14,15 @@ where |g_b|^2 is the mean over ranks of each rank's local squared norm. This
 covers every parameter DDP synchronises (tied ones included) and needs no
 per-example norm layers, only more than one rank.
 
+The log gets each step's raw quantities under ddp/ (sq_norm_small, sq_norm_large,
+small_batch_size, big_batch_size); gns-analysis.py forms the EMAs with its own
+--alpha, as for every GNS it prints (`unbiased_stats` below is the estimator).
+
 Usage:
 
     hook = DDPGradientStatsHook(ddp_model)        # registers a comm hook
-    noise = GradientNoiseScale(decay=0.95)
     ...backward of every micro-batch (the hook runs on the synchronising one)...
-    small, big = hook.sq_norms()                  # one all-reduce; resets the hook
-    noise.update(small, big, b, B)
-    log(noise.get_msg())                          # {'ddp/gns': ..., 'ddp/gtg': ..., 'ddp/trsigma': ..., ...}
+    log(hook.get_msg(b, B))                       # one all-reduce; resets the hook
     ...
     del ddp_model; gc.collect()                   # before destroy_process_group()
 
@@ -33,10 +34,26 @@ the DDP model first, as train.py does.
 
 import math
 
+import numpy as np
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from gnstracking import EMA, gns_from_emas
+
+def unbiased_stats(sq_norm_small, sq_norm_large, small_batch_size, big_batch_size):
+    """(|G|^2, tr(Sigma)) of each step from a small- and a big-batch squared norm (app. A of
+    arXiv 1812.06162); NaN where the batch sizes do not satisfy B > b > 0 (one rank). Floats,
+    numpy arrays and pandas Series alike."""
+    b = np.asarray(small_batch_size, dtype=np.float64)
+    B = np.asarray(big_batch_size, dtype=np.float64)
+    valid = (B > b) & (b > 0)
+    b_safe, B_safe = np.where(valid, b, 1.0), np.where(valid, B, 2.0)
+    gtg = np.where(valid, (B_safe * sq_norm_large - b_safe * sq_norm_small) / (B_safe - b_safe), np.nan)
+    trsigma = np.where(valid, (sq_norm_small - sq_norm_large) / (1.0 / b_safe - 1.0 / B_safe), np.nan)
+    if np.ndim(gtg) == 0:
+        return float(gtg), float(trsigma)
+    if hasattr(sq_norm_small, "index"):  # keep a pandas Series a Series
+        return type(sq_norm_small)(gtg, index=sq_norm_small.index), type(sq_norm_small)(trsigma, index=sq_norm_small.index)
+    return gtg, trsigma
 
 
 class DDPGradientStatsHook:
@@ -70,40 +87,8 @@ class DDPGradientStatsHook:
         self.local_sq = None
         return local.item() / self.world_size / scale ** 2, big / scale ** 2
 
-
-class GradientNoiseScale:
-    """EMAs of the unbiased |G|^2 and tr(Sigma) from a small- and a big-batch squared norm per step."""
-
-    def __init__(self, decay=0.95):
-        self.gtg_ema = EMA(decay)
-        self.trsigma_ema = EMA(decay)
-        self.last = {}
-
-    @staticmethod
-    def estimate(sq_norm_small, sq_norm_large, small_batch_size, big_batch_size):
-        """(|G|^2, tr(Sigma)) of one step; NaN when the two batch sizes are equal."""
-        b, B = float(small_batch_size), float(big_batch_size)
-        if not B > b > 0:
-            return math.nan, math.nan
-        gtg = (B * sq_norm_large - b * sq_norm_small) / (B - b)
-        trsigma = (sq_norm_small - sq_norm_large) / (1.0 / b - 1.0 / B)
-        return gtg, trsigma
-
-    def update(self, sq_norm_small, sq_norm_large, small_batch_size, big_batch_size):
-        gtg, trsigma = self.estimate(sq_norm_small, sq_norm_large, small_batch_size, big_batch_size)
-        if math.isfinite(gtg) and math.isfinite(trsigma):
-            self.gtg_ema.update(gtg)
-            self.trsigma_ema.update(trsigma)
-        self.last = dict(sq_norm_small=sq_norm_small, sq_norm_large=sq_norm_large,
-                         small_batch_size=small_batch_size, big_batch_size=big_batch_size, gtg_step=gtg,
-                         trsigma_step=trsigma)
-        return self.gns
-
-    @property
-    def gns(self):
-        return gns_from_emas(self.gtg_ema.value, self.trsigma_ema.value)
-
-    def get_msg(self, prefix="ddp/"):
-        """The current EMAs, GNS and the last step's inputs as a flat dict for the log."""
-        msg = {"gns": self.gns, "gtg": self.gtg_ema.value, "trsigma": self.trsigma_ema.value, **self.last}
-        return {prefix + k: v for k, v in msg.items()}
+    def get_msg(self, small_batch_size, big_batch_size, scale=1.0, prefix="ddp/"):
+        """This step's raw quantities for the log (see sq_norms): each rank's b examples against all B."""
+        small, big = self.sq_norms(scale)
+        return {prefix + "sq_norm_small": small, prefix + "sq_norm_large": big,
+                prefix + "small_batch_size": small_batch_size, prefix + "big_batch_size": big_batch_size}

@@ -9,8 +9,10 @@ B = batch_size x per_rank_steps x world_size examples.
 
 - 'linear': a file `OUT_DIR/grad_accum_schedule.txt` of lines `tokens, steps`,
   re-read every step (edit it while the run goes) and interpolated with
-  numpy.interp at the tokens processed so far. A malformed file keeps the last
-  good schedule, with one warning per distinct bad content.
+  numpy.interp at the tokens processed so far, then clamped to
+  [bs_min_accum_steps, bs_max_accum_steps] (with one warning per value the file
+  asks for outside them). A malformed file keeps the last good schedule, with
+  one warning per distinct bad content.
 - 'gns': adaptive, steps -> bs_gns_factor x GNS / batch_size (that is B ~ factor x GNS),
   clamped to [min, max] and moved by at most `max_delta` per step.
 """
@@ -88,13 +90,14 @@ def interpolate(points, tokens):
 
 
 class FileSchedule:
-    """The 'linear' schedule: `schedule(tokens)` re-reads `path` and interpolates.
+    """The 'linear' schedule: `schedule(tokens)` re-reads `path`, interpolates and clamps to [min_steps, max_steps].
 
     A read or parse failure keeps the last good points (and warns once for each
     distinct bad content); with no good points yet it raises ValueError."""
 
-    def __init__(self, path):
+    def __init__(self, path, min_steps=1, max_steps=None):
         self.path = path
+        self.min_steps, self.max_steps = min_steps, max_steps
         self.points = None
         self._warned = set()
 
@@ -113,7 +116,14 @@ class FileSchedule:
         return self.points
 
     def __call__(self, tokens):
-        return interpolate(self.read(), tokens)
+        steps = interpolate(self.read(), tokens)
+        clamped = max(self.min_steps, steps if self.max_steps is None else min(steps, self.max_steps))
+        if clamped != steps and steps not in self._warned:
+            self._warned.add(steps)
+            warnings.warn(f"batch-size schedule {self.path}: {steps} accumulation steps at {tokens:,} tokens is outside "
+                          f"[bs_min_accum_steps, bs_max_accum_steps] = [{self.min_steps}, {self.max_steps}]; "
+                          f"using {clamped}", stacklevel=2)
+        return clamped
 
 
 def gns_steps(current, gns, batch_size, factor=1.0, min_steps=1, max_steps=1, max_delta=1):

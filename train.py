@@ -13,24 +13,28 @@ $ python train.py config/train_shakespeare_char_cpu.py
 
 To run with DDP on 4 gpus on 1 node, example:
 $ torchrun --standalone --nproc_per_node=4 train.py
+
+To shard the model, gradients and optimizer state with FSDP2 instead of DDP:
+$ torchrun --standalone --nproc_per_node=4 train.py --fsdp=True
 """
 
 import gc
 import os
 import time
 import pickle
+import random
 from contextlib import nullcontext
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed import init_process_group, destroy_process_group
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint import state_dict as dcp_state
 
-# gns: the layer registry, the buffers, the measurements and the CSV log
+# gns: the layer registry, the measurements and the CSV log
 import layer_config as lc
-from buffered import zero_sqgradnorm_buffers
 import gnstracking
-from sogns import SOGNS_SUFFIX
 from tracker import LogWrapper
 import schedules
 import ddpgns
@@ -81,6 +85,7 @@ lr_decay_tokens = 600000 * 40 * 12 * 1024 # should be ~= max_tokens per Chinchil
 min_lr = 6e-5 # minimum learning rate, should be ~= learning_rate/10 per Chinchilla
 # DDP settings
 backend = 'nccl' # 'nccl', 'gloo', etc.
+fsdp = False # under torchrun: shard parameters, gradients and optimizer state with FSDP2 (each block, then the root) instead of DDP
 # system
 device = 'cuda' # examples: 'cpu', 'cuda', 'cuda:0', 'cuda:1' etc., or try 'mps' on macbooks
 device_name = 'A100' # peak FLOPS for MFU: 'A100', 'A10', 'H100', 'H200', 'cpu', ... (see model.py)
@@ -106,6 +111,11 @@ try:
 except ValueError as e:
     raise SystemExit(f"train.py: {e}")
 tracked = lc.tracks_per_example_norms(**layer_choice)
+if spectral_c_attn and linearclass != 'nn':
+    raise SystemExit(f"train.py: spectral_c_attn={spectral_c_attn} with linearclass={linearclass!r}: the spectral norm "
+                     "makes c_attn compute with W / sigma(W), so its layer would record the per-example norms of that, "
+                     "not of the trainable W; use --linearclass=nn with spectral_c_attn (the LayerNorm and Embedding "
+                     "norms still give a GNS), or drop spectral_c_attn")
 # gns: check the batch-size schedule
 bs_max_accum_steps = bs_max_accum_steps or gradient_accumulation_steps
 if bs_schedule not in ('none', 'linear', 'gns'):
@@ -115,14 +125,30 @@ if bs_schedule == 'gns' and not tracked:
                      "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     raise SystemExit(f"train.py: need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
+if device.startswith('cuda') and not torch.cuda.is_available():
+    raise SystemExit(f"train.py: device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; run with "
+                     "--device=cpu --dtype=float32 --compile=False, or install a CUDA build of torch on a GPU machine")
 
 # various inits, derived attributes, I/O setup
 ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
+if fsdp and not ddp:
+    raise SystemExit("train.py: fsdp=True shards the model over the processes of torchrun: "
+                     "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True")
+if fsdp and (compile or dtype == 'float16'):
+    raise SystemExit("train.py: fsdp=True is supported with compile=False and dtype float32 or bfloat16 "
+                     "(fp16's GradScaler is not set up for sharded gradients)")
 if ddp:
+    ddp_world_size = int(os.environ['WORLD_SIZE'])
+    if bs_schedule == 'none' and gradient_accumulation_steps % ddp_world_size != 0:
+        divisors = [n for n in range(1, gradient_accumulation_steps + 1) if gradient_accumulation_steps % n == 0]
+        lower = gradient_accumulation_steps // ddp_world_size * ddp_world_size
+        raise SystemExit(f"train.py: gradient_accumulation_steps={gradient_accumulation_steps} counts micro-batches over "
+                         f"all {ddp_world_size} ranks, so it must be a multiple of the number of ranks (each rank runs "
+                         f"an equal share); use --gradient_accumulation_steps={lower or ddp_world_size} or "
+                         f"{lower + ddp_world_size}, or a number of ranks in {divisors}")
     init_process_group(backend=backend)
     ddp_rank = int(os.environ['RANK'])
     ddp_local_rank = int(os.environ['LOCAL_RANK'])
-    ddp_world_size = int(os.environ['WORLD_SIZE'])
     device = f'cuda:{ddp_local_rank}' if device.startswith('cuda') else device
     if device.startswith('cuda'):
         torch.cuda.set_device(device)
@@ -130,13 +156,13 @@ if ddp:
     seed_offset = ddp_rank # each process gets a different seed
     # world_size number of processes will be training simultaneously, so we can scale
     # down the desired gradient accumulation iterations per process proportionally
-    assert bs_schedule != 'none' or gradient_accumulation_steps % ddp_world_size == 0
     gradient_accumulation_steps = schedules.per_rank_steps(gradient_accumulation_steps, ddp_world_size)
 else:
     # if not ddp, we are running on a single gpu, and one process
     master_process = True
     seed_offset = 0
     ddp_world_size = 1
+    ddp_rank = 0
 if bs_schedule != 'none': # gns: a schedule sets these before every step; 'gns' starts at the minimum
     gradient_accumulation_steps = schedules.per_rank_steps(bs_min_accum_steps, ddp_world_size)
 examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
@@ -147,8 +173,9 @@ if tracked and examples_per_iter < 2: # (a schedule starts at its smallest batch
                      "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
                      "gradient_accumulation_steps, or set all layer classes to 'nn'")
 
-# gns: a new run never mixes its log or checkpoint into another run's out_dir
-run_files = [f for f in ('log.csv', 'log_header.csv.tmp', 'ckpt.pt') if os.path.exists(os.path.join(out_dir, f))]
+# gns: a new run never mixes its log, checkpoint or schedule into another run's out_dir
+run_files = [f for f in ('log.csv', 'log_header.csv.tmp', 'ckpt.pt', schedules.SCHEDULE_FILE)
+             if os.path.exists(os.path.join(out_dir, f))]
 if init_from != 'resume' and run_files:
     raise SystemExit(f"train.py: out_dir {out_dir!r} already holds another run ({', '.join(run_files)}); "
                      f"choose another --out_dir, delete the old one, or continue it with --init_from=resume")
@@ -211,7 +238,7 @@ if master_process: # only now: bad input above leaves no empty out_dir behind
 # gns: the 'linear' schedule's file, written once (a resumed run keeps it, a user may edit it) and read by rank 0
 accum_schedule = None
 if bs_schedule == 'linear' and master_process:
-    accum_schedule = schedules.FileSchedule(os.path.join(out_dir, schedules.SCHEDULE_FILE))
+    accum_schedule = schedules.FileSchedule(os.path.join(out_dir, schedules.SCHEDULE_FILE), bs_min_accum_steps, bs_max_accum_steps)
     schedules.write_schedule_if_absent(accum_schedule.path, schedules.linear_points(bs_min_accum_steps, bs_max_accum_steps, max_tokens))
     try:
         accum_schedule.read()
@@ -247,13 +274,16 @@ with lc.set_contextual_config(**layer_classes):
             raise SystemExit(f"train.py: cannot resume: no checkpoint {ckpt_path} (the run stopped before its first "
                              f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir")
         try:
-            checkpoint = torch.load(ckpt_path, map_location=device)
+            checkpoint = torch.load(ckpt_path, map_location='cpu' if fsdp else device, weights_only=False)
             missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
         except Exception as e:
             checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]
         if missing:
             raise SystemExit(f"train.py: cannot resume: {ckpt_path} is not a readable checkpoint (missing or damaged: "
                              f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir")
+        if checkpoint.get('fsdp', False) != fsdp:
+            raise SystemExit(f"train.py: cannot resume: {ckpt_path} was written with fsdp={checkpoint.get('fsdp', False)} "
+                             f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}")
         checkpoint_model_args = checkpoint['model_args']
         # force these config attributes to be equal otherwise we can't even resume training
         # the rest of the attributes (e.g. dropout) can stay as desired from command line
@@ -291,6 +321,10 @@ if block_size < model.config.block_size:
     model.crop_block_size(block_size)
     model_args['block_size'] = block_size # so that the checkpoint will have the right value
 model.to(device)
+if fsdp: # shard each block, then the root (embeddings, final norm, head): every rank holds 1/world of each
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
 
 # initialize a GradScaler. If enabled=False scaler is a no-op
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
@@ -298,18 +332,26 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':
-    optimizer.load_state_dict(checkpoint['optimizer'])
+    if fsdp: # the full (unsharded) optimizer state, keyed by parameter name; each rank keeps its shards
+        dcp_state.set_optimizer_state_dict(model, optimizer, checkpoint['optimizer'],
+                                           options=dcp_state.StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(checkpoint['optimizer'])
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
-checkpoint = None # free up memory
 
-# gns: the tracker reads every layer's buffers once per step (on every rank: it all-reduces)
-accumulate_gns = gnstracking.AccumulateMeasurements(prefix="train/gns/") # becomes CSV columns
-gns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_gns, scaler=scaler)
-running_gns = gnstracking.RunningGNS(decay=gns_ema_decay) # for the status line only
-# gns: approximate (SOGNS) norms, when a Linear class records them, logged beside the exact ones
-accumulate_sogns = gnstracking.AccumulateMeasurements(prefix="train/sogns/")
-sogns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_sogns, scaler=scaler, suffix=SOGNS_SUFFIX)
+# logging: every optimizer step is a CSV row in out_dir/log.csv; wandb gets the same dict
+logf = None
+if wandb_log and master_process:
+    import wandb
+    wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+    logf = wandb_run.log
+# gns: a resumed log continues from the checkpoint; rows written after it move to log_after_step_<N>.csv
+tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else None, resume=init_from == 'resume',
+                     resume_step=resume_log_step if init_from == 'resume' else None)
+# gns: one object reads every layer's per-example norms after a step's backward, zeroes them and logs them
+# (on every rank: it all-reduces once); it also writes out_dir/gns_parameters.json, what each parameter is
+gns = gnstracking.GNSMonitor(model, log=tracker, scaler=scaler, ema_decay=gns_ema_decay) if tracked else None
 
 # compile the model
 if compile:
@@ -318,20 +360,20 @@ if compile:
     model = torch.compile(model) # requires PyTorch 2.0
 
 # wrap model into DDP container
-if ddp:
+ddp_grad_stats = None
+if ddp and not fsdp:
     # gns: no buffer broadcast, or rank 0's per-example norm buffers would overwrite the others'
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
     # gns: cross-rank GNS, each rank's local gradient (b examples) against the averaged one (B examples)
     if tracked:
         ddp_grad_stats = ddpgns.DDPGradientStatsHook(model)
-        ddp_noise = ddpgns.GradientNoiseScale(decay=gns_ema_decay)
 
 # gns: this step's accumulation steps per rank under a batch-size schedule, decided by rank 0
 def scheduled_accum_steps():
     if bs_schedule == 'linear':
         total = accum_schedule(tokens_processed) if master_process else 1
     else: # 'gns': the running GNS from the last step (NaN early on keeps the current value)
-        total = schedules.gns_steps(gradient_accumulation_steps * ddp_world_size, running_gns.gns, batch_size, bs_gns_factor,
+        total = schedules.gns_steps(gradient_accumulation_steps * ddp_world_size, gns.gns, batch_size, bs_gns_factor,
                                     bs_min_accum_steps, bs_max_accum_steps, max_delta=ddp_world_size)
     steps = schedules.per_rank_steps(total, ddp_world_size)
     if ddp: # every rank must run the same number of micro-batches
@@ -352,14 +394,18 @@ def estimate_loss():
                 logits, loss = model(X, Y)
             losses[k] = loss.item()
         out[split] = losses.mean().item()
+        if fsdp: # every rank evaluated (a sharded forward needs them all): the mean over ranks
+            mean = torch.tensor([out[split]], device=device)
+            torch.distributed.all_reduce(mean)
+            out[split] = mean.item() / ddp_world_size
     model.train()
     return out
 
 # learning rate decay scheduler (linear with warmup, in tokens)
-def get_lr(tokens):
-    # 1) linear warmup for warmup_tokens tokens
+def get_lr(tokens, step_tokens):
+    # 1) linear warmup for warmup_tokens tokens, counting this step's tokens as nanoGPT counts it + 1: never 0
     if tokens < warmup_tokens:
-        return learning_rate * tokens / warmup_tokens
+        return learning_rate * (tokens + step_tokens) / (warmup_tokens + step_tokens)
     # 2) if tokens > lr_decay_tokens, return min learning rate
     if tokens > lr_decay_tokens:
         return min_lr
@@ -368,67 +414,98 @@ def get_lr(tokens):
     assert 0 <= decay_ratio <= 1
     return min_lr + (1.0 - decay_ratio) * (learning_rate - min_lr)
 
-# logging: every step is a CSV row in out_dir/log.csv; wandb gets the same dict
-logf = None
-if wandb_log and master_process:
-    import wandb
-    wandb_run = wandb.init(project=wandb_project, name=wandb_run_name, config=config)
-    logf = wandb_run.log
-# gns: a resumed log continues from the checkpoint; rows written after it move to log_after_step_<N>.csv
-tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else None, resume=init_from == 'resume',
-                     resume_step=resume_log_step if init_from == 'resume' else None)
+# gns: what a resumed run needs to continue exactly: every rank's random state and prefetched batch
+def rank_state():
+    state = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
+                 cuda=torch.cuda.get_rng_state(device) if device_type == 'cuda' else None, batch=(X.cpu(), Y.cpu()))
+    if not ddp:
+        return [state]
+    states = [None] * ddp_world_size
+    torch.distributed.all_gather_object(states, state)
+    return states
+
+def restore_rank_state(states):
+    global X, Y
+    if len(states) != ddp_world_size:
+        print(f"warning: the checkpoint holds the random state of {len(states)} rank(s), this run has {ddp_world_size}: "
+              "dropout, evaluation batches (and training batches without --data_seed) will differ from an uninterrupted run")
+        return
+    state = states[ddp_rank]
+    torch.set_rng_state(state['torch'])
+    np.random.set_state(state['numpy'])
+    random.setstate(state['python'])
+    if state['cuda'] is not None and device_type == 'cuda':
+        torch.cuda.set_rng_state(state['cuda'], device)
+    X, Y = (t.to(device) for t in state['batch'])
+
+def save_checkpoint():
+    # FSDP: every rank takes part in gathering the full state; DDP: every rank gives its random state
+    if fsdp:
+        options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = dcp_state.get_model_state_dict(raw_model, options=options)
+        optimizer_state = dcp_state.get_optimizer_state_dict(raw_model, optimizer, options=options)
+    else:
+        model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
+    ranks = rank_state()
+    if not master_process:
+        return
+    checkpoint = {
+        'model': model_state,
+        'optimizer': optimizer_state,
+        'model_args': model_args,
+        'iter_num': iter_num, # the next iteration to run
+        'best_val_loss': best_val_loss,
+        'config': config,
+        'scaler': scaler.state_dict(),
+        'log_step': tracker.step_count, # gns: rows of the log before this checkpoint
+        'fsdp': fsdp,
+        'gns': gns.state_dict() if gns is not None else None, # gns: the running GNS's EMAs
+        'accum_steps': gradient_accumulation_steps, # gns: where a batch-size schedule stands
+        'ranks': ranks,
+    }
+    print(f"saving checkpoint to {out_dir}")
+    # written to a temp file first so a crash while saving keeps the previous checkpoint
+    torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt.tmp'))
+    os.replace(os.path.join(out_dir, 'ckpt.pt.tmp'), os.path.join(out_dir, 'ckpt.pt'))
 
 # training loop
 X, Y = get_batch('train', (iter_num, 0)) # fetch the very first batch
+raw_model = model.module if ddp and not fsdp else model # unwrap DDP container if needed
+raw_model = getattr(raw_model, '_orig_mod', raw_model) # and the compile wrapper
+if init_from == 'resume': # gns: continue exactly where the checkpoint was written
+    if checkpoint.get('gns') is not None and gns is not None:
+        gns.load_state_dict(checkpoint['gns'])
+    if bs_schedule != 'none' and 'accum_steps' in checkpoint:
+        gradient_accumulation_steps = checkpoint['accum_steps']
+    if 'ranks' in checkpoint:
+        restore_rank_state(checkpoint['ranks'])
+checkpoint = None # free up memory
 t0 = time.time()
 local_iter_num = 0 # number of iterations in the lifetime of this process
-raw_model = model.module if ddp else model # unwrap DDP container if needed
-raw_model = getattr(raw_model, '_orig_mod', raw_model) # and the compile wrapper
 running_mfu = -1.0
-final_iter = eval_only or iter_num >= max_iters or tokens_processed >= max_tokens
-while True:
-
-    # determine and set the learning rate for this iteration
-    lr = get_lr(tokens_processed) if decay_lr else learning_rate
-    for param_group in optimizer.param_groups:
-        param_group['lr'] = lr
-
-    # evaluate the loss on train/val sets and write checkpoints (and always on the final iteration)
-    if (iter_num % eval_interval == 0 or final_iter) and master_process:
-        losses = estimate_loss()
+if iter_num == 0 or eval_only:
+    # the weights before any step (or, eval_only, the checkpoint's): printed, not a log row (rows are optimizer steps)
+    losses = estimate_loss() if master_process or fsdp else None
+    if master_process:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        tracker.log({"train/loss": losses['train'], "val/loss": losses['val']})
-        if losses['val'] < best_val_loss or always_save_checkpoint:
-            best_val_loss = losses['val']
-            if iter_num > 0:
-                checkpoint = {
-                    'model': raw_model.state_dict(),
-                    'optimizer': optimizer.state_dict(),
-                    'model_args': model_args,
-                    'iter_num': iter_num,
-                    'best_val_loss': best_val_loss,
-                    'config': config,
-                    'scaler': scaler.state_dict(),
-                    'log_step': tracker.step_count, # gns: rows of the log before this checkpoint
-                }
-                print(f"saving checkpoint to {out_dir}")
-                # written to a temp file first so a crash while saving keeps the previous checkpoint
-                torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt.tmp'))
-                os.replace(os.path.join(out_dir, 'ckpt.pt.tmp'), os.path.join(out_dir, 'ckpt.pt'))
-    if final_iter:
-        tracker.log({"iter_num": iter_num, "tokens_processed": tokens_processed})
-        tracker.step()
-        break
+while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
 
     if bs_schedule != 'none': # gns: the batch-size schedule picks this step's batch
         gradient_accumulation_steps = scheduled_accum_steps()
         examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
         tokens_per_iter = examples_per_iter * block_size
 
+    # determine and set the learning rate for this iteration
+    lr = get_lr(tokens_processed, tokens_per_iter) if decay_lr else learning_rate
+    for param_group in optimizer.param_groups:
+        param_group['lr'] = lr
+
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     # and using the GradScaler if data type is float16
     for micro_step in range(gradient_accumulation_steps):
-        if ddp:
+        if ddp and fsdp: # FSDP2: reduce-scatter the gradients after the last micro-batch only
+            model.set_requires_gradient_sync(micro_step == gradient_accumulation_steps - 1)
+        elif ddp:
             # in DDP training we only need to sync gradients at the last micro step.
             # the official way to do this is with model.no_sync() context manager, but
             # I really dislike that this bloats the code and forces us to repeat code
@@ -441,23 +518,18 @@ while True:
         X, Y = get_batch('train', (iter_num, micro_step + 1) if micro_step + 1 < gradient_accumulation_steps else (iter_num + 1, 0))
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss).backward()
-    # gns: record + zero after step (before clipping, which would change the batch gradient's norm)
-    if tracked:
-        measurements = gns_tracker.step(batch_size=examples_per_iter)
-        sogns_measurements = sogns_tracker.step(batch_size=examples_per_iter) if sogns_tracker.tracked else []
-        measurements = measurements or sogns_measurements # the status line shows the exact GNS when there is one
-        zero_sqgradnorm_buffers(raw_model)
-        tracker.log({**accumulate_gns.get_msg(), **accumulate_sogns.get_msg(),
-                     "gns": running_gns.update(*gnstracking.summed_sqnorms(measurements))})
-        if ddp:
-            small, big = ddp_grad_stats.sq_norms(scaler.get_scale() if scaler.is_enabled() else 1.0)
-            ddp_noise.update(small, big, batch_size * gradient_accumulation_steps, examples_per_iter)
-            tracker.log(ddp_noise.get_msg())
+    # gns: record + zero after the last backward (before clipping, which would change the batch gradient's norm)
+    if gns is not None:
+        gns.step(batch_size=examples_per_iter)
+    if ddp_grad_stats is not None:
+        tracker.log(ddp_grad_stats.get_msg(batch_size * gradient_accumulation_steps, examples_per_iter,
+                                           scaler.get_scale() if scaler.is_enabled() else 1.0))
     tokens_processed += tokens_per_iter # a python mirror of the buffer: reading the buffer would sync the GPU
     raw_model.tokens_processed.add_(tokens_per_iter)
     # clip the gradient (the norm is logged before clipping)
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip != 0.0 else float('inf')).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip != 0.0 else float('inf'))
+    grad_norm = (grad_norm.full_tensor() if fsdp else grad_norm).item()
     # step the optimizer and scaler if training in fp16
     scaler.step(optimizer)
     scaler.update()
@@ -481,22 +553,37 @@ while True:
         })
         gns_status = ", {gns=:.2f}" if tracked else ""
         tracker.print(f"iter {iter_num}: " + "{train_lossf=:.4f}, {dt=:.3f}s, {mfu=:.2f}%, {tokens_per_sec=:,.0f}" + gns_status)
-    # gns: one CSV row per optimizer step, indexed by iteration and tokens
     tracker.log({"iter_num": iter_num, "tokens_processed": tokens_processed,
                  "gradient_accumulation_steps": gradient_accumulation_steps * ddp_world_size, "batch_size": examples_per_iter})
-    tracker.step()
     iter_num += 1
     local_iter_num += 1
 
-    # termination conditions: the next iteration only evaluates
+    # evaluate the weights this step made (and always after the last step), in this step's row
     final_iter = iter_num >= max_iters or tokens_processed >= max_tokens
+    evaluate = iter_num % eval_interval == 0 or final_iter
+    if evaluate and (master_process or fsdp):
+        losses = estimate_loss()
+        if master_process:
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            tracker.log({"train/loss": losses['train'], "val/loss": losses['val']})
+    # gns: one CSV row per optimizer step, indexed by iteration and tokens (tokens counted after the step)
+    tracker.step()
+    if evaluate:
+        save = master_process and (losses['val'] < best_val_loss or always_save_checkpoint)
+        if ddp: # rank 0 decides; every rank takes part in the save
+            save = [save]
+            torch.distributed.broadcast_object_list(save, 0)
+            save = save[0]
+        if save:
+            best_val_loss = losses['val'] if master_process else best_val_loss
+            save_checkpoint()
 
 tracker.close()
-if tracked and master_process and (gns_tracker.scaler_skipped_steps or gns_tracker.nonfinite_steps):
-    print(f"GNS: {gns_tracker.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
-          f"{gns_tracker.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
+if gns is not None and master_process and (gns.tracker.scaler_skipped_steps or gns.tracker.nonfinite_steps):
+    print(f"GNS: {gns.tracker.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
+          f"{gns.tracker.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
 if ddp:
     # gns: free DDP before its process group: left alive until exit, a gloo rank can abort at teardown
-    model = None
+    model = raw_model = None
     gc.collect()
     destroy_process_group()
