@@ -37,8 +37,8 @@ def gns_by_layer_type(out_dir, alpha=0.95):
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, column in GROUP_COLUMNS.items():
         if results[column].notna().any():
-            ax.plot(results["tokens_processed"], results[column], label=label, lw=2 if column == "gns" else 1.2)
-    ax.set(xlabel="tokens", ylabel="GNS", yscale="log", title=f"GNS by layer type ({os.path.basename(os.path.normpath(out_dir))})")
+            ax.plot(results[results.attrs["x"]], results[column], label=label, lw=2 if column == "gns" else 1.2)
+    ax.set(xlabel=results.attrs["x"].split("_")[0], ylabel="GNS", yscale="log", title=f"GNS by layer type ({os.path.basename(os.path.normpath(out_dir))})")
     ax.legend()
     fig.tight_layout()
     return fig
@@ -49,8 +49,8 @@ def phase_plot(out_dir, alpha=0.95):
     results = gns_analysis.analyze_gns(out_dir, alpha=alpha)
     ok = (results["gtg_ema"] > 0) & (results["trsigma_ema"] > 0)
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    points = ax.scatter(results.loc[ok, "gtg_ema"], results.loc[ok, "trsigma_ema"], c=results.loc[ok, "tokens_processed"], s=8)
-    fig.colorbar(points, ax=ax, label="tokens")
+    points = ax.scatter(results.loc[ok, "gtg_ema"], results.loc[ok, "trsigma_ema"], c=results.loc[ok, results.attrs["x"]], s=8)
+    fig.colorbar(points, ax=ax, label=results.attrs["x"].split("_")[0])
     ax.set(xscale="log", yscale="log", xlabel="|G|² (EMA)", ylabel="tr(Σ) (EMA)", title="phase plot")
     fig.tight_layout()
     return fig
@@ -60,15 +60,18 @@ def per_layer_gns(out_dir, alpha=0.95):
     """DataFrame: GNS over steps for every tracked parameter and for every transformer block.
 
     Columns: tokens_processed, one per parameter name, and `block <i>` for the sum over block i's parameters
-    (the blocks of gns-analysis.py's `param_block`, the same numbers as its gns_block_<i> columns).
+    (the blocks gns-analysis.py uses, the same numbers as its gns_block_<i> columns). `table.attrs["groups"]`:
+    {name: group}.
     """
-    df, _, chosen = gns_analysis.load_measurements(out_dir)
+    df, _, chosen, facts = gns_analysis.load_measurements(out_dir)
     out = {"tokens_processed": df["tokens_processed"] if "tokens_processed" in df else df["step"]}
     for name, columns in chosen.items():
         out[name] = gns_analysis.estimate(df, {name: columns}, alpha)["gns"]
-    for index, members in gns_analysis.blocks_of(chosen).items():
+    for index, members in gns_analysis.blocks_of(chosen, facts).items():
         out[f"block {index}"] = gns_analysis.estimate(df, members, alpha)["gns"]
-    return pd.DataFrame(out).reset_index(drop=True)
+    table = pd.DataFrame(out).reset_index(drop=True)
+    table.attrs["groups"] = {name: group for name, (group, _) in facts.items()}
+    return table
 
 
 def per_layer_figure(out_dir, alpha=0.95):
@@ -84,7 +87,7 @@ def per_layer_figure(out_dir, alpha=0.95):
     if blocks:
         left.legend(fontsize=8)
     final = table[params].ffill().iloc[-1]
-    right.barh(np.arange(len(params)), final.to_numpy(), color=["C1" if gns_analysis.param_group(p) == "LayerNorm" else "C0" for p in params])
+    right.barh(np.arange(len(params)), final.to_numpy(), color=["C1" if table.attrs["groups"][p] == "LayerNorm" else "C0" for p in params])
     right.set_yticks(np.arange(len(params)), params, fontsize=7)
     right.set(xscale="log", xlabel="final GNS", title="per parameter (orange: LayerNorm)")
     right.invert_yaxis()

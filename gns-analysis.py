@@ -19,23 +19,43 @@ skipped: both EMAs keep their previous value, exactly as gnstracking.EMA does
 online. Steps with a norm logged as nan/inf are counted (a warning) apart from
 steps that lack a parameter's columns.
 
-Groups, by parameter name (the dotted components of its module path, i.e. the
-name without its last component such as `weight`):
+Groups and blocks come from the run's record of what each parameter is
+(`gns_parameters.json` beside the log, written by gnstracking.GNSMonitor: the
+layer kind and the index of the first ModuleList/Sequential entry on its module
+path): LayerNorm (LayerNorm and RMSNorm weights and biases), Linear, Embedding
+(an exactly logged tied Embedding/Linear tensor included), Other (a kind the
+record does not know). Logs without a record (the paper's reference code, or a
+loop that wrote none) are grouped by name, from the dotted components of the
+module path (the name without its last component such as `weight`):
     LayerNorm   a component is ln, ln_f or ln_<digits>, or contains "norm"
                 (transformer.h.0.ln_1.weight, transformer.ln_f.bias)
     Embedding   otherwise, a component is wte or wpe, or contains "emb"
     Linear      everything else (attn.c_attn.weight, mlp.c_proj.bias, ...)
-Blocks: the integer component after `h` (transformer.h.3.attn.c_attn.weight is
-in block 3), else the first integer component (layers.2.mlp.w1.weight: block 2);
+and blocks by name: the integer component after `h` (transformer.h.3.attn.c_attn.weight
+is in block 3), else the first integer component (layers.2.mlp.w1.weight: block 2);
 a name with neither (transformer.wpe.weight) is in no block.
 
 Tied weights: nanoGPT ties transformer.wte.weight and lm_head.weight. train.py
 logs the tied tensor exactly, once, under its names joined by "+"
 (`transformer.wte.weight+lm_head.weight`): such a parameter is used like any
-other, in the group and block of its first name (Embedding, no block), and the
-GNS without it is reported too. A name without "+" that contains `wte` or
-`lm_head` is a tied column as the paper's reference code logs it (one use's
-per-example norm with the whole gradient's norm): it is left out.
+other (Embedding, no block), and the GNS without it is reported too. In a log
+without a record, a name without "+" that contains `wte` or `lm_head` is a tied
+column as the paper's reference code logs it (one use's per-example norm with
+the whole gradient's norm): it is left out. With a record, every recorded
+parameter counts (an untied wte or lm_head is an ordinary parameter).
+
+DDP: train.py logs each step's raw cross-rank quantities under ddp/; the DDP
+GNS is formed here from them with the same --alpha (ddpgns.unbiased_stats).
+(A log of the paper's reference code has only its own `ddp/gns`: shown as logged.)
+
+The x-axis is tokens (`tokens_processed`) where the log has them, else examples
+(the running sum of the batch sizes).
+
+What the GNS means for the batch size (McCandlish et al. 2018, with B_crit ~
+B_noise = the final GNS): a batch of B examples needs S ~ S_min (1 + B_noise / B)
+optimizer steps and E ~ E_min (1 + B / B_noise) examples to reach a given loss;
+both overheads are printed for the run's last batch size, with the batch sizes
+that keep each under 10%.
 
 Compatibility with the paper's reference script (CerebrasResearch/nanoGNS
 exact/gns-analysis.py): on its logs this gives the same numbers. Two differences,
@@ -50,8 +70,8 @@ GNS over the same parameters when `<prefix>` has them all, else with the exact
 all-parameter GNS.
 
 Prints the final GNS and EMAs, the GNS without the tied tensor (if logged
-exactly), tables by group and by block, LayerNorm-only against all parameters
-and approximate against exact. Writes OUT_DIR/gns_analysis.csv and the PNG
+exactly), the batch-size trade-off, tables by group and by block, LayerNorm-only
+against all parameters and approximate against exact. Writes OUT_DIR/gns_analysis.csv and the PNG
 figures gns_emas.png, gns_phase.png, gns_over_tokens.png, gns_groups.png,
 gns_layernorm_vs_all.png (when LayerNorms are logged) and gns_sogns_vs_exact.png
 (when approximate norms are logged).
@@ -65,11 +85,15 @@ import sys
 import numpy as np
 import pandas as pd
 
+import ddpgns
 from csv_tools import load_csv
-from gnstracking import gns_from_emas, unbiased_stats
+from gnstracking import gns_from_emas, read_parameter_record, unbiased_stats
 from plot import save_png, terminal_plot
 
-GROUPS = ("LayerNorm", "Linear", "Embedding")
+GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
+KIND_GROUPS = {"LayerNorm": "LayerNorm", "RMSNorm": "LayerNorm", "Linear": "Linear", "Embedding": "Embedding",
+               "Embedding+Linear": "Embedding"}  # a recorded layer kind -> its group; any other kind: Other
+OVERHEAD = 0.10  # the batch-size trade-off reports the batches that keep each overhead under this
 METRICS = ("norm", "pegn", "batch_size")
 TIED_MARKERS = ("wte", "lm_head")
 TIED_JOIN = "+"
@@ -83,7 +107,7 @@ def _module_path(name):
 
 
 def param_group(name):
-    """'LayerNorm', 'Embedding' or 'Linear' for a parameter name (see module docstring)."""
+    """'LayerNorm', 'Embedding' or 'Linear' for a parameter name, in logs without a record (see module docstring)."""
     components = [c.lower() for c in _module_path(name)]
     if any(_LN_COMPONENT.fullmatch(c) or "norm" in c for c in components):
         return "LayerNorm"
@@ -93,7 +117,7 @@ def param_group(name):
 
 
 def param_block(name):
-    """Block index of a parameter name, or None (see module docstring)."""
+    """Block index of a parameter name, or None, in logs without a record (see module docstring)."""
     path = _module_path(name)
     for before, component in zip(path, path[1:]):
         if before == "h" and _INDEX.fullmatch(component):
@@ -153,24 +177,36 @@ def estimate(df, params, alpha):
     return out
 
 
-def blocks_of(params):
-    """{block index: {name: columns}} for the parameters in a block (param_block), in block order."""
+def parameter_facts(names, record):
+    """{name: (group, block)}: from the run's record where it has the name, else from the name itself."""
+    facts = {}
+    for name in names:
+        if record is not None and name in record:
+            facts[name] = (KIND_GROUPS.get(record[name]["kind"], "Other"), record[name]["block"])
+        else:
+            facts[name] = (param_group(name), param_block(name))
+    return facts
+
+
+def blocks_of(params, facts):
+    """{block index: {name: columns}} for the parameters in a block, in block order."""
     blocks = {}
     for name in params:
-        index = param_block(name)
+        index = facts[name][1]
         if index is not None:
             blocks.setdefault(index, {})[name] = params[name]
     return {index: blocks[index] for index in sorted(blocks)}
 
 
-def _usable(params, prefix):
-    """The parameters a GNS can sum over: all three metrics logged, not a reference-style tied column."""
+def _usable(params, prefix, record=None):
+    """The parameters a GNS can sum over: all three metrics logged, and not a reference-style tied column
+    (a recorded parameter is what the record says, whatever its name)."""
     usable = {}
     for name in sorted(params):
         if len(params[name]) < len(METRICS):
             missing = [m for m in METRICS if m not in params[name]]
             print(f"warning: parameter {name} under '{prefix}' lacks {missing} columns; skipped")
-        elif not is_reference_tied(name):
+        elif (record is not None and name in record) or not is_reference_tied(name):
             usable[name] = params[name]
     return usable
 
@@ -209,18 +245,19 @@ def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
     """The log's measured rows and its parameters under `prefix`.
 
     Returns:
-        (rows, params, chosen): rows with at least one logged norm (eval-only
-        and skipped steps dropped), every {name: {metric: column}} found, and
-        those the GNS sums over (see _usable).
+        (rows, params, chosen, facts): rows with at least one logged norm (eval-only
+        and skipped steps dropped), every {name: {metric: column}} found, those
+        the GNS sums over (see _usable), and {name: (group, block)} for those.
     Raises ValueError when there is nothing to sum over; approx_prefix only
     shapes that message.
     """
     print(f"Loading data from {out_dir}")
     df = load_csv(out_dir)
+    record = read_parameter_record(out_dir)
     params = find_params(df.columns, prefix)
     if not params:
         raise ValueError(_no_columns_message(df.columns, prefix, approx_prefix))
-    chosen = _usable(params, prefix)
+    chosen = _usable(params, prefix, record)
     if not chosen:
         raise ValueError(
             f"only tied-weight columns ({', '.join(sorted(params))}) under '{prefix}': each holds one use's "
@@ -232,7 +269,7 @@ def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
     rows = df[df[all_norms].notna().any(axis=1)]
     if rows.empty:
         raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
-    return rows, params, chosen
+    return rows, params, chosen, parameter_facts(chosen, record)
 
 
 def _approximate(df, chosen, prefix, approx_prefix, alpha):
@@ -257,19 +294,20 @@ def _approximate(df, chosen, prefix, approx_prefix, alpha):
 def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/sogns"):
     """The GNS estimate for every step of the run in out_dir, as a DataFrame.
 
-    Columns: step, tokens_processed, batch_size, sgn, spegn, gtg, trsigma,
-    gtg_ema, trsigma_ema, gns, gns_layernorm, gns_linear, gns_embedding (a
-    group's column is NaN when it has no parameter), then when present in the
-    log: ddp_gns (ddp/gns), gns_without_tied (all parameters but the exactly
-    logged tied tensor), gns_block_<N> per block, gns_sogns (approximate norms
-    under approx_prefix) and gns_exact_same_params (exact GNS over the
-    approximate parameters, when `prefix` has them all). `tokens_processed` is
-    the log's column, else step * batch_size.
+    Columns: step, tokens_processed (or examples_processed, the running sum of
+    the batch sizes, for a log without tokens; `results.attrs["x"]` names it),
+    batch_size, sgn, spegn, gtg, trsigma, gtg_ema, trsigma_ema, gns,
+    gns_layernorm, gns_linear, gns_embedding, gns_other (a group's column is NaN
+    when it has no parameter), then when present in the log: ddp_gns (from the
+    raw ddp/ columns, with the same alpha), gns_without_tied (all parameters but
+    the exactly logged tied tensor), gns_block_<N> per block, gns_sogns
+    (approximate norms under approx_prefix) and gns_exact_same_params (exact GNS
+    over the approximate parameters, when `prefix` has them all).
     `results.attrs` holds the parameters per group and block, the tied and
     excluded names, and what the approximate GNS was compared with.
     Raises FileNotFoundError / ValueError with a message for the user.
     """
-    df, params, chosen = load_measurements(out_dir, prefix, approx_prefix)
+    df, params, chosen, facts = load_measurements(out_dir, prefix, approx_prefix)
     excluded = sorted(p for p in params if p not in chosen and len(params[p]) == len(METRICS))
     tied = [p for p in chosen if is_exact_tied(p)]
     notes = ([f"tied weights logged exactly, included: {', '.join(tied)}"] if tied else []) + (
@@ -286,19 +324,24 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
         raise ValueError("every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)")
 
     step = df["step"] if "step" in df else pd.Series(np.arange(len(df)), index=df.index)
-    tokens = df["tokens_processed"] if "tokens_processed" in df else step * batch_size
-    results = pd.DataFrame({"step": step, "tokens_processed": tokens, "batch_size": batch_size})
+    x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
+    results = pd.DataFrame({"step": step, x: df[x] if x in df else batch_size.cumsum(), "batch_size": batch_size})
     results = pd.concat([results, estimate(df, chosen, alpha)], axis=1)
 
-    groups = {g: {p: chosen[p] for p in chosen if param_group(p) == g} for g in GROUPS}
+    groups = {g: {p: chosen[p] for p in chosen if facts[p][0] == g} for g in GROUPS}
     for g, members in groups.items():
         results[f"gns_{g.lower()}"] = estimate(df, members, alpha)["gns"] if members else np.nan
-    if "ddp/gns" in df:
+    ddp_raw = ["ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size"]
+    if all(c in df for c in ddp_raw):
+        gtg, trsigma = ddpgns.unbiased_stats(*(df[c] for c in ddp_raw))
+        finite = np.isfinite(gtg) & np.isfinite(trsigma)
+        results["ddp_gns"] = gns_from_emas(ema(gtg.where(finite), alpha), ema(trsigma.where(finite), alpha))
+    elif "ddp/gns" in df:  # the paper's reference code logs only its own EMA's GNS: shown as logged
         results["ddp_gns"] = df["ddp/gns"]
     if tied:
         untied = {p: cols for p, cols in chosen.items() if p not in tied}
         results["gns_without_tied"] = estimate(df, untied, alpha)["gns"] if untied else np.nan
-    blocks = blocks_of(chosen)
+    blocks = blocks_of(chosen, facts)
     for index, members in blocks.items():
         results[f"gns_block_{index}"] = estimate(df, members, alpha)["gns"]
     approx_columns, approx = _approximate(df, chosen, prefix, approx_prefix, alpha)
@@ -311,6 +354,8 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
     results.attrs["tied"] = tied
     results.attrs["excluded"] = excluded
     results.attrs["approx"] = approx
+    results.attrs["x"] = x
+    results.attrs["grouped_by"] = "record" if read_parameter_record(out_dir) is not None else "name"
     return results
 
 
@@ -337,8 +382,39 @@ def summary(results):
     if "ddp_gns" in results and results["ddp_gns"].notna().any():
         lines.append(f"Final DDP GNS: {results['ddp_gns'].dropna().iloc[-1]:.4f}")
     lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")
-    lines.append(f"Total tokens processed: {_fmt_tokens(float(last['tokens_processed']))}")
+    x = results.attrs.get("x", "tokens_processed")
+    lines.append(f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]))}"
+                 + ("" if x == "tokens_processed" else " (the log has no tokens_processed column)"))
     return "\n".join(lines)
+
+
+def batch_size_tradeoff(gns, batch_size):
+    """What a batch of `batch_size` examples costs at a critical batch ~ gns (McCandlish et al. 2018, arXiv 1812.06162).
+
+    Returns a dict: steps_overhead = S / S_min = 1 + gns / B, examples_overhead = E / E_min = 1 + B / gns, and
+    the batch sizes that keep either overhead within OVERHEAD: steps for B >= gns / OVERHEAD, examples for
+    B <= gns * OVERHEAD. NaN everywhere when the GNS is not a positive number.
+    """
+    if not (np.isfinite(gns) and gns > 0):
+        nan = float("nan")
+        return dict(steps_overhead=nan, examples_overhead=nan, steps_within_b=nan, examples_within_b=nan)
+    return dict(steps_overhead=1 + gns / batch_size, examples_overhead=1 + batch_size / gns,
+                steps_within_b=gns / OVERHEAD, examples_within_b=gns * OVERHEAD)
+
+
+def tradeoff_lines(results):
+    """The batch-size trade-off of the final GNS at the run's last batch size, as printed."""
+    gns, B = float(results["gns"].iloc[-1]), float(results["batch_size"].iloc[-1])
+    t = batch_size_tradeoff(gns, B)
+    if not np.isfinite(t["steps_overhead"]):
+        return [f"Batch size: the final GNS ({gns:.4f}) is not a positive number yet, so it says nothing about the batch size"]
+    return [
+        f"Batch size (McCandlish et al. 2018, critical batch ~ GNS = {gns:.1f} examples):",
+        f"  at this run's B = {B:.0f}: {t['steps_overhead']:.2f}x the minimum number of optimizer steps "
+        f"(S = S_min (1 + GNS/B)) and {t['examples_overhead']:.2f}x the minimum number of examples (E = E_min (1 + B/GNS))",
+        f"  within {OVERHEAD:.0%} of the fewest steps: B >= {t['steps_within_b']:.0f}; "
+        f"within {OVERHEAD:.0%} of the fewest examples: B <= {t['examples_within_b']:.1f}",
+    ]
 
 
 _TABLE_HEADER = f"{'params':>8}{'final GNS':>14}{'corr w/ all':>14}"
@@ -356,7 +432,8 @@ def group_table(results):
     lines = ["GNS by parameter group:", f"{'group':<12}{_TABLE_HEADER}",
              _table_row("all", sum(len(m) for m in groups.values()), results["gns"], results["gns"])]
     for g in GROUPS:
-        lines.append(_table_row(g, len(groups.get(g, [])), results[f"gns_{g.lower()}"], results["gns"]))
+        if g != "Other" or groups.get(g):  # Other: parameters of a kind the record does not know
+            lines.append(_table_row(g, len(groups.get(g, [])), results[f"gns_{g.lower()}"], results["gns"]))
     return "\n".join(lines)
 
 
@@ -430,7 +507,8 @@ def _log10(series):
 
 def _figures(results):
     """(file stem, title, series, x_label, y_label, scatter) for every figure the results allow."""
-    tokens = results["tokens_processed"]
+    x_column = results.attrs.get("x", "tokens_processed")
+    tokens, x_label = results[x_column], x_column.split("_")[0]
     gns = [("GNS (estimated)", tokens, results["gns"])]
     if "gns_without_tied" in results:
         gns.append(("GNS without the tied matrix", tokens, results["gns_without_tied"]))
@@ -440,24 +518,24 @@ def _figures(results):
         (g, tokens, results[f"gns_{g.lower()}"]) for g in GROUPS if results[f"gns_{g.lower()}"].notna().any()
     ]
     figures = [
-        ("gns_emas", "log_10(tr(Σ)) and log_10(G^TG) over tokens",
+        ("gns_emas", f"log_10(tr(Σ)) and log_10(G^TG) over {x_label}",
          [("G^TG (EMA)", tokens, _log10(results["gtg_ema"])), ("tr(Σ) (EMA)", tokens, _log10(results["trsigma_ema"]))],
-         "tokens", "log10", False),
+         x_label, "log10", False),
         ("gns_phase", "Phase plot: log_10(tr(Σ)) vs log_10(G^TG)",
          [("EMAs", _log10(results["gtg_ema"]), _log10(results["trsigma_ema"]))],
          "log10 G^TG (EMA)", "log10 tr(Σ) (EMA)", True),
-        ("gns_over_tokens", "GNS over tokens", gns, "tokens", "GNS", False),
-        ("gns_groups", "GNS per parameter group over tokens", groups, "tokens", "GNS", False),
+        ("gns_over_tokens", f"GNS over {x_label}", gns, x_label, "GNS", False),
+        ("gns_groups", f"GNS per parameter group over {x_label}", groups, x_label, "GNS", False),
     ]
     if results.attrs.get("groups", {}).get("LayerNorm"):
-        figures.append(("gns_layernorm_vs_all", "GNS from LayerNorm only vs all parameters, over tokens",
+        figures.append(("gns_layernorm_vs_all", f"GNS from LayerNorm only vs all parameters, over {x_label}",
                         [("all parameters", tokens, results["gns"]),
-                         ("LayerNorm only", tokens, results["gns_layernorm"])], "tokens", "GNS", False))
+                         ("LayerNorm only", tokens, results["gns_layernorm"])], x_label, "GNS", False))
     if "gns_sogns" in results:
         exact = (("exact, same parameters", tokens, results["gns_exact_same_params"])
                  if "gns_exact_same_params" in results else ("exact, all parameters", tokens, results["gns"]))
-        figures.append(("gns_sogns_vs_exact", "GNS from approximate (SOGNS) vs exact norms, over tokens",
-                        [exact, ("approximate (SOGNS)", tokens, results["gns_sogns"])], "tokens", "GNS", False))
+        figures.append(("gns_sogns_vs_exact", f"GNS from approximate (SOGNS) vs exact norms, over {x_label}",
+                        [exact, ("approximate (SOGNS)", tokens, results["gns_sogns"])], x_label, "GNS", False))
     return figures
 
 
@@ -501,6 +579,8 @@ def main(argv=None):
 
     print()
     print(summary(results))
+    print()
+    print("\n".join(tradeoff_lines(results)))
     print()
     print(group_table(results))
     print()

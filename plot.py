@@ -18,6 +18,7 @@ import pandas as pd
 from csv_tools import load_csv
 
 COLORS = (200, 100, 40, 160, 220, 75)  # plotille byte colours, one per series
+MARKERS = ("*", "o", "x", "+", "#", "@")  # and a glyph each, so that the series differ without colour too
 
 
 def _finite_pairs(x, y):
@@ -59,9 +60,9 @@ def terminal_plot(series, x_label="x", y_label="y", scatter=False, width=80, hei
     fig.x_label, fig.y_label = x_label, y_label
     fig.set_x_limits(*_limits(np.concatenate([x for _, x, _ in pairs])))
     fig.set_y_limits(*_limits(np.concatenate([y for _, _, y in pairs])))
-    for (label, x, y), color in zip(pairs, COLORS * len(pairs)):
+    for (label, x, y), color, marker in zip(pairs, COLORS * len(pairs), MARKERS * len(pairs)):
         draw = fig.scatter if scatter else fig.plot
-        draw(x.tolist(), y.tolist(), lc=color, label=label)
+        draw(x.tolist(), y.tolist(), lc=color, label=label, marker=marker)
     return fig.show(legend=True) + note
 
 

@@ -322,6 +322,9 @@ if block_size < model.config.block_size:
     model_args['block_size'] = block_size # so that the checkpoint will have the right value
 model.to(device)
 if fsdp: # shard each block, then the root (embeddings, final norm, head): every rank holds 1/world of each
+    with torch.no_grad(): # rank 0's initial weights everywhere (DDP does this itself; each rank seeded its own)
+        for tensor in model.state_dict().values():
+            torch.distributed.broadcast(tensor, 0)
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)

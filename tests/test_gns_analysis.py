@@ -22,7 +22,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gnstracking import RunningGNS, unbiased_stats  # noqa: E402
+import ddpgns  # noqa: E402
+from gnstracking import RunningGNS, unbiased_stats, write_parameter_record  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
@@ -70,6 +71,10 @@ def write_run(out_dir, norms, batch_size=64, eval_every=None, config=None, appro
         t.log(row)
         t.step()
     t.close()
+
+
+def load_log(out_dir):
+    return pd.read_csv(os.path.join(out_dir, "log.csv"))
 
 
 def expected_gns(norms, params, batch_size, alpha):
@@ -267,16 +272,6 @@ def test_reference_format_log_gives_the_reference_numbers(tmp_path, capsys):
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     np.testing.assert_allclose(results["gns"], gns, rtol=1e-12)
     np.testing.assert_allclose(results["ddp_gns"], df["ddp/gns"], rtol=1e-15)
-
-
-def test_old_tied_exact_config_flag_changes_nothing(tmp_path):
-    df, _ = write_reference_log(tmp_path)
-    with open(tmp_path / "config.json", "w") as f:
-        f.write('{"gns_tied_exact": true}')
-    results = ga.analyze_gns(str(tmp_path))
-    np.testing.assert_allclose(results["gns"], reference_method(df, 0.95)[2], rtol=1e-12)
-    assert results.attrs["excluded"] == ["transformer.wte.weight"] and results.attrs["tied"] == []
-    assert "gns_without_tied" not in results
 
 
 TIED = "transformer.wte.weight+lm_head.weight"
@@ -589,3 +584,108 @@ def test_errors_exit_1_with_a_message_and_no_traceback(tmp_path, make, message):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert re.search(message, proc.stderr), proc.stderr
+
+
+# -----------------------------------------------------------------------------
+# the run's record of what each parameter is; DDP; logs of other loops; what the GNS means for B
+
+def record_entry(kind, block, name):
+    return {"kind": kind, "layer": "x", "block": block, "names": [name], "numel": 1, "bank_slices": None}
+
+
+def test_groups_and_blocks_come_from_the_record_not_the_names(tmp_path, capsys):
+    """A norm named ln_attn (a name rule calls it Linear), a Linear named norm_proj, untied wte and lm_head
+    (a name rule drops them as reference-style tied columns): the record says what they are."""
+    names = ["h.0.ln_attn.weight", "h.0.norm_proj.weight", "h.1.ln_attn.weight", "transformer.wte.weight",
+             "lm_head.weight"]
+    rng = np.random.default_rng(3)
+    norms = {n: (rng.uniform(0.5, 2, 20), np.sqrt(rng.uniform(0.5, 2, 20) ** 2 + rng.uniform(1, 30, 20))) for n in names}
+    write_run(tmp_path, norms)
+    by_name = ga.analyze_gns(str(tmp_path))
+    assert by_name.attrs["grouped_by"] == "name" and by_name.attrs["excluded"] == ["lm_head.weight", "transformer.wte.weight"]
+    assert by_name.attrs["groups"]["Linear"] == ["h.0.ln_attn.weight", "h.1.ln_attn.weight"]  # wrong, by name
+    assert by_name.attrs["groups"]["LayerNorm"] == ["h.0.norm_proj.weight"]
+    kinds = {"h.0.ln_attn.weight": ("LayerNorm", 0), "h.0.norm_proj.weight": ("Linear", 0),
+             "h.1.ln_attn.weight": ("RMSNorm", 1), "transformer.wte.weight": ("Embedding", None),
+             "lm_head.weight": ("Linear", None)}
+    write_parameter_record(str(tmp_path), {n: record_entry(k, b, n) for n, (k, b) in kinds.items()})
+    results = ga.analyze_gns(str(tmp_path))
+    assert results.attrs["grouped_by"] == "record" and results.attrs["excluded"] == []
+    assert results.attrs["groups"] == {"LayerNorm": ["h.0.ln_attn.weight", "h.1.ln_attn.weight"],
+                                       "Linear": ["h.0.norm_proj.weight", "lm_head.weight"],
+                                       "Embedding": ["transformer.wte.weight"], "Other": []}
+    assert results.attrs["blocks"] == {0: ["h.0.ln_attn.weight", "h.0.norm_proj.weight"], 1: ["h.1.ln_attn.weight"]}
+    df = load_log(tmp_path)
+    np.testing.assert_allclose(results["gns"], pandas_gns(df, names, 0.95), rtol=1e-12)
+    np.testing.assert_allclose(results["gns_layernorm"], pandas_gns(df, ["h.0.ln_attn.weight", "h.1.ln_attn.weight"], 0.95), rtol=1e-12)
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert re.search(r"^all\s+5\s", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_ddp_gns_is_formed_from_the_raw_columns_with_the_given_alpha(tmp_path, capsys):
+    n = 25
+    rng = np.random.default_rng(4)
+    small, large = rng.uniform(3, 3.5, n), rng.uniform(2, 2.5, n)  # |G|^2 = 2 large - small > 0
+    write_run(tmp_path, synthetic_norms(n))
+    df = load_log(tmp_path)
+    df["ddp/sq_norm_small"], df["ddp/sq_norm_large"] = small, large
+    df["ddp/small_batch_size"], df["ddp/big_batch_size"] = 32, 64
+    os.remove(tmp_path / "log.csv")
+    df.to_csv(tmp_path / "log.csv", index=False)
+    for alpha in (0.95, 0.5):
+        gtg = (64 * large - 32 * small) / 32
+        trsigma = (small - large) / (1 / 32 - 1 / 64)
+        ema = lambda x: pd.Series(x).ewm(alpha=1 - alpha, adjust=False).mean()  # noqa: E731
+        expected = (ema(trsigma) / ema(gtg)).where(ema(gtg) > 0)
+        results = ga.analyze_gns(str(tmp_path), alpha=alpha)
+        np.testing.assert_allclose(results["ddp_gns"], expected, rtol=1e-12)
+        assert ga.main([str(tmp_path), "--no-plots", "--alpha", str(alpha)]) == 0
+        assert printed(capsys.readouterr().out, "Final DDP GNS") == f"{expected.iloc[-1]:.4f}"
+    np.testing.assert_allclose(ddpgns.unbiased_stats(small, large, 32, 64)[0], gtg, rtol=1e-12)
+
+
+def test_a_log_without_tokens_is_measured_in_examples(tmp_path, capsys):
+    """A user's own loop may log no tokens_processed: the x-axis is then examples, and it says so."""
+    log = LogWrapper(out_dir=str(tmp_path))
+    norms = synthetic_norms(10)
+    for step in range(10):
+        log.log({f"train/gns/{p}/{m}": v for p in NOT_TIED
+                 for m, v in (("norm", norms[p][0][step]), ("pegn", norms[p][1][step]), ("batch_size", 16))})
+        log.step()
+    log.close()
+    results = ga.analyze_gns(str(tmp_path))
+    assert results.attrs["x"] == "examples_processed" and results["examples_processed"].tolist() == [16 * (i + 1) for i in range(10)]
+    assert ga.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Total examples processed: 160 (the log has no tokens_processed column)" in out
+    plots = out.split("no tokens_processed column)")[1].split("Figures saved")[0]
+    assert "GNS over examples" in plots and "tokens" not in plots
+
+
+def test_what_the_gns_means_for_the_batch_size(tmp_path, capsys):
+    t = ga.batch_size_tradeoff(100.0, 25)
+    assert t == {"steps_overhead": 5.0, "examples_overhead": 1.25, "steps_within_b": 1000.0, "examples_within_b": 10.0}
+    assert all(math.isnan(v) for v in ga.batch_size_tradeoff(-3.0, 25).values())
+    write_run(tmp_path, synthetic_norms(30), batch_size=64)
+    results = ga.analyze_gns(str(tmp_path))
+    gns = results["gns"].iloc[-1]
+    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert f"critical batch ~ GNS = {gns:.1f} examples" in out
+    assert f"at this run's B = 64: {1 + gns / 64:.2f}x the minimum number of optimizer steps" in out
+    assert f"and {1 + 64 / gns:.2f}x the minimum number of examples" in out
+    assert f"within 10% of the fewest steps: B >= {gns / 0.1:.0f}; within 10% of the fewest examples: B <= {gns * 0.1:.1f}" in out
+
+
+def test_terminal_plot_series_differ_without_colour():
+    """In a log file or a black-and-white terminal only glyphs tell the lines apart."""
+    from plot import terminal_plot
+
+    x = np.arange(20.0)
+    text = terminal_plot([("a", x, x), ("b", x, 2 * x), ("c", x, 3 * x)])
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    legend = plain.split("Legend:")[1].strip().splitlines()[1:]
+    glyphs = [line.split()[0] for line in legend]
+    assert [line.split()[1] for line in legend] == ["a", "b", "c"] and len(set(glyphs)) == 3
+    for glyph in glyphs:  # each series' glyph is drawn in the plot itself
+        assert glyph[1] in plain.split("Legend:")[0]
