@@ -104,6 +104,6 @@ def test_fsdp2_run_matches_one_process_and_resumes(tmp_path):
     assert sharded["iter_num"].tolist() == single["iter_num"].tolist() == [0, 1, 2, 3]
     cols = [c for c in single.columns if c.startswith("train/gns/")]
     assert len(cols) > 30 and set(cols) == {c for c in sharded.columns if c.startswith("train/gns/")}
-    for c in cols + ["grad_norm", "train/lossf", "lr"]:
+    for c in cols + ["grad_norm", "lr"]:  # (train/lossf is rank 0's own last micro-batch)
         np.testing.assert_allclose(sharded[c].to_numpy(), single[c].to_numpy(), rtol=1e-4, err_msg=c)
     assert not [c for c in sharded.columns if c.startswith("ddp/")]  # no DDP comm hook under FSDP2
