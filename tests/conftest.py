@@ -1,9 +1,45 @@
-"""Shared test setup: without a GPU, Triton kernels run on CPU tensors in Triton's
-interpreter, which must be switched on before anything imports triton."""
+"""Shared test setup.
+
+- Without a GPU, Triton kernels run on CPU tensors in Triton's interpreter, which
+  must be switched on before anything imports triton.
+- The bundled Shakespeare data, prepared once (`shakespeare_data`), and the tiny
+  train.py configuration every end-to-end test starts from (`TINY`): tests that
+  start train.py use both, via `run_script`, and are marked slow.
+"""
 
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# a 2-layer, 32-wide nanoGPT on 16-character windows on the CPU: a few steps take seconds
+TINY = [os.path.join(REPO, "config/train_shakespeare_char.py"), "--device=cpu", "--compile=False", "--dtype=float32",
+        "--device_name=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
+        "--gradient_accumulation_steps=2", "--eval_iters=2", "--log_interval=1", "--dropout=0.0"]
+GNS_LAYERS = ["--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
+
+
+@pytest.fixture(scope="session")
+def shakespeare_data():
+    """data/shakespeare_char/{train,val}.bin from the bundled input.txt (no network)."""
+    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
+        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+
+
+def run_script(script, *args, cwd=REPO, env=None, nproc=None, timeout=300):
+    """Run a script of the repository (under torchrun with `nproc` ranks) and return the CompletedProcess."""
+    if nproc is None:
+        launch = [sys.executable]
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        env = {k: v for k, v in (env or os.environ).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env["OMP_NUM_THREADS"] = "1"  # two ranks on a 2-core machine
+    return subprocess.run([*launch, os.path.join(REPO, script), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)

@@ -8,37 +8,22 @@ the number of ranks).
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import ddpgns
+from conftest import GNS_LAYERS, TINY, run_script
 from csv_tools import load_csv
-from test_train import TINY
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLAGS = [*TINY, "--max_iters=3", "--eval_interval=100", "--gradient_accumulation_steps=4", "--data_seed=7",
-         "--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shakespeare_data():
-    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
-        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+FLAGS = [*TINY, *GNS_LAYERS, "--max_iters=3", "--eval_interval=100", "--gradient_accumulation_steps=4", "--data_seed=7"]
+pytestmark = pytest.mark.usefixtures("shakespeare_data")
 
 
 def train(out_dir, *args, nproc=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    launch = [sys.executable] if nproc is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    out = subprocess.run([*launch, "train.py", *FLAGS, *args, f"--out_dir={out_dir}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = run_script("train.py", *FLAGS, *args, f"--out_dir={out_dir}", nproc=nproc)
     assert out.returncode == 0, out.stderr[-8000:]
-    return load_csv(out_dir).dropna(subset=["batch_size"])  # the optimizer steps' rows
+    return load_csv(out_dir)
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ figures.py and "Replicating Figures.ipynb", executed headless on small CPU runs 
 """
 
 import os
-import subprocess
-import sys
 
 import nbformat
 import numpy as np
@@ -15,25 +13,20 @@ import pytest
 from nbclient import NotebookClient
 
 import figures
+from conftest import GNS_LAYERS, REPO, TINY, run_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32", "--device_name=cpu",
-        "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--eval_interval=4", "--eval_iters=2",
-        "--log_interval=1", "--dropout=0.0", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
 FIGURES = ["gns_by_layer_type.png", "per_layer_gns.png", "phase_plot.png", "schedule_comparison.png"]
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
-        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+def runs(tmp_path_factory, shakespeare_data):
     root = tmp_path_factory.mktemp("runs")
     made = {}
     for label, flags in {"small": ["--batch_size=4", "--max_iters=12"], "large": ["--batch_size=8", "--max_iters=6"]}.items():
-        out = subprocess.run([sys.executable, "train.py", *TINY, *flags, f"--out_dir={root / label}"],
-                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        out = run_script("train.py", *TINY, *GNS_LAYERS, "--gradient_accumulation_steps=1", "--eval_interval=4", *flags,
+                         f"--out_dir={root / label}")
         assert out.returncode == 0, out.stderr[-2000:]
         made[label] = str(root / label)
     return made

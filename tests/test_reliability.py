@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 import gnstracking  # noqa: E402
 import layer_config as lc  # noqa: E402
 from buffered import zero_sqgradnorm_buffers  # noqa: E402
+from conftest import GNS_LAYERS, TINY as TINY_BASE, run_script  # noqa: E402
 from csv_tools import load_csv  # noqa: E402
 from tracker import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
@@ -37,23 +38,13 @@ _spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT
 ga = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ga)
 
-CONFIG = os.path.join(ROOT, "config/train_shakespeare_char.py")
-TINY = [CONFIG, "--device=cpu", "--compile=False", "--dtype=float32", "--device_name=cpu",
-        "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4", "--gradient_accumulation_steps=2",
-        "--eval_iters=2", "--log_interval=1", "--dropout=0.0",
-        "--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
+TINY = [*TINY_BASE, *GNS_LAYERS]
 TOKENS_PER_ITER = 4 * 2 * 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def shakespeare_data():
-    if not os.path.exists(os.path.join(ROOT, "data/shakespeare_char/train.bin")):
-        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=ROOT, check=True, capture_output=True)
+pytestmark = pytest.mark.usefixtures("shakespeare_data")
 
 
 def train(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *TINY, *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return run_script("train.py", *TINY, *args, cwd=cwd)
 
 
 def assert_clean_error(proc, *messages):
@@ -85,6 +76,7 @@ def load_ckpt(path):
 # 1. resume
 
 
+@pytest.mark.slow
 def test_resume_restores_weights_optimizer_and_continues_the_log(tmp_path):
     out = str(tmp_path)
     first = train("--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", f"--out_dir={out}")
@@ -146,7 +138,7 @@ def test_log_wrapper_resume_step_sets_later_rows_aside(tmp_path):
 # -----------------------------------------------------------------------------
 # 2. SIGKILL at pseudo-random points, then resume until done: the same log as a run never stopped
 
-KILL_ITERS = 12
+KILL_ITERS = 8
 # dropout and evaluation batches draw from the random state (restored from the checkpoint, every rank's);
 # --data_seed makes the training batches a function of the iteration
 EXACT = [f"--max_iters={KILL_ITERS}", "--eval_interval=2", "--always_save_checkpoint=True", "--dropout=0.1",
@@ -215,12 +207,14 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_log(tmp_path, seed, referenc
 # 3. bad input: a one-line message naming the problem and the fix, nothing written
 
 
+@pytest.mark.slow
 def test_unknown_config_key(tmp_path):
     proc = train("--batch_sise=4", f"--out_dir={tmp_path / 'o'}")
     assert_clean_error(proc, "unknown config key 'batch_sise'", "did you mean batch_size")
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_wrong_type(tmp_path):
     proc = train("--max_iters=ten", f"--out_dir={tmp_path / 'o'}")
     assert_clean_error(proc, "config key 'max_iters'", "expects int", "got str 'ten'")
@@ -242,6 +236,7 @@ def make_dataset(root, train_tokens=1000, val_tokens=1000, meta=b"ok"):
     return d
 
 
+@pytest.mark.slow
 def test_missing_train_bin(tmp_path):
     make_dataset(tmp_path, train_tokens=None)
     proc = train(f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
@@ -249,6 +244,7 @@ def test_missing_train_bin(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_truncated_meta_pkl(tmp_path):
     good = pickle.dumps({"vocab_size": 65, "itos": {i: chr(i) for i in range(65)}})
     make_dataset(tmp_path, meta=good[: len(good) // 2])
@@ -257,6 +253,7 @@ def test_truncated_meta_pkl(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_block_size_larger_than_the_data(tmp_path):
     make_dataset(tmp_path, val_tokens=16)
     proc = train("--block_size=16", f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
@@ -264,7 +261,8 @@ def test_block_size_larger_than_the_data(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("leftover", [LOG_CSV, HEADER_TMP])
+@pytest.mark.parametrize("leftover", [LOG_CSV, HEADER_TMP, "grad_accum_schedule.txt"])
+@pytest.mark.slow
 def test_out_dir_with_another_runs_log_is_refused(tmp_path, leftover):
     (tmp_path / leftover).write_text("step,a\n0,1.0\n")
     before = sorted(os.listdir(tmp_path))
@@ -275,6 +273,7 @@ def test_out_dir_with_another_runs_log_is_refused(tmp_path, leftover):
 
 
 @pytest.mark.parametrize("content", [b"", b"PK\x03\x04 not really a zip", None], ids=["empty", "garbage", "missing"])
+@pytest.mark.slow
 def test_corrupt_or_missing_checkpoint_on_resume(tmp_path, content):
     if content is not None:
         (tmp_path / "ckpt.pt").write_bytes(content)

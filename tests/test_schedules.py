@@ -6,17 +6,13 @@ Batch-size schedules (schedules.py) as pure functions, and one tiny train.py run
 """
 
 import math
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
 
 import schedules
+from conftest import TINY, run_script
 from csv_tools import load_csv
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(path, text):
@@ -92,36 +88,59 @@ def test_gns_schedule_follows_the_gns_smoothly_and_clamped():
     assert schedules.gns_steps(1, 80.0, batch_size, factor=0.5, max_steps=64, max_delta=100) == 10  # factor
 
 
+def test_the_linear_schedule_is_clamped_to_its_bounds_and_says_so(tmp_path):
+    path = str(tmp_path / schedules.SCHEDULE_FILE)
+    write(path, "0, 1\n1000, 40\n")
+    schedule = schedules.FileSchedule(path, min_steps=2, max_steps=8)
+    with pytest.warns(UserWarning, match=r"1 accumulation steps at 0 tokens is outside .* = \[2, 8\]; using 2"):
+        assert schedule(0) == 2
+    with pytest.warns(UserWarning, match="using 8"):
+        assert schedule(1000) == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per value asked for, not per step
+        assert schedule(0) == 2 and schedule(1000) == 8
+
+
 @pytest.mark.slow
-def test_linear_schedule_in_train_py_changes_the_batch(tmp_path):
-    from test_train import TINY
-    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
-        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+def test_linear_schedule_in_train_py_changes_the_batch(tmp_path, shakespeare_data):
     args = [*TINY, "--max_iters=100", "--max_tokens=1024", "--eval_interval=100", "--bs_schedule=linear",
             "--bs_min_accum_steps=1", "--bs_max_accum_steps=4", "--linearclass=gns", "--lnclass=gns", f"--out_dir={tmp_path}"]
-    out = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = run_script("train.py", *args)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / schedules.SCHEDULE_FILE).exists()
     df = load_csv(tmp_path)
-    steps = df.dropna(subset=["batch_size"])
-    accum = list(steps["gradient_accumulation_steps"])
+    accum = list(df["gradient_accumulation_steps"])
     assert accum[0] == 1 and accum[-1] >= 3 and accum == sorted(accum)
-    assert (steps["batch_size"] == steps["gradient_accumulation_steps"] * 4).all()
-    assert steps["tokens_processed"].diff().dropna().tolist() == (steps["batch_size"].iloc[1:] * 16).tolist()
+    assert (df["batch_size"] == df["gradient_accumulation_steps"] * 4).all()
+    assert df["tokens_processed"].diff().dropna().tolist() == (df["batch_size"].iloc[1:] * 16).tolist()
     bs_cols = [c for c in df.columns if c.startswith("train/gns/") and c.endswith("/batch_size")]
     assert bs_cols
     for c in bs_cols:
-        assert (steps[c] == steps["batch_size"]).all(), c
+        assert (df[c] == df["batch_size"]).all(), c
     assert df["tokens_processed"].iloc[-1] >= 1024
 
 
+@pytest.mark.slow
+def test_an_edited_linear_schedule_cannot_take_a_step_below_its_minimum(tmp_path, shakespeare_data):
+    """A line `0, 1` with batch_size 1 would make every step B = 1 (GNS undefined): bs_min_accum_steps holds."""
+    args = [*TINY, "--batch_size=1", "--bs_schedule=linear", "--bs_min_accum_steps=2", "--bs_max_accum_steps=4",
+            "--eval_interval=2", "--always_save_checkpoint=True", "--lnclass=gns", f"--out_dir={tmp_path}"]
+    first = run_script("train.py", *args, "--max_iters=2")
+    assert first.returncode == 0, first.stderr
+    write(str(tmp_path / schedules.SCHEDULE_FILE), "0, 1\n")
+    resumed = run_script("train.py", *args, "--max_iters=4", "--init_from=resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "outside [bs_min_accum_steps, bs_max_accum_steps] = [2, 4]; using 2" in resumed.stderr
+    df = load_csv(tmp_path)
+    assert df["batch_size"].tolist()[2:] == [2, 2] and (df["batch_size"] >= 2).all()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--bs_schedule=cubic"], "unknown bs_schedule 'cubic'"),
     (["--bs_schedule=gns"], "bs_schedule='gns' follows the measured GNS"),
     (["--bs_schedule=linear", "--bs_min_accum_steps=3", "--bs_max_accum_steps=2"], "need 1 <= bs_min_accum_steps (3)"),
 ])
 def test_bad_schedule_settings_are_clear_errors(tmp_path, flags, message):
-    from test_train import TINY
-    out = subprocess.run([sys.executable, "train.py", *TINY, *flags, f"--out_dir={tmp_path}"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = run_script("train.py", *TINY, *flags, f"--out_dir={tmp_path}")
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
