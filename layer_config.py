@@ -290,7 +290,8 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
             unconverted[path] = (f"{type(module).__name__}: {reason}" if kind else
                                  f"{type(module).__name__} not swapped, {reason}; call functional.py's per-example "
                                  "norm functions from its forward")
-        new.train(module.training)
+        if new is not module:
+            new.train(module.training)  # only the new layer: train() would reset every child's mode
         return new
 
     def visit(parent, prefix):
