@@ -505,8 +505,8 @@ class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
         if not self.weight_offset:
             return _AffineFunction.apply(self.normalize(x), self.weight, None, self.pe_buffer("weight"), None)
         scale = self.scale()
-        dtype = torch.promote_types(x.dtype, scale.dtype)  # normalised and scaled in float32 at least, then cast back
-        return _AffineFunction.apply(self.normalize(x.to(dtype)), scale, None, self.pe_buffer("weight"), None).to(x.dtype)
+        xhat = self.normalize(x.to(torch.promote_types(x.dtype, scale.dtype)))  # in float32 at least, as Gemma does
+        return _AffineFunction.apply(xhat, scale, None, self.pe_buffer("weight"), None).to(x.dtype)
 
     def extra_repr(self):
         return super().extra_repr() + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")

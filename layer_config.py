@@ -174,7 +174,8 @@ def _carry_attributes(old, new):
     """Copy `old`'s plain attributes that `new` lacks (variance_epsilon, hidden_size, ...): code reading them
     (e.g. a kernel path reading `norm.variance_epsilon`) keeps working after a probed swap."""
     for name, value in vars(old).items():
-        if not name.startswith("_") and isinstance(value, (bool, int, float, str, type(None))) and not hasattr(new, name):
+        plain = isinstance(value, (bool, int, float, str, type(None)))
+        if plain and not name.startswith("_") and not hasattr(new, name):
             setattr(new, name, value)
 
 
@@ -182,10 +183,12 @@ def _treat_as_entries(treat_as, known):
     """{class: (kind, options)} from convert's `treat_as` argument, checked."""
     entries = {}
     for cls, spec in (treat_as or {}).items():
-        kind, options = (spec, {}) if isinstance(spec, str) else spec
         label = getattr(cls, "__name__", repr(cls))
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise ValueError(f"treat_as keys are nn.Module classes, got {cls!r}")
+        if not (isinstance(spec, str) or isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict)):
+            raise ValueError(f"treat_as[{label}] is a kind or (kind, {{option: value}}), got {spec!r}")
+        kind, options = (spec, {}) if isinstance(spec, str) else spec
         if cls in known:
             raise ValueError(f"{label} is converted by its class already; remove it from treat_as")
         if kind not in swapcheck.PROBED_KINDS:

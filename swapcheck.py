@@ -263,11 +263,14 @@ def find_replacement(module, kinds, options=None):
         if diff <= PROBE_TOLERANCE[dtype]:
             return candidate, None
         tried.append((diff, str(candidate), where, dtype))
+    if not tried:
+        return None, f"no {' or '.join(kinds)} layer takes the options {options}"
     diff, closest, where, dtype = min(tried, key=lambda t: t[0])
     if math.isinf(diff):
         return None, f"no candidate ran on a probe input: {closest} failed in the {where}"
+    which = f"{str(dtype).replace('torch.', '')} probe, tolerance {PROBE_TOLERANCE[dtype]:.0e}"
     reason = (f"computes none of {', '.join(kinds)} on a probe input; closest {closest} differs in the {where} by "
-              f"{diff:.1e} (max relative; {str(dtype).replace('torch.', '')} probe, tolerance {PROBE_TOLERANCE[dtype]:.0e})")
+              f"{diff:.1e} (max relative; {which})")
     if any(kind in NORM_KINDS for kind in kinds):
         reason += (f"; if only its eps is unusual, give it: convert(treat_as={{{type(module).__name__}: "
                    f"(\"{[k for k in kinds if k in NORM_KINDS][0]}\", {{\"eps\": ...}})}})")

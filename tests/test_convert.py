@@ -388,7 +388,8 @@ def test_treat_as_names_a_kind_and_its_options():
     assert "computes none of RMSNorm on a probe input" in tracker.unconverted["1"]
     for bad, match in [({HiddenEpsRMSNorm: "Norm"}, "unknown kind 'Norm'"), ({nn.Linear: "Linear"}, "by its class"),
                        ({HiddenEpsRMSNorm: ("RMSNorm", {"bias": True})}, "takes options"),
-                       ({"HiddenEpsRMSNorm": "RMSNorm"}, "nn.Module classes")]:
+                       ({"HiddenEpsRMSNorm": "RMSNorm"}, "nn.Module classes"),
+                       ({HiddenEpsRMSNorm: ("RMSNorm", 1e-7)}, "a kind or \\(kind, ")]:
         with pytest.raises(ValueError, match=match):
             lc.convert(nn.Sequential(HiddenEpsRMSNorm(6)), treat_as=bad)
 
