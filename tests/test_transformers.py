@@ -135,7 +135,7 @@ def test_bf16_autocast_close_to_float32(name):
         assert m.small_batch_norm == pytest.approx(want[param].small_batch_norm, rel=3e-2), param
 
 
-def test_untouched_model_gives_the_same_loss_after_convert():
+def test_converted_models_give_the_same_loss():
     """The converted GPT-2 and Llama compute what transformers' own modules compute (float64)."""
     x, y = torch.randint(0, VOCAB, (2, 3, T), generator=torch.Generator().manual_seed(3))
     for name in ("hf_gpt2", "hf_llama"):
@@ -276,3 +276,20 @@ def test_example_logs_every_parameter_and_gns_analysis_reads_it(name, tmp_path, 
             assert column in df.columns and df[column].notna().all(), column
     assert load("gns-analysis.py", "gns_analysis").main([str(tmp_path), "--no-plots"]) == 0
     assert "Final GNS: " in capsys.readouterr().out
+
+
+def test_fused_gpt2_close_to_brute_force():
+    """Conv1D, Linear and LayerNorm fused, float32 (Triton's interpreter on CPU): within float32 rounding of brute
+    force. (Llama's fused RMSNorm is checked layer by layer above.)"""
+    name = "hf_gpt2"
+    model, tracker = converted(name, torch.float32, ("fused", "gns", "fused"))
+    assert tracked_names(tracker) == parameter_names(model)
+    x = torch.zeros(1)
+    assert fused_gns.kernel_unavailable_reason(x) is None  # the kernels, not the fallback
+    x, y = torch.randint(0, VOCAB, (2, 3, T), generator=torch.Generator().manual_seed(4))
+    measurements = accumulated_measurements(name, model, tracker, x, y)
+    want = brute_force(name, model, x, y)
+    for param, m in measurements.items():
+        sq_norm, pe_sqnorm = want[param.split("+")[0]]
+        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-4), param
+        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-4), param
