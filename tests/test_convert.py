@@ -287,6 +287,13 @@ class SameLayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
+class DefaultEpsRMSNorm(nn.RMSNorm):
+    """A torch subclass with eps=None (the input dtype's machine epsilon) and its own forward."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
 class ScaledEmbedding(nn.Embedding):
     """A torch subclass that scales its output (as BART's and Gemma 3's do): no per-example norm layer does that."""
 
@@ -322,7 +329,9 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     params, keys = dict(model.named_parameters()), list(model.state_dict())
     x, g = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
     before = model(x)
+    rng = torch.get_rng_state()
     tracker = lc.convert(model, lnclass=lnclass)
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe draws from its own generator
     assert not tracker.unconverted and not tracker.skipped
     kinds = {name: type(module).__name__ for name, module in model.named_children()}
     ln, rms, conv1d = (lc.get_layer_class(k, c).__name__ for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass),
@@ -376,6 +385,16 @@ def test_the_probe_tells_apart_eps_and_layernorm_from_rmsnorm():
     tracker = lc.convert(model)
     assert model[0].eps == 1e-5 and isinstance(model[1], lc.get_layer_class("LayerNorm", "gns"))
     assert not tracker.unconverted
+
+
+def test_torch_subclasses_are_probed_as_their_base_kind():
+    model = nn.Sequential(DefaultEpsRMSNorm(6), SameLayerNorm(6, bias=False))
+    x = torch.randn(2, 3, 6)
+    before = model(x)
+    tracker = lc.convert(model)
+    assert not tracker.unconverted and model[0].eps is None and model[1].bias is None
+    assert isinstance(model[0], lc.get_layer_class("RMSNorm", "gns"))
+    torch.testing.assert_close(model(x), before)
 
 
 def test_treat_as_names_a_kind_and_its_options():
