@@ -245,16 +245,15 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
         return (any(True for _ in module.parameters(recurse=False))
                 and not any(n.endswith(gnstracking.BUFFER_SUFFIX) for n in module._buffers))
 
-    def unsupported(kind):
-        return (f"linearclass={names[kind]!r} has no {kind} layer (transformers' Linear with weight (in, out)); "
-                f"choose from {sorted(LAYER_CLASSES[kind])}")
+    no_conv1d = (f"linearclass={linearclass!r} has no Conv1D layer (transformers' Linear with weight (in, out)); "
+                 f"choose from {sorted(LAYER_CLASSES['Conv1D'])}")  # the one kind a valid name may lack
 
     def known_replacement(module, kind):
         """(new module or the same one, reason it was not swapped or None) for a module of a known class."""
         if names[kind] == "nn" or getattr(module, "weight", None) is None:
             return module, None  # 'nn' chosen, or a norm without affine parameters: nothing to record
         if kind not in classes:
-            return module, unsupported(kind)
+            return module, no_conv1d
         reason = _convertible(module, kind)
         if reason is not None:
             return module, reason
@@ -276,7 +275,7 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
         if all(names[k] == "nn" for k in fitting):
             return module, None  # the user chose not to record these kinds
         if not any(k in classes for k in fitting):
-            return module, unsupported(fitting[0])
+            return module, no_conv1d
         found, reason = swapcheck.find_replacement(module, [k for k in fitting if k in classes], options)
         if found is None:
             return module, reason
@@ -290,9 +289,8 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
             return module
         new, reason = known_replacement(module, kind) if kind else probed_replacement(module)
         if reason is not None:
-            unconverted[path] = (f"{type(module).__name__}: {reason}" if kind else
-                                 f"{type(module).__name__} not swapped, {reason}; call functional.py's per-example "
-                                 "norm functions from its forward")
+            unconverted[path] = reason if kind else (f"{type(module).__name__} not swapped, {reason}; call "
+                                                     "functional.py's per-example norm functions from its forward")
         if new is not module:
             new.train(module.training)  # only the new layer: train() would reset every child's mode
         return new
