@@ -523,6 +523,8 @@ class _PEGradNormConv1DBase(PESqNormBuffersMixin, nn.Module):
     attributes (nf, nx) as transformers' class, so checkpoints and code reading them carry over.
     """
 
+    pe_kind = "Linear"  # the layer kind in the tracker's record of each parameter: a Linear, stored transposed
+
     def __init__(self, nf, nx, bias=True, device=None, dtype=None):
         super().__init__()
         self.nf, self.nx = nf, nx
