@@ -208,14 +208,18 @@ class _Probe:
         return [torch.float64] + ([own] if own != torch.float64 and own in PROBE_TOLERANCE else [])
 
     def reference(self, kind, dtype):
-        """(params, input, output, output grad, grads) of the module itself, or the exception its forward raised."""
+        """(parameter values, input, output, output grad, grads) of the module itself, or the exception its
+        forward raised."""
         key = ("Embedding" if kind == "Embedding" else "norm" if kind in NORM_KINDS else kind, dtype)
         if key not in self._reference:
             params, x = _probe_data(kind, self.module, self.device, dtype)
+            values = {name: p.detach().clone() for name, p in params.items()}
             try:
                 out, grad_out, grads = _forward_backward(
                     lambda p, inp: torch.func.functional_call(self.module, p, (inp,)), params, x)
-                self._reference[key] = (params, x, out, grad_out, grads)
+                if not all(torch.equal(p, values[name]) for name, p in params.items()):
+                    raise RuntimeError("it changes its parameters in place (e.g. max_norm), which a swap would drop")
+                self._reference[key] = (values, x, out, grad_out, grads)
             except Exception as e:  # any failure of the user's forward means: not this probe
                 self._reference[key] = e
         return self._reference[key]
@@ -232,7 +236,8 @@ class _Probe:
             if isinstance(reference, Exception):  # a forward that fails in float64 is probed in its own dtype only
                 result = result or (math.inf, f"module's forward ({type(reference).__name__}: {reference})", dtype)
                 continue
-            params, x, want_out, grad_out, want_grads = reference
+            values, x, want_out, grad_out, want_grads = reference
+            params = {name: nn.Parameter(v.clone()) for name, v in values.items()}  # fresh: the same start values
             layer = layer_config.new_layer(layer_cls, candidate.kind, params, candidate.options)
             try:
                 got_out, _, got_grads = _forward_backward(lambda p, inp: layer(inp), params, x, grad_out)
