@@ -11,7 +11,12 @@ every layer of that kind:
 LAYER_CLASSES is the one registry from the names users type (`--linearclass=gns`)
 to classes; train.py, the tests and the benchmarks all look names up through
 `layer_classes`. Entries are "module:Class" strings resolved on first use, so
-importing this file imports neither buffered.py nor Triton.
+importing this file imports neither buffered.py, Triton nor transformers.
+
+`convert(model)` swaps the layers of a model built elsewhere: torch's classes and
+transformers' Conv1D by class (the RMSNorm and Conv1D kinds exist for it), any
+other module with parameters after swapcheck.py's probe shows a per-example norm
+layer computes the same thing.
 """
 
 import contextlib
