@@ -514,15 +514,81 @@ class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
 
 
 class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
-    """RMSNorm with a weight, y = x / sqrt(mean(x^2) + eps) * weight, recording the weight's per-example norms."""
+    """RMSNorm with a weight, y = x / sqrt(mean(x^2) + eps) * (weight_offset + weight), recording the weight's
+    per-example norms.
+
+    weight_offset = 1 is Gemma's RMSNorm, whose weight starts at 0 and scales by (1 + weight); example i's
+    gradient of (offset + weight) is its gradient of weight, so the norms are the same. eps=None is the input
+    dtype's machine epsilon, as in F.rms_norm.
+    """
 
     pe_kind = "RMSNorm"
 
-    def __init__(self, ndim, eps=1e-6, device=None, dtype=None):
+    def __init__(self, ndim, eps=1e-6, weight_offset=0.0, device=None, dtype=None):
         super().__init__(ndim, bias=False, eps=eps, device=device, dtype=dtype)
+        self.weight_offset = weight_offset
+        if weight_offset:
+            with torch.no_grad():
+                self.weight.sub_(weight_offset)  # the scale (offset + weight) starts at 1
 
     def normalize(self, x):
         return F.rms_norm(x, self.normalized_shape, None, self.eps)
 
+    def scale(self):
+        """offset + weight, in float32 at least: in bf16, 1 + a small weight would round the weight away."""
+        if not self.weight_offset:
+            return self.weight
+        return self.weight.to(torch.promote_types(self.weight.dtype, torch.float32)) + self.weight_offset
+
     def forward(self, x):
-        return _AffineFunction.apply(self.normalize(x), self.weight, None, self.pe_buffer("weight"), None)
+        if not self.weight_offset:
+            return _AffineFunction.apply(self.normalize(x), self.weight, None, self.pe_buffer("weight"), None)
+        scale = self.scale()
+        xhat = self.normalize(x.to(torch.promote_types(x.dtype, scale.dtype)))  # in float32 at least, as Gemma does
+        return _AffineFunction.apply(xhat, scale, None, self.pe_buffer("weight"), None).to(x.dtype)
+
+    def extra_repr(self):
+        return super().extra_repr() + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
+
+
+# -----------------------------------------------------------------------------
+# transformers' Conv1D: GPT-2's Linear, weight stored (in, out)
+
+class _PEGradNormConv1DBase(PESqNormBuffersMixin, nn.Module):
+    """transformers' Conv1D(nf, nx): weight (nx, nf) = (in, out), bias (nf,), y = x @ weight + bias.
+
+    The layer is a Linear with weight.t(): a transpose leaves every example's gradient norm unchanged, so
+    the Linear per-example norms apply to the weight as stored. Same constructor, parameters and
+    attributes (nf, nx) as transformers' class, so checkpoints and code reading them carry over.
+    """
+
+    pe_kind = "Linear"  # the layer kind in the tracker's record of each parameter: a Linear, stored transposed
+
+    def __init__(self, nf, nx, bias=True, device=None, dtype=None):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.empty(nx, nf, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(nf, device=device, dtype=dtype)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)  # transformers' initialisation
+        register_pe_sqnorm_buffers(self, ["weight", "bias"])
+
+    def extra_repr(self):
+        return f"nf={self.nf}, nx={self.nx}, bias={self.bias is not None}"
+
+
+class PEGradNormShimConv1D(_PEGradNormConv1DBase):
+    """Conv1D whose backward also records per-example norms of weight and bias gradients (shim)."""
+
+    def forward(self, x):
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        out = F.linear(x, weight.t(), bias)
+        return _LinearShim.apply(out, x.detach(), self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+class PEGradNormConv1D(_PEGradNormConv1DBase):
+    """Conv1D whose backward computes weight/bias gradients and per-example norms together."""
+
+    def forward(self, x):
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+            return _LinearFunction.apply(x, weight.t(), bias, self.pe_buffer("weight"), self.pe_buffer("bias"))

@@ -3,9 +3,10 @@ Fused layers: Triton kernels (normgnorm/) compute the parameter gradients and
 the exact per-example squared gradient norms in one backward pass.
 
     PEGradNormFusedLayerNorm(ndim, bias=True, eps=1e-5)   forward + backward kernels
-    PEGradNormFusedRMSNorm(ndim, eps=1e-6)                same kernels, no mean, no bias
+    PEGradNormFusedRMSNorm(ndim, eps=1e-6, weight_offset=0.0)   same kernels, no mean, no bias
     PEGradNormFusedLinear(in_features, out_features, bias=True, device=None, dtype=None)
         forward is F.linear, dX is a matmul, dW + db + norms come from one kernel
+    PEGradNormFusedConv1D(nf, nx, bias=True)             transformers' Conv1D (weight (in, out)), same kernel
 
 They have the parameters, `<param>_upegsqnorm` buffers and semantics of
 buffered.py's classes (they subclass them), and the autograd functions are
@@ -27,7 +28,7 @@ import warnings
 
 import torch
 
-from buffered import (PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, _LinearFunction,
+from buffered import (PEGradNormConv1D, PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, _LinearFunction,
                       accumulate_pe_sqnorm, autocast_inputs)
 
 try:
@@ -306,12 +307,14 @@ class PEGradNormFusedLayerNorm(PEGradNormLayerNorm):
 
 
 class PEGradNormFusedRMSNorm(PEGradNormRMSNorm):
-    """RMSNorm y = x / sqrt(mean(x^2) + eps) * weight, with per-example norms of the weight gradient."""
+    """RMSNorm y = x / sqrt(mean(x^2) + eps) * (weight_offset + weight), with per-example norms of the weight
+    gradient; the kernel takes the scale (offset + weight) as its weight and keeps the output in x's dtype."""
 
     def forward(self, x):
         if not _use_kernel(self, x):
             return super().forward(x)
-        return fused_rms_norm(x, self.weight, self.eps, self.pe_buffer("weight"))
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # None: F.rms_norm's default
+        return fused_rms_norm(x, self.scale(), eps, self.pe_buffer("weight"))
 
 
 class PEGradNormFusedLinear(PEGradNormLinear):
@@ -323,3 +326,14 @@ class PEGradNormFusedLinear(PEGradNormLinear):
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             return fused_linear(x, weight, bias, self.pe_buffer("weight"), self.pe_buffer("bias"))
+
+
+class PEGradNormFusedConv1D(PEGradNormConv1D):
+    """transformers' Conv1D (weight stored (in, out)) through the fused Linear kernel, on weight.t()."""
+
+    def forward(self, x):
+        if not _use_kernel(self, x):
+            return super().forward(x)
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+            return fused_linear(x, weight.t(), bias, self.pe_buffer("weight"), self.pe_buffer("bias"))

@@ -15,6 +15,7 @@ import functional
 import gnstracking
 import layer_config as lc
 from buffered import PEGradNormEmbedding, PEGradNormLinear, PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from oracle import per_example_sqnorms_by_loop
 
 
 class Nested(nn.Module):
@@ -217,3 +218,289 @@ def test_functional_layers_are_found_by_the_tracker():
     tracker = gnstracking.MeasurementTracker.from_model(model)
     assert [m.metadata["name"] for m in tracker.step(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
     assert isinstance(PEGradNormEmbedding(3, 2), nn.Embedding)
+
+
+# -----------------------------------------------------------------------------
+# modules convert does not know by class: swapped when the probe (swapcheck.py) passes
+
+class NanoGPTLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm(ndim, bias): F.layer_norm with eps 1e-5, stored nowhere."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class HandRMSNorm(nn.Module):
+    """RMSNorm written out, eps under any name; `offset=1.0` is Gemma's (1 + weight) scale."""
+
+    def __init__(self, d, tiny=1e-6, offset=0.0):
+        super().__init__()
+        self.tiny, self.offset = tiny, offset
+        self.weight = nn.Parameter(torch.full((d,), 1.0 - offset))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.tiny) * (self.offset + self.weight)
+
+
+class EpsOutsideRMSNorm(HandRMSNorm):
+    """Almost an RMSNorm: eps added outside the square root, which only rows of small scale show."""
+
+    def forward(self, x):
+        return x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.tiny) * self.weight
+
+
+class HiddenEpsRMSNorm(HandRMSNorm):
+    """eps 3e-7 written in the forward only: no attribute, no common value."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 3e-7) * self.weight
+
+
+class StoredWrongEps(HandRMSNorm):
+    """Stores eps 1e-6 but computes with 1e-5: the probe, not the attribute, decides."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight
+
+
+class InOutLinear(nn.Module):
+    """A Linear that stores its weight (in, out), as transformers' Conv1D does."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
+        self.bias = nn.Parameter(torch.randn(d_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class SameLayerNorm(nn.LayerNorm):
+    """A torch subclass whose own forward computes what nn.LayerNorm computes."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class DefaultEpsRMSNorm(nn.RMSNorm):
+    """A torch subclass with eps=None (the input dtype's machine epsilon) and its own forward."""
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """A torch subclass that scales its output (as BART's and Gemma 3's do): no per-example norm layer does that."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+class MaxNormEmbedding(nn.Embedding):
+    """Renormalises its rows in place in forward (max_norm): gradients as a plain embedding's, but a swap would
+    drop the renormalisation."""
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight, max_norm=1.0)
+
+
+class LookAlikes(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.ln = NanoGPTLayerNorm(d, bias=True)
+        self.ln_nobias = NanoGPTLayerNorm(d, bias=False)
+        self.proj = InOutLinear(d, 2 * d)
+        self.rms = HandRMSNorm(2 * d, tiny=1e-7)
+        self.gemma = HandRMSNorm(2 * d, offset=1.0)
+        self.out = nn.Linear(2 * d, d)
+        self.sub = SameLayerNorm(d)
+
+    def forward(self, x):
+        h = self.proj(self.ln_nobias(self.ln(x)))
+        return self.sub(self.out(self.gemma(self.rms(h))))
+
+
+@pytest.mark.parametrize("lnclass", ["gns", "shim"])
+@pytest.mark.parametrize("shape", [(5, 6), (1, 6), (4, 3, 6), (1, 3, 6)], ids=str)
+def test_lookalikes_swapped_and_exact(lnclass, shape):
+    """float64, 2-D and 3-D input, a batch of 1, two micro-batches: every buffer equals the loop over examples."""
+    torch.manual_seed(0)
+    model = LookAlikes().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    params, keys = dict(model.named_parameters()), list(model.state_dict())
+    x, g = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
+    before = model(x)
+    rng = torch.get_rng_state()
+    tracker = lc.convert(model, lnclass=lnclass)
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe draws from its own generator
+    assert not tracker.unconverted and not tracker.skipped
+    kinds = {name: type(module).__name__ for name, module in model.named_children()}
+    ln, rms, conv1d = (lc.get_layer_class(k, c).__name__ for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass),
+                                                                      ("Conv1D", "gns")))
+    assert kinds == dict(ln=ln, ln_nobias=ln, proj=conv1d, rms=rms, gemma=rms, out="PEGradNormLinear", sub=ln)
+    assert (model.rms.eps, model.rms.weight_offset, model.gemma.eps, model.gemma.weight_offset) == (1e-7, 0, 1e-6, 1)
+    assert model.ln.eps == 1e-5 and model.ln_nobias.bias is None and model.rms.tiny == 1e-7  # attributes carried
+    assert dict(model.named_parameters()) == params and list(model.state_dict()) == keys  # the same Parameters
+    torch.testing.assert_close(model(x), before, rtol=1e-12, atol=1e-12)
+    B = shape[0]
+    for part in [slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]:
+        model(x[part]).backward(g[part])
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in tracker.tracked}
+    zero_sqgradnorm_buffers(model)
+    loop = per_example_sqnorms_by_loop(model, x, g)
+    assert set(recorded) == set(loop)
+    for name, (total, count) in recorded.items():
+        assert count == B and total == pytest.approx(loop[name].sum().item(), rel=1e-6), name
+
+
+def probe_failure(module, **convert_kwargs):
+    """convert() a model holding `module`: (its unconverted reason, the module now at its place)."""
+    model = nn.Sequential(nn.Linear(6, 6), module)
+    with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
+        tracker = lc.convert(model, **convert_kwargs)
+    return tracker.unconverted.get("1", ""), model[1]
+
+
+@pytest.mark.parametrize("module", [EpsOutsideRMSNorm(6), HiddenEpsRMSNorm(6), ScaledEmbedding(10, 6),
+                                    MaxNormEmbedding(10, 6)], ids=lambda m: type(m).__name__)
+def test_a_module_failing_the_probe_is_listed_and_left_alone(module):
+    """Listed with the closest candidate and its max relative difference; the module, its parameters and its
+    output are untouched (the probe runs on copies)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        module.weight.add_(0.1 * torch.randn_like(module.weight))
+    x = torch.randint(0, 10, (3, 4)) if isinstance(module, nn.Embedding) else torch.randn(3, 4, 6) * 1e-3
+    before = module(x).detach()  # (MaxNormEmbedding renormalises its weight here, once)
+    weight = module.weight.detach().clone()
+    reason, now = probe_failure(module)
+    assert now is module and type(module).__module__ == __name__
+    if isinstance(module, MaxNormEmbedding):
+        assert "changes its parameters in place" in reason, reason
+    else:
+        assert "on a probe input; closest" in reason and "(max relative;" in reason, reason
+    assert torch.equal(module.weight, weight) and module.weight.grad is None
+    assert torch.equal(module(x), before)
+
+
+def test_the_probe_tells_apart_eps_and_layernorm_from_rmsnorm():
+    reason, _ = probe_failure(HiddenEpsRMSNorm(6))
+    assert reason.startswith("HiddenEpsRMSNorm not swapped, computes none of RMSNorm, LayerNorm"), reason
+    model = nn.Sequential(StoredWrongEps(6), NanoGPTLayerNorm(6, bias=False))
+    tracker = lc.convert(model)
+    assert model[0].eps == 1e-5 and isinstance(model[1], lc.get_layer_class("LayerNorm", "gns"))
+    assert not tracker.unconverted
+
+
+def test_torch_subclasses_are_probed_as_their_base_kind():
+    model = nn.Sequential(DefaultEpsRMSNorm(6), SameLayerNorm(6, bias=False))
+    x = torch.randn(2, 3, 6)
+    before = model(x)
+    tracker = lc.convert(model)
+    assert not tracker.unconverted and model[0].eps is None and model[1].bias is None
+    assert isinstance(model[0], lc.get_layer_class("RMSNorm", "gns"))
+    torch.testing.assert_close(model(x), before)
+
+
+def test_treat_as_names_a_kind_and_its_options():
+    model = nn.Sequential(HiddenEpsRMSNorm(6), NanoGPTLayerNorm(6, bias=False))
+    with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
+        tracker = lc.convert(model, treat_as={HiddenEpsRMSNorm: ("RMSNorm", {"eps": 3e-7}),
+                                              NanoGPTLayerNorm: "RMSNorm"})  # wrongly named
+    assert isinstance(model[0], lc.get_layer_class("RMSNorm", "gns")) and model[0].eps == 3e-7
+    assert type(model[1]) is NanoGPTLayerNorm
+    assert "computes none of RMSNorm on a probe input" in tracker.unconverted["1"]
+    for bad, match in [({HiddenEpsRMSNorm: "Norm"}, "unknown kind 'Norm'"), ({nn.Linear: "Linear"}, "by its class"),
+                       ({HiddenEpsRMSNorm: ("RMSNorm", {"bias": True})}, "takes options"),
+                       ({"HiddenEpsRMSNorm": "RMSNorm"}, "nn.Module classes"),
+                       ({HiddenEpsRMSNorm: ("RMSNorm", 1e-7)}, "a kind or \\(kind, ")]:
+        with pytest.raises(ValueError, match=match):
+            lc.convert(nn.Sequential(HiddenEpsRMSNorm(6)), treat_as=bad)
+
+
+class NormWithBuffer(HandRMSNorm):
+    def __init__(self, d):
+        super().__init__(d)
+        self.register_buffer("scale", torch.ones(d))
+
+
+class NormWithMask(HandRMSNorm):
+    def forward(self, x, mask=None):
+        return super().forward(x)
+
+
+class TwoWeights(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.gain = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.weight * self.gain
+
+
+@pytest.mark.parametrize("module, reason", [
+    (NormWithBuffer(6), "it has buffers ['scale'], which a swap would drop"),
+    (NormWithMask(6), "its forward(x, mask=None) takes more than one input"),
+    (TwoWeights(6), "its parameters ['gain', 'weight'] are not a weight and maybe a bias"),
+    (nn.Conv1d(6, 6, 1), "its parameters {'weight': (6, 6, 1), 'bias': (6,)} fit no RMSNorm or LayerNorm"),
+], ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "")
+def test_a_module_a_swap_would_lose_something_of_is_not_probed(module, reason):
+    listed, now = probe_failure(module)
+    assert now is module and reason in listed, listed
+
+
+def test_a_module_on_the_meta_device_is_probed_on_the_cpu():
+    with torch.device("meta"):
+        model = nn.Sequential(HandRMSNorm(6, offset=1.0), InOutLinear(6, 3))
+    tracker = lc.convert(model)
+    assert not tracker.unconverted and model[0].weight.is_meta and model[0].weight_upegsqnorm.is_meta
+    assert model[0].weight_offset == 1.0 and isinstance(model[1], lc.get_layer_class("Conv1D", "gns"))
+
+
+def test_nn_for_a_kind_leaves_its_lookalikes_alone_unlisted():
+    model = nn.Sequential(HandRMSNorm(6), nn.LayerNorm(6))
+    tracker = lc.convert(model, lnclass="nn")
+    assert type(model[0]) is HandRMSNorm and not tracker.unconverted and set(tracker.skipped) == {
+        "0.weight", "1.weight", "1.bias"}
+
+
+class Float32OnlyRMSNorm(HandRMSNorm):
+    """A forward that refuses float64 (as a custom kernel might): probed in its own dtype only."""
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise TypeError("float64 is not supported")
+        return super().forward(x)
+
+
+def test_a_module_that_refuses_float64_is_probed_in_its_own_dtype():
+    model = nn.Sequential(Float32OnlyRMSNorm(6, tiny=1e-5))
+    tracker = lc.convert(model)
+    assert not tracker.unconverted and model[0].eps == 1e-5 and model[0].weight_offset == 0
+    reason, _ = probe_failure(Float32OnlyRMSNorm(6, tiny=1e-5).double())
+    assert "no candidate ran on a probe input" in reason and "float64 is not supported" in reason
+
+
+class Gate(nn.Module):
+    """Owns a parameter and has a child: listed, and the child's training mode is left as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(6))
+        self.drop = nn.Dropout()
+
+    def forward(self, x):
+        return self.drop(x) * self.gain
+
+
+def test_convert_keeps_every_training_mode():
+    gate = Gate().train()
+    gate.drop.eval()
+    reason, _ = probe_failure(gate)
+    assert "Gate not swapped" in reason and gate.training and not gate.drop.training
