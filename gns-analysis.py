@@ -413,7 +413,8 @@ def tradeoff_lines(results):
         f"  at this run's B = {B:.0f}: {t['steps_overhead']:.2f}x the minimum number of optimizer steps "
         f"(S = S_min (1 + GNS/B)) and {t['examples_overhead']:.2f}x the minimum number of examples (E = E_min (1 + B/GNS))",
         f"  within {OVERHEAD:.0%} of the fewest steps: B >= {t['steps_within_b']:.0f}; "
-        f"within {OVERHEAD:.0%} of the fewest examples: B <= {t['examples_within_b']:.1f}",
+        f"within {OVERHEAD:.0%} of the fewest examples: B <= {t['examples_within_b']:.1f}"
+        + (" (no batch of 1 or more: the GNS is that small)" if t["examples_within_b"] < 1 else ""),
     ]
 
 

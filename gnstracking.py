@@ -555,6 +555,7 @@ class GNSMonitor:
             raise ValueError(f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
                              "it first (layer_config.convert(model)) or build it with per-example norm layer classes")
         self.running = RunningGNS(decay=ema_decay)
+        self.measurements = []  # the last step's exact Measurements (e.g. for a GNS over some of the parameters)
         out_dir = out_dir if out_dir is not None else getattr(log, "out_dir", None)
         self.record_path = write_parameter_record(out_dir, self.tracker.describe()) if out_dir else None
 
@@ -565,7 +566,7 @@ class GNSMonitor:
 
     def step(self, batch_size):
         """Measure this step (B = batch_size examples over all micro-batches and ranks), zero the buffers, log."""
-        exact = self.tracker.step(batch_size)
+        exact = self.measurements = self.tracker.step(batch_size)
         approx = self.approx_tracker.step(batch_size) if self.approx_tracker.tracked else []
         zero_sqgradnorm_buffers(self.model)
         # the running GNS is the exact one when there is one

@@ -14,9 +14,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMA_DECAY = 0.95  # the running GNS's decay: gns-analysis.py's default --alpha, so both print the same final GNS
 
 
-def parse_args(doc, argv=None):
+def parse_args(doc, argv=None, name=None):
+    """--out_dir (default out-<name>, as train.py's out-... directories), --steps, --batch_size."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", required=True, help="where log.csv goes (then: python gns-analysis.py OUT_DIR)")
+    parser.add_argument("--out_dir", default=f"out-{name}", help=f"where log.csv goes (default: out-{name}); "
+                        "then: python gns-analysis.py OUT_DIR")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
     parser.add_argument("--batch_size", type=int, default=8, help="examples (sequences) per step (default: 8)")
     return parser.parse_args(argv)

@@ -5,7 +5,7 @@ given per-example gradient norms AFTER construction by layer_config.convert,
 then trained a few steps on the bundled Shakespeare characters with the GNS
 logged to a CSV that gns-analysis.py reads.
 
-    python examples/gpt2_notebook.py --out_dir=out-gpt2nb [--steps=20]
+    python examples/gpt2_notebook.py [--out_dir=out-gpt2nb] [--steps=20]
     python gns-analysis.py out-gpt2nb --no-plots
 
 The cells (`# %%`) run top to bottom in Jupyter/VS Code too. The optimizer is
@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
-from buffered import zero_sqgradnorm_buffers  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
@@ -126,33 +125,30 @@ def build_in_context(vocab_size, seed=0, callback=None, **kwargs):
 
 # %% train
 def main(argv=None):
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, name="gpt2nb")
     vocab_size, batches = shakespeare_batches(block_size=32, batch_size=args.batch_size)
     torch.manual_seed(0)
     model = GPT2(vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # made before convert(): still the right parameters
 
-    # gns: a later cell converts the finished model; a tied pair is found and logged once
-    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-    tracker = layer_config.convert(model, callback=accumulate)
-
-    running = gnstracking.RunningGNS(decay=EMA_DECAY)
+    # gns: a later cell converts the finished model (a tied pair is found and logged once); one object per step
+    layer_config.convert(model)
     log = LogWrapper(out_dir=args.out_dir)
+    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+
     for step in range(args.steps):
         x, y = next(batches)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        gns = running.update(*gnstracking.summed_sqnorms(tracker.step(batch_size=x.size(0))))
-        zero_sqgradnorm_buffers(model)
+        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log.log({**accumulate.get_msg(), "train/loss": loss.item(), "gns": gns,
-                 "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
+        log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    tied = [name for name, _, _ in tracker.tracked if "+" in name]
-    print(f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(tracker.tracked)} tensors "
-          f"(tied: {', '.join(tied)}): final running GNS {running.gns:.4f}")
+    tied = [entry.name for entry in gns.tracker.tracked if "+" in entry.name]
+    print(f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(gns.tracker.tracked)} tensors "
+          f"(tied: {', '.join(tied)}): final running GNS {gns.gns:.4f}")
 
 
 if __name__ == "__main__":

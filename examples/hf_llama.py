@@ -4,7 +4,7 @@ nothing downloaded) given exact per-example gradient norms by
 layer_config.convert, trained a few steps on the bundled Shakespeare characters
 with the GNS logged to a CSV that gns-analysis.py reads.
 
-    python examples/hf_llama.py --out_dir=out-hf-llama [--steps=20]
+    python examples/hf_llama.py [--out_dir=out-hf-llama] [--steps=20]
     python gns-analysis.py out-hf-llama --no-plots
 
 Llama's only normalisation parameters are the weights of its LlamaRMSNorm
@@ -12,9 +12,9 @@ layers, a class of transformers' own. convert() finds them by what they compute
 (a probe shows that an RMSNorm with the module's `variance_epsilon` gives the
 same output and gradients) and swaps them, so the paper's normalisation-layer
 GNS exists for this model; the final line prints it beside the all-parameter GNS.
-The head is not tied to the token embedding here (as in Llama 2 and 3 8B), so
-gns-analysis.py, which leaves out untied `lm_head` columns as the paper's
-analysis does, sums one parameter fewer than the running GNS printed here.
+The head is not tied to the token embedding here (as in Llama 2 and 3 8B); the
+run's record (gns_parameters.json) tells gns-analysis.py that `lm_head.weight` is
+an ordinary Linear, so it sums the same parameters as the running GNS printed here.
 """
 
 import os
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
-from buffered import PEGradNormRMSNorm, zero_sqgradnorm_buffers  # noqa: E402
+from buffered import PEGradNormRMSNorm  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
@@ -49,37 +49,33 @@ def logits(model, x):
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, name="hf-llama")
     vocab_size, batches = shakespeare_batches(block_size=BLOCK_SIZE, batch_size=args.batch_size)
     torch.manual_seed(0)
     model = build(vocab_size)
 
     # gns: swap Linear, Embedding and (after the probe) LlamaRMSNorm for per-example norm layers
-    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-    tracker = layer_config.convert(model, callback=accumulate)
+    tracker = layer_config.convert(model)
     assert not tracker.unconverted and not tracker.skipped, (tracker.unconverted, tracker.skipped)
     norm_names = {f"{path}.weight" for path, module in model.named_modules() if isinstance(module, PEGradNormRMSNorm)}
+    log = LogWrapper(out_dir=args.out_dir)
+    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    norm_gns = gnstracking.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    running, running_norms = gnstracking.RunningGNS(decay=EMA_DECAY), gnstracking.RunningGNS(decay=EMA_DECAY)
-    log = LogWrapper(out_dir=args.out_dir)
     for step in range(args.steps):
         x, y = next(batches)
         loss = F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten())
         loss.backward()
-        # gns: read the norms before the optimizer step, then clear the buffers
-        measurements = tracker.step(batch_size=x.size(0))
-        gns = running.update(*gnstracking.summed_sqnorms(measurements))
-        running_norms.update(*gnstracking.summed_sqnorms([m for m in measurements if m.metadata["name"] in norm_names]))
-        zero_sqgradnorm_buffers(model)
+        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
+        norm_gns.update(*gnstracking.summed_sqnorms([m for m in gns.measurements if m.metadata["name"] in norm_names]))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        log.log({**accumulate.get_msg(), "train/loss": loss.item(), "gns": gns,
-                 "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
+        log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    print(f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(tracker.tracked)} parameters tracked: "
-          f"final running GNS {running.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {running_norms.gns:.4f}")
+    print(f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(gns.tracker.tracked)} parameters tracked: "
+          f"final running GNS {gns.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {norm_gns.gns:.4f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ A nanochat-style GPT given exact per-example gradient norms by
 layer_config.convert, trained a few steps on the bundled Shakespeare characters
 with the GNS logged to a CSV that gns-analysis.py reads.
 
-    python examples/nanochat_gpt.py --out_dir=out-nanochat [--steps=20]
+    python examples/nanochat_gpt.py [--out_dir=out-nanochat] [--steps=20]
     python gns-analysis.py out-nanochat --no-plots
 
 The model, as nanochat writes it: RMSNorm WITHOUT weights (F.rms_norm, no
@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
-from buffered import zero_sqgradnorm_buffers  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
@@ -144,36 +143,32 @@ class Muon(torch.optim.Optimizer):
 
 
 def main(argv=None):
-    args = parse_args(__doc__, argv)
+    args = parse_args(__doc__, argv, name="nanochat")
     vocab_size, batches = shakespeare_batches(block_size=32, batch_size=args.batch_size)
     torch.manual_seed(0)
     model = GPT(vocab_size)
 
     # gns: swap nn.Linear / nn.Embedding for per-example norm layers (there are no norm weights to swap)
-    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-    tracker = layer_config.convert(model, callback=accumulate)
+    tracker = layer_config.convert(model)
     assert not tracker.skipped, tracker.skipped  # every parameter is a Linear or Embedding weight
+    log = LogWrapper(out_dir=args.out_dir)
+    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
 
     matrices = list(model.transformer.h.parameters())  # all 2-D
     optimizers = [Muon(matrices), torch.optim.AdamW([model.transformer.wte.weight, model.lm_head.weight], lr=3e-3)]
-    running = gnstracking.RunningGNS(decay=EMA_DECAY)
-    log = LogWrapper(out_dir=args.out_dir)
     for step in range(args.steps):
         x, y = next(batches)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        # gns: read the norms before the optimizer step, then clear the buffers
-        gns = running.update(*gnstracking.summed_sqnorms(tracker.step(batch_size=x.size(0))))
-        zero_sqgradnorm_buffers(model)
+        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        log.log({**accumulate.get_msg(), "train/loss": loss.item(), "gns": gns,
-                 "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
+        log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
     print(f"nanochat_gpt: {args.steps} steps, loss {loss.item():.3f}, "
-          f"from {len(tracker.tracked)} Linear/Embedding weights: final running GNS {running.gns:.4f}")
+          f"from {len(gns.tracker.tracked)} Linear/Embedding weights: final running GNS {gns.gns:.4f}")
     print("no norm weights: the RMSNorms have no parameters, so the LayerNorm-only GNS is unavailable for this "
           "model; the GNS above comes from the Linear and Embedding layers (or give the norms a weight to track)")
 

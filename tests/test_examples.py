@@ -20,11 +20,13 @@ import torch.nn.functional as F
 
 from buffered import zero_sqgradnorm_buffers
 from csv_tools import load_csv
+import gnstracking
 from gnstracking import MeasurementTracker
 from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("nanochat_gpt", "modded_block", "gpt2_notebook")
+OUT_DIRS = {"nanochat_gpt": "out-nanochat", "modded_block": "out-modded", "gpt2_notebook": "out-gpt2nb"}  # defaults
 STEPS, BATCH = 4, 8
 
 
@@ -38,7 +40,8 @@ def example(name):
 
 
 def tracked_names(name):
-    """The names each example should log: every parameter (the tied pair once, '+'-joined), bar modded's embedding."""
+    """The names each example should log: every parameter (the tied pair once, '+'-joined; modded's bank once),
+    bar modded's embedding."""
     if name == "nanochat_gpt":
         return {n for n, _ in example(name).GPT(vocab_size=65).named_parameters()}
     if name == "modded_block":
@@ -47,10 +50,10 @@ def tracked_names(name):
     return names - {"lm_head.weight"} | {"wte.weight+lm_head.weight"}
 
 
-def run_in_parallel(commands):
+def run_in_parallel(commands, cwd=REPO):
     """{key: CompletedProcess} for {key: argv}, all started at once (the runs are mostly import time)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {key: subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = {key: subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for key, argv in commands.items()}
     results = {}
     for key, proc in procs.items():
@@ -61,10 +64,12 @@ def run_in_parallel(commands):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{name: (out_dir, script's CompletedProcess, gns-analysis.py's CompletedProcess)}."""
-    dirs = {name: tmp_path_factory.mktemp(name) for name in NAMES}
-    scripts = run_in_parallel({name: [sys.executable, f"examples/{name}.py", f"--out_dir={dirs[name]}",
-                                      f"--steps={STEPS}", f"--batch_size={BATCH}"] for name in NAMES})
+    """{name: (out_dir, script's CompletedProcess, gns-analysis.py's CompletedProcess)}. The scripts run from an
+    empty directory without --out_dir: each writes to its default out-<name> there."""
+    cwd = tmp_path_factory.mktemp("examples")
+    dirs = {name: cwd / OUT_DIRS[name] for name in NAMES}
+    scripts = run_in_parallel({name: [sys.executable, os.path.join(REPO, "examples", f"{name}.py"),
+                                      f"--steps={STEPS}", f"--batch_size={BATCH}"] for name in NAMES}, cwd=cwd)
     analyses = run_in_parallel({name: [sys.executable, "gns-analysis.py", str(dirs[name]), "--no-plots"]
                                 for name in NAMES})
     return {name: (dirs[name], scripts[name], analyses[name]) for name in NAMES}
@@ -97,8 +102,11 @@ def test_nanochat_logs_no_norm_columns_and_says_why(runs):
     assert "LayerNorm-only GNS is unavailable" in script.stdout
 
 
-def test_modded_reports_its_plain_embedding_untracked(runs):
-    assert "not tracked: embed.weight" in runs["modded_block"][1].stdout
+def test_modded_reports_its_plain_embedding_untracked_and_logs_its_bank_once(runs):
+    out_dir, script, _ = runs["modded_block"]
+    assert "not tracked: embed.weight" in script.stdout
+    record = gnstracking.read_parameter_record(str(out_dir))
+    assert record["mlp_bank"]["kind"] == "Linear" and record["mlp_bank"]["bank_slices"] == 4
 
 
 def test_gpt2_notebook_logs_the_tied_matrix_once(runs):
@@ -114,15 +122,11 @@ def test_gns_analysis_reads_example_log(runs, name):
     assert re.search(r"Final GNS: -?[0-9.]+\n", analysis.stdout), analysis.stdout
 
 
-UNTIED_HEAD_DROPPED = pytest.mark.xfail(strict=True, reason=(
-    "known limit: gns-analysis.py leaves out every plain (no '+') column whose name contains 'wte' or 'lm_head', "
-    "as the paper's reference analysis does for its tied column, also in untied models (nanochat, modded)"))
-
-
-@pytest.mark.parametrize("name", [pytest.param("nanochat_gpt", marks=UNTIED_HEAD_DROPPED),
-                                  pytest.param("modded_block", marks=UNTIED_HEAD_DROPPED), "gpt2_notebook"])
+@pytest.mark.parametrize("name", NAMES)
 def test_gns_analysis_final_gns_equals_running_gns(runs, name):
-    """Same parameters, same EMA decay (0.95): the script's running GNS is the analysis's final GNS."""
+    """Same parameters, same EMA decay (0.95): the script's running GNS is the analysis's final GNS. The run's
+    record says nanochat's and modded's lm_head (and nanochat's wte) are untied ordinary parameters, which a
+    name rule would drop as reference-style tied columns."""
     _, script, analysis = runs[name]
     running = float(re.search(r"final running GNS (-?[0-9.]+)", script.stdout).group(1))
     final = float(re.search(r"Final GNS: (-?[0-9.]+)", analysis.stdout).group(1))
