@@ -5,28 +5,47 @@ The layer registry and the contextual config of layer_config.py.
 """
 
 import pytest
+import torch
 import torch.nn as nn
 
 import buffered
 import layer_config as lc
 
 
-@pytest.mark.parametrize("kind, name, expected", [
-    ("Linear", "nn", nn.Linear), ("Linear", "shim", buffered.PEGradNormShimLinear),
-    ("Linear", "gns", buffered.PEGradNormLinear),
-    ("Embedding", "nn", nn.Embedding), ("Embedding", "shim", buffered.PEGradNormShimEmbedding),
-    ("Embedding", "gns", buffered.PEGradNormEmbedding),
-    ("LayerNorm", "nn", nn.LayerNorm), ("LayerNorm", "shim", buffered.PEGradNormSeparatedLayerNorm),
-    ("LayerNorm", "gns", buffered.PEGradNormLayerNorm),
-])
-def test_registry_names(kind, name, expected):
-    assert lc.get_layer_class(kind, name) is expected
+# how each kind is built, and an input for it: (constructor args, input)
+BUILD = {
+    "Linear": ((5, 3), lambda: torch.randn(4, 2, 5)),
+    "Embedding": ((11, 3), lambda: torch.randint(0, 11, (4, 2))),
+    "LayerNorm": ((5,), lambda: torch.randn(4, 2, 5)),
+    "RMSNorm": ((5,), lambda: torch.randn(4, 2, 5)),
+    "Conv1D": ((3, 5), lambda: torch.randn(4, 2, 5)),  # transformers' (nf, nx): 5 in, 3 out
+}
+ENTRIES = [(kind, name) for kind, choices in lc.LAYER_CLASSES.items() for name in choices]
 
 
-def test_every_registered_name_resolves():
-    for kind, choices in lc.LAYER_CLASSES.items():
-        for name in choices:
-            assert isinstance(lc.get_layer_class(kind, name), type)
+@pytest.mark.parametrize("kind, name", ENTRIES, ids=[f"{k}-{n}" for k, n in ENTRIES])
+def test_every_registered_class_is_a_drop_in_for_its_kind(kind, name):
+    """Each entry builds with its kind's constructor, has the torch class's parameter names and shapes, gives
+    its output (a registry entry pointing at the wrong class fails here), and, unless 'nn', records every
+    trainable parameter's per-example norms for the 4 examples of the input."""
+    args, make_input = BUILD[kind]
+    torch.manual_seed(0)
+    reference = lc.get_layer_class(kind, "nn")(*args)
+    layer = lc.get_layer_class(kind, name)(*args)
+    assert [(n, p.shape) for n, p in layer.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
+    layer.load_state_dict(reference.state_dict())
+    x = make_input()
+    out = layer(x)
+    torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
+    out.pow(2).sum().backward()
+    recorded = {n[: -len(buffered.BUFFER_SUFFIX)]: b for n, b in layer.named_buffers() if n.endswith(buffered.BUFFER_SUFFIX)}
+    if name == "nn":
+        assert not recorded
+    elif "sogns" in name:
+        assert {n.split("_sogns")[0] for n in recorded} == {n for n, _ in layer.named_parameters()}
+    else:
+        assert set(recorded) == {n for n, _ in layer.named_parameters()}
+        assert all(b[1].item() == 4 and b[0].item() > 0 for b in recorded.values())
 
 
 def test_unknown_name_names_the_key_and_the_choices():
