@@ -388,8 +388,9 @@ class MeasurementTracker:
                     and grad.device_mesh.ndim == 1 and grad.device_mesh.size() == _world_size():
                 local = grad.to_local()  # this rank's shard: the squares of the shards add up
                 sharded_sq = torch.linalg.vector_norm(local, dtype=norm_dtype(local)).double().to(device) ** 2
-            elif _is_dtensor(grad):  # other layouts (HSDP, tensor parallel): DTensor reduces the norm itself
-                whole_sq = torch.linalg.vector_norm(grad, dtype=norm_dtype(grad)).full_tensor().double().to(device) ** 2
+            elif _is_dtensor(grad):  # other layouts (HSDP's 2-D mesh, ...): gather the whole gradient (slower, exact)
+                whole = grad.full_tensor()
+                whole_sq = torch.linalg.vector_norm(whole, dtype=norm_dtype(whole)).double().to(device) ** 2
             else:
                 whole_sq = torch.linalg.vector_norm(grad, dtype=norm_dtype(grad)).double().to(device) ** 2
             table = sum(coefficient * buffer.double() for buffer, coefficient in buffers).reshape(-1, 2)
