@@ -244,3 +244,17 @@ def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
 def test_monitor_refuses_a_model_without_per_example_layers():
     with pytest.raises(ValueError, match="no parameter of Sequential has a per-example norm layer; convert it first"):
         gnstracking.GNSMonitor(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_a_parametrized_weight_is_skipped_with_the_reason():
+    """spectral_norm makes c_attn compute with W / sigma(W): its buffer holds the norms of that, not of the
+    trainable W (train.py refuses the combination; a tracker made anyway says why it skips the tensor)."""
+    import layer_config as lc
+
+    with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
+        from model import GPT, GPTConfig
+        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=11, spectral_c_attn=[1]))
+    tracker = gnstracking.MeasurementTracker.from_model(model)
+    name = "transformer.h.1.attn.c_attn.parametrizations.weight.original"
+    assert tracker.skipped[name].startswith("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm)")
+    assert "transformer.h.0.attn.c_attn.weight" in [t.name for t in tracker.tracked]
