@@ -7,6 +7,7 @@
   start train.py use both, via `run_script`, and are marked slow.
 """
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -28,9 +29,13 @@ GNS_LAYERS = ["--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
 
 @pytest.fixture(scope="session")
 def shakespeare_data():
-    """data/shakespeare_char/{train,val}.bin from the bundled input.txt (no network)."""
-    if not os.path.exists(os.path.join(REPO, "data/shakespeare_char/train.bin")):
-        subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+    """data/shakespeare_char/{train,val}.bin from the bundled input.txt (no network). Under a lock: parallel
+    test workers (pytest-xdist) each start a session, and one must not read the files while another writes them."""
+    data_dir = os.path.join(REPO, "data", "shakespeare_char")
+    with open(os.path.join(data_dir, ".prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(os.path.join(data_dir, "meta.pkl")):  # prepare.py writes meta.pkl last
+            subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
 
 
 def run_script(script, *args, cwd=REPO, env=None, nproc=None, timeout=300):
