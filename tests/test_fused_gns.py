@@ -70,9 +70,10 @@ def assert_close(actual, expected, tol, what=""):
 
 @pytest.fixture
 def captured(monkeypatch):
-    """Record every per-example norm vector fused_gns adds to a buffer, keyed by the buffer's id."""
+    """Record every per-example norm vector the fused layers add to a buffer, keyed by the buffer's id
+    (the norm layers add in fused_gns, the Linear in buffered.linear_backward, which it shares)."""
     record = {}
-    original = fused_gns.accumulate_pe_sqnorm
+    original = buffered.accumulate_pe_sqnorm
 
     def recording(buffer, pe_sqnorm):
         if buffer is not None:
@@ -80,6 +81,7 @@ def captured(monkeypatch):
         original(buffer, pe_sqnorm)
 
     monkeypatch.setattr(fused_gns, "accumulate_pe_sqnorm", recording)
+    monkeypatch.setattr(buffered, "accumulate_pe_sqnorm", recording)
     return record
 
 
@@ -169,7 +171,7 @@ def test_norm_wide(kind, D, dtype, shape, captured):
 @pytest.mark.parametrize("kind", NORM_KINDS)
 def test_norm_split_rows_and_accumulation(kind, captured, monkeypatch):
     """Several programs per example (as on a GPU), and two backward passes adding up."""
-    monkeypatch.setattr(fused_gns, "_norm_chunks", lambda N, T, device: (3, math.ceil(T / 3)))
+    monkeypatch.setattr(fused_gns, "_norm_chunks", lambda N, T, sm_count: (3, math.ceil(T / 3)))
     torch.manual_seed(2)
     fused, ref = make_norm(kind, 40, torch.float32)
     x, g = inputs((3, 17), 40, torch.float32)
@@ -226,8 +228,8 @@ def test_linear_wide(K, L, bias, dtype, shape, captured):
 def test_linear_split_examples_small_tiles_and_accumulation(bias, captured, monkeypatch):
     """Examples split over programs (2 chunks for N = 3), 16-wide tiles (5 x 3 of them, ragged),
     two T blocks per example, and two backward passes adding up."""
-    monkeypatch.setattr(fused_gns, "_linear_chunks", lambda N, tiles, device: (2, math.ceil(N / 2)))
-    monkeypatch.setattr(fused_gns, "_linear_blocks", lambda T, L, K, dtype, device: (16, 16, 16, 4))
+    monkeypatch.setattr(fused_gns, "_linear_chunks", lambda N, tiles, sm_count: (2, math.ceil(N / 2)))
+    monkeypatch.setattr(fused_gns, "_interpreter_linear_config", lambda T, L, K: fused_gns.LinearConfig(16, 16, 16, 4, 1))
     torch.manual_seed(7)
     fused, ref = make_linear(40, 72, bias, torch.float32)
     x, g = inputs((3, 17), 40, torch.float32, out_features=72)
