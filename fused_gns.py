@@ -125,6 +125,24 @@ def _check_input(x, features, what):
         raise RuntimeError(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
 
 
+def _aligned(t):
+    """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _kernel_rows(t, width):
+    """(rows, stride): t as (M, width) rows for a kernel, 16-byte aligned and `stride` elements apart, stride
+    the next multiple of 16 (what the kernels are compiled for; bench/compile_gate.py). When width is not
+    one, rows are copied into a zero-padded buffer: the kernels read the padding and it must add nothing."""
+    rows = t.reshape(-1, width)
+    stride = triton.cdiv(width, 16) * 16
+    if stride == width:
+        return _aligned(rows.contiguous()), stride
+    padded = torch.zeros(rows.shape[0], stride, dtype=t.dtype, device=t.device)
+    padded[:, :width] = rows
+    return padded, stride
+
+
 # -----------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 
@@ -153,9 +171,10 @@ def _norm_chunks(N, T, sm_count):
 
 def norm_launch_config(D):
     """(BLOCK_D, num_warps) of both norm kernels for D features (at most MAX_NORM_FEATURES): one row per
-    program, 4 to 32 elements per thread; BLOCK_D at least 128, one warp's worth."""
-    block_d = max(128, triton.next_power_of_2(D))
-    return block_d, min(max(block_d // 256, 1), 8)
+    program, BLOCK_D the next power of two >= max(D, 256); 8 elements per thread up to 8 warps, 16 beyond
+    (4096: 8 warps; 8192: 16, as 8 warps spill there: bench/compile_gate.py)."""
+    block_d = max(256, triton.next_power_of_2(D))
+    return block_d, max(min(block_d // 256, 8), block_d // 512)
 
 
 def _norm_forward(ctx, x, weight, bias, eps, is_rms):
@@ -165,50 +184,51 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     if D > MAX_NORM_FEATURES:
         raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
                            f"{MAX_NORM_FEATURES} features (one row per program, in registers); use lnclass='gns' for it")
-    x2 = x.reshape(-1, D).contiguous()  # (N * T, D)
+    x2, stride = _kernel_rows(x, D)  # (N * T, D) rows, stride apart
     M = x2.shape[0]
-    weight = weight.contiguous()
-    y = torch.empty_like(x2)
+    weight = _aligned(weight.contiguous())
+    bias = _aligned(bias.contiguous()) if bias is not None else None
+    y = torch.empty(M, stride, dtype=x.dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block_d, num_warps = norm_launch_config(D)
     if M > 0:
         normgnorm.layernorm._ln_fwd[(M,)](
-            x2, y, weight, bias if bias is not None else weight, mean, rstd, D, eps,
+            x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
             IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
     ctx.save_for_backward(x2, weight, mean, rstd)
-    ctx.N, ctx.is_rms, ctx.has_bias = x.shape[0], is_rms, bias is not None
+    ctx.N, ctx.D, ctx.is_rms, ctx.has_bias = x.shape[0], D, is_rms, bias is not None
     ctx.block_d, ctx.num_warps = block_d, num_warps
-    return y.view(x.shape)
+    return y[:, :D].view(x.shape)
 
 
 def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
-    M, D = x2.shape
-    N = ctx.N
+    M, stride = x2.shape
+    N, D = ctx.N, ctx.D
     T = M // N if N else 0
-    g = grad_out.reshape(M, D).contiguous()
+    g, _ = _kernel_rows(grad_out, D)
     dx = torch.empty_like(x2)
     chunks, rows = _norm_chunks(N, T, _sm_count(x2.device)) if M > 0 else (1, 0)
     alloc = torch.empty if M > 0 else torch.zeros  # the kernel writes every row of the partials
-    dw_part = alloc(N * chunks, D, dtype=torch.float32, device=x2.device)
-    db_part = alloc(N * chunks, D, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
+    dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
+    db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
     if M > 0:
         normgnorm.layernorm._ln_bwd_dx_pesq[(N, chunks)](
-            x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, rows,
+            x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK_D=ctx.block_d,
             num_warps=ctx.num_warps)
     # per-example gradients (N, D): sum each example's chunks; then square, and sum over examples
-    pe_dw = dw_part.view(N, chunks, D).sum(dim=1)
+    pe_dw = dw_part[:, :D].view(N, chunks, D).sum(dim=1)
     accumulate_pe_sqnorm(weight_buffer, pe_dw.pow(2).sum(dim=1))
     dw = pe_dw.sum(dim=0).to(weight.dtype)
     db = None
     if ctx.has_bias:
-        pe_db = db_part.view(N, chunks, D).sum(dim=1)
+        pe_db = db_part[:, :D].view(N, chunks, D).sum(dim=1)
         accumulate_pe_sqnorm(bias_buffer, pe_db.pow(2).sum(dim=1))
         db = pe_db.sum(dim=0).to(weight.dtype)
-    return dx.view(grad_out.shape), dw, db
+    return dx[:, :D].view(grad_out.shape), dw, db
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
@@ -267,9 +287,9 @@ class LinearConfig:
 # dot whose operands also sit in registers: smaller row blocks. Every candidate compiles for sm_80 and sm_90
 # with no spills (bench/compile_gate.py, run by tests/test_compile_gate.py).
 LINEAR_CANDIDATES = {
-    "16-bit": (LinearConfig(128, 128, 64, 8, 3), LinearConfig(128, 128, 32, 8, 4), LinearConfig(128, 64, 64, 4, 4),
-               LinearConfig(64, 128, 64, 4, 4), LinearConfig(64, 64, 64, 4, 4)),
-    "tf32": (LinearConfig(128, 128, 32, 8, 3), LinearConfig(128, 64, 32, 4, 3), LinearConfig(64, 128, 32, 4, 3),
+    "16-bit": (LinearConfig(128, 128, 64, 8, 3), LinearConfig(128, 128, 32, 8, 4), LinearConfig(128, 64, 64, 8, 4),
+               LinearConfig(64, 128, 64, 8, 4), LinearConfig(64, 64, 64, 4, 4)),
+    "tf32": (LinearConfig(128, 128, 32, 8, 3), LinearConfig(128, 64, 32, 8, 3), LinearConfig(64, 128, 32, 8, 3),
              LinearConfig(64, 64, 32, 4, 3)),
     "ieee": (LinearConfig(128, 128, 16, 8, 2), LinearConfig(64, 64, 32, 4, 3)),
 }
@@ -301,7 +321,8 @@ def linear_candidates(dtype, capability, allow_tf32):
 
 
 def linear_tiles(L, K, config):
-    return triton.cdiv(L, config.block_l) * triton.cdiv(K, config.block_k)
+    """Programs along grid axis 0: (L, K) tiles of dW, with L and K padded to multiples of 16 as the kernel sees them."""
+    return triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l) * triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
 
 
 def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32):
@@ -327,33 +348,28 @@ def _linear_chunks(N, tiles, sm_count):
     return _split_for_gpu(N, tiles, 2, sm_count)
 
 
-def _aligned(t):
-    """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     """dW (L, K) fp32 and the per-example squared norms (N,) fp32 of it, from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
-    xs = _aligned(x.reshape(-1, K).contiguous())  # (N * T, K)
-    gs = _aligned(grad_out.reshape(-1, L).to(x.dtype).contiguous())  # (N * T, L)
+    xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
+    gs, L_pad = _kernel_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad)
     T = xs.shape[0] // N if N else 0
-    tiles = linear_tiles(L, K, config)
+    tiles = linear_tiles(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
     chunks, per_chunk = _linear_chunks(N, tiles, sm_count) if launch else (1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
-    dw_part = alloc(chunks, L, K, dtype=torch.float32, device=x.device)
+    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device)
     w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
     tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     if launch:
         normgnorm.linear._linear_bwd_dw_pesq[(tiles, chunks)](
-            xs, gs, dw_part, w_pesq_part, N, T, L, K, per_chunk,
+            xs, gs, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
             INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
             BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             num_warps=config.num_warps, num_stages=config.num_stages)
     dw = dw_part[0] if chunks == 1 else dw_part.sum(dim=0)
-    return dw, w_pesq_part.sum(dim=1)
+    return dw[:L, :K], w_pesq_part.sum(dim=1)
 
 
 def _linear_choice(x, grad_out):
@@ -388,7 +404,7 @@ def _linear_weight_grad(x, grad_out, choice=None):
     if isinstance(choice, str):
         return linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
     dw, w_pesq = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
-    return dw.to(x.dtype), w_pesq
+    return dw.to(x.dtype).contiguous(), w_pesq
 
 
 class FusedLinearFunction(torch.autograd.Function):

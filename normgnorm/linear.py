@@ -26,18 +26,21 @@ import triton
 import triton.language as tl
 
 
-# N, T and the chunk size change from call to call: not specialising them keeps one compiled kernel
-# per launch configuration (and lets the compile gate, bench/compile_gate.py, compile exactly that one)
+# L and K are the padded widths: the glue zero-pads rows to a multiple of 16 features, so every size the
+# kernel masks with is divisible by 16 (Triton's specialisation hint), which lets its loads be 16-byte
+# asynchronous copies that the software pipeline can prefetch; the zero columns add nothing to dW or the
+# norms. N, T and the chunk size are not specialised: one compiled kernel per launch configuration, the
+# one bench/compile_gate.py compiles.
 @triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK"])
 def _linear_bwd_dw_pesq(
-    X,  # pointer to the layer input, (N * T, K) rows, contiguous
-    G,  # pointer to the upstream gradient dL/dy, (N * T, L) rows, contiguous, same dtype as X
+    X,  # pointer to the layer input, (N * T, K) rows, contiguous, zero-padded to K columns
+    G,  # pointer to the upstream gradient dL/dy, (N * T, L) rows, likewise, same dtype as X
     DW_PART,  # pointer to per-chunk weight-grad partials, (chunks, L, K) fp32
     W_PESQ_PART,  # pointer to per-(example, dW tile) squared norms, (N, tiles) fp32
     N,  # examples
     T,  # rows per example
-    L,  # output features
-    K,  # input features
+    L,  # output features, padded to a multiple of 16
+    K,  # input features, padded to a multiple of 16
     EXAMPLES_PER_CHUNK,  # examples handled by one program (grid axis 1 enumerates the chunks)
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs ("ieee" or "tf32")
     DOT_IN_FP32: tl.constexpr,  # upcast 16-bit operands before tl.dot (Triton 3.9's interpreter misreads bf16 in dot)
@@ -63,7 +66,7 @@ def _linear_bwd_dw_pesq(
     for step in range(0, n_count * t_blocks):
         n = n_start + step // t_blocks
         t0 = (step % t_blocks) * BLOCK_T
-        row0 = (n * T + t0).to(tl.int64)  # rows times K or L can pass 2**31; offsets within a block cannot
+        row0 = (n * T + t0).to(tl.int64)  # rows times a width can pass 2**31; offsets within a block cannot
         mask_t = offs_t < T - t0
         g_t = tl.load(G + row0 * L + (offs_l[:, None] + offs_t[None, :] * L),
                       mask=mask_l[:, None] & mask_t[None, :], other=0.0)  # (BLOCK_L, BLOCK_T): g transposed
@@ -78,5 +81,5 @@ def _linear_bwd_dw_pesq(
             tl.store(W_PESQ_PART + n.to(tl.int64) * tl.num_programs(0) + tile, tl.sum(dw_i * dw_i))
             dw += dw_i
             dw_i = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
-    out = chunk.to(tl.int64) * L * K + offs_l[:, None].to(tl.int64) * K + offs_k[None, :]
+    out = (chunk.to(tl.int64) * L + offs_l[:, None]) * K + offs_k[None, :]
     tl.store(DW_PART + out, dw, mask=mask_l[:, None] & mask_k[None, :])
