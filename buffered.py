@@ -170,22 +170,23 @@ def gram_pe_sqnorm(x, g):
 
 
 def materialised_pe_grads(x, g, with_sum=True):
-    """Form dW_i = g_i^T x_i (L, K) for x (N, T, K), g (N, T, L), a chunk of examples at a time in
-    their dtype (at most SIMULTANEOUS_CHUNK_ELEMENTS elements, one reused workspace), and return
-    (sum_i dW_i or None, ||dW_i||^2 (N,)), both accumulated in float32 (float64 for float64)."""
+    """Form dW_i = g_i^T x_i (L, K) for x (N, T, K), g (N, T, L) in float32 (float64 for float64), so the
+    norms are those of the Gram trick and the kernel, a chunk of examples at a time (at most
+    SIMULTANEOUS_CHUNK_ELEMENTS elements, one reused workspace); return (sum_i dW_i or None, ||dW_i||^2 (N,))."""
     N, _, K = x.shape
     L = g.shape[-1]
     dtype = norm_dtype(x)
     chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
-    work = torch.empty(chunk, L, K, dtype=x.dtype, device=x.device)
+    work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
     grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device) if with_sum else None
     weight_sq = torch.empty(N, dtype=dtype, device=x.device)
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
-        pe_grad = torch.bmm(g[start:start + n].transpose(1, 2), x[start:start + n], out=work[:n])  # (n, L, K)
+        g_chunk, x_chunk = g[start:start + n].to(dtype), x[start:start + n].to(dtype)  # no copy for float32
+        pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
         if with_sum:
-            grad_weight += pe_grad.sum(dim=0, dtype=dtype)
-        weight_sq[start:start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1, dtype=dtype).pow(2)
+            grad_weight += pe_grad.sum(dim=0)
+        weight_sq[start:start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
     return grad_weight, weight_sq
 
 
@@ -203,7 +204,7 @@ def linear_pe_sqnorm(x, grad_out, has_bias=True):
     x, g = _per_example(x).to(dtype), _per_example(grad_out).to(dtype)  # (N, T, K), (N, T, L)
     N, T, K = x.shape
     L = g.shape[-1]
-    if linear_uses_gram(T, K, L, x.element_size(), x.device.type):
+    if linear_uses_gram(T, K, L, dtype.itemsize, x.device.type):
         weight_sq = gram_pe_sqnorm(x, g)
     else:
         _, weight_sq = materialised_pe_grads(x, g, with_sum=False)
@@ -223,7 +224,7 @@ def linear_weight_grad_and_pe_sqnorm(x, grad_out, strategy=None):
     xs, gs = _per_example(x), _per_example(grad_out)  # (N, T, K), (N, T, L)
     _, T, K = xs.shape
     L = gs.shape[-1]
-    strategy = strategy or linear_strategy(T, K, L, x.element_size(), x.device.type)
+    strategy = strategy or linear_strategy(T, K, L, norm_dtype(x).itemsize, x.device.type)
     if strategy == "gram":
         dtype = norm_dtype(x)
         grad_weight = gs.reshape(-1, L).t() @ xs.reshape(-1, K)  # the plain weight-gradient GEMM

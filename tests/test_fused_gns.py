@@ -205,11 +205,73 @@ def test_layernorm_autocast_bf16_input():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_small(bias, dtype, shape, captured):
+@pytest.mark.parametrize("strategy", [None, "gram", "materialise"])  # None: the kernel, on CPU
+def test_linear_small(strategy, bias, dtype, shape, captured, monkeypatch):
+    """Every exact way the fused Linear may pick, two backward passes accumulating."""
+    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", strategy)
     torch.manual_seed(5)
     fused, ref = make_linear(40, 72, bias, dtype)
     x, g = inputs(shape, 40, dtype, out_features=72)
-    check_against_oracle(fused, ref, x, g, dtype, captured)
+    check_against_oracle(fused, ref, x, g, dtype, captured, passes=2)
+
+
+GPU_CANDIDATES = sorted({c for configs in fused_gns.LINEAR_CANDIDATES.values() for c in configs},
+                        key=lambda c: (c.block_l, c.block_k, c.block_t))
+
+
+@pytest.mark.parametrize("config", GPU_CANDIDATES, ids=lambda c: f"{c.block_l}x{c.block_k}x{c.block_t}")
+def test_linear_gpu_candidate_tiles(config, captured, monkeypatch):
+    """Each autotune candidate's tiles (run here by the interpreter), on ragged sizes: 2 x 2 tiles of dW
+    at least, rows split across row blocks, a last example shorter than one block."""
+    monkeypatch.setattr(fused_gns, "_interpreter_linear_config", lambda T, L, K: config)
+    torch.manual_seed(11)
+    K, L = config.block_k + 24, config.block_l + 8
+    fused, ref = make_linear(K, L, True, torch.float32)
+    x, g = inputs((3, config.block_t + 5), K, torch.float32, out_features=L)
+    check_against_oracle(fused, ref, x, g, torch.float32, captured)
+
+
+@pytest.mark.parametrize("strategy", [None, "gram", "materialise"])
+@pytest.mark.parametrize("weight_trainable, bias_trainable", [(False, True), (True, False), (False, False)])
+def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, monkeypatch):
+    """A frozen weight or bias gets no gradient and no norms; the input gradient and the trainable
+    parameter are still exact."""
+    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", strategy)
+    torch.manual_seed(12)
+    fused, ref = make_linear(40, 72, True, torch.float32)
+    fused.weight.requires_grad_(weight_trainable)
+    fused.bias.requires_grad_(bias_trainable)
+    x, g = inputs((3, 17), 40, torch.float32, out_features=72)
+    expected = per_example_sqnorms_by_loop(ref, x.double(), g.double())
+    xk = x.clone().requires_grad_(True)
+    fused(xk).backward(g)
+    xr = x.double().requires_grad_(True)
+    ref(xr).backward(g.double())
+    assert_close(xk.grad, xr.grad, 1e-5, "input grad")
+    for name, trainable in (("weight", weight_trainable), ("bias", bias_trainable)):
+        buffer = fused.pe_buffer(name)
+        if trainable:
+            assert_close(getattr(fused, name).grad, getattr(ref, name).grad, 1e-5, f"{name}.grad")
+            assert_close(buffer[0], expected[name].sum(), 1e-5, f"{name} buffer")
+        else:
+            assert getattr(fused, name).grad is None and buffer.abs().sum().item() == 0
+
+
+def test_fastest_times_each_candidate_once(monkeypatch):
+    """The timed choice (GPU): every candidate timed once per key, the fastest kept, nothing timed again."""
+    timed = []
+    fake_ms = {"gram": 3.0, "materialise": 5.0, fused_gns.LINEAR_CANDIDATES["16-bit"][0]: 2.0}
+    monkeypatch.setattr(fused_gns, "_linear_choices", {})
+    monkeypatch.setattr(fused_gns, "_benchmark_ms", lambda fn: fn())
+
+    def run(candidate):
+        timed.append(candidate)
+        return fake_ms[candidate]
+
+    for _ in range(3):
+        assert fused_gns._fastest("key", list(fake_ms), run) == fused_gns.LINEAR_CANDIDATES["16-bit"][0]
+    assert timed == list(fake_ms)
+    assert fused_gns._fastest("other", ["gram", "materialise"], run) == "gram"
 
 
 @pytest.mark.parametrize("shape", BIG_SHAPES)
