@@ -37,9 +37,10 @@ measured by bench/linear_strategies.py), so short sequences take the Gram trick
 even where it has more FLOPs. Materialising goes a chunk of examples at a time
 (at most SIMULTANEOUS_CHUNK_ELEMENTS elements of dW_i), bounding its memory.
 The shim computes the norms on top of PyTorch's own weight gradient, so there
-materialising pays its FLOPs too (`linear_uses_gram`). Every choice is exact: it
-changes the cost, not the numbers (up to float rounding). Frozen parameters
-(requires_grad=False) get neither a gradient nor norms.
+materialising pays its FLOPs too (`linear_uses_gram`). Every choice is exact and
+works in float32 (float64 for float64): it changes the cost, not the numbers
+(beyond float rounding). The gns and fused Linear compute neither the gradient
+nor the norms of a frozen weight or bias (requires_grad=False).
 
 Three flavours per layer kind (registered in layer_config.py):
   shim   the plain layer, plus a no-op autograd node that reads the output
@@ -57,9 +58,10 @@ import torch.nn.functional as F
 
 BUFFER_SUFFIX = "_upegsqnorm"
 SIMULTANEOUS_CHUNK_ELEMENTS = 2**22  # per-example weight-gradient elements held at once (16 MB in fp32)
-# FLOPs one byte of memory traffic costs as much time as, on each device type, for the Linear strategy rule;
-# "cpu" measured with bench/linear_strategies.py on this project's 2-core machine (bench/RESULTS.md)
-MACHINE_BALANCE = {"cpu": 12.0, "cuda": 30.0}
+# Machine balance for the Linear strategy rule: how many FLOPs take as long as moving one byte. "cpu": the
+# crossover bench/linear_strategies.py measured on this project's 2-core machine (bench/RESULTS.md); "cuda":
+# fp32 FLOP/s over memory bytes/s of A100 (12.5) and H100 (20) from their spec sheets, not yet measured
+MACHINE_BALANCE = {"cpu": 12.0, "cuda": 16.0}
 LINEAR_STRATEGY = None  # None: each call picks by linear_strategy; "gram" or "materialise" forces one (tests, benchmarks)
 
 
@@ -177,16 +179,22 @@ def materialised_pe_grads(x, g, with_sum=True):
     L = g.shape[-1]
     dtype = norm_dtype(x)
     chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
+    threads = torch.get_num_threads() if x.device.type == "cpu" else 1
+    if chunk > threads:  # a multiple of the CPU threads sharing each bmm: 7 examples on 2 threads cost 15% more than 6
+        chunk -= chunk % threads
     work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
-    grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device) if with_sum else None
+    grad_weight = None
     weight_sq = torch.empty(N, dtype=dtype, device=x.device)
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
         g_chunk, x_chunk = g[start:start + n].to(dtype), x[start:start + n].to(dtype)  # no copy for float32
         pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
         if with_sum:
-            grad_weight += pe_grad.sum(dim=0)
+            chunk_sum = pe_grad.sum(dim=0)
+            grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)
         weight_sq[start:start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
+    if with_sum and grad_weight is None:  # no examples
+        grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
     return grad_weight, weight_sq
 
 

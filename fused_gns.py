@@ -5,7 +5,8 @@ the exact per-example squared gradient norms in one backward pass.
     PEGradNormFusedLayerNorm(ndim, bias=True, eps=1e-5)   forward + backward kernels
     PEGradNormFusedRMSNorm(ndim, eps=1e-6)                same kernels, no mean, no bias
     PEGradNormFusedLinear(in_features, out_features, bias=True, device=None, dtype=None)
-        forward is F.linear, dX is a matmul, dW + db + norms come from one kernel
+        forward is F.linear, dX is a matmul, dW + its per-example norms come from one
+        kernel (or from buffered.py's torch strategies where they are faster), db in torch
 
 They have the parameters, `<param>_upegsqnorm` buffers and semantics of
 buffered.py's classes (they subclass them), and the autograd functions are
@@ -126,8 +127,11 @@ def _check_input(x, features, what):
 
 
 def _aligned(t):
-    """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers. (While
+    torch.compile traces there is no data pointer to look at; its buffers are aligned.)"""
+    if torch.compiler.is_compiling() or t.data_ptr() % 16 == 0:
+        return t
+    return t.clone()
 
 
 def _kernel_rows(t, width):
