@@ -182,7 +182,7 @@ def run_gate(archs=(80, 90), jobs=None, verbose=False, out=sys.stdout):
     spilled = sum(1 for _, r in ok if r["spill_stores"] or r["spill_loads"] or r["stack"])
     top_regs = max(ok, key=lambda jr: jr[1]["registers"], default=None)
     top_shared = max(ok, key=lambda jr: jr[1]["shared"], default=None)
-    summary = (f"compile gate: {kernels} kernels x configurations compiled per target ({per_target}); "
+    summary = (f"compile gate: {kernels} kernels x their launch configurations compiled per target ({per_target}); "
                f"spills: {spilled}; failures: {len(failures)}")
     if top_regs:
         summary += (f"; most registers {top_regs[1]['registers']} ({top_regs[0].label()}); most shared memory "
