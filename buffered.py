@@ -62,7 +62,7 @@ SIMULTANEOUS_CHUNK_ELEMENTS = 2**22  # per-example weight-gradient elements held
 # crossover bench/linear_strategies.py measured on this project's 2-core machine (bench/RESULTS.md); "cuda":
 # fp32 FLOP/s over memory bytes/s of A100 (12.5) and H100 (20) from their spec sheets, not yet measured
 MACHINE_BALANCE = {"cpu": 12.0, "cuda": 16.0}
-LINEAR_STRATEGY = None  # None: each call picks by linear_strategy; "gram" or "materialise" forces one (tests, benchmarks)
+LINEAR_STRATEGY = None  # None: linear_strategy picks per call; "gram" or "materialise" forces one (tests, benchmarks)
 
 
 # -----------------------------------------------------------------------------
@@ -309,9 +309,13 @@ class _LinearShim(torch.autograd.Function):
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         weight_buffer, bias_buffer = ctx.buffers
-        weight_sq, bias_sq = linear_pe_sqnorm(x, grad_out, has_bias=bias_buffer is not None)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
-        accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        if weight_buffer is not None:
+            weight_sq, bias_sq = linear_pe_sqnorm(x, grad_out, has_bias=bias_buffer is not None)
+            accumulate_pe_sqnorm(weight_buffer, weight_sq)
+            accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        elif bias_buffer is not None:  # no weight buffer (a frozen weight): the bias norms only
+            pe_grad_bias = _per_example(grad_out).sum(dim=1, dtype=norm_dtype(grad_out))  # (N, L)
+            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
         return grad_out, None, None, None
 
 

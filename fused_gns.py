@@ -187,7 +187,8 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     _check_input(x, D, what)
     if D > MAX_NORM_FEATURES:
         raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
-                           f"{MAX_NORM_FEATURES} features (one row per program, in registers); use lnclass='gns' for it")
+                           f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
+                           f"use lnclass='gns' for it")
     x2, stride = _kernel_rows(x, D)  # (N * T, D) rows, stride apart
     M = x2.shape[0]
     weight = _aligned(weight.contiguous())
@@ -300,8 +301,8 @@ LINEAR_CANDIDATES = {
 # largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
 _SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
                         (8, 9): 101376, (9, 0): 232448}
-FUSED_LINEAR_STRATEGY = None  # None: choose per call (below); "kernel", "gram" or "materialise" forces one (tests, benchmarks)
-_linear_choices = {}  # (N, T, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig, timed once
+FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram" or "materialise" forces one (tests)
+_linear_choices = {}  # (N, T buckets, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig
 
 
 def shared_memory_limit(capability):
@@ -319,12 +320,12 @@ def linear_candidates(dtype, capability, allow_tf32):
     """The launch configurations the glue may time for `dtype` on a GPU of `capability` (major, minor):
     LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin."""
     limit = 0.9 * shared_memory_limit(capability)
-    fits = [c for c in LINEAR_CANDIDATES[linear_dot_precision(dtype, allow_tf32)] if c.shared_bytes(dtype.itemsize) <= limit]
-    return fits or [LINEAR_CANDIDATES[linear_dot_precision(dtype, allow_tf32)][-1]]
+    candidates = LINEAR_CANDIDATES[linear_dot_precision(dtype, allow_tf32)]
+    return [c for c in candidates if c.shared_bytes(dtype.itemsize) <= limit] or [candidates[-1]]
 
 
 def linear_tiles(L, K, config):
-    """Programs along grid axis 0: (L, K) tiles of dW, with L and K padded to multiples of 16 as the kernel sees them."""
+    """Programs along grid axis 0: (L, K) tiles of dW, L and K padded to multiples of 16 as the kernel sees them."""
     return triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l) * triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
 
 
@@ -406,7 +407,9 @@ def _linear_choice(x, grad_out):
         return linear_default_config(N, T, K, L, x.dtype, capability, sm_count, tf32,
                                      allow_gram=FUSED_LINEAR_STRATEGY != "kernel")
     candidates = ["gram", "materialise", *linear_candidates(x.dtype, capability, tf32)]
-    return _fastest((N, T, K, L, x.dtype, tf32, x.device), candidates, lambda c: _linear_weight_grad(x, grad_out, c))
+    # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
+    key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
+    return _fastest(key, candidates, lambda c: _linear_weight_grad(x, grad_out, c))
 
 
 def _linear_weight_grad(x, grad_out, choice=None):

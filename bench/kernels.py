@@ -84,8 +84,7 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
         ms, mib = measure(lambda: fused_gns._linear_weight_grad(x, g, config))
         report(f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
                ms, plain_ms, nbytes, mib)
-    fused_gns._linear_weight_grad(x, g)  # the fused Linear's own timed choice
-    choice = fused_gns._linear_choices[(B, T, K, L, dtype, tf32, x.device)]
+    choice = fused_gns._linear_choice(x, g)  # the fused Linear's own timed choice
     print(f"{'  fused Linear picks':<44} {choice if isinstance(choice, str) else 'the kernel, ' + str(choice)}")
 
 

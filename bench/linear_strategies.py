@@ -77,7 +77,8 @@ def layer_factories(device):
     layers = {
         "plain nn.Linear": (lambda K, L: nn.Linear(K, L), _plain, None),
         "gns": (lambda K, L: buffered.PEGradNormLinear(K, L), _plain, buffer_norm),
-        "gns gram": (lambda K, L: buffered.PEGradNormLinear(K, L), _forced(buffered, "LINEAR_STRATEGY", "gram"), buffer_norm),
+        "gns gram": (lambda K, L: buffered.PEGradNormLinear(K, L), _forced(buffered, "LINEAR_STRATEGY", "gram"),
+                     buffer_norm),
         "gns materialise": (lambda K, L: buffered.PEGradNormLinear(K, L),
                             _forced(buffered, "LINEAR_STRATEGY", "materialise"), buffer_norm),
         "shim": (lambda K, L: buffered.PEGradNormShimLinear(K, L), _plain, buffer_norm),
@@ -197,8 +198,8 @@ def main(argv=None):
     if "plain nn.Linear" not in names:
         names = ["plain nn.Linear"] + names
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
-    print(f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds; "
-          f"ratio to plain nn.Linear forward + backward in the same round (peak memory MiB)")
+    print(f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved "
+          f"rounds; ratio to plain nn.Linear forward + backward in the same round (peak memory MiB)")
     if "Opacus ghost" not in available or "BackPACK" not in available:
         print("(Opacus / BackPACK not importable: their columns are left out)")
     print("| B, T, K, L | gns picks | " + " | ".join(names[1:]) + " | plain ms |")
@@ -211,7 +212,8 @@ def main(argv=None):
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--device={args.device}",
                                       f"--dtype={args.dtype}", f"--one={n}|{','.join(map(str, shape))}"],
                                      capture_output=True, text=True, cwd=REPO)
-                peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"] if out.returncode == 0 else float("nan")
+                ok = out.returncode == 0
+                peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"] if ok else float("nan")
         B, T, K, L = shape
         pick = buffered.linear_strategy(T, K, L, 4, args.device.split(":")[0])  # its norms work in float32
         cells = [f"{ratios[n]:.2f}" + (f" ({peaks[n]:.0f})" if peaks else "") for n in names[1:]]

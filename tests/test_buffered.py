@@ -172,6 +172,17 @@ def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, in
             assert buffer.abs().sum().item() == 0, f"frozen {name} recorded {buffer}"
 
 
+def test_linear_shim_records_only_buffers_it_gets():
+    """Without a weight buffer (a frozen weight) the shim adds the bias norms only, and skips the weight's."""
+    torch.manual_seed(5)
+    x, g = torch.randn(3, 7, 6, dtype=torch.float64), torch.randn(3, 7, 5, dtype=torch.float64)
+    out = torch.zeros(3, 7, 5, dtype=torch.float64, requires_grad=True)
+    bias_buffer = torch.zeros(2)
+    buffered._LinearShim.apply(out, x, None, bias_buffer).backward(g)
+    torch.testing.assert_close(bias_buffer[0].double(), g.sum(1).pow(2).sum(), rtol=1e-6, atol=0)
+    assert bias_buffer[1].item() == 3 and torch.equal(out.grad, g)
+
+
 def test_functional_linear_frozen_transposed_weight():
     """functional.linear with a transposed view of a frozen parameter: input gradient only, no norms."""
     import functional

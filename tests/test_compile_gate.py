@@ -54,10 +54,12 @@ def test_gate_covers_every_configuration_the_glue_returns():
                     choice = fused_gns.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
                     assert choice == "gram" or choice in fused_gns.linear_candidates(dtype, capability, tf32)
                 precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
-                compiled = {(dict(j.constexprs)["BLOCK_L"], dict(j.constexprs)["BLOCK_K"], dict(j.constexprs)["BLOCK_T"],
-                             j.num_warps, j.num_stages) for j in jobs if j.kernel == "_linear_bwd_dw_pesq" and
-                            j.arch == arch and j.dtype == compile_gate.TYPE_NAMES[dtype] and
-                            dict(j.constexprs)["INPUT_PRECISION"] == precision}
+                compiled = set()
+                for j in jobs:
+                    flags = dict(j.constexprs)
+                    if (j.kernel == "_linear_bwd_dw_pesq" and j.arch == arch and flags["INPUT_PRECISION"] == precision
+                            and j.dtype == compile_gate.TYPE_NAMES[dtype]):
+                        compiled.add((flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages))
                 for c in fused_gns.linear_candidates(dtype, capability, tf32):
                     assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
                     assert c.shared_bytes(dtype.itemsize) <= \
@@ -73,7 +75,8 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     import normgnorm.linear
 
     launches = []
-    for kernel in (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq):
+    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq)
+    for kernel in kernels:
         def record(*args, kernel=kernel, **kwargs):  # the interpreter calls it with each launch's arguments
             launches.append((kernel, dict(zip(kernel.arg_names, args))))
 
