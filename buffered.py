@@ -23,17 +23,24 @@ The per-example identities (example i, its rows t; x inputs, g output grads):
   Embedding y_t = E[id_t]:  dE_i[v] = sum_{t: id_t = v} g_t
   LayerNorm y_t = xhat_t * w + b:  dw_i = sum_t g_t * xhat_t,  db_i = sum_t g_t
 
-Linear picks, per call, the cheaper of two exact ways (Li et al. 2022; the
-paper's cost analysis), with K inputs, L outputs, T rows per example:
-  materialise dW_i:  N*T*K*L FLOPs, N*K*L memory
-  Gram trick:        N*T^2*(K+L) FLOPs, N*T^2 memory
-The shim computes the norms on top of PyTorch's own weight gradient, so it pays
-those costs in full and uses the Gram trick when T*(K + L) < K*L (always for
-T = 1). The simultaneous (gns) Linear sums the materialised dW_i into the
-weight gradient, so materialising only adds the N*K*L squares; it uses the Gram
-trick when that is cheaper still, T^2*(K + L) <= K*L, and otherwise
-materialises a chunk of examples at a time (at most SIMULTANEOUS_CHUNK_ELEMENTS
-per-example gradient elements), bounding the memory.
+Linear picks, per call, the cheaper of two exact ways (Li et al. 2022's
+"book-keeping" analysis, with memory traffic counted as well as FLOPs), for K
+inputs, L outputs, T rows per example and N examples:
+  Gram trick:        2*N*T^2*(K+L) FLOPs (the two Gram matrices), N*T^2 memory
+  materialise dW_i:  2*N*T*K*L FLOPs, and N*K*L elements written and read back
+The gns Linear sums the materialised dW_i into the weight gradient, so their
+FLOPs replace the plain weight-gradient GEMM and materialising costs only its
+traffic (write dW_i, read it to sum, read it to square); the Gram trick costs
+its FLOPs on top of one plain GEMM. `linear_strategy` converts bytes into FLOPs
+with the device's machine balance (MACHINE_BALANCE, FLOPs per byte: the ratio
+measured by bench/linear_strategies.py), so short sequences take the Gram trick
+even where it has more FLOPs. Materialising goes a chunk of examples at a time
+(at most SIMULTANEOUS_CHUNK_ELEMENTS elements of dW_i), bounding its memory.
+The shim computes the norms on top of PyTorch's own weight gradient, so there
+materialising pays its FLOPs too (`linear_uses_gram`). Every choice is exact and
+works in float32 (float64 for float64): it changes the cost, not the numbers
+(beyond float rounding). The gns and fused Linear compute neither the gradient
+nor the norms of a frozen weight or bias (requires_grad=False).
 
 Three flavours per layer kind (registered in layer_config.py):
   shim   the plain layer, plus a no-op autograd node that reads the output
@@ -50,7 +57,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BUFFER_SUFFIX = "_upegsqnorm"
-SIMULTANEOUS_CHUNK_ELEMENTS = 2**22  # per-example weight-gradient elements held at once (16 MB in fp32): cache-sized chunks run faster than one big batch
+SIMULTANEOUS_CHUNK_ELEMENTS = 2**22  # per-example weight-gradient elements held at once (16 MB in fp32)
+# Machine balance for the Linear strategy rule: how many FLOPs take as long as moving one byte. "cpu": the
+# crossover bench/linear_strategies.py measured on this project's 2-core machine (bench/RESULTS.md); "cuda":
+# fp32 FLOP/s over memory bytes/s of A100 (12.5) and H100 (20) from their spec sheets, not yet measured
+MACHINE_BALANCE = {"cpu": 12.0, "cuda": 16.0}
+LINEAR_STRATEGY = None  # None: linear_strategy picks per call; "gram" or "materialise" forces one (tests, benchmarks)
 
 
 # -----------------------------------------------------------------------------
@@ -125,14 +137,72 @@ def autocast_inputs(x, *params):
 # -----------------------------------------------------------------------------
 # the per-example norm functions (one per layer type, shared by every flavour)
 
-def linear_uses_gram(T, in_features, out_features):
-    """Shim rule: True when the Gram trick is cheaper than materialising per-example dW."""
-    return T * (in_features + out_features) < in_features * out_features
+def _balance(device_type):
+    return MACHINE_BALANCE.get(device_type, MACHINE_BALANCE["cuda"])  # other accelerators: GPU-like
 
 
-def simultaneous_uses_gram(T, in_features, out_features):
-    """Simultaneous rule: the Gram trick's N*T^2*(K+L) against materialising's extra N*K*L."""
-    return T * T * (in_features + out_features) <= in_features * out_features
+def linear_uses_gram(T, in_features, out_features, element_size=4, device_type="cpu"):
+    """Shim rule: True when the Gram trick costs less than materialising per-example dW on top of
+    PyTorch's own weight gradient. Per example: 2*T^2*(K+L) FLOPs and two T x T float32 Grams
+    written and read, against 2*T*K*L FLOPs and K*L elements written and read."""
+    K, L = in_features, out_features
+    balance = _balance(device_type)
+    gram = 2 * T * T * (K + L) + balance * 16 * T * T
+    materialise = 2 * T * K * L + balance * 2 * element_size * K * L
+    return gram < materialise
+
+
+def simultaneous_uses_gram(T, in_features, out_features, element_size=4, device_type="cpu"):
+    """gns rule: True when the Gram trick (a plain weight-gradient GEMM, plus 2*T^2*(K+L) FLOPs and
+    two T x T float32 Grams per example) costs no more than materialising dW_i, whose FLOPs give the
+    weight gradient too but whose K*L elements are written, read to sum and read to square."""
+    K, L = in_features, out_features
+    balance = _balance(device_type)
+    gram = 2 * T * T * (K + L) + balance * 16 * T * T
+    materialise = balance * 3 * element_size * K * L
+    return gram <= materialise
+
+
+def linear_strategy(T, in_features, out_features, element_size=4, device_type="cpu"):
+    """'gram' or 'materialise': how the gns Linear forms its weight gradient and norms (LINEAR_STRATEGY forces one)."""
+    if LINEAR_STRATEGY is not None:
+        assert LINEAR_STRATEGY in ("gram", "materialise"), f"LINEAR_STRATEGY {LINEAR_STRATEGY!r}"
+        return LINEAR_STRATEGY
+    return "gram" if simultaneous_uses_gram(T, in_features, out_features, element_size, device_type) else "materialise"
+
+
+def gram_pe_sqnorm(x, g):
+    """||dW_i||^2 = sum_{s,t} (x_s . x_t)(g_s . g_t) for x (N, T, K), g (N, T, L); (N,) in their dtype."""
+    x_gram = torch.bmm(x, x.transpose(1, 2))  # (N, T, T)
+    g_gram = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
+    return (x_gram * g_gram).sum(dim=(1, 2))
+
+
+def materialised_pe_grads(x, g, with_sum=True):
+    """Form dW_i = g_i^T x_i (L, K) for x (N, T, K), g (N, T, L) in float32 (float64 for float64), so the
+    norms are those of the Gram trick and the kernel, a chunk of examples at a time (at most
+    SIMULTANEOUS_CHUNK_ELEMENTS elements, one reused workspace); return (sum_i dW_i or None, ||dW_i||^2 (N,))."""
+    N, _, K = x.shape
+    L = g.shape[-1]
+    dtype = norm_dtype(x)
+    chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
+    threads = torch.get_num_threads() if x.device.type == "cpu" else 1
+    if chunk > threads:  # a multiple of the CPU threads sharing each bmm: 7 examples on 2 threads cost 15% more than 6
+        chunk -= chunk % threads
+    work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
+    grad_weight = None
+    weight_sq = torch.empty(N, dtype=dtype, device=x.device)
+    for start in range(0, N, chunk):
+        n = min(chunk, N - start)
+        g_chunk, x_chunk = g[start:start + n].to(dtype), x[start:start + n].to(dtype)  # no copy for float32
+        pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
+        if with_sum:
+            chunk_sum = pe_grad.sum(dim=0)
+            grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)
+        weight_sq[start:start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
+    if with_sum and grad_weight is None:  # no examples
+        grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
+    return grad_weight, weight_sq
 
 
 def linear_pe_sqnorm(x, grad_out, has_bias=True):
@@ -149,14 +219,35 @@ def linear_pe_sqnorm(x, grad_out, has_bias=True):
     x, g = _per_example(x).to(dtype), _per_example(grad_out).to(dtype)  # (N, T, K), (N, T, L)
     N, T, K = x.shape
     L = g.shape[-1]
-    if linear_uses_gram(T, K, L):
-        x_gram = torch.bmm(x, x.transpose(1, 2))  # (N, T, T)
-        g_gram = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
-        weight_sq = (x_gram * g_gram).sum(dim=(1, 2))
+    if linear_uses_gram(T, K, L, dtype.itemsize, x.device.type):
+        weight_sq = gram_pe_sqnorm(x, g)
     else:
-        weight_sq = torch.einsum("ntl,ntk->nlk", g, x).pow(2).sum(dim=(1, 2))
+        _, weight_sq = materialised_pe_grads(x, g, with_sum=False)
     bias_sq = g.sum(dim=1).pow(2).sum(dim=1) if has_bias else None
     return weight_sq, bias_sq
+
+
+def linear_weight_grad_and_pe_sqnorm(x, grad_out, strategy=None):
+    """The weight gradient (L, K) in x's dtype and the per-example squared norms (N,) of it (float32,
+    float64 for float64 input), computed together by `strategy` ('gram' or 'materialise'; default
+    `linear_strategy` for these shapes and this device).
+
+    Args:
+        x: input (N, ..., K).
+        grad_out: output gradient (N, ..., L), same dtype as x.
+    """
+    xs, gs = _per_example(x), _per_example(grad_out)  # (N, T, K), (N, T, L)
+    _, T, K = xs.shape
+    L = gs.shape[-1]
+    strategy = strategy or linear_strategy(T, K, L, norm_dtype(x).itemsize, x.device.type)
+    if strategy == "gram":
+        dtype = norm_dtype(x)
+        grad_weight = gs.reshape(-1, L).t() @ xs.reshape(-1, K)  # the plain weight-gradient GEMM
+        weight_sq = gram_pe_sqnorm(xs.to(dtype), gs.to(dtype))
+        return grad_weight, weight_sq
+    assert strategy == "materialise", f"unknown Linear strategy {strategy!r}"
+    grad_weight, weight_sq = materialised_pe_grads(xs, gs)
+    return grad_weight.to(x.dtype), weight_sq
 
 
 def embedding_pe_sqnorm(ids, grad_out, num_embeddings):
@@ -225,9 +316,13 @@ class _LinearShim(torch.autograd.Function):
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         weight_buffer, bias_buffer = ctx.buffers
-        weight_sq, bias_sq = linear_pe_sqnorm(x, grad_out, has_bias=bias_buffer is not None)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
-        accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        if weight_buffer is not None:
+            weight_sq, bias_sq = linear_pe_sqnorm(x, grad_out, has_bias=bias_buffer is not None)
+            accumulate_pe_sqnorm(weight_buffer, weight_sq)
+            accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        elif bias_buffer is not None:  # no weight buffer (a frozen weight): the bias norms only
+            pe_grad_bias = _per_example(grad_out).sum(dim=1, dtype=norm_dtype(grad_out))  # (N, L)
+            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
         return grad_out, None, None, None
 
 
@@ -268,43 +363,39 @@ class _LayerNormShim(torch.autograd.Function):
 # -----------------------------------------------------------------------------
 # simultaneous: parameter gradients and norms from the same per-example work
 
+def linear_backward(ctx, grad_out, weight_grad_fn=linear_weight_grad_and_pe_sqnorm):
+    """Backward of a Linear Function whose forward saved (x or None, weight or None) and ctx.buffers:
+    the gradients autograd asks for (ctx.needs_input_grad; a frozen weight or bias gets no gradient and
+    no norms), the weight's from weight_grad_fn(x, grad_out) -> (dW, per-example squared norms)."""
+    x, weight = ctx.saved_tensors
+    weight_buffer, bias_buffer = ctx.buffers
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    grad_x = grad_out @ weight if needs_x else None
+    grad_weight = grad_bias = None
+    if needs_weight:
+        grad_weight, weight_sq = weight_grad_fn(x, grad_out)
+        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+    if needs_bias:
+        pe_grad_bias = _per_example(grad_out).sum(dim=1, dtype=norm_dtype(grad_out))  # (N, L)
+        grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
+        accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+    return grad_x, grad_weight, grad_bias, None, None
+
+
 class _LinearFunction(torch.autograd.Function):
+    """y = F.linear(x, weight, bias); backward forms the weight gradient and its per-example norms
+    together (linear_weight_grad_and_pe_sqnorm), and only the gradients autograd asks for."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, weight_buffer, bias_buffer):
-        ctx.save_for_backward(x, weight)
+        # x is needed only for the weight gradient, weight only for the input gradient
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
         ctx.buffers = (weight_buffer, bias_buffer)
-        ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        weight_buffer, bias_buffer = ctx.buffers
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        xs, gs = _per_example(x), _per_example(grad_out)  # (N, T, K), (N, T, L)
-        N, T, K = xs.shape
-        L = gs.shape[-1]
-        if simultaneous_uses_gram(T, K, L):
-            grad_weight = gs.reshape(-1, L).t() @ xs.reshape(-1, K)
-            weight_sq, _ = linear_pe_sqnorm(xs, gs, has_bias=False)
-        else:
-            # per-example dW_i in the compute dtype, a chunk of examples at a time; sums in float32
-            dtype = norm_dtype(x)
-            grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
-            weight_sq = torch.empty(N, dtype=dtype, device=x.device)
-            chunk = max(1, SIMULTANEOUS_CHUNK_ELEMENTS // (K * L))
-            for start in range(0, N, chunk):
-                pe_grad_weight = torch.bmm(gs[start:start + chunk].transpose(1, 2), xs[start:start + chunk])  # (n, L, K)
-                grad_weight += pe_grad_weight.sum(dim=0, dtype=dtype)
-                weight_sq[start:start + chunk] = torch.linalg.vector_norm(pe_grad_weight, dim=(1, 2), dtype=dtype).pow(2)
-            grad_weight = grad_weight.to(weight.dtype)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
-        grad_bias = None
-        if ctx.has_bias:
-            pe_grad_bias = gs.to(norm_dtype(x)).sum(dim=1)  # (N, L)
-            grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
-            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
-        return grad_x, grad_weight, grad_bias, None, None
+        return linear_backward(ctx, grad_out)
 
 
 class _EmbeddingFunction(torch.autograd.Function):

@@ -5,12 +5,22 @@ the exact per-example squared gradient norms in one backward pass.
     PEGradNormFusedLayerNorm(ndim, bias=True, eps=1e-5)   forward + backward kernels
     PEGradNormFusedRMSNorm(ndim, eps=1e-6, weight_offset=0.0)   same kernels, no mean, no bias
     PEGradNormFusedLinear(in_features, out_features, bias=True, device=None, dtype=None)
-        forward is F.linear, dX is a matmul, dW + db + norms come from one kernel
+        forward is F.linear, dX is a matmul, dW + its per-example norms come from one
+        kernel (or from buffered.py's torch strategies where they are faster), db in torch
     PEGradNormFusedConv1D(nf, nx, bias=True)             transformers' Conv1D (weight (in, out)), same kernel
 
 They have the parameters, `<param>_upegsqnorm` buffers and semantics of
 buffered.py's classes (they subclass them), and the autograd functions are
 exposed as `fused_layer_norm`, `fused_rms_norm` and `fused_linear`.
+
+Launch configurations are pure functions of shapes, dtype and the GPU's
+capability and SM count (`norm_launch_config`, `linear_candidates`,
+`linear_default_config`), so bench/compile_gate.py can compile every one of
+them for sm_80 and sm_90 without a GPU and check registers, spills and shared
+memory. The fused Linear picks, once per shape on a GPU, the fastest of the
+kernel's candidate tile configurations and the two torch strategies of
+buffered.py (all exact) by timing each, as Triton's autotuner does; while
+torch.compile traces it, or on the CPU, the choice is `linear_default_config`.
 
 Where the kernel can run is decided per call (`kernel_unavailable_reason`):
 a CUDA tensor with Triton installed on a GPU it supports, or a CPU tensor while
@@ -25,11 +35,13 @@ raise RuntimeError here, before any kernel is launched.
 """
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from buffered import (PEGradNormConv1D, PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, _LinearFunction,
-                      accumulate_pe_sqnorm, autocast_inputs)
+                      accumulate_pe_sqnorm, autocast_inputs, linear_backward, linear_weight_grad_and_pe_sqnorm,
+                      simultaneous_uses_gram)
 
 try:
     import triton
@@ -45,7 +57,9 @@ if HAS_TRITON:
     import normgnorm.linear
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_ROW_BYTES = 65536  # a norm row is held in one block, as in Triton's layer-norm tutorial
+# a norm row is held in registers by one program, as in Triton's layer-norm tutorial; past 8192 features the
+# backward kernel spills (bench/compile_gate.py), so wider rows are refused
+MAX_NORM_FEATURES = 8192
 _warned_reasons = set()
 
 
@@ -114,78 +128,114 @@ def _check_input(x, features, what):
         raise RuntimeError(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
 
 
+def _aligned(t):
+    """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers. (While
+    torch.compile traces there is no data pointer to look at; its buffers are aligned.)"""
+    if torch.compiler.is_compiling() or t.data_ptr() % 16 == 0:
+        return t
+    return t.clone()
+
+
+def _kernel_rows(t, width):
+    """(rows, stride): t as (M, width) rows for a kernel, 16-byte aligned and `stride` elements apart, stride
+    the next multiple of 16 (what the kernels are compiled for; bench/compile_gate.py). When width is not
+    one, rows are copied into a zero-padded buffer: the kernels read the padding and it must add nothing."""
+    rows = t.reshape(-1, width)
+    stride = triton.cdiv(width, 16) * 16
+    if stride == width:
+        return _aligned(rows.contiguous()), stride
+    padded = torch.zeros(rows.shape[0], stride, dtype=t.dtype, device=t.device)
+    padded[:, :width] = rows
+    return padded, stride
+
+
 # -----------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 
-def _split_for_gpu(length, other_programs, programs_per_sm, device):
-    """Split `length` items (rows, examples) into chunks so that chunks x other_programs reaches about
-    programs_per_sm programs per SM; one chunk on CPU. Returns (chunks, items per chunk)."""
+def _sm_count(device):
+    """Streaming multiprocessors of a CUDA device; None for any other device (no grid to fill)."""
     if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _split_for_gpu(length, other_programs, programs_per_sm, sm_count):
+    """Split `length` items (rows, examples) into chunks so that chunks x other_programs reaches about
+    programs_per_sm programs per SM; one chunk when sm_count is None (CPU). Returns (chunks, items per chunk)."""
+    if sm_count is None or length == 0:
         return 1, length
-    target = programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    chunks = max(1, min(length, triton.cdiv(target, other_programs)))
+    chunks = max(1, min(length, triton.cdiv(programs_per_sm * sm_count, other_programs)))
     per_chunk = triton.cdiv(length, chunks)
     return triton.cdiv(length, per_chunk), per_chunk
 
 
-def _norm_chunks(N, T, device):
+def _norm_chunks(N, T, sm_count):
     """(chunks per example, rows per chunk) for _ln_bwd_dx_pesq: on a GPU about 4 programs per SM
     (more chunks: more parallelism but a larger (N * chunks, D) partial buffer); one chunk on CPU."""
-    return _split_for_gpu(T, N, 4, device)
+    return _split_for_gpu(T, N, 4, sm_count)
+
+
+def norm_launch_config(D):
+    """(BLOCK_D, num_warps) of both norm kernels for D features (at most MAX_NORM_FEATURES): one row per
+    program, BLOCK_D the next power of two >= max(D, 256); 8 elements per thread up to 8 warps, 16 beyond
+    (4096: 8 warps; 8192: 16, as 8 warps spill there: bench/compile_gate.py)."""
+    block_d = max(256, triton.next_power_of_2(D))
+    return block_d, max(min(block_d // 256, 8), block_d // 512)
 
 
 def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     what = "fused RMSNorm" if is_rms else "fused LayerNorm"
     D = weight.numel()
     _check_input(x, D, what)
-    if D * x.element_size() > _MAX_ROW_BYTES:
-        raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds one block "
-                           f"({_MAX_ROW_BYTES // x.element_size()} {x.dtype} values); use lnclass='gns' for it")
-    x2 = x.reshape(-1, D).contiguous()  # (N * T, D)
+    if D > MAX_NORM_FEATURES:
+        raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
+                           f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
+                           f"use lnclass='gns' for it")
+    x2, stride = _kernel_rows(x, D)  # (N * T, D) rows, stride apart
     M = x2.shape[0]
-    weight = weight.contiguous()
-    y = torch.empty_like(x2)
+    weight = _aligned(weight.contiguous())
+    bias = _aligned(bias.contiguous()) if bias is not None else None
+    y = torch.empty(M, stride, dtype=x.dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    block_d = triton.next_power_of_2(D)
-    num_warps = min(max(block_d // 256, 1), 8)
+    block_d, num_warps = norm_launch_config(D)
     if M > 0:
         normgnorm.layernorm._ln_fwd[(M,)](
-            x2, y, weight, bias if bias is not None else weight, mean, rstd, D, eps,
+            x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
             IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
     ctx.save_for_backward(x2, weight, mean, rstd)
-    ctx.N, ctx.is_rms, ctx.has_bias = x.shape[0], is_rms, bias is not None
+    ctx.N, ctx.D, ctx.is_rms, ctx.has_bias = x.shape[0], D, is_rms, bias is not None
     ctx.block_d, ctx.num_warps = block_d, num_warps
-    return y.view(x.shape)
+    return y[:, :D].view(x.shape)
 
 
 def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
-    M, D = x2.shape
-    N = ctx.N
+    M, stride = x2.shape
+    N, D = ctx.N, ctx.D
     T = M // N if N else 0
-    g = grad_out.reshape(M, D).contiguous()
+    g, _ = _kernel_rows(grad_out, D)
     dx = torch.empty_like(x2)
-    chunks, rows = _norm_chunks(N, T, x2.device) if M > 0 else (1, 0)
+    chunks, rows = _norm_chunks(N, T, _sm_count(x2.device)) if M > 0 else (1, 0)
     alloc = torch.empty if M > 0 else torch.zeros  # the kernel writes every row of the partials
-    dw_part = alloc(N * chunks, D, dtype=torch.float32, device=x2.device)
-    db_part = alloc(N * chunks, D, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
+    dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
+    db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
     if M > 0:
         normgnorm.layernorm._ln_bwd_dx_pesq[(N, chunks)](
-            x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, rows,
+            x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK_D=ctx.block_d,
             num_warps=ctx.num_warps)
     # per-example gradients (N, D): sum each example's chunks; then square, and sum over examples
-    pe_dw = dw_part.view(N, chunks, D).sum(dim=1)
+    pe_dw = dw_part[:, :D].view(N, chunks, D).sum(dim=1)
     accumulate_pe_sqnorm(weight_buffer, pe_dw.pow(2).sum(dim=1))
     dw = pe_dw.sum(dim=0).to(weight.dtype)
     db = None
     if ctx.has_bias:
-        pe_db = db_part.view(N, chunks, D).sum(dim=1)
+        pe_db = db_part[:, :D].view(N, chunks, D).sum(dim=1)
         accumulate_pe_sqnorm(bias_buffer, pe_db.pow(2).sum(dim=1))
         db = pe_db.sum(dim=0).to(weight.dtype)
-    return dx.view(grad_out.shape), dw, db
+    return dx[:, :D].view(grad_out.shape), dw, db
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
@@ -224,56 +274,160 @@ fused_rms_norm = FusedRMSNormFunction.apply
 # -----------------------------------------------------------------------------
 # Linear
 
-def _linear_blocks(T, L, K, dtype, device):
-    """(BLOCK_L, BLOCK_K, BLOCK_T, num_warps). tl.dot needs every block >= 16; masks cover the rest."""
-    if device.type != "cuda":  # interpreter: larger blocks mean fewer (slow, Python-level) programs
-        cap = 128
-        return (min(cap, max(16, triton.next_power_of_2(L))), min(cap, max(16, triton.next_power_of_2(K))),
-                min(64, max(16, triton.next_power_of_2(T))), 4)
-    block_t = 32 if dtype == torch.float32 else 64
-    return (min(64, max(16, triton.next_power_of_2(L))), min(64, max(16, triton.next_power_of_2(K))),
-            min(block_t, max(16, triton.next_power_of_2(T))), 4)
+@dataclass(frozen=True)
+class LinearConfig:
+    """A launch configuration of _linear_bwd_dw_pesq: tile of dW, rows per step, warps, pipeline stages."""
+    block_l: int
+    block_k: int
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+    def shared_bytes(self, element_size):
+        """Shared memory the pipeline's operand buffers take: num_stages x (g and x row blocks)."""
+        return self.num_stages * self.block_t * (self.block_l + self.block_k) * element_size
 
 
-def _linear_chunks(N, tiles, device):
-    """Examples are split over grid axis 1 when there are too few dW tiles to fill the GPU; each
-    chunk then writes its own (L, K) dW partial, summed in the glue. Returns (chunks, examples per chunk)."""
-    return _split_for_gpu(N, tiles, 2, device)
+# Autotune candidates by tl.dot flavour, largest tiles first: the tile/warp/stage range of fast Triton matmuls
+# on A100/H100 (Triton's matmul tutorial). Each program holds two fp32 (BLOCK_L, BLOCK_K) accumulators, dW_i and
+# dW, so a 128 x 128 tile needs 8 warps (64 + 64 registers per thread for them). fp32 "ieee" is a CUDA-core FMA
+# dot whose operands also sit in registers: smaller row blocks. Every candidate compiles for sm_80 and sm_90
+# with no spills (bench/compile_gate.py, run by tests/test_compile_gate.py).
+LINEAR_CANDIDATES = {
+    "16-bit": (LinearConfig(128, 128, 64, 8, 3), LinearConfig(128, 128, 32, 8, 4), LinearConfig(128, 64, 64, 8, 4),
+               LinearConfig(64, 128, 64, 8, 4), LinearConfig(64, 64, 64, 4, 4)),
+    "tf32": (LinearConfig(128, 128, 32, 8, 3), LinearConfig(128, 64, 32, 8, 3), LinearConfig(64, 128, 32, 8, 3),
+             LinearConfig(64, 64, 32, 4, 3)),
+    "ieee": (LinearConfig(128, 128, 16, 8, 2), LinearConfig(64, 64, 32, 4, 3)),
+}
+# largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
+_SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+                        (8, 9): 101376, (9, 0): 232448}
+FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram" or "materialise" forces one (tests)
+_linear_choices = {}  # (N, T buckets, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig
 
 
-def _linear_dw_pesq(x, grad_out, has_bias):
-    """dW (L, K) fp32, db (L,) fp32 or None, and the per-example squared norms (N,) of both."""
+def shared_memory_limit(capability):
+    return _SHARED_MEMORY_LIMIT.get(tuple(capability), min(_SHARED_MEMORY_LIMIT.values()))
+
+
+def linear_dot_precision(dtype, allow_tf32):
+    """The tl.dot flavour for operands of `dtype`: '16-bit' (tensor cores), 'tf32' or 'ieee' (fp32 FMA)."""
+    if dtype != torch.float32:
+        return "16-bit"
+    return "tf32" if allow_tf32 else "ieee"
+
+
+def linear_candidates(dtype, capability, allow_tf32):
+    """The launch configurations the glue may time for `dtype` on a GPU of `capability` (major, minor):
+    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin."""
+    limit = 0.9 * shared_memory_limit(capability)
+    candidates = LINEAR_CANDIDATES[linear_dot_precision(dtype, allow_tf32)]
+    return [c for c in candidates if c.shared_bytes(dtype.itemsize) <= limit] or [candidates[-1]]
+
+
+def linear_tiles(L, K, config):
+    """Programs along grid axis 0: (L, K) tiles of dW, L and K padded to multiples of 16 as the kernel sees them."""
+    return triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l) * triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
+
+
+def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, allow_gram=True):
+    """The untimed choice (under torch.compile): 'gram' where buffered.py's rule prefers it on a GPU, else the
+    largest-tile candidate whose tiles alone give every SM a program (chunks of examples fill the rest)."""
+    if allow_gram and simultaneous_uses_gram(T, K, L, 4, "cuda"):  # torch strategies work in float32
+        return "gram"
+    candidates = linear_candidates(dtype, capability, allow_tf32)
+    return next((c for c in candidates if linear_tiles(L, K, c) >= sm_count), candidates[-1])
+
+
+def _interpreter_linear_config(T, L, K):
+    """Triton's interpreter (CPU): large blocks mean fewer (slow, Python-level) programs and steps (up to
+    512 x 512 tiles: 8x faster than 128 x 128 on a 768 -> 1000 layer); tl.dot needs blocks >= 16."""
+    return LinearConfig(min(512, max(16, triton.next_power_of_2(L))), min(512, max(16, triton.next_power_of_2(K))),
+                        min(64, max(16, triton.next_power_of_2(T))), 4, 1)
+
+
+def _linear_chunks(N, tiles, sm_count):
+    """Examples are split over grid axis 1 when there are too few dW tiles to fill the GPU (about 2 programs
+    per SM); each chunk then writes its own (L, K) dW partial, summed in the glue. (chunks, examples per chunk)."""
+    return _split_for_gpu(N, tiles, 2, sm_count)
+
+
+def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
+    """dW (L, K) fp32 and the per-example squared norms (N,) fp32 of it, from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
-    xs = x.reshape(-1, K).contiguous()  # (N * T, K)
-    gs = grad_out.reshape(-1, L).to(x.dtype).contiguous()  # (N * T, L)
+    xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
+    gs, L_pad = _kernel_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad)
     T = xs.shape[0] // N if N else 0
-    block_l, block_k, block_t, num_warps = _linear_blocks(T, L, K, x.dtype, x.device)
-    tiles_l, tiles_k = triton.cdiv(L, block_l), triton.cdiv(K, block_k)
+    tiles = linear_tiles(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
-    chunks, per_chunk = _linear_chunks(N, tiles_l * tiles_k, x.device) if launch else (1, N)
-    dev = x.device
+    chunks, per_chunk = _linear_chunks(N, tiles, sm_count) if launch else (1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
-    dw_part = alloc(chunks, L, K, dtype=torch.float32, device=dev)
-    db_part = alloc(chunks, L, dtype=torch.float32, device=dev) if has_bias else dw_part
-    w_pesq_part = alloc(N, tiles_l * tiles_k, dtype=torch.float32, device=dev)
-    b_pesq_part = alloc(N, tiles_l, dtype=torch.float32, device=dev) if has_bias else w_pesq_part
+    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device)
+    w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
-    tf32 = x.dtype != torch.float32 or (dev.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
     if launch:
-        normgnorm.linear._linear_bwd_dw_pesq[(tiles_l * tiles_k, chunks)](
-            xs, gs, dw_part, db_part, w_pesq_part, b_pesq_part, N, T, L, K, per_chunk,
-            HAS_BIAS=has_bias, TILES_K=tiles_k, INPUT_PRECISION="tf32" if tf32 else "ieee",
-            DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
-            BLOCK_L=block_l, BLOCK_K=block_k, BLOCK_T=block_t, num_warps=num_warps)
+        normgnorm.linear._linear_bwd_dw_pesq[(tiles, chunks)](
+            xs, gs, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
+            INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
+            BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     dw = dw_part[0] if chunks == 1 else dw_part.sum(dim=0)
-    db = (db_part[0] if chunks == 1 else db_part.sum(dim=0)) if has_bias else None
-    b_pesq = b_pesq_part.sum(dim=1) if has_bias else None
-    return dw, db, w_pesq_part.sum(dim=1), b_pesq
+    return dw[:L, :K], w_pesq_part.sum(dim=1)
+
+
+def _benchmark_ms(fn):
+    """Median milliseconds of fn() on the GPU (Triton's do_bench: CUDA events, L2 flushed between calls)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+
+def _fastest(key, candidates, run):
+    """The candidate c for which run(c) is fastest, timed once per key and remembered (as Triton's autotuner
+    does). run must have no side effects: every candidate computes the same exact result."""
+    if key not in _linear_choices:
+        times = {c: _benchmark_ms(lambda: run(c)) for c in candidates}
+        _linear_choices[key] = min(times, key=times.get)
+    return _linear_choices[key]
+
+
+def _linear_choice(x, grad_out):
+    """'gram', 'materialise' (buffered.py's torch strategies) or the kernel's LinearConfig for this call:
+    forced by FUSED_LINEAR_STRATEGY; the interpreter's config on CPU (the kernel is what is under test);
+    linear_default_config while torch.compile traces; otherwise the fastest, timed once per shape."""
+    N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
+    T = x.numel() // (N * K) if N * K else 0
+    if FUSED_LINEAR_STRATEGY in ("gram", "materialise"):
+        return FUSED_LINEAR_STRATEGY
+    if x.device.type != "cuda":
+        return _interpreter_linear_config(T, L, K)
+    capability, sm_count = torch.cuda.get_device_capability(x.device), _sm_count(x.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    if FUSED_LINEAR_STRATEGY == "kernel" or torch.compiler.is_compiling():
+        return linear_default_config(N, T, K, L, x.dtype, capability, sm_count, tf32,
+                                     allow_gram=FUSED_LINEAR_STRATEGY != "kernel")
+    candidates = ["gram", "materialise", *linear_candidates(x.dtype, capability, tf32)]
+    # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
+    key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
+    return _fastest(key, candidates, lambda c: _linear_weight_grad(x, grad_out, c))
+
+
+def _linear_weight_grad(x, grad_out, choice=None):
+    """(dW (L, K) in x's dtype, per-example squared norms (N,) fp32) by `choice` (default: _linear_choice)."""
+    choice = choice or _linear_choice(x, grad_out)
+    if isinstance(choice, str):
+        return linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
+    dw, w_pesq = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
+    return dw.to(x.dtype).contiguous(), w_pesq
 
 
 class FusedLinearFunction(torch.autograd.Function):
     """fused_linear(x (N, ..., K), weight (L, K), bias (L,) or None, weight_buffer, bias_buffer);
-    buffers may be None. x, weight and bias share one dtype (PEGradNormFusedLinear casts under autocast)."""
+    buffers may be None. x, weight and bias share one dtype (PEGradNormFusedLinear casts under autocast).
+    Forward, the input gradient and the bias are buffered.py's; the weight gradient and its norms come
+    from the kernel or a torch strategy (_linear_choice). Frozen parameters get no gradient and no norms."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_buffer, bias_buffer):
@@ -282,13 +436,7 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        weight_buffer, bias_buffer = ctx.buffers
-        grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
-        dw, db, w_pesq, b_pesq = _linear_dw_pesq(x, grad_out, ctx.has_bias)
-        accumulate_pe_sqnorm(weight_buffer, w_pesq)
-        accumulate_pe_sqnorm(bias_buffer, b_pesq)
-        return grad_x, dw.to(weight.dtype), db.to(weight.dtype) if db is not None else None, None, None
+        return linear_backward(ctx, grad_out, _linear_weight_grad)
 
 
 fused_linear = FusedLinearFunction.apply

@@ -6,8 +6,10 @@ shapes (B=16, T=1024, D=768, MLP 4*D, vocabulary 50304), measured in the same ru
     python bench/kernels.py --dtype float16 --batch-size 8
 
 Rows: fused LayerNorm forward+backward (+ per-example norms) vs F.layer_norm,
-and, per Linear shape, the fused weight gradient + per-example norms vs the
-plain weight gradient g^T x and vs buffered.py's torch computation of both.
+and, per Linear shape, the weight gradient + per-example norms by each exact
+way (buffered.py's gram and materialise, the kernel at each autotune
+candidate) vs the plain weight gradient g^T x, then what the fused Linear's
+timed choice picked.
 Columns: median ms (triton.testing.do_bench), ratio to the plain row, GB/s of
 the minimum traffic (each input read once, each output written once), and the
 peak memory allocated above what was live before the call. Correctness is
@@ -71,25 +73,22 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     g = torch.randn(B, T, L, device="cuda", dtype=dtype)
     x2, g2 = x.view(-1, K), g.view(-1, L)
     nbytes = (x.numel() + g.numel() + K * L) * x.element_size()
-
-    def plain():
-        return g2.t() @ x2
-
-    def torch_with_norms():
-        return g2.t() @ x2, buffered.linear_pe_sqnorm(x, g, has_bias=False)
-
-    def fused():
-        return fused_gns._linear_dw_pesq(x, g, has_bias=False)
-
-    plain_ms, plain_mib = measure(plain)
-    torch_ms, torch_mib = measure(torch_with_norms)
-    fused_ms, fused_mib = measure(fused)
+    capability = torch.cuda.get_device_capability()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    plain_ms, plain_mib = measure(lambda: g2.t() @ x2)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
-    report("linear dW + norms, buffered.py torch", torch_ms, plain_ms, nbytes, torch_mib)
-    report("linear dW + norms, fused kernel", fused_ms, plain_ms, nbytes, fused_mib)
+    for strategy in ("gram", "materialise"):
+        ms, mib = measure(lambda: buffered.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
+        report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
+    for config in fused_gns.linear_candidates(dtype, capability, tf32):
+        ms, mib = measure(lambda: fused_gns._linear_weight_grad(x, g, config))
+        report(f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
+               ms, plain_ms, nbytes, mib)
+    choice = fused_gns._linear_choice(x, g)  # the fused Linear's own timed choice
+    print(f"{'  fused Linear picks':<44} {choice if isinstance(choice, str) else 'the kernel, ' + str(choice)}")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="default: bfloat16")
@@ -97,7 +96,7 @@ def main():
     parser.add_argument("--block-size", type=int, default=1024, help="T, default: 1024")
     parser.add_argument("--n-embd", type=int, default=768, help="D, default: 768")
     parser.add_argument("--vocab-size", type=int, default=50304, help="V, default: 50304")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
                  "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_fused_gns.py")

@@ -10,7 +10,9 @@ A step is what train.py does: forward + backward of each micro-batch, reading
 and zeroing the per-example norm buffers, clipping and AdamW. Times: every
 layer choice is built in this one process (same initial weights) and the
 choices take turns, one step each, for --steps rounds, so that drift of the
-machine hits them alike; the median step time is reported. Peak memory: each
+machine hits them alike; reported are the median step time and the median
+over rounds of each step's time divided by nn's in the same round, with the
+quartiles of that ratio (how noisy the machine was). Peak memory: each
 choice runs a few steps alone in a subprocess, so the peak is its own.
 """
 
@@ -53,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per choice (default: 2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per choice, interleaved (default: 10)")
+    p.add_argument("--memory", default="True", choices=["True", "False"], help="measure peak memory (default: True)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: peak memory of one choice, as JSON
     return p.parse_args(argv)
 
@@ -152,24 +155,27 @@ def main(argv=None):
     if "nn" not in names:
         names = ["nn"] + names  # ratios need the plain baseline
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--choices")]
-    peaks = {}
-    for name in names:
+    peaks = {name: float("nan") for name in names}
+    for name in names if args.memory == "True" else []:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
                              capture_output=True, text=True, cwd=REPO)
         if out.returncode != 0:
             raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
         peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
     times = interleaved_times(args, names)
-    base_time, base_peak = statistics.median(times["nn"]), peaks["nn"]
+    base_peak = peaks["nn"]
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above import"
     print(f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
           f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
-          f"median of {args.steps} interleaved steps")
+          f"{args.steps} interleaved rounds; ratio: median over rounds of step time / nn's in the same round "
+          f"(quartiles in brackets)")
     print(f"| layers | step ms | ratio to nn | {memory_label} | memory ratio |")
     print("|---|---|---|---|---|")
     for name in names:
-        t = statistics.median(times[name])
-        print(f"| {name} | {t * 1000:.1f} | {t / base_time:.3f} | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |")
+        ratios = [t / base for t, base in zip(times[name], times["nn"])]
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
+              f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ gradient norms. Kernels only: the autograd glue and the layers using them live
 in fused_gns.py, which imports this package only when Triton is installed.
 
     layernorm.py  _ln_fwd, _ln_bwd_dx_pesq      LayerNorm / RMSNorm
-    linear.py     _linear_bwd_dw_pesq           Linear weight (and bias) gradient
+    linear.py     _linear_bwd_dw_pesq           Linear weight gradient
+
+bench/compile_gate.py compiles every kernel at every launch configuration the
+glue can choose for sm_80 and sm_90 and checks registers, spills and shared memory.
 """
 
 from normgnorm.layernorm import _ln_bwd_dx_pesq, _ln_fwd

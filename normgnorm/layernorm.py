@@ -31,15 +31,20 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Rows are STRIDE apart, STRIDE a multiple of 16 (the glue zero-pads rows when D is not): rows are loaded and
+# stored whole, masked by STRIDE, which Triton knows is divisible by 16 and so turns into 16-byte accesses;
+# the maths masks by D. Only pointers and STRIDE are specialised: one compiled kernel per launch
+# configuration, the one bench/compile_gate.py compiles.
+@triton.jit(do_not_specialize=["D"])
 def _ln_fwd(
-    X,  # pointer to the input, (M, D) rows, contiguous
-    Y,  # pointer to the output, (M, D), same dtype as X
+    X,  # pointer to the input, (M, D) rows STRIDE apart
+    Y,  # pointer to the output, (M, D) rows STRIDE apart, same dtype as X
     W,  # pointer to the weight, (D,)
     B,  # pointer to the bias, (D,) (unused unless HAS_BIAS)
     MEAN,  # pointer to the saved row means, (M,) fp32 (unused for RMSNorm)
     RSTD,  # pointer to the saved row 1/std, (M,) fp32
     D,  # number of features per row
+    STRIDE,  # elements between rows, a multiple of 16, >= D
     eps,  # added to the variance
     IS_RMS: tl.constexpr,  # RMSNorm: no mean subtraction, no bias
     HAS_BIAS: tl.constexpr,
@@ -47,9 +52,10 @@ def _ln_fwd(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    # load one row, compute its statistics in fp32
-    x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+    in_row = cols < STRIDE  # the whole (zero-padded) row
+    mask = cols < D  # the layer's features
+    # load one row, compute its statistics in fp32 (padding columns are zeros)
+    x = tl.load(X + row * STRIDE + cols, mask=in_row, other=0.0).to(tl.float32)
     if IS_RMS:
         xc = x
     else:
@@ -64,21 +70,22 @@ def _ln_fwd(
     y = xc * rstd * w
     if HAS_BIAS:
         y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * STRIDE + cols, y.to(Y.dtype.element_ty), mask=in_row)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "D", "ROWS_PER_CHUNK"])
 def _ln_bwd_dx_pesq(
-    X,  # pointer to the forward input, (N * T, D) rows, contiguous
-    G,  # pointer to the upstream gradient dL/dy, (N * T, D), contiguous
-    DX,  # pointer to the input gradient, (N * T, D), same dtype as X
+    X,  # pointer to the forward input, (N * T, D) rows STRIDE apart
+    G,  # pointer to the upstream gradient dL/dy, (N * T, D) rows STRIDE apart
+    DX,  # pointer to the input gradient, (N * T, D) rows STRIDE apart, same dtype as X
     W,  # pointer to the weight, (D,)
     MEAN,  # pointer to the saved row means, (N * T,) fp32 (unused for RMSNorm)
     RSTD,  # pointer to the saved row 1/std, (N * T,) fp32
-    DW_PART,  # pointer to per-(example, chunk) weight-grad partials, (N * chunks, D) fp32
-    DB_PART,  # pointer to per-(example, chunk) bias-grad partials, (N * chunks, D) fp32 (unused unless HAS_BIAS)
+    DW_PART,  # pointer to per-(example, chunk) weight-grad partials, (N * chunks, D) rows STRIDE apart, fp32
+    DB_PART,  # pointer to per-(example, chunk) bias-grad partials, like DW_PART (unused unless HAS_BIAS)
     T,  # rows per example
     D,  # features per row
+    STRIDE,  # elements between rows, a multiple of 16, >= D
     ROWS_PER_CHUNK,  # rows of one example handled by one program
     IS_RMS: tl.constexpr,  # RMSNorm: no mean, c2 = 0
     HAS_BIAS: tl.constexpr,
@@ -87,7 +94,8 @@ def _ln_bwd_dx_pesq(
     example = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)  # grid axis 1: chunks of one example's rows
     cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
+    in_row = cols < STRIDE  # the whole (zero-padded) row
+    mask = cols < D  # the layer's features
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw_i = tl.zeros((BLOCK_D,), dtype=tl.float32)
     db_i = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -96,8 +104,8 @@ def _ln_bwd_dx_pesq(
     for t in range(t_start, t_end):
         row = example * T + t
         # reload the row and rebuild xhat from the saved statistics
-        x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * STRIDE + cols, mask=in_row, other=0.0).to(tl.float32)
+        g = tl.load(G + row * STRIDE + cols, mask=in_row, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
         if IS_RMS:
             xhat = x * rstd
@@ -111,12 +119,12 @@ def _ln_bwd_dx_pesq(
         else:
             c2 = tl.sum(wg, axis=0) / D
             dx = (wg - (xhat * c1 + c2)) * rstd
-        tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + row * STRIDE + cols, dx.to(DX.dtype.element_ty), mask=in_row)
         # this example's parameter gradients, restricted to this chunk's rows
         dw_i += g * xhat
         if HAS_BIAS:
             db_i += g
     part = example * tl.num_programs(1) + chunk
-    tl.store(DW_PART + part * D + cols, dw_i, mask=mask)
+    tl.store(DW_PART + part * STRIDE + cols, dw_i, mask=in_row)
     if HAS_BIAS:
-        tl.store(DB_PART + part * D + cols, db_i, mask=mask)
+        tl.store(DB_PART + part * STRIDE + cols, db_i, mask=in_row)

@@ -1,0 +1,211 @@
+"""
+One command for whoever has a CUDA GPU: check every per-example norm layer
+against the brute-force oracle on the GPU, then measure what exact norms cost on
+GPT-2 124M in bf16, and print tables ready for bench/RESULTS.md.
+
+    python bench/gpu_report.py                        # checks, kernel and per-Linear tables, GPT-2 step table
+    python bench/gpu_report.py --check-only           # the checks alone
+    TRITON_INTERPRET=1 python bench/gpu_report.py --check-only   # the same checks on the CPU, kernels interpreted
+
+The checks: every Linear (shim; gns under each strategy; fused under the timed
+choice, the kernel and each torch strategy), Embedding (shim, gns), LayerNorm
+(shim, gns, fused; with and without bias) and RMSNorm (gns, fused) class, in
+float32 and bfloat16, on 2-D and 3-D inputs with odd sizes, against
+tests/oracle.py's one-example-at-a-time loop in float64: the per-example norm
+buffers (sum and count), the parameter gradients and the input gradient. On the
+CPU the shapes are small (Triton's interpreter is slow); tests/test_gpu_report.py
+runs that in CI, so this script cannot rot.
+
+The tables (GPU only): bench/kernels.py's kernel timings at GPT-2 shapes,
+bench/linear_strategies.py at GPT-2's Linear shapes, and bench/step_overhead.py's
+whole training step of GPT-2 124M (12 layers, 768 wide, T = 1024, vocabulary
+50304, batch 16, bf16 autocast, eager) for nn, LayerNorm-only fused, all-layer
+gns and all-layer fused, interleaved, followed by the strategy the fused Linear
+timed fastest for each of GPT-2's Linear shapes.
+"""
+
+import argparse
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))  # the shared oracle
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import buffered  # noqa: E402
+import fused_gns  # noqa: E402
+from oracle import per_example_sqnorms_by_loop  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest reference value
+GPT2 = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--block_size=1024", "--batch_size=16", "--vocab_size=50304",
+        "--bias=True"]
+
+
+def _with(module, name, value):
+    """Context manager: module.<name> = value inside the block."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, old)
+    return ctx()
+
+
+def layer_cases():
+    """(label, kind, make(features), twin(module) -> float64 torch layer, strategy context or None)."""
+    def linear_twin(m):
+        return nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+
+    def norm_twin(m):
+        return nn.LayerNorm(m.normalized_shape, eps=m.eps, bias=m.bias is not None)
+
+    def rms_twin(m):
+        return nn.RMSNorm(m.normalized_shape, eps=m.eps)
+
+    cases = [("Linear shim", "linear", lambda f: buffered.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
+    for strategy in (None, "gram", "materialise"):
+        cases.append((f"Linear gns {strategy or 'rule'}", "linear", lambda f: buffered.PEGradNormLinear(f, f + 9),
+                      linear_twin, (buffered, "LINEAR_STRATEGY", strategy)))
+    for strategy in (None, "kernel", "gram", "materialise"):
+        cases.append((f"Linear fused {strategy or 'choice'}", "linear",
+                      lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9), linear_twin,
+                      (fused_gns, "FUSED_LINEAR_STRATEGY", strategy)))
+    cases += [
+        ("Linear gns no bias", "linear", lambda f: buffered.PEGradNormLinear(f, f + 9, bias=False), linear_twin, None),
+        ("Linear fused no bias", "linear", lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9, bias=False),
+         linear_twin, None),
+        ("Embedding shim", "embedding", lambda f: buffered.PEGradNormShimEmbedding(29, f),
+         lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim), None),
+        ("Embedding gns", "embedding", lambda f: buffered.PEGradNormEmbedding(29, f),
+         lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim), None),
+        ("LayerNorm shim", "norm", lambda f: buffered.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
+        ("LayerNorm gns", "norm", lambda f: buffered.PEGradNormLayerNorm(f), norm_twin, None),
+        ("LayerNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f), norm_twin, None),
+        ("LayerNorm fused no bias", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f, bias=False),
+         norm_twin, None),
+        ("RMSNorm gns", "norm", lambda f: buffered.PEGradNormRMSNorm(f), rms_twin, None),
+        ("RMSNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedRMSNorm(f), rms_twin, None),
+    ]
+    return cases
+
+
+def _rel_error(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+
+
+def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, features):
+    """Worst relative error of one layer against the oracle (buffers, parameter and input gradients)."""
+    import contextlib
+
+    torch.manual_seed(0)
+    layer = make(features)
+    with torch.no_grad():
+        for p in layer.parameters():  # away from the identity init, so every term matters
+            p.copy_(torch.randn_like(p) / features ** 0.5 + (1 if p.dim() == 1 and kind == "norm" else 0))
+    twin = twin_of(layer).double()
+    twin.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    layer, twin = layer.to(device, dtype), twin.to(device)
+    if kind == "embedding":
+        inputs = torch.randint(0, layer.num_embeddings, lead, device=device)
+        out_features = layer.embedding_dim
+    else:
+        inputs = torch.randn(*lead, features, device=device).to(dtype)
+        out_features = getattr(layer, "out_features", features)
+    grad_out = torch.randn(*lead, out_features, device=device).to(dtype)
+    expected = per_example_sqnorms_by_loop(twin, inputs.double() if kind != "embedding" else inputs, grad_out.double())
+    x = inputs.clone().requires_grad_(True) if kind != "embedding" else inputs
+    x_twin = inputs.double().requires_grad_(True) if kind != "embedding" else inputs
+    fused = isinstance(layer, (fused_gns.PEGradNormFusedLinear, fused_gns.PEGradNormFusedLayerNorm,
+                               fused_gns.PEGradNormFusedRMSNorm))
+    if fused and (device.startswith("cuda") or fused_gns.kernels_interpreted()):
+        reason = fused_gns.kernel_unavailable_reason(inputs)
+        assert reason is None, f"{label}: the kernel would not run ({reason})"
+    with _with(*strategy) if strategy else contextlib.nullcontext():
+        layer(x).backward(grad_out)
+    twin(x_twin).backward(grad_out.double())
+    errors = []
+    for name, p in layer.named_parameters():
+        buffer = layer.pe_buffer(name)
+        assert buffer[1].item() == lead[0], f"{label}: {name} counted {buffer[1].item()} examples, not {lead[0]}"
+        errors.append(_rel_error(buffer[0], expected[name].sum()))
+        errors.append(_rel_error(p.grad, getattr(twin, name).grad))
+    if kind != "embedding":
+        errors.append(_rel_error(x.grad, x_twin.grad))
+    return max(errors)
+
+
+def check_layers(device, dtypes=None, shapes=None, out=sys.stdout):
+    """Run every case; print one line each; return the labels that failed."""
+    on_gpu = device.startswith("cuda")
+    dtypes = dtypes or [torch.float32, torch.bfloat16]
+    shapes = shapes or ([((3,), 45), ((4, 77), 200), ((2, 300), 768)] if on_gpu else [((3,), 20), ((3, 7), 40)])
+    if not on_gpu and not fused_gns.kernels_interpreted():
+        print("(Triton's interpreter is off: the fused layers check their torch fallback here)", file=out)
+    failed = []
+    for label, kind, make, twin_of, strategy in layer_cases():
+        for dtype in dtypes:
+            for lead, features in shapes:
+                try:
+                    error = check_case(label, kind, make, twin_of, strategy, device, dtype, lead, features)
+                    ok = error <= TOL[dtype]
+                    detail = f"max relative error {error:.1e} (tolerance {TOL[dtype]:.0e})"
+                except Exception as e:  # a crash is a failed check, reported with its case
+                    ok, detail = False, f"{type(e).__name__}: {e}"
+                case = f"{label}, {str(dtype).replace('torch.', '')}, input {(*lead, features)}"
+                print(f"{'ok  ' if ok else 'FAIL'} {case}: {detail}", file=out)
+                if not ok:
+                    failed.append(case)
+    return failed
+
+
+def gpu_tables(args):
+    import kernels
+    import linear_strategies
+    import step_overhead
+
+    print(f"\n## {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("### Kernels at GPT-2 shapes: `python bench/kernels.py`\n")
+    kernels.main([])
+    print("\n### Per-Linear: `python bench/linear_strategies.py --device=cuda --dtype=bfloat16 "
+          "--shapes=16,1024,768,2304;16,1024,768,768;16,1024,768,3072;16,1024,3072,768`\n")
+    linear_strategies.main(["--device=cuda", "--dtype=bfloat16",
+                            "--shapes=16,1024,768,2304;16,1024,768,768;16,1024,768,3072;16,1024,3072,768"])
+    step_args = ["--device=cuda", "--dtype=bfloat16", f"--steps={args.steps}",
+                 "--choices=nn,LayerNorm-only fused,all-layer gns,all-layer fused", *GPT2]
+    print(f"\n### GPT-2 124M step: `python bench/step_overhead.py {' '.join(step_args)}`\n")
+    step_overhead.main(step_args)
+    print("\nfused Linear, strategy timed fastest per shape (N, T, K, L): " + "; ".join(
+        f"{key[:4]} {choice if isinstance(choice, str) else 'kernel ' + str(choice)}"
+        for key, choice in fused_gns._linear_choices.items()))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check-only", action="store_true", help="run the oracle checks only")
+    parser.add_argument("--steps", type=int, default=10, help="interleaved GPT-2 steps per choice (default: 10)")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not fused_gns.kernels_interpreted() else "cpu"
+    print(f"# per-example norm layers against the brute-force oracle, on {device}")
+    failed = check_layers(device)
+    print(f"{'all checks passed' if not failed else f'{len(failed)} checks FAILED'}")
+    if failed:
+        sys.exit(1)
+    if args.check_only:
+        return
+    if device != "cuda":
+        sys.exit("gpu_report.py: the timing tables need a CUDA GPU (and TRITON_INTERPRET unset); use --check-only")
+    gpu_tables(args)
+
+
+if __name__ == "__main__":
+    main()

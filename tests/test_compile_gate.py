@@ -1,0 +1,108 @@
+"""
+The GPU compile gate (bench/compile_gate.py) and what it relies on: every Triton
+kernel at every launch configuration the glue can choose compiles for sm_80 and
+sm_90 with no register spill and shared memory within the device's limit, and
+the glue only ever launches the one specialisation the gate compiles.
+
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_compile_gate.py
+
+The gate runs in a subprocess without TRITON_INTERPRET (Triton compiles for a GPU
+target without one); the specialisation check runs the kernels in this process's
+interpreter.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import buffered
+import fused_gns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import compile_gate  # noqa: E402
+
+
+def test_gpu_compile_gate(capsys):
+    """Compiles everything (about 250 kernels on 2 cores, a minute or two) and prints the gate's summary line."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_gate.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    with capsys.disabled():  # the summary goes to the CI log
+        print("\n" + (lines[-1] if lines else "compile gate printed nothing"))
+    assert done.returncode == 0 and lines and lines[-1].startswith("compile gate:"), \
+        "\n".join(lines[-30:]) + done.stderr[-3000:]
+    assert "spills: 0; failures: 0" in lines[-1]
+
+
+def test_gate_covers_every_configuration_the_glue_returns():
+    """The pure launch-configuration functions only return what the gate compiles."""
+    jobs = set(compile_gate.all_jobs((80, 90)))
+    for arch in (80, 90):
+        capability = divmod(arch, 10)
+        for D in range(1, fused_gns.MAX_NORM_FEATURES + 1, 37):
+            block_d, num_warps = fused_gns.norm_launch_config(D)
+            assert block_d >= D and any(j.kernel == "_ln_bwd_dx_pesq" and j.arch == arch and j.num_warps == num_warps
+                                        and dict(j.constexprs)["BLOCK_D"] == block_d for j in jobs)
+        for dtype in fused_gns.KERNEL_DTYPES:
+            for tf32 in (False, True):
+                for N, T, K, L in [(16, 1024, 768, 3072), (4, 64, 40, 72), (1, 1, 8, 8), (64, 256, 768, 50257)]:
+                    choice = fused_gns.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
+                    assert choice == "gram" or choice in fused_gns.linear_candidates(dtype, capability, tf32)
+                precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
+                compiled = set()
+                for j in jobs:
+                    flags = dict(j.constexprs)
+                    if (j.kernel == "_linear_bwd_dw_pesq" and j.arch == arch and flags["INPUT_PRECISION"] == precision
+                            and j.dtype == compile_gate.TYPE_NAMES[dtype]):
+                        compiled.add((flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages))
+                for c in fused_gns.linear_candidates(dtype, capability, tf32):
+                    assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
+                    assert c.shared_bytes(dtype.itemsize) <= \
+                        fused_gns.shared_memory_limit(capability)
+
+
+@pytest.mark.skipif(not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
+@pytest.mark.parametrize("features", [40, 48, 1000])
+def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
+    """Odd widths and unaligned views: every argument Triton specialises is a 16-byte aligned tensor or a
+    multiple of 16, so the kernel that runs is the one the gate compiled."""
+    import normgnorm.layernorm
+    import normgnorm.linear
+
+    launches = []
+    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq)
+    for kernel in kernels:
+        def record(*args, kernel=kernel, **kwargs):  # the interpreter calls it with each launch's arguments
+            launches.append((kernel, dict(zip(kernel.arg_names, args))))
+
+        monkeypatch.setattr(kernel, "pre_run_hooks", [record])
+    torch.manual_seed(0)
+    base = torch.randn(3 * 5 * features + 1)
+    x = base[1:].view(3, 5, features).requires_grad_(True)  # a view 4 bytes past an aligned address
+    norm = fused_gns.PEGradNormFusedLayerNorm(features)
+    linear = fused_gns.PEGradNormFusedLinear(features, 24)
+    linear(norm(x)).sum().backward()
+    assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq"}
+    for kernel, args in launches:
+        for name in compile_gate.specialised_args(kernel):
+            value = args[name]
+            if isinstance(value, torch.Tensor):
+                assert value.data_ptr() % 16 == 0, f"{kernel.__name__}: {name} not 16-byte aligned"
+            elif isinstance(value, int):
+                assert value % 16 == 0, f"{kernel.__name__}: {name} = {value} not a multiple of 16"
+    # and the numbers are still right: the zero padding added nothing
+    reference = buffered.PEGradNormLinear(features, 24)
+    reference.load_state_dict(linear.state_dict())
+    xr = x.detach().clone().requires_grad_(True)
+    ln = buffered.PEGradNormLayerNorm(features)
+    reference(ln(xr)).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(linear.weight.grad, reference.weight.grad, rtol=1e-4, atol=1e-5)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(linear.pe_buffer(name), reference.pe_buffer(name), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(norm.pe_buffer(name), ln.pe_buffer(name), rtol=1e-4, atol=1e-6)
