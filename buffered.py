@@ -609,8 +609,9 @@ class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
     per-example norms.
 
     weight_offset = 1 is Gemma's RMSNorm, whose weight starts at 0 and scales by (1 + weight); example i's
-    gradient of (offset + weight) is its gradient of weight, so the norms are the same. eps=None is the input
-    dtype's machine epsilon, as in F.rms_norm.
+    gradient of (offset + weight) is its gradient of weight, so the norms are the same. eps=None is the
+    machine epsilon of the dtype F.rms_norm computes in, as in F.rms_norm (with an offset that is float32 at
+    least: the input is promoted, as Gemma does).
     """
 
     pe_kind = "RMSNorm"

@@ -16,7 +16,8 @@ per-example norm layers, only more than one rank.
 
 The log gets each step's raw quantities under ddp/ (sq_norm_small, sq_norm_large,
 small_batch_size, big_batch_size); gns-analysis.py forms the EMAs with its own
---alpha, as for every GNS it prints (`unbiased_stats` below is the estimator).
+--alpha, as for every GNS it prints (the estimator is gnstracking.two_batch_stats, the
+one behind the per-example GNS too, with b = 1 there).
 
 Usage:
 
@@ -34,26 +35,8 @@ the DDP model first, as train.py does.
 
 import math
 
-import numpy as np
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-
-def unbiased_stats(sq_norm_small, sq_norm_large, small_batch_size, big_batch_size):
-    """(|G|^2, tr(Sigma)) of each step from a small- and a big-batch squared norm (app. A of
-    arXiv 1812.06162); NaN where the batch sizes do not satisfy B > b > 0 (one rank). Floats,
-    numpy arrays and pandas Series alike."""
-    b = np.asarray(small_batch_size, dtype=np.float64)
-    B = np.asarray(big_batch_size, dtype=np.float64)
-    valid = (B > b) & (b > 0)
-    b_safe, B_safe = np.where(valid, b, 1.0), np.where(valid, B, 2.0)
-    gtg = np.where(valid, (B_safe * sq_norm_large - b_safe * sq_norm_small) / (B_safe - b_safe), np.nan)
-    trsigma = np.where(valid, (sq_norm_small - sq_norm_large) / (1.0 / b_safe - 1.0 / B_safe), np.nan)
-    if np.ndim(gtg) == 0:
-        return float(gtg), float(trsigma)
-    if hasattr(sq_norm_small, "index"):  # keep a pandas Series a Series
-        return type(sq_norm_small)(gtg, index=sq_norm_small.index), type(sq_norm_small)(trsigma, index=sq_norm_small.index)
-    return gtg, trsigma
 
 
 class DDPGradientStatsHook:

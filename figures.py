@@ -59,18 +59,21 @@ def phase_plot(out_dir, alpha=0.95):
 def per_layer_gns(out_dir, alpha=0.95):
     """DataFrame: GNS over steps for every tracked parameter and for every transformer block.
 
-    Columns: tokens_processed, one per parameter name, and `block <i>` for the sum over block i's parameters
+    Columns: the x-axis (tokens_processed, or examples_processed for a log without tokens, as gns-analysis.py;
+    `table.attrs["x"]` names it), one per parameter name, and `block <i>` for the sum over block i's parameters
     (the blocks gns-analysis.py uses, the same numbers as its gns_block_<i> columns). `table.attrs["groups"]`:
     {name: group}.
     """
     df, _, chosen, facts = gns_analysis.load_measurements(out_dir)
-    out = {"tokens_processed": df["tokens_processed"] if "tokens_processed" in df else df["step"]}
+    x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
+    out = {x: df[x] if x in df else df[[c["batch_size"] for c in chosen.values()]].max(axis=1).cumsum()}
     for name, columns in chosen.items():
         out[name] = gns_analysis.estimate(df, {name: columns}, alpha)["gns"]
     for index, members in gns_analysis.blocks_of(chosen, facts).items():
         out[f"block {index}"] = gns_analysis.estimate(df, members, alpha)["gns"]
     table = pd.DataFrame(out).reset_index(drop=True)
     table.attrs["groups"] = {name: group for name, (group, _) in facts.items()}
+    table.attrs["x"] = x
     return table
 
 
@@ -78,12 +81,12 @@ def per_layer_figure(out_dir, alpha=0.95):
     """Left: GNS of each block over tokens. Right: the final GNS of every parameter."""
     table = per_layer_gns(out_dir, alpha)
     blocks = [c for c in table.columns if c.startswith("block ")]
-    params = [c for c in table.columns if c != "tokens_processed" and c not in blocks]
+    params = [c for c in table.columns if c != table.attrs["x"] and c not in blocks]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, max(4, 0.22 * len(params))),
                                       gridspec_kw={"width_ratios": [1, 1.3]})
     for column in blocks:
-        left.plot(table["tokens_processed"], table[column], label=column)
-    left.set(xlabel="tokens", ylabel="GNS", yscale="log", title="GNS per block")
+        left.plot(table[table.attrs["x"]], table[column], label=column)
+    left.set(xlabel=table.attrs["x"].split("_")[0], ylabel="GNS", yscale="log", title="GNS per block")
     if blocks:
         left.legend(fontsize=8)
     final = table[params].ffill().iloc[-1]

@@ -45,7 +45,7 @@ the whole gradient's norm): it is left out. With a record, every recorded
 parameter counts (an untied wte or lm_head is an ordinary parameter).
 
 DDP: train.py logs each step's raw cross-rank quantities under ddp/; the DDP
-GNS is formed here from them with the same --alpha (ddpgns.unbiased_stats).
+GNS is formed here from them with the same --alpha (gnstracking.two_batch_stats).
 (A log of the paper's reference code has only its own `ddp/gns`: shown as logged.)
 
 The x-axis is tokens (`tokens_processed`) where the log has them, else examples
@@ -85,9 +85,8 @@ import sys
 import numpy as np
 import pandas as pd
 
-import ddpgns
 from csv_tools import load_csv
-from gnstracking import gns_from_emas, read_parameter_record, unbiased_stats
+from gnstracking import gns_from_emas, read_parameter_record, two_batch_stats, unbiased_stats
 from plot import save_png, terminal_plot
 
 GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
@@ -333,7 +332,7 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
         results[f"gns_{g.lower()}"] = estimate(df, members, alpha)["gns"] if members else np.nan
     ddp_raw = ["ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size"]
     if all(c in df for c in ddp_raw):
-        gtg, trsigma = ddpgns.unbiased_stats(*(df[c] for c in ddp_raw))
+        gtg, trsigma = two_batch_stats(*(df[c] for c in ddp_raw))
         finite = np.isfinite(gtg) & np.isfinite(trsigma)
         results["ddp_gns"] = gns_from_emas(ema(gtg.where(finite), alpha), ema(trsigma.where(finite), alpha))
     elif "ddp/gns" in df:  # the paper's reference code logs only its own EMA's GNS: shown as logged

@@ -50,11 +50,33 @@ PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv: what each tracked par
 APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
 
 
-def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
-    """Unbiased |G|^2 and tr(Sigma) from one step's squared norms.
+def two_batch_stats(sq_norm_small, sq_norm_big, small_batch_size, big_batch_size):
+    """Unbiased |G|^2 and tr(Sigma) from the squared norms of a small-batch and a big-batch gradient.
 
-    McCandlish et al. 2018 (arXiv 1812.06162) eq. A.2 with B_small = 1, i.e. the
-    Bessel-corrected sample statistics of the per-example gradients:
+    McCandlish et al. 2018 (arXiv 1812.06162) eq. A.2, with b examples in each small
+    batch (|g_b|^2 their mean squared norm) and B in the big one:
+        |G|^2     = (B * |g_B|^2 - b * |g_b|^2) / (B - b)
+        tr(Sigma) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
+    Works on floats, numpy arrays and pandas Series alike (a Series stays a Series).
+    Returns (gtg, trsigma), both NaN where B > b > 0 does not hold.
+    """
+    b = np.asarray(small_batch_size, dtype=np.float64)
+    B = np.asarray(big_batch_size, dtype=np.float64)
+    valid = (B > b) & (b > 0)
+    b_safe, B_safe = np.where(valid, b, 1.0), np.where(valid, B, 2.0)
+    gtg = np.where(valid, (B_safe * sq_norm_big - b_safe * sq_norm_small) / (B_safe - b_safe), np.nan)
+    trsigma = np.where(valid, (sq_norm_small - sq_norm_big) / (1.0 / b_safe - 1.0 / B_safe), np.nan)
+    if np.ndim(gtg) == 0:
+        return float(gtg), float(trsigma)
+    for series in (sq_norm_big, sq_norm_small):
+        if hasattr(series, "index"):
+            return type(series)(gtg, index=series.index), type(series)(trsigma, index=series.index)
+    return gtg, trsigma
+
+
+def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
+    """Unbiased |G|^2 and tr(Sigma) from one step's squared norms: `two_batch_stats` with small batches
+    of one example, i.e. the Bessel-corrected sample statistics of the per-example gradients:
         |G|^2     = (B * |g_B|^2 - mean_i |g_i|^2) / (B - 1)
         tr(Sigma) = (mean_i |g_i|^2 - |g_B|^2) / (1 - 1/B)
 
@@ -66,16 +88,7 @@ def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
         (gtg, trsigma). Both are NaN where B <= 1: one example gives no
         estimate of the noise, so the GNS is undefined there.
     """
-    batch_size = np.asarray(batch_size, dtype=np.float64) if not np.isscalar(batch_size) else float(batch_size)
-    valid = batch_size > 1
-    safe_b = np.where(valid, batch_size, 2.0)
-    gtg = np.where(valid, (safe_b * sq_norm - pe_sqnorm) / (safe_b - 1.0), np.nan)
-    trsigma = np.where(valid, (pe_sqnorm - sq_norm) / (1.0 - 1.0 / safe_b), np.nan)
-    if np.ndim(gtg) == 0:
-        return float(gtg), float(trsigma)
-    if hasattr(sq_norm, "index"):  # keep a pandas Series a Series
-        return type(sq_norm)(gtg, index=sq_norm.index), type(sq_norm)(trsigma, index=sq_norm.index)
-    return gtg, trsigma
+    return two_batch_stats(pe_sqnorm, sq_norm, 1, batch_size)
 
 
 def gns_from_emas(gtg_ema, trsigma_ema):
@@ -397,20 +410,29 @@ class MeasurementTracker:
             counts = buffers[0][0].double().reshape(-1, 2)[:, 1]  # every term counts the same examples
             rows.append(torch.stack([whole_sq, sharded_sq, (table[:, 0] * counts ** 2).sum(), counts.max()]))
         values = torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
-        if rows and _world_size() > 1:
+        # GradScaler skips the step when any gradient is inf/nan: the untracked ones are checked in the same
+        # all-reduce and sync (a sharded gradient's inf may sit on another rank's shard)
+        other_sq = self._untracked_sq_norm(values.device) if self._scaler_on() else None
+        if other_sq is not None:
+            values = torch.cat([values, torch.stack([torch.zeros((), dtype=torch.float64, device=values.device),
+                                                     other_sq, torch.zeros_like(other_sq), torch.zeros_like(other_sq)])[None]])
+        if len(values) and _world_size() > 1:
             summed = values[:, 1:].clone()
             torch.distributed.all_reduce(summed)
             values = torch.cat([values[:, :1], summed], dim=1)
-        values = torch.stack([values[:, 0] + values[:, 1], values[:, 2], values[:, 3]], dim=1)
-        if not self._scaler_on():
-            return values.cpu(), True, no_grad
-        # GradScaler skips the step when any gradient is inf/nan: check them all in the same sync
+        values = torch.stack([values[:, 0] + values[:, 1], values[:, 2], values[:, 3]], dim=1).cpu()
+        if other_sq is None:
+            return values, True, no_grad
+        return values[:-1], bool(torch.isfinite(values[:, 0]).all()), no_grad
+
+    def _untracked_sq_norm(self, device):
+        """Sum of the squared norms of the gradients of the untracked parameters (their local shards under FSDP2)."""
         tracked_ids = {id(ref.get()) for _, ref, _ in self.tracked}
         grads = [p.grad for p in self.model.parameters() if id(p) not in tracked_ids and p.grad is not None]
         grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
-        other_sq = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).double().sum() if grads else torch.zeros((), dtype=torch.float64)
-        flat = torch.cat([values[:, 0].reshape(-1).to(other_sq.device), other_sq.reshape(1)]).cpu()
-        return values.cpu(), bool(torch.isfinite(flat).all()), no_grad
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).double().sum().to(device)
 
     def _count_error(self, name, count, batch_size):
         """The ValueError for a buffer that counted `count` examples in a step of `batch_size`."""
@@ -438,6 +460,9 @@ class MeasurementTracker:
             self.step_count += 1
             return []
         scale = self.scaler.get_scale() if self._scaler_on() else 1.0
+        # a count of k x B means k uses per example only beside parameters that counted B; when none did,
+        # batch_size itself is wrong (e.g. the micro-batch size, or one rank's share), which is an error
+        some_counted_batch_size = any(count == batch_size for count in values[:, 2].tolist())
         measurements = []
         for (name, _, _), (grad_sq, pe_sqnorm_sum, count) in zip(self.tracked, values.tolist()):
             if count == 0:
@@ -448,7 +473,7 @@ class MeasurementTracker:
                     f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
                     f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
                     f"the tracker was made, make the tracker again (frozen parameters are not tracked)")
-            if count != batch_size and count % batch_size == 0 and name not in self.dropped:
+            if count != batch_size and count % batch_size == 0 and some_counted_batch_size and name not in self.dropped:
                 warnings.warn(f"GNS: {name} recorded {count / batch_size:.0f} uses per example (a module or bank slice "
                               "used more than once per forward, e.g. shared across depth); the norm of the summed "
                               "gradient needs the cross terms between uses, so it is no longer tracked")

@@ -164,6 +164,8 @@ def link_tied_parameters(model):
         modules = {id(m): (n, m, p) for n, m, p in uses}
         if len(modules) != 2:
             continue  # not shared, or one module registered twice (a shared module: one use)
+        if not getattr(uses[0][1], uses[0][2]).requires_grad:
+            continue  # frozen: no gradient, so no cross term to pay for (the tracker skips it as frozen)
         (_, a, pa), (_, b, pb) = modules.values()
         embedding, linear = (a, b) if isinstance(a, nn.Embedding) else (b, a)
         p_emb, p_lin = (pa, pb) if embedding is a else (pb, pa)

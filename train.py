@@ -274,7 +274,8 @@ with lc.set_contextual_config(**layer_classes):
             raise SystemExit(f"train.py: cannot resume: no checkpoint {ckpt_path} (the run stopped before its first "
                              f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir")
         try:
-            checkpoint = torch.load(ckpt_path, map_location='cpu' if fsdp else device, weights_only=False)
+            # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
+            checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
             missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
         except Exception as e:
             checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]

@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
-from buffered import PEGradNormLayerNorm  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
@@ -57,10 +56,9 @@ def main(argv=None):
     # gns: swap Conv1D, Linear, Embedding and LayerNorm for per-example norm layers
     tracker = layer_config.convert(model)
     assert not tracker.unconverted and not tracker.skipped, (tracker.unconverted, tracker.skipped)
-    norm_names = {f"{path}.{name}" for path, module in model.named_modules() if isinstance(module, PEGradNormLayerNorm)
-                  for name, _ in module.named_parameters()}
     log = LogWrapper(out_dir=args.out_dir)
     gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    norm_names = [name for name, facts in gns.tracker.describe().items() if facts["kind"] == "LayerNorm"]
     norm_gns = gnstracking.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -29,7 +29,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
-from buffered import PEGradNormRMSNorm  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
@@ -57,9 +56,9 @@ def main(argv=None):
     # gns: swap Linear, Embedding and (after the probe) LlamaRMSNorm for per-example norm layers
     tracker = layer_config.convert(model)
     assert not tracker.unconverted and not tracker.skipped, (tracker.unconverted, tracker.skipped)
-    norm_names = {f"{path}.weight" for path, module in model.named_modules() if isinstance(module, PEGradNormRMSNorm)}
     log = LogWrapper(out_dir=args.out_dir)
     gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    norm_names = [name for name, facts in gns.tracker.describe().items() if facts["kind"] == "RMSNorm"]
     norm_gns = gnstracking.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

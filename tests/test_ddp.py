@@ -49,6 +49,7 @@ def test_fsdp2_trackers_made_before_and_after_sharding_match_one_process(tmp_pat
     modules at each read, adds the shards' squared gradient norms and the ranks' per-example sums in one all-reduce."""
     single = run_worker(tmp_path, "single")
     fsdp = run_worker(tmp_path, "fsdp", nproc=2, engine="fsdp")
+    assert fsdp["inf_on_rank_1_seen"]  # a GradScaler's skip is decided on every rank's shards
     for when in ("before", "after"):
         assert set(fsdp[when]) == set(single) and len(single) > 30, when
         for key, value in single.items():

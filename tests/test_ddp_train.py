@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-import ddpgns
+from gnstracking import two_batch_stats, unbiased_stats
 from conftest import GNS_LAYERS, TINY, run_script
 from csv_tools import load_csv
 
@@ -71,9 +71,11 @@ def test_two_ranks_follow_a_gns_batch_schedule_together(tmp_path):
 
 def test_gradient_noise_scale_estimator_recovers_known_statistics():
     """E|g_b|^2 = |G|^2 + tr(Sigma) / b: with |G|^2 = 2, tr(Sigma) = 8, b = 4, B = 16 the inputs are 4 and 2.5."""
-    gtg, trsigma = ddpgns.unbiased_stats(4.0, 2.5, 4, 16)
+    gtg, trsigma = two_batch_stats(4.0, 2.5, 4, 16)
     assert gtg == pytest.approx(2.0) and trsigma == pytest.approx(8.0)
-    assert all(math.isnan(v) for v in ddpgns.unbiased_stats(4.0, 2.5, 16, 16))  # one rank: no small batch
+    assert all(math.isnan(v) for v in two_batch_stats(4.0, 2.5, 16, 16))  # one rank: no small batch
+    # with small batches of one example it is the per-example estimator
+    assert two_batch_stats(10.0, 2.0, 1, 4) == unbiased_stats(2.0, 10.0, 4)
 
 
 @pytest.mark.slow

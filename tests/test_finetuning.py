@@ -212,3 +212,28 @@ def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     measurements = measure(tracker, model, ids, targets, micro_batches=1)
     assert set(measurements) == {"wte.weight", "wpe.weight"}
     assert_matches_brute_force(model, measurements, ids, targets)
+
+
+def test_a_frozen_tied_matrix_costs_nothing_and_is_listed_frozen():
+    """A tied wte/lm_head frozen for fine-tuning: no cross-term hooks (their backward is O(B T^2 D)), listed frozen."""
+    import tied
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(VOCAB, D)
+            self.ln = nn.LayerNorm(D)
+            self.head = nn.Linear(D, VOCAB, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.head(self.ln(self.wte(ids)))
+
+    model = Tied()
+    model.wte.weight.requires_grad_(False)
+    tracker = lc.convert(model)
+    assert tied.link_tied_parameters(model) == {} and not model.head._forward_hooks
+    assert tracker.skipped["wte.weight"].startswith("frozen")
+    ids, targets = data(3)
+    measurements = measure(tracker, model, ids, targets, micro_batches=1)
+    assert set(measurements) == {"ln.weight", "ln.bias"}

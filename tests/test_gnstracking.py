@@ -258,3 +258,18 @@ def test_a_parametrized_weight_is_skipped_with_the_reason():
     name = "transformer.h.1.attn.c_attn.parametrizations.weight.original"
     assert tracker.skipped[name].startswith("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm)")
     assert "transformer.h.0.attn.c_attn.weight" in [t.name for t in tracker.tracked]
+
+
+def test_a_wrong_batch_size_is_an_error_not_a_dropped_parameter():
+    """Two micro-batches of 4 read with batch_size=4 (the micro-batch, not the step): every buffer counted 8.
+    That is no module used twice (nothing counted 4), so the tracker raises instead of dropping them all."""
+    import layer_config as lc
+
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
+    gns = gnstracking.GNSMonitor(lc.convert(model).model)
+    for _ in range(2):
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+    with pytest.raises(ValueError, match=r"0.weight's buffer counted 8 examples but step\(batch_size=4\); pass the "
+                                         r"number of examples of the whole step"):
+        gns.step(batch_size=4)
+    assert not gns.tracker.dropped

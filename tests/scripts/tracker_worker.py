@@ -29,6 +29,27 @@ import layer_config as lc  # noqa: E402
 GLOBAL_BATCH, MICRO_BATCH, BLOCK, VOCAB = 8, 2, 12, 29
 
 
+class FakeScaler:
+    """What the tracker asks of a GradScaler: on, scale 1."""
+
+    def is_enabled(self):
+        return True
+
+    def get_scale(self):
+        return 1.0
+
+
+def inf_seen(model):
+    """An inf in rank 1's shard of an untracked parameter's gradient (ln_f's, treated as untracked here): the
+    scaler would skip the step on every rank, so every rank's tracker must see it (it is all-reduced)."""
+    tracked = [t for t in gnstracking.find_tracked_parameters(model)[0] if "ln_f" not in t.name]
+    tracker = gnstracking.MeasurementTracker(model, tracked, scaler=FakeScaler())
+    if dist.get_rank() == 1:
+        model.transformer.ln_f.weight.grad.to_local()[0] = float("inf")
+    _, finite, _ = tracker.read()
+    return not finite
+
+
 def main(out_path, engine="ddp"):
     ddp = "RANK" in os.environ
     if ddp:
@@ -61,7 +82,7 @@ def main(out_path, engine="ddp"):
     result = accumulate.get_msg()
     if after is not None:
         after.step(batch_size=GLOBAL_BATCH)
-        result = {"before": result, "after": accumulate_after.get_msg()}
+        result = {"before": result, "after": accumulate_after.get_msg(), "inf_on_rank_1_seen": inf_seen(model)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
