@@ -250,7 +250,7 @@ def linear_weight_grad_and_pe_sqnorm(x, grad_out, strategy=None):
     return grad_weight.to(x.dtype), weight_sq
 
 
-def embedding_pe_sqnorm(ids, grad_out, num_embeddings):
+def embedding_pe_sqnorm(ids, grad_out, num_embeddings, padding_idx=None):
     """Per-example squared norms of an Embedding's weight gradient.
 
     Rows of one example that hit the same token add up before squaring. Each
@@ -261,6 +261,7 @@ def embedding_pe_sqnorm(ids, grad_out, num_embeddings):
         ids: token ids (N, ...).
         grad_out: output gradient (N, ..., D).
         num_embeddings: vocabulary size V.
+        padding_idx: the row that gets no gradient (nn.Embedding's padding_idx), or None.
     Returns:
         weight_sq (N,), float32 (float64 for float64 grads).
     """
@@ -268,6 +269,8 @@ def embedding_pe_sqnorm(ids, grad_out, num_embeddings):
     N = ids.shape[0]
     ids = ids.reshape(N, -1)  # (N, T)
     g = _per_example(grad_out).to(dtype)  # (N, T, D)
+    if padding_idx is not None:
+        g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
     example = torch.arange(N, device=ids.device).unsqueeze(1).expand_as(ids)
     pair = (example * num_embeddings + ids).reshape(-1)  # one key per (example, token)
     unique_pairs, pair_index = torch.unique(pair, return_inverse=True)
@@ -328,17 +331,18 @@ class _LinearShim(torch.autograd.Function):
 
 class _EmbeddingShim(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, out, ids, num_embeddings, weight_buffer):
+    def forward(ctx, out, ids, num_embeddings, padding_idx, weight_buffer):
         ctx.save_for_backward(ids)
-        ctx.num_embeddings, ctx.weight_buffer = num_embeddings, weight_buffer
+        ctx.num_embeddings, ctx.padding_idx, ctx.weight_buffer = num_embeddings, padding_idx, weight_buffer
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
         if ctx.weight_buffer is not None:
-            accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, ctx.num_embeddings))
-        return grad_out, None, None, None
+            weight_sq = embedding_pe_sqnorm(ids, grad_out, ctx.num_embeddings, ctx.padding_idx)
+            accumulate_pe_sqnorm(ctx.weight_buffer, weight_sq)
+        return grad_out, None, None, None, None
 
 
 class _LayerNormShim(torch.autograd.Function):
@@ -400,21 +404,23 @@ class _LinearFunction(torch.autograd.Function):
 
 class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, weight_buffer):
+    def forward(ctx, ids, weight, padding_idx, weight_buffer):
         ctx.save_for_backward(ids)
-        ctx.weight_shape, ctx.weight_buffer = weight.shape, weight_buffer
+        ctx.weight_shape, ctx.padding_idx, ctx.weight_buffer = weight.shape, padding_idx, weight_buffer
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         if not ctx.needs_input_grad[1]:  # a frozen embedding: no gradient, no norms
-            return None, None, None
+            return None, None, None, None
         (ids,) = ctx.saved_tensors
         num_embeddings, dim = ctx.weight_shape
         grad_weight = torch.zeros(ctx.weight_shape, dtype=grad_out.dtype, device=grad_out.device)
         grad_weight.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, dim))
-        accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, num_embeddings))
-        return None, grad_weight, None
+        if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
+            grad_weight[ctx.padding_idx] = 0
+        accumulate_pe_sqnorm(ctx.weight_buffer, embedding_pe_sqnorm(ids, grad_out, num_embeddings, ctx.padding_idx))
+        return None, grad_weight, None, None
 
 
 class _AffineFunction(torch.autograd.Function):
@@ -520,13 +526,13 @@ def note_single_row_input(embedding, ids):
         embedding._pe_single_row_input = True
 
 
-_PLAIN_EMBEDDING_DEFAULTS = dict(padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+_PLAIN_EMBEDDING_DEFAULTS = dict(max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
 
 
 def _check_plain_embedding(kwargs):
     unsupported = [k for k, v in kwargs.items()
                    if k in _PLAIN_EMBEDDING_DEFAULTS and v != _PLAIN_EMBEDDING_DEFAULTS[k]
-                   or k not in _PLAIN_EMBEDDING_DEFAULTS and k not in ("device", "dtype")]
+                   or k not in _PLAIN_EMBEDDING_DEFAULTS and k not in ("padding_idx", "device", "dtype")]
     if unsupported:
         raise ValueError(f"per-example norm Embedding does not support {sorted(unsupported)}; "
                          f"use embeddingclass='nn' for such an embedding")
@@ -544,8 +550,8 @@ class PEGradNormShimEmbedding(PESqNormBuffersMixin, nn.Embedding):
 
     def forward(self, ids):
         note_single_row_input(self, ids)
-        out = F.embedding(ids, self.weight)
-        return _EmbeddingShim.apply(out, ids, self.num_embeddings, self.pe_buffer("weight"))
+        out = F.embedding(ids, self.weight, self.padding_idx)
+        return _EmbeddingShim.apply(out, ids, self.num_embeddings, self.padding_idx, self.pe_buffer("weight"))
 
 
 class PEGradNormEmbedding(PESqNormBuffersMixin, nn.Embedding):
@@ -560,7 +566,7 @@ class PEGradNormEmbedding(PESqNormBuffersMixin, nn.Embedding):
 
     def forward(self, ids):
         note_single_row_input(self, ids)
-        return _EmbeddingFunction.apply(ids, self.weight, self.pe_buffer("weight"))
+        return _EmbeddingFunction.apply(ids, self.weight, self.padding_idx, self.pe_buffer("weight"))
 
 
 class _PEGradNormLayerNormBase(PESqNormBuffersMixin, nn.Module):

@@ -75,9 +75,11 @@ def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None):
         return _LinearFunction.apply(x, weight, bias, weight_buffer, bias_buffer)
 
 
-def embedding(ids, weight, weight_buffer=None):
-    """F.embedding(ids, weight) (no padding_idx / max_norm), recording per-example norms of the weight gradient."""
-    return _EmbeddingFunction.apply(ids, weight, weight_buffer)
+def embedding(ids, weight, weight_buffer=None, padding_idx=None):
+    """F.embedding(ids, weight, padding_idx) (no max_norm), recording per-example norms of the weight gradient."""
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]  # F.embedding's convention
+    return _EmbeddingFunction.apply(ids, weight, padding_idx, weight_buffer)
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=None):

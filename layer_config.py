@@ -138,9 +138,8 @@ def _known_classes():
 def _convertible(module, kind):
     """None if `module` (exactly of a known `kind` class) can be swapped, else the reason it cannot."""
     if kind == "Embedding":
-        plain = (module.padding_idx is None and module.max_norm is None and not module.scale_grad_by_freq
-                 and not module.sparse)
-        return None if plain else "nn.Embedding with padding_idx, max_norm, scale_grad_by_freq or sparse"
+        plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
+        return None if plain else "nn.Embedding with max_norm, scale_grad_by_freq or sparse"
     if kind in ("LayerNorm", "RMSNorm") and len(module.normalized_shape) != 1:
         return f"{kind} over {len(module.normalized_shape)} dims (per-example norm layers normalise the last dim)"
     return None
@@ -152,6 +151,8 @@ def _known_options(module, kind):
         return dict(eps=module.eps)
     if kind == "RMSNorm":
         return dict(eps=module.eps if module.eps is not None else torch.finfo(module.weight.dtype).eps)
+    if kind == "Embedding":
+        return dict(padding_idx=module.padding_idx)
     return {}
 
 
@@ -163,7 +164,7 @@ def new_layer(cls, kind, params, options=None):
     if kind in ("Linear", "Conv1D"):  # Linear(in, out) with weight (out, in); Conv1D(nf=out, nx=in) with (in, out)
         new = cls(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
     elif kind == "Embedding":
-        new = cls(*weight.shape, device="meta")
+        new = cls(*weight.shape, padding_idx=options.get("padding_idx"), device="meta")
     elif kind == "LayerNorm":
         new = cls(weight.shape[0], bias=has_bias, eps=options["eps"], device="meta")
     else:  # RMSNorm

@@ -39,8 +39,9 @@ CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_upegsqnorm`: ends i
 class _ForwardPass:
     """What one forward of the embedding leaves for the output layer: the ids, and P once it is computed."""
 
-    def __init__(self, ids):
+    def __init__(self, ids, padding_idx):
         self.ids = ids
+        self.padding_idx = padding_idx  # tokens the embedding gives no gradient: no cross term either
         self.p = None
 
 
@@ -57,6 +58,8 @@ class _TiedEmbeddingNode(torch.autograd.Function):
         p, ctx.forward_pass.p = ctx.forward_pass.p, None
         if p is not None:  # None: the output layer took no part in this backward, so the cross term is 0
             delta = grad_out.reshape(p.shape).to(p.dtype)
+            if ctx.forward_pass.padding_idx is not None:
+                delta = delta.masked_fill((ctx.forward_pass.ids == ctx.forward_pass.padding_idx).unsqueeze(-1), 0)
             accumulate_pe_sqnorm(ctx.cross_buffer, (delta * p).sum(dim=(1, 2)))
         return grad_out, None, None
 
@@ -123,7 +126,8 @@ class TiedParameter:
         ids = args[0]
         if not torch.is_grad_enabled():
             return None
-        self._current = _ForwardPass(ids.reshape(ids.shape[0], -1) if ids.dim() > 1 else ids.reshape(-1, 1))
+        ids = ids.reshape(ids.shape[0], -1) if ids.dim() > 1 else ids.reshape(-1, 1)
+        self._current = _ForwardPass(ids, module.padding_idx)
         return _TiedEmbeddingNode.apply(out, self._current, self.embedding._buffers[self._cross_buffer_name])
 
     def _after_linear(self, module, args, out):

@@ -35,7 +35,7 @@ def plain_twin(module):
     if isinstance(module, nn.Linear):
         twin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
     elif isinstance(module, nn.Embedding):
-        twin = nn.Embedding(module.num_embeddings, module.embedding_dim)
+        twin = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx)
     else:
         twin = nn.LayerNorm(module.normalized_shape, eps=module.eps, bias=module.bias is not None)
     twin.double().load_state_dict(module.state_dict())  # float64 first: no rounding through float32
@@ -198,10 +198,13 @@ def test_functional_linear_frozen_transposed_weight():
 
 @pytest.mark.parametrize("cls", EMBEDDINGS)
 @pytest.mark.parametrize("lead", [(3,), (1,), (3, 17), (2, 3, 4)])
-def test_embedding_matches_oracle_and_plain_grads(cls, lead):
+@pytest.mark.parametrize("padding_idx", [None, 3, -2])  # -2: row 9, counted from the end as torch does
+def test_embedding_matches_oracle_and_plain_grads(cls, lead, padding_idx):
     torch.manual_seed(0)
-    module = cls(11, 6).double()
+    module = cls(11, 6, padding_idx=padding_idx).double()
     ids = torch.randint(0, 11, lead)  # 17 draws from 11 ids: repeats within an example
+    if padding_idx is not None:
+        ids.view(-1)[::2] = module.padding_idx  # padding in every example: it must add nothing
     grad_out = torch.randn(*lead, 6)
     check_against_oracle(module, ids, grad_out, torch.float64)
     twin = plain_twin(module)
@@ -352,6 +355,8 @@ def test_buffers_stay_float32_when_cast():
 
 
 def test_embedding_rejects_options_it_cannot_honour():
-    with pytest.raises(ValueError, match="padding_idx"):
-        PEGradNormEmbedding(10, 4, padding_idx=0)
-    PEGradNormShimEmbedding(10, 4, padding_idx=None)  # the default is fine
+    with pytest.raises(ValueError, match="max_norm"):
+        PEGradNormEmbedding(10, 4, max_norm=1.0)
+    with pytest.raises(ValueError, match="scale_grad_by_freq"):
+        PEGradNormShimEmbedding(10, 4, scale_grad_by_freq=True)
+    PEGradNormShimEmbedding(10, 4, max_norm=None)  # the default is fine

@@ -34,7 +34,7 @@ class Nested(nn.Module):
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.emb.weight
         self.conv = nn.Conv1d(d, d, 1)  # no per-example norm class: listed
-        self.padded = nn.Embedding(4, d, padding_idx=0)  # unsupported option: listed
+        self.padded = nn.Embedding(4, d, max_norm=1.0)  # unsupported option: listed
 
     def forward(self, ids):
         h = self.emb(ids)
@@ -190,6 +190,71 @@ def test_functional_embedding_and_norms():
     expected = per_example_by_loop(model, ids, g)
     for name in expected:
         assert recorded[name] == pytest.approx(expected[name], rel=1e-6), name
+
+
+@pytest.mark.parametrize("padding_idx", [2, -1])
+def test_functional_embedding_with_padding_idx(padding_idx):
+    """The padding row gets no gradient (as F.embedding's), so padding tokens add nothing to any example's norm."""
+    torch.manual_seed(0)
+    table = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
+    buffer = torch.zeros(2)
+    ids = torch.randint(0, 11, (4, 9))
+    ids[:, ::3] = padding_idx % 11
+    g = torch.randn(4, 9, 6, dtype=torch.float64)
+    functional.embedding(ids, table, buffer, padding_idx=padding_idx).backward(g)
+    expected_grad, table.grad = table.grad, None
+    expected = 0.0
+    for i in range(ids.shape[0]):
+        F.embedding(ids[i:i + 1], table, padding_idx=padding_idx).backward(g[i:i + 1])
+        expected += table.grad.pow(2).sum().item()
+        if i == 0:
+            assert table.grad[padding_idx].abs().sum() == 0
+        table.grad = None
+    F.embedding(ids, table, padding_idx=padding_idx).backward(g)
+    torch.testing.assert_close(expected_grad, table.grad)
+    assert buffer[0].item() == pytest.approx(expected, rel=1e-6) and buffer[1] == 4
+
+
+class PaddedTiedLM(nn.Module):
+    """An embedding with a padding row, tied to the output layer (as transformers builds one with pad_token_id)."""
+
+    def __init__(self, vocab=13, d=6, padding_idx=0):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=padding_idx)
+        self.mlp = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        return self.head(h + self.mlp(h))
+
+
+@pytest.mark.parametrize("classes", [("gns", "gns", "gns"), ("shim", "shim", "shim")], ids="-".join)
+@pytest.mark.parametrize("shape", [(5, 7), (1, 7)], ids=str)
+def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
+    """Padding tokens in the input: their rows of the tied matrix get gradient from the head only."""
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = PaddedTiedLM().double()
+        if not tied:
+            model.head.weight = nn.Parameter(model.emb.weight.detach().clone())
+        tracker = lc.convert(model, *classes)
+        assert not tracker.unconverted and model.emb.padding_idx == 0
+        assert type(model.emb).__name__.startswith("PEGradNorm")
+        gen = torch.Generator().manual_seed(1)
+        ids, targets = torch.randint(0, 13, (2, *shape), generator=gen)
+        ids[:, ::2] = 0  # padding in every example
+        B = shape[0]
+        for part in ([slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]):
+            (loss_fn(model, ids[part], targets[part]) * ids[part].shape[0] / B).backward()
+        measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+        model.zero_grad(set_to_none=True)
+        expected = brute_force_pe(model, ids, targets)
+        assert ("emb.weight+head.weight" in measurements) == tied
+        assert len(measurements) == len(expected)
+        for name, m in measurements.items():
+            assert m.small_batch_norm ** 2 == pytest.approx(expected[name.split("+")[0]], rel=1e-6), (tied, name)
 
 
 def test_functional_under_bf16_autocast_within_tolerance():

@@ -136,6 +136,29 @@ def test_bf16_autocast_close_to_float32(name):
         assert m.small_batch_norm == pytest.approx(want[param].small_batch_norm, rel=3e-2), param
 
 
+def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
+    """pad_token_id makes transformers build nn.Embedding(..., padding_idx): converted, and padding tokens in the
+    input add nothing to the embedding's side of the tied matrix (float64, 2 uneven micro-batches)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T, pad_token_id=2,
+                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).double()
+    assert model.model.embed_tokens.padding_idx == 2 and model.lm_head.weight is model.model.embed_tokens.weight
+    tracker = lc.convert(model)
+    assert tracker.unconverted == {} and tracker.skipped == {} and tracked_names(tracker) == parameter_names(model)
+    x, y = torch.randint(0, VOCAB, (2, 5, T), generator=torch.Generator().manual_seed(4))
+    x[:, -3:] = 2  # right padding in every example
+    measurements = accumulated_measurements("hf_llama", model, tracker, x, y)
+    want = brute_force("hf_llama", model, x, y)
+    assert "model.embed_tokens.weight+lm_head.weight" in measurements and len(measurements) == len(want)
+    for param, m in measurements.items():
+        sq_norm, pe_sqnorm = want[param.split("+")[0]]
+        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-6), param
+        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6), param
+
+
 def test_converted_models_give_the_same_loss():
     """The converted GPT-2 and Llama compute what transformers' own modules compute (float64)."""
     x, y = torch.randint(0, VOCAB, (2, 3, T), generator=torch.Generator().manual_seed(3))
