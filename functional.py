@@ -15,7 +15,8 @@ registers those buffers once and the tracker finds them by name:
 The weight may be any differentiable view or cast of the parameter (a
 transpose or a dtype cast leaves each example's gradient norm unchanged).
 PESqNormBuffersMixin keeps the buffers float32 under model.to(torch.bfloat16).
-The numbers are those of buffered.py's `gns` layers (same autograd Functions).
+The numbers are those of the `gns` layers in layers/ (same autograd Functions),
+and rows are mapped to examples as theirs are (layout.py).
 `register_buffers(..., kind="Linear")` records the layer kind for the log's
 parameter record (gns-analysis.py groups by it).
 
@@ -37,26 +38,28 @@ with a warning (the norm of a sum of uses needs cross terms), as for any layer.
 import torch
 import torch.nn.functional as F
 
-from buffered import (BUFFER_SUFFIX, _AffineFunction, _EmbeddingFunction, _LayerNormFunction, _LinearFunction,
-                      autocast_inputs)
-
-
-KINDS = ("Linear", "Embedding", "LayerNorm", "RMSNorm")
+import layers
+from buffered import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
+from layers.embedding import EmbeddingFunction
+from layers.layernorm import AffineFunction, LayerNormFunction, torch_layer_norm
+from layers.linear import LinearFunction
+from layers.rmsnorm import torch_rms_norm
+from tied import note_embedding, note_head
 
 
 def register_buffers(module, *param_names, kind=None, bank_dims=0):
     """Give `module` a `<name>_upegsqnorm` buffer for each of its parameters `param_names`.
 
     Args:
-        kind: the layer kind recorded for these parameters (one of KINDS), or None ('unknown').
+        kind: the layer kind recorded for these parameters (a key of the registry in layers/), or None ('unknown').
         bank_dims: for a bank of disjoint slices, how many leading dims of the parameter index
             them; the buffer is then shaped param.shape[:bank_dims] + (2,) (see the module docstring).
     """
     missing = [n for n in param_names if not isinstance(getattr(module, n, None), torch.nn.Parameter)]
     if missing:
         raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
-    if kind is not None and kind not in KINDS:
-        raise ValueError(f"unknown layer kind {kind!r}; choose from {list(KINDS)} (or None)")
+    if kind is not None:
+        layers.get(kind)  # an unknown kind raises, naming the registered ones
     for name in param_names:
         param = getattr(module, name)
         if not 0 <= bank_dims < param.dim():
@@ -68,29 +71,42 @@ def register_buffers(module, *param_names, kind=None, bank_dims=0):
             module.__dict__.setdefault("_pe_kinds", {})[name] = kind
 
 
-def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None):
-    """F.linear(x, weight, bias), weight (out, in), recording per-example norms of weight and bias gradients."""
+def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None):
+    """F.linear(x, weight, bias), weight (out, in), recording per-example norms of weight and bias gradients.
+    rows: which example each row of x belongs to (layout.Rows), when the layer knows better than the layout
+    (tokens routed to an expert); default: the layout's."""
     x, weight, bias = autocast_inputs(x, weight, bias)
+    rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer)) if rows is None else \
+        (rows, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-        return _LinearFunction.apply(x, weight, bias, weight_buffer, bias_buffer)
+        out = LinearFunction.apply(x, weight, bias, *buffers, rows)
+    note_head(buffers[0], x, rows, out)
+    return out
 
 
 def embedding(ids, weight, weight_buffer=None, padding_idx=None):
     """F.embedding(ids, weight, padding_idx) (no max_norm), recording per-example norms of the weight gradient."""
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]  # F.embedding's convention
-    return _EmbeddingFunction.apply(ids, weight, padding_idx, weight_buffer)
+    rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,))
+    out = EmbeddingFunction.apply(ids, weight, padding_idx, buffer, rows)
+    note_embedding(buffer, ids, rows, out)
+    return out
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=None):
     """F.layer_norm over the last dim with an affine weight (and bias), recording their per-example norms."""
+    out_dtype = autocast_result_dtype(torch_layer_norm, x, weight, bias)
     if torch.is_autocast_enabled(x.device.type):
-        x = x.float()  # autocast runs layer_norm in float32
+        x = x.float()  # computed in float32 under autocast
+    rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):
-        return _LayerNormFunction.apply(x, weight, bias, eps, weight_buffer, bias_buffer)
+        return LayerNormFunction.apply(x, weight, bias, eps, *buffers, rows, out_dtype)
 
 
 def rms_norm(x, weight, eps=None, weight_buffer=None):
     """F.rms_norm over the last dim times weight, recording per-example norms of the weight gradient."""
+    out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
-    return _AffineFunction.apply(xhat, weight, None, weight_buffer, None)
+    rows, (buffer,) = rows_or_refuse(x.shape, (weight_buffer,))
+    return AffineFunction.apply(xhat, weight, None, buffer, None, rows).to(out_dtype)

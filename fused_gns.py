@@ -39,9 +39,14 @@ from dataclasses import dataclass
 
 import torch
 
-from buffered import (PEGradNormConv1D, PEGradNormLayerNorm, PEGradNormLinear, PEGradNormRMSNorm, _LinearFunction,
-                      accumulate_pe_sqnorm, autocast_inputs, linear_backward, linear_weight_grad_and_pe_sqnorm,
-                      simultaneous_uses_gram)
+import layout
+from tied import note_head
+from buffered import accumulate_pe_sqnorm, autocast_inputs
+from layers.conv1d import PEGradNormConv1D
+from layers.layernorm import PEGradNormLayerNorm, torch_layer_norm
+from layers.linear import (LinearFunction, PEGradNormLinear, linear_backward, linear_weight_grad_and_pe_sqnorm,
+                           simultaneous_uses_gram)
+from layers.rmsnorm import PEGradNormRMSNorm, torch_rms_norm
 
 try:
     import triton
@@ -432,11 +437,12 @@ class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_buffer, bias_buffer):
         _check_input(x, weight.shape[1], "fused Linear")
-        return _LinearFunction.forward(ctx, x, weight, bias, weight_buffer, bias_buffer)  # the same saved state
+        rows = layout.Rows("dim0", x.shape[0])  # the layers pass x with its examples on dim 0
+        return LinearFunction.forward(ctx, x, weight, bias, weight_buffer, bias_buffer, rows)  # the same saved state
 
     @staticmethod
     def backward(ctx, grad_out):
-        return linear_backward(ctx, grad_out, _linear_weight_grad)
+        return linear_backward(ctx, grad_out, _linear_weight_grad)[:5]
 
 
 fused_linear = FusedLinearFunction.apply
@@ -445,13 +451,35 @@ fused_linear = FusedLinearFunction.apply
 # -----------------------------------------------------------------------------
 # the layers
 
+def _kernel_input(layer, x, *roles):
+    """(x viewed with its examples on dim 0 for the kernels, (buffers)), or None when the torch path must run:
+    the kernel cannot run here, or x's rows are not whole examples in order (packed, routed, not mapped)."""
+    if not _use_kernel(layer, x):
+        return None
+    rows, buffers = layer.pe_rows_and_buffers(x, *roles)
+    if rows is None and any(b is not None for b in layer_buffers(layer, roles)):
+        return None  # not mapped: the torch path refuses the step the same way
+    if rows is not None and rows.kind == "ragged":
+        return None
+    if rows is not None and rows.kind == "flat":
+        x = x.view(rows.examples, rows.positions, x.shape[-1])
+    return x, buffers
+
+
+def layer_buffers(layer, roles):
+    return [layer.pe_buffer(role) for role in roles]
+
+
 class PEGradNormFusedLayerNorm(PEGradNormLayerNorm):
     """PEGradNormLayerNorm computed by the Triton kernels where they can run."""
 
     def forward(self, x):
-        if not _use_kernel(self, x):
+        found = _kernel_input(self, x, "weight", "bias")
+        if found is None:
             return super().forward(x)
-        return fused_layer_norm(x, self.weight, self.bias, self.eps, self.pe_buffer("weight"), self.pe_buffer("bias"))
+        xs, buffers = found
+        out = fused_layer_norm(xs, self.weight, self.bias, self.eps, *buffers).view(x.shape)
+        return out.to(self.pe_result_dtype(x, torch_layer_norm, self.weight, self.bias))
 
 
 class PEGradNormFusedRMSNorm(PEGradNormRMSNorm):
@@ -459,29 +487,38 @@ class PEGradNormFusedRMSNorm(PEGradNormRMSNorm):
     gradient; the kernel takes the scale (offset + weight) as its weight and keeps the output in x's dtype."""
 
     def forward(self, x):
-        if not _use_kernel(self, x):
+        found = _kernel_input(self, x, "weight")
+        if found is None:
             return super().forward(x)
+        xs, (weight_buffer,) = found
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # None: F.rms_norm's default
-        return fused_rms_norm(x, self.scale(), eps, self.pe_buffer("weight"))
+        out = fused_rms_norm(xs, self.pe_scale(), eps, weight_buffer).view(x.shape)
+        return out.to(self.pe_result_dtype(x, torch_rms_norm, self.weight))
 
 
 class PEGradNormFusedLinear(PEGradNormLinear):
     """PEGradNormLinear whose weight gradient and per-example norms come from one Triton kernel."""
 
     def forward(self, x):
-        if not _use_kernel(self, x):
+        found = _kernel_input(self, x, "weight", "bias")
+        if found is None:
             return super().forward(x)
-        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        xs, buffers = found
+        xs, weight, bias = autocast_inputs(xs, *self.pe_weight_and_bias(xs))
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-            return fused_linear(x, weight, bias, self.pe_buffer("weight"), self.pe_buffer("bias"))
+            out = fused_linear(xs, weight, bias, *buffers)
+        note_head(buffers[0], xs, layout.Rows("dim0", xs.shape[0]), out)
+        return self.pe_promoted(out.view(*x.shape[:-1], self.out_features))
 
 
 class PEGradNormFusedConv1D(PEGradNormConv1D):
     """transformers' Conv1D (weight stored (in, out)) through the fused Linear kernel, on weight.t()."""
 
     def forward(self, x):
-        if not _use_kernel(self, x):
+        found = _kernel_input(self, x, "weight", "bias")
+        if found is None:
             return super().forward(x)
-        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        xs, buffers = found
+        xs, weight, bias = autocast_inputs(xs, self.weight, self.bias)
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-            return fused_linear(x, weight.t(), bias, self.pe_buffer("weight"), self.pe_buffer("bias"))
+            return fused_linear(xs, weight.t(), bias, *buffers).view(*x.shape[:-1], self.nf)

@@ -85,13 +85,12 @@ import sys
 import numpy as np
 import pandas as pd
 
+import layers
 from csv_tools import load_csv
 from gnstracking import gns_from_emas, read_parameter_record, two_batch_stats, unbiased_stats
 from plot import save_png, terminal_plot
 
 GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
-KIND_GROUPS = {"LayerNorm": "LayerNorm", "RMSNorm": "LayerNorm", "Linear": "Linear", "Embedding": "Embedding",
-               "Embedding+Linear": "Embedding"}  # a recorded layer kind -> its group; any other kind: Other
 OVERHEAD = 0.10  # the batch-size trade-off reports the batches that keep each overhead under this
 METRICS = ("norm", "pegn", "batch_size")
 TIED_MARKERS = ("wte", "lm_head")
@@ -181,7 +180,7 @@ def parameter_facts(names, record):
     facts = {}
     for name in names:
         if record is not None and name in record:
-            facts[name] = (KIND_GROUPS.get(record[name]["kind"], "Other"), record[name]["block"])
+            facts[name] = (layers.group_of(record[name]["kind"]), record[name]["block"])
         else:
             facts[name] = (param_group(name), param_block(name))
     return facts

@@ -38,7 +38,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from buffered import BUFFER_SUFFIX, norm_dtype, zero_sqgradnorm_buffers
+import layers
+import layout
+from buffered import BUFFER_SUFFIX, norm_dtype, refused, refused_addresses, zero_sqgradnorm_buffers
 from tied import link_tied_parameters
 
 try:
@@ -221,6 +223,16 @@ def block_index(model, module_path):
     return None
 
 
+def _is_alias_of(recorded, names):
+    """True when one name records the tensor's norms and every other name is on a module that contains that
+    layer (an attribute of a parent pointing at its child's parameter)."""
+    if len(recorded) != 1:
+        return False
+    layer_path = recorded[0].rpartition(".")[0]
+    return all(n == recorded[0] or layer_path.startswith(n.rpartition(".")[0] + ".") or n.rpartition(".")[0] == ""
+               for n in names)
+
+
 def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
     """Split `model`'s parameters by whether their per-example norms can be read.
 
@@ -257,10 +269,19 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
         # long as it runs once per example (step() stops tracking it, with a warning, if it counts more)
         owners = {id(_owner(model, n)[0]) for n in names}
         parametrized_layer = name.split(".parametrizations.")[0] if ".parametrizations." in name else None
+        recorded = [n for n in names if n + suffix in buffers]
+        if len(owners) > 1 and _is_alias_of(recorded, names):
+            # a parent's attribute naming its child layer's parameter (BERT's cls.predictions.bias is
+            # cls.predictions.decoder.bias): one use, recorded by the child, logged once
+            layer, layer_attr = _owner(model, recorded[0])
+            tracked.append(Tracked(name, ParameterRef(module, attr), [(layer, layer_attr + suffix, 1.0)]))
+            continue
         if len(owners) > 1 and any(n + suffix in buffers for n in names):
-            skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: the exact per-example norm of a "
-                             "shared tensor is recorded only for one Embedding and one Linear that both record "
-                             "per-example norms (e.g. --embeddingclass=gns --linearclass=gns)")
+            layers_using = [type(_owner(model, n)[0]).__name__ for n in names]
+            skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: one tensor used by {len(owners)} "
+                             f"layers ({', '.join(layers_using)}); the norm of its per-example gradient needs the "
+                             "cross terms between every pair of uses, which are computed for one Embedding and one "
+                             "Linear that both record per-example norms, and for no other sharing")
         elif parametrized_layer is not None and parametrized_layer + "." + name.split(".")[-2] + suffix in buffers:
             skipped[name] = ("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm): the layer records the "
                              "per-example norms of the weight it computes, not of this trainable tensor")
@@ -286,8 +307,9 @@ def describe_tracked(model, tracked):
         first = aliases[id(param)][0]
         if len(entry.terms) > 1:  # a tied Embedding/Linear pair (tied.py)
             kind, layer = "Embedding+Linear", "+".join(type(m).__name__ for m, _, _ in entry.terms[:2])
-        else:
-            kind, layer = layer_kind(module, attr), type(module).__name__
+        else:  # the layer that records it (for an alias, the child layer rather than the parent naming it)
+            recorder, buffer_name, _ = entry.terms[0]
+            kind, layer = layer_kind(recorder, buffer_name[:-len(BUFFER_SUFFIX)]), type(recorder).__name__
         buffer = entry.terms[0][0]._buffers[entry.terms[0][1]]
         record[entry.name] = {
             "kind": kind, "layer": layer.removeprefix("FSDP"),
@@ -361,6 +383,7 @@ class MeasurementTracker:
         Links tied Embedding/Linear tensors (tied.link_tied_parameters) so that
         they are logged exactly; warns (unless warn=False) about tied tensors it cannot log exactly.
         """
+        layout.install(model)  # each forward's examples, read by every layer (layout.py)
         tracked, skipped = find_tracked_parameters(model, suffix)
         for name, reason in skipped.items():
             if warn and reason.startswith("tied"):
@@ -436,17 +459,17 @@ class MeasurementTracker:
 
     def _count_error(self, name, count, batch_size):
         """The ValueError for a buffer that counted `count` examples in a step of `batch_size`."""
-        modules = [module for module, _, _ in next(t for t in self.tracked if t.name == name).terms]
-        if count < batch_size and any(getattr(m, "_pe_single_row_input", False) for m in modules):
-            return ValueError(
-                f"GNS: {name}: the embedding's input had one row for the whole batch (shape (1, T), broadcast "
-                f"over the batch, as with Hugging Face GPT-2's default position_ids), so its {count:.0f} recorded "
-                f"example(s) are not the step's {batch_size} examples and its per-example gradients cannot be told "
-                f"apart; pass the positions expanded to (B, T), e.g. model(input_ids, "
-                f"position_ids=torch.arange(T).expand(B, T))")
+        if math.isnan(count):
+            terms = next(t for t in self.tracked if t.name == name).terms
+            reasons = {refused[a] for module, buffer_name, _ in terms
+                       for a in refused_addresses(module._buffers[buffer_name])}
+            why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
+            return ValueError(f"GNS: {name}: this step is not measured: its layer's input rows could not be mapped to "
+                              f"the forward's examples ({why}). See layout.py for the rows that can be mapped; "
+                              f"for a layout of your own, pass layout.install(model, layout_of=...)")
         return ValueError(f"GNS: {name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
                           f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
-                          f"ranks), and keep the examples on dim 0 of every layer's input")
+                          f"ranks, or the number of packed sequences)")
 
     def step(self, batch_size, step=None):
         """Emit one Measurement per tracked parameter that took part in this step; returns them.
@@ -465,7 +488,15 @@ class MeasurementTracker:
         some_counted_batch_size = any(count == batch_size for count in values[:, 2].tolist())
         measurements = []
         for (name, _, _), (grad_sq, pe_sqnorm_sum, count) in zip(self.tracked, values.tolist()):
+            if math.isnan(count):
+                raise self._count_error(name, count, batch_size)
             if count == 0:
+                if grad_sq > 0 and name not in no_grad and name not in self.dropped:
+                    raise ValueError(
+                        f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
+                        f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
+                        f"a parent module reading its weight), so its per-example norms are unknown. Call "
+                        f"functional.py's per-example functions where it is used, or leave it unconverted")
                 continue  # the layer was not used in this step
             if name in no_grad:
                 raise ValueError(

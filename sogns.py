@@ -35,51 +35,34 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import (BUFFER_SUFFIX, PEGradNormLinear, PESqNormBuffersMixin, _per_example, accumulate_pe_sqnorm,
-                      autocast_inputs, norm_dtype)
+import layout
+from buffered import (BUFFER_SUFFIX, PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype,
+                      on_output_grad, refuse_step)
+from layers.linear import PEGradNormLinear
 
 # ends in BUFFER_SUFFIX: zeroed by zero_sqgradnorm_buffers and kept float32 like the exact buffers,
 # but never mistaken for them (the exact tracker looks for `<param>_upegsqnorm` exactly)
 SOGNS_SUFFIX = "_sogns" + BUFFER_SUFFIX
 
 
-def input_scale(x):
-    """K sigma_i^2 = (1 / T) sum_{t,k} x_tk^2 per example: (N,) in float32 (float64 for float64 input)."""
-    xs = _per_example(x.detach()).to(norm_dtype(x))  # (N, T, K)
+def input_scale(xs):
+    """K sigma_i^2 = (1 / T) sum_{t,k} x_tk^2 per example, for xs (N, T, K): (N,) in float32 (float64 for float64)."""
+    xs = xs.detach().to(norm_dtype(xs))
     return xs.pow(2).sum(dim=(1, 2)) / xs.shape[1]
 
 
-def sogns_pe_sqnorm(input_scale, grad_out, has_bias=True):
+def sogns_pe_sqnorm(input_scale, gs, has_bias=True):
     """SOGNS per-example squared norms of a Linear layer's weight (approximate) and bias (exact).
 
     Args:
         input_scale: (N,) from `input_scale(x)`.
-        grad_out: output gradient (N, ..., L).
+        gs: output gradient per example (N, T, L).
     Returns:
-        (weight_sq (N,), bias_sq (N,) or None).
+        (weight_sq (N,), bias_sq (N,) or None) in input_scale's dtype.
     """
-    summed = _per_example(grad_out).to(input_scale.dtype).sum(dim=1)  # (N, L): sum_t g_t
+    summed = gs.to(input_scale.dtype).sum(dim=1)  # (N, L): sum_t g_t
     out_sq = summed.pow(2).sum(dim=1)
     return input_scale * out_sq, (out_sq if has_bias else None)
-
-
-class _SOGNSShim(torch.autograd.Function):
-    """Identity on the layer output whose backward adds the SOGNS norms to the buffers."""
-
-    @staticmethod
-    def forward(ctx, out, scale, weight_buffer, bias_buffer):
-        ctx.save_for_backward(scale)
-        ctx.buffers = (weight_buffer, bias_buffer)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (scale,) = ctx.saved_tensors
-        weight_buffer, bias_buffer = ctx.buffers
-        weight_sq, bias_sq = sogns_pe_sqnorm(scale, grad_out, has_bias=bias_buffer is not None)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
-        accumulate_pe_sqnorm(bias_buffer, bias_sq)
-        return grad_out, None, None, None
 
 
 def _register_sogns_buffers(module):
@@ -89,15 +72,38 @@ def _register_sogns_buffers(module):
 
 
 def _record_sogns(module, x, out):
-    buffers = module._buffers
-    return _SOGNSShim.apply(out, input_scale(x), buffers.get("weight" + SOGNS_SUFFIX), buffers.get("bias" + SOGNS_SUFFIX))
+    """Add the SOGNS norms of this forward's examples to the buffers when `out`'s gradient comes."""
+    buffers = [module._buffers.get(name + SOGNS_SUFFIX) if getattr(module, name, None) is not None
+               and getattr(module, name).requires_grad else None for name in ("weight", "bias")]
+    if all(b is None for b in buffers):
+        return out
+    rows = layout.rows_for(x.shape)
+    if isinstance(rows, str) or rows.kind == "ragged":
+        refuse_step(rows if isinstance(rows, str) else
+                    "SOGNS assumes examples of equal length; packed or routed rows are not that", buffers)
+        return out
+    scale = input_scale(rows.per_example(x))
+    weight_buffer, bias_buffer = buffers
+
+    def record(g):
+        weight_sq, bias_sq = sogns_pe_sqnorm(scale, rows.per_example(g), has_bias=bias_buffer is not None)
+        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+        accumulate_pe_sqnorm(bias_buffer, bias_sq)
+
+    on_output_grad(out, record)
+    return out
 
 
 class SOGNSLinear(PESqNormBuffersMixin, nn.Linear):
     """nn.Linear that records SOGNS (approximate) per-example norms only."""
 
+    pe_kind = "Linear"
+
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        _register_sogns_buffers(self)
+
+    def pe_adopt(self, options):
         _register_sogns_buffers(self)
 
     def forward(self, x):
@@ -112,6 +118,9 @@ class ExactAndSOGNSLinear(PEGradNormLinear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         _register_sogns_buffers(self)
 
+    def pe_adopt(self, options):
+        super().pe_adopt(options)
+        _register_sogns_buffers(self)
+
     def forward(self, x):
         return _record_sogns(self, x, super().forward(x))
-

@@ -20,9 +20,11 @@ B*S*T*D work and B*T*D memory plus G for a chunk of examples at a time. The outp
 first, so it computes P; the embedding's backward then finishes the cross term
 and adds it to a third buffer, `<param>_tiecross_upegsqnorm` on the embedding.
 
-`link_tied_parameters(model)` finds such pairs and attaches forward hooks that
-insert two identity autograd nodes (one on each layer's output), so any
-Embedding/Linear class that records per-example norms works unchanged.
+`link_tied_parameters(model)` finds such pairs and marks the two layers' forwards;
+each per-example norm layer reports its raw output (`note_embedding`,
+`note_head`: the lookup itself, before a scale such as Gemma's), on whose node a
+backward pre-hook computes the cross term (no node is added, so in-place ops on
+the outputs still work).
 MeasurementTracker.from_model calls it; the tracker then logs the tensor once,
 under all its names joined by "+" (e.g. `transformer.wte.weight+lm_head.weight`).
 """
@@ -30,69 +32,50 @@ under all its names joined by "+" (e.g. `transformer.wte.weight+lm_head.weight`)
 import torch
 import torch.nn as nn
 
-from buffered import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype
+from buffered import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, on_output_grad, refuse_step
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_upegsqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
 
 
 class _ForwardPass:
-    """What one forward of the embedding leaves for the output layer: the ids, and P once it is computed."""
+    """What one forward of the embedding leaves for the output layer: its ids per example, and P once computed."""
 
-    def __init__(self, ids, padding_idx):
-        self.ids = ids
+    def __init__(self, ids, rows, padding_idx):
+        self.ids = ids  # (N, T) per example (layout.Rows)
+        self.rows = rows
         self.padding_idx = padding_idx  # tokens the embedding gives no gradient: no cross term either
         self.p = None
 
 
-class _TiedEmbeddingNode(torch.autograd.Function):
-    """Identity on the embedding output; backward adds sum_t delta_t . P_t per example to the cross buffer."""
-
-    @staticmethod
-    def forward(ctx, out, forward_pass, cross_buffer):
-        ctx.forward_pass, ctx.cross_buffer = forward_pass, cross_buffer
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        p, ctx.forward_pass.p = ctx.forward_pass.p, None
-        if p is not None:  # None: the output layer took no part in this backward, so the cross term is 0
-            delta = grad_out.reshape(p.shape).to(p.dtype)
-            if ctx.forward_pass.padding_idx is not None:
-                delta = delta.masked_fill((ctx.forward_pass.ids == ctx.forward_pass.padding_idx).unsqueeze(-1), 0)
-            accumulate_pe_sqnorm(ctx.cross_buffer, (delta * p).sum(dim=(1, 2)))
-        return grad_out, None, None
+def _embedding_cross_term(forward_pass, cross_buffer, grad_out):
+    """In the embedding's backward: add sum_t delta_t . P_t per example to the cross buffer."""
+    p, forward_pass.p = forward_pass.p, None
+    if p is None:  # the output layer took no part in this backward, so the cross term is 0
+        return
+    delta = forward_pass.rows.per_example(grad_out).to(p.dtype)
+    if forward_pass.padding_idx is not None:
+        delta = delta.masked_fill((forward_pass.ids == forward_pass.padding_idx).unsqueeze(-1), 0)
+    accumulate_pe_sqnorm(cross_buffer, (delta * p).sum(dim=(1, 2)))
 
 
-class _TiedHeadNode(torch.autograd.Function):
-    """Identity on the output layer's logits; backward computes P = G^T x for the embedding's node."""
-
-    @staticmethod
-    def forward(ctx, logits, x, forward_pass):
-        ctx.save_for_backward(x)
-        ctx.forward_pass = forward_pass
-        return logits.view_as(logits)
-
-    @staticmethod
-    def backward(ctx, grad_logits):
-        (x,) = ctx.saved_tensors
-        forward_pass = ctx.forward_pass
-        ids = forward_pass.ids  # (N, T)
-        N, T = ids.shape
-        dtype = norm_dtype(grad_logits)
-        dlogits = grad_logits.reshape(N, -1, grad_logits.shape[-1])  # (N, S, V)
-        S = dlogits.shape[1]
-        x = x.reshape(N, S, -1)
-        p = torch.empty(N, T, x.shape[-1], dtype=dtype, device=x.device)
-        chunk = max(1, GATHER_CHUNK_ELEMENTS // (S * T))  # bounds G's memory: (chunk, S, T)
-        for start in range(0, N, chunk):
-            rows = slice(start, start + chunk)
-            n = ids[rows].shape[0]
-            # G[n, s, t] = dlogits[n, s, ids[n, t]]
-            gathered = torch.gather(dlogits[rows], 2, ids[rows].unsqueeze(1).expand(n, S, T)).to(dtype)
-            p[rows] = torch.bmm(gathered.transpose(1, 2), x[rows].to(dtype))  # (n, T, D)
-        forward_pass.p = p if forward_pass.p is None else forward_pass.p + p  # a head used twice adds up
-        return grad_logits, None, None
+def _head_cross_term(forward_pass, x, rows, grad_logits):
+    """In the output layer's backward: P = G^T x per example, for the embedding's backward to finish."""
+    ids = forward_pass.ids  # (N, T)
+    N, T = ids.shape
+    dtype = norm_dtype(grad_logits)
+    dlogits = rows.per_example(grad_logits)  # (N, S, V)
+    S = dlogits.shape[1]
+    x = rows.per_example(x)  # (N, S, D)
+    p = torch.empty(N, T, x.shape[-1], dtype=dtype, device=x.device)
+    chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, S * T))  # bounds G's memory: (chunk, S, T)
+    for start in range(0, N, chunk):
+        part = slice(start, start + chunk)
+        n = ids[part].shape[0]
+        # G[n, s, t] = dlogits[n, s, ids[n, t]]
+        gathered = torch.gather(dlogits[part], 2, ids[part].unsqueeze(1).expand(n, S, T)).to(dtype)
+        p[part] = torch.bmm(gathered.transpose(1, 2), x[part].to(dtype))  # (n, T, D)
+    forward_pass.p = p if forward_pass.p is None else forward_pass.p + p  # a head used twice adds up
 
 
 class TiedParameter:
@@ -112,8 +95,8 @@ class TiedParameter:
         embedding.register_buffer(buffer_name, torch.zeros(2, device=embedding.weight.device), persistent=False)
         self._cross_buffer_name = buffer_name
         self._param_name = param_name
-        self.handles = [embedding.register_forward_hook(self._after_embedding),
-                        linear.register_forward_hook(self._after_linear)]
+        self.handles = [module.register_forward_pre_hook(self._enter) for module in (embedding, linear)] + \
+                       [module.register_forward_hook(self._leave, always_call=True) for module in (embedding, linear)]
 
     @property
     def terms(self):
@@ -122,29 +105,63 @@ class TiedParameter:
                 (self.linear, self._param_name + BUFFER_SUFFIX, 1.0),
                 (self.embedding, self._cross_buffer_name, 2.0)]
 
-    def _after_embedding(self, module, args, out):
-        ids = args[0]
-        if not torch.is_grad_enabled():
-            return None
-        ids = ids.reshape(ids.shape[0], -1) if ids.dim() > 1 else ids.reshape(-1, 1)
-        self._current = _ForwardPass(ids, module.padding_idx)
-        return _TiedEmbeddingNode.apply(out, self._current, self.embedding._buffers[self._cross_buffer_name])
+    def _enter(self, module, args):
+        """While the embedding or the output layer runs, its buffer names this tie (see note_embedding)."""
+        buffer = module._buffers.get(self._param_name + BUFFER_SUFFIX)
+        if buffer is not None:
+            _in_forward[id(buffer)] = self
 
-    def _after_linear(self, module, args, out):
+    def _leave(self, module, args, out):
+        buffer = module._buffers.get(self._param_name + BUFFER_SUFFIX)
+        if buffer is not None:
+            _in_forward.pop(id(buffer), None)
+
+    def embedding_used(self, ids, rows, out):
+        """The embedding looked up `ids` into `out` (before anything its module does after, such as a scale)."""
+        cross_buffer = self.embedding._buffers[self._cross_buffer_name]
+        if rows is None:  # the embedding refuses the step (rows not mapped); so does the cross term
+            refuse_step("the tied embedding's rows could not be mapped to examples", [cross_buffer])
+            self._current = None
+            return
+        ids_per_example = rows.per_example(ids.unsqueeze(-1)).squeeze(-1)
+        forward_pass = self._current = _ForwardPass(ids_per_example, rows, self.embedding.padding_idx)
+        on_output_grad(out, lambda grad_out: _embedding_cross_term(forward_pass, cross_buffer, grad_out))
+
+    def head_used(self, x, rows, out):
+        """The output layer computed `out` from `x` (before anything its module does after)."""
         forward_pass = self._current
-        if forward_pass is None or not torch.is_grad_enabled():
-            return None
-        x = args[0]
-        if x.shape[0] != forward_pass.ids.shape[0]:
+        if forward_pass is None:
+            return
+        if rows is None or rows.examples != forward_pass.rows.examples:
             raise ValueError(
                 f"tied weight {'+'.join(self.names)}: the output layer's input has shape {tuple(x.shape)} but the "
-                f"embedding saw ids of shape {tuple(forward_pass.ids.shape)}; both must keep the examples on dim 0 "
-                "(do not flatten (B, T, D) to (B*T, D) before the output layer), or untie the weights")
-        return _TiedHeadNode.apply(out, x.detach(), forward_pass)
+                f"embedding saw ids of shape {tuple(forward_pass.ids.shape)} per example; the rows of both must map "
+                "to the same examples (keep the examples on dim 0, or flatten (B, T, D) to (B*T, D) in that order), "
+                "or untie the weights")
+        x = x.detach()
+        on_output_grad(out, lambda grad_logits: _head_cross_term(forward_pass, x, rows, grad_logits))
 
     def remove(self):
         for handle in self.handles:
             handle.remove()
+
+
+_in_forward = {}  # id(a tied layer's weight buffer) -> its TiedParameter, while that layer's forward runs
+
+
+def note_embedding(weight_buffer, ids, rows, out):
+    """Called by every embedding that records norms, with its raw lookup `out`: a tied weight's cross term starts
+    here (nothing happens for an untied one, or without gradients)."""
+    tie = _in_forward.get(id(weight_buffer)) if weight_buffer is not None else None
+    if tie is not None and torch.is_grad_enabled():
+        tie.embedding_used(ids, rows, out)
+
+
+def note_head(weight_buffer, x, rows, out):
+    """Called by every Linear that records norms, with its input and raw output: a tied weight's output layer."""
+    tie = _in_forward.get(id(weight_buffer)) if weight_buffer is not None else None
+    if tie is not None and torch.is_grad_enabled():
+        tie.head_used(x, rows, out)
 
 
 def _has_pe_buffer(module, param_name):

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import buffered  # noqa: E402
+import layers  # noqa: E402
 import fused_gns  # noqa: E402
 from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
@@ -71,28 +71,28 @@ def layer_cases():
     def rms_twin(m):
         return nn.RMSNorm(m.normalized_shape, eps=m.eps)
 
-    cases = [("Linear shim", "linear", lambda f: buffered.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
+    cases = [("Linear shim", "linear", lambda f: layers.linear.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
     for strategy in (None, "gram", "materialise"):
-        cases.append((f"Linear gns {strategy or 'rule'}", "linear", lambda f: buffered.PEGradNormLinear(f, f + 9),
-                      linear_twin, (buffered, "LINEAR_STRATEGY", strategy)))
+        cases.append((f"Linear gns {strategy or 'rule'}", "linear", lambda f: layers.linear.PEGradNormLinear(f, f + 9),
+                      linear_twin, (layers.linear, "LINEAR_STRATEGY", strategy)))
     for strategy in (None, "kernel", "gram", "materialise"):
         cases.append((f"Linear fused {strategy or 'choice'}", "linear",
                       lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9), linear_twin,
                       (fused_gns, "FUSED_LINEAR_STRATEGY", strategy)))
     cases += [
-        ("Linear gns no bias", "linear", lambda f: buffered.PEGradNormLinear(f, f + 9, bias=False), linear_twin, None),
+        ("Linear gns no bias", "linear", lambda f: layers.linear.PEGradNormLinear(f, f + 9, bias=False), linear_twin, None),
         ("Linear fused no bias", "linear", lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9, bias=False),
          linear_twin, None),
-        ("Embedding shim", "embedding", lambda f: buffered.PEGradNormShimEmbedding(29, f),
+        ("Embedding shim", "embedding", lambda f: layers.embedding.PEGradNormShimEmbedding(29, f),
          lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim), None),
-        ("Embedding gns", "embedding", lambda f: buffered.PEGradNormEmbedding(29, f),
+        ("Embedding gns", "embedding", lambda f: layers.embedding.PEGradNormEmbedding(29, f),
          lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim), None),
-        ("LayerNorm shim", "norm", lambda f: buffered.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
-        ("LayerNorm gns", "norm", lambda f: buffered.PEGradNormLayerNorm(f), norm_twin, None),
+        ("LayerNorm shim", "norm", lambda f: layers.layernorm.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
+        ("LayerNorm gns", "norm", lambda f: layers.layernorm.PEGradNormLayerNorm(f), norm_twin, None),
         ("LayerNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f), norm_twin, None),
         ("LayerNorm fused no bias", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f, bias=False),
          norm_twin, None),
-        ("RMSNorm gns", "norm", lambda f: buffered.PEGradNormRMSNorm(f), rms_twin, None),
+        ("RMSNorm gns", "norm", lambda f: layers.rmsnorm.PEGradNormRMSNorm(f), rms_twin, None),
         ("RMSNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedRMSNorm(f), rms_twin, None),
     ]
     return cases

@@ -7,7 +7,7 @@ shapes (B=16, T=1024, D=768, MLP 4*D, vocabulary 50304), measured in the same ru
 
 Rows: fused LayerNorm forward+backward (+ per-example norms) vs F.layer_norm,
 and, per Linear shape, the weight gradient + per-example norms by each exact
-way (buffered.py's gram and materialise, the kernel at each autotune
+way (layers/linear.py's gram and materialise, the kernel at each autotune
 candidate) vs the plain weight gradient g^T x, then what the fused Linear's
 timed choice picked.
 Columns: median ms (triton.testing.do_bench), ratio to the plain row, GB/s of
@@ -66,7 +66,7 @@ def bench_layernorm(B, T, D, dtype):
 
 
 def bench_linear_weight_grad(B, T, K, L, dtype):
-    import buffered
+    import layers
     import fused_gns
 
     x = torch.randn(B, T, K, device="cuda", dtype=dtype)
@@ -78,7 +78,7 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     plain_ms, plain_mib = measure(lambda: g2.t() @ x2)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
     for strategy in ("gram", "materialise"):
-        ms, mib = measure(lambda: buffered.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
+        ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
     for config in fused_gns.linear_candidates(dtype, capability, tf32):
         ms, mib = measure(lambda: fused_gns._linear_weight_grad(x, g, config))

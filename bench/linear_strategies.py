@@ -7,8 +7,8 @@ forward + backward measured in the same round, plus peak memory.
     python bench/linear_strategies.py --shapes=16,64,384,1536 --rounds=31
     python bench/linear_strategies.py --device=cuda --dtype=bfloat16   # adds the fused kernel
 
-Rows: `gns` is the project's default exact Linear (buffered.PEGradNormLinear,
-strategy chosen per call by buffered.linear_strategy); `gns gram` and `gns
+Rows: `gns` is the project's default exact Linear (layers.linear.PEGradNormLinear,
+strategy chosen per call by layers.linear.linear_strategy); `gns gram` and `gns
 materialise` force each of its two strategies; `shim` is the plain layer plus a
 node computing the norms; on CUDA `fused` (fused_gns) and its kernel forced.
 Peers, when importable: Opacus ghost clipping (per-sample norms by its hooks)
@@ -69,19 +69,19 @@ def _plain(fn):
 
 def layer_factories(device):
     """{name: (make(K, L) -> module, wrap(fn) -> result, norms(module) -> per-example weight norms)}."""
-    import buffered
+    import layers
 
     def buffer_norm(m):
         return m.weight_upegsqnorm
 
     layers = {
         "plain nn.Linear": (lambda K, L: nn.Linear(K, L), _plain, None),
-        "gns": (lambda K, L: buffered.PEGradNormLinear(K, L), _plain, buffer_norm),
-        "gns gram": (lambda K, L: buffered.PEGradNormLinear(K, L), _forced(buffered, "LINEAR_STRATEGY", "gram"),
+        "gns": (lambda K, L: layers.linear.PEGradNormLinear(K, L), _plain, buffer_norm),
+        "gns gram": (lambda K, L: layers.linear.PEGradNormLinear(K, L), _forced(layers.linear, "LINEAR_STRATEGY", "gram"),
                      buffer_norm),
-        "gns materialise": (lambda K, L: buffered.PEGradNormLinear(K, L),
-                            _forced(buffered, "LINEAR_STRATEGY", "materialise"), buffer_norm),
-        "shim": (lambda K, L: buffered.PEGradNormShimLinear(K, L), _plain, buffer_norm),
+        "gns materialise": (lambda K, L: layers.linear.PEGradNormLinear(K, L),
+                            _forced(layers.linear, "LINEAR_STRATEGY", "materialise"), buffer_norm),
+        "shim": (lambda K, L: layers.linear.PEGradNormShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
         import fused_gns
@@ -187,7 +187,7 @@ def main(argv=None):
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
-    import buffered
+    import layers
 
     dtype = getattr(torch, args.dtype)
     available = list(layer_factories(args.device))
@@ -215,7 +215,7 @@ def main(argv=None):
                 ok = out.returncode == 0
                 peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"] if ok else float("nan")
         B, T, K, L = shape
-        pick = buffered.linear_strategy(T, K, L, 4, args.device.split(":")[0])  # its norms work in float32
+        pick = layers.linear.linear_strategy(T, K, L, 4, args.device.split(":")[0])  # its norms work in float32
         cells = [f"{ratios[n]:.2f}" + (f" ({peaks[n]:.0f})" if peaks else "") for n in names[1:]]
         plain = f"{ms['plain nn.Linear']:.1f}" + (f" ({peaks['plain nn.Linear']:.0f})" if peaks else "")
         print(f"| {B}, {T}, {K}, {L} | {pick} | " + " | ".join(cells) + f" | {plain} |", flush=True)

@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-import buffered
+from layers.layernorm import PEGradNormLayerNorm
+from layers.linear import PEGradNormLinear
 import fused_gns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,10 +97,10 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
             elif isinstance(value, int):
                 assert value % 16 == 0, f"{kernel.__name__}: {name} = {value} not a multiple of 16"
     # and the numbers are still right: the zero padding added nothing
-    reference = buffered.PEGradNormLinear(features, 24)
+    reference = PEGradNormLinear(features, 24)
     reference.load_state_dict(linear.state_dict())
     xr = x.detach().clone().requires_grad_(True)
-    ln = buffered.PEGradNormLayerNorm(features)
+    ln = PEGradNormLayerNorm(features)
     reference(ln(xr)).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(linear.weight.grad, reference.weight.grad, rtol=1e-4, atol=1e-5)

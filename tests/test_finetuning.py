@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import functional
 import gnstracking
 import layer_config as lc
-from buffered import PEGradNormEmbedding, PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from buffered import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from layers.embedding import PEGradNormEmbedding
 from oracle import per_example_loss_sqnorms_by_loop
 
 VOCAB, D = 11, 6
@@ -174,8 +175,8 @@ def test_bank_registration_errors():
     module.w = nn.Parameter(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="bank_dims=2 for w of shape \\(2, 3\\)"):
         functional.register_buffers(module, "w", bank_dims=2)
-    with pytest.raises(ValueError, match="unknown layer kind 'Conv'"):
-        functional.register_buffers(module, "w", kind="Conv")
+    with pytest.raises(ValueError, match="unknown layer kind 'Conv3d'; choose from"):
+        functional.register_buffers(module, "w", kind="Conv3d")
 
 
 class BroadcastPositions(nn.Module):
@@ -199,8 +200,8 @@ def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     tracker = gnstracking.MeasurementTracker.from_model(model)
     ids, targets = data(4)
     lm_loss(model, ids, targets).backward()
-    with pytest.raises(ValueError, match=r"wpe.weight: the embedding's input had one row for the whole batch "
-                                         r"\(shape \(1, T\).*position_ids=torch.arange\(T\).expand\(B, T\)"):
+    with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*one row for the forward's 4 "
+                                         r"examples \(shape \(1, 5\)\).*position_ids=torch.arange\(T\).expand\(B, T\)"):
         tracker.step(batch_size=4)
     # the fix: the same positions expanded to (B, T) give the same output and exact norms
     model.zero_grad(set_to_none=True)

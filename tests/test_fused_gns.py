@@ -29,6 +29,8 @@ import pytest
 import torch.nn as nn
 
 import buffered
+import layers.linear
+from layers.linear import PEGradNormLinear
 import fused_gns
 from oracle import per_example_sqnorms_by_loop
 
@@ -70,7 +72,7 @@ def assert_close(actual, expected, tol, what=""):
 @pytest.fixture
 def captured(monkeypatch):
     """Record every per-example norm vector the fused layers add to a buffer, keyed by the buffer's id
-    (the norm layers add in fused_gns, the Linear in buffered.linear_backward, which it shares)."""
+    (the norm layers add in fused_gns, the Linear in layers.linear.linear_backward, which it shares)."""
     record = {}
     original = buffered.accumulate_pe_sqnorm
 
@@ -80,7 +82,7 @@ def captured(monkeypatch):
         original(buffer, pe_sqnorm)
 
     monkeypatch.setattr(fused_gns, "accumulate_pe_sqnorm", recording)
-    monkeypatch.setattr(buffered, "accumulate_pe_sqnorm", recording)
+    monkeypatch.setattr(layers.linear, "accumulate_pe_sqnorm", recording)
     return record
 
 
@@ -304,7 +306,7 @@ def test_linear_autocast(dtype):
     in fp32, norms as buffered.PEGradNormLinear computes them from the same cast tensors."""
     torch.manual_seed(8)
     fused = fused_gns.PEGradNormFusedLinear(40, 72).to(DEVICE)
-    plain = buffered.PEGradNormLinear(40, 72).to(DEVICE)
+    plain = PEGradNormLinear(40, 72).to(DEVICE)
     plain.load_state_dict(fused.state_dict())
     x, g = inputs((3, 17), 40, torch.float32, out_features=72)
     outs = []

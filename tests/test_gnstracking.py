@@ -14,7 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import gnstracking
-from buffered import PEGradNormLayerNorm, PEGradNormLinear, PEGradNormShimEmbedding, zero_sqgradnorm_buffers
+from buffered import zero_sqgradnorm_buffers
+from layers.embedding import PEGradNormShimEmbedding
+from layers.layernorm import PEGradNormLayerNorm
+from layers.linear import PEGradNormLinear
 
 
 def test_unbiased_stats_formula_and_batch_of_one():

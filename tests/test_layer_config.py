@@ -4,65 +4,105 @@ The layer registry and the contextual config of layer_config.py.
     python -m pytest tests/test_layer_config.py -q
 """
 
+import contextlib
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 
 import buffered
 import layer_config as lc
+import layers
+import layout
+from layers.registry import adopt
+from layers.layernorm import PEGradNormSeparatedLayerNorm
+from layers.linear import PEGradNormLinear
 
 
-# how each kind is built, and an input for it: (constructor args, input)
+def mixtral_experts():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    experts = MixtralExperts(MixtralConfig(hidden_size=5, intermediate_size=6, num_local_experts=3))
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    return experts
+
+
+def routed():
+    x = torch.randn(8, 5)
+    index = torch.stack([torch.randperm(3)[:2] for _ in range(8)])
+    return x, index, torch.rand(8, 2)
+
+
+# each kind: (its plain module, its forward's inputs: 4 examples)
 BUILD = {
-    "Linear": ((5, 3), lambda: torch.randn(4, 2, 5)),
-    "Embedding": ((11, 3), lambda: torch.randint(0, 11, (4, 2))),
-    "LayerNorm": ((5,), lambda: torch.randn(4, 2, 5)),
-    "RMSNorm": ((5,), lambda: torch.randn(4, 2, 5)),
-    "Conv1D": ((3, 5), lambda: torch.randn(4, 2, 5)),  # transformers' (nf, nx): 5 in, 3 out
+    "Linear": (lambda: nn.Linear(5, 3), lambda: (torch.randn(4, 2, 5),)),
+    "Embedding": (lambda: nn.Embedding(11, 3), lambda: (torch.randint(0, 11, (4, 2)),)),
+    "LayerNorm": (lambda: nn.LayerNorm(5), lambda: (torch.randn(4, 2, 5),)),
+    "RMSNorm": (lambda: nn.RMSNorm(5), lambda: (torch.randn(4, 2, 5),)),
+    "Conv1D": (lambda: __import__("transformers.pytorch_utils").pytorch_utils.Conv1D(3, 5),  # (nf, nx): 5 in, 3 out
+               lambda: (torch.randn(4, 2, 5),)),
+    "Conv": (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: (torch.randn(4, 3, 5, 5),)),
+    "MultiheadAttention": (lambda: nn.MultiheadAttention(6, 2, batch_first=True), lambda: (torch.randn(4, 3, 6),) * 3),
+    "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
 }
-ENTRIES = [(kind, name) for kind, choices in lc.LAYER_CLASSES.items() for name in choices]
+ENTRIES = [(kind.name, name) for kind in layers.KINDS.values() for name in kind.variants if name != "nn"]
 
 
 @pytest.mark.parametrize("kind, name", ENTRIES, ids=[f"{k}-{n}" for k, n in ENTRIES])
-def test_every_registered_class_is_a_drop_in_for_its_kind(kind, name):
-    """Each entry builds with its kind's constructor, has the torch class's parameter names and shapes, gives
-    its output (a registry entry pointing at the wrong class fails here), and, unless 'nn', records every
+def test_every_registered_variant_is_a_drop_in_for_its_kind(kind, name):
+    """Each variant, made of its kind's plain module as convert() makes it, keeps the module's parameter names and
+    shapes and gives its output (a registry entry pointing at the wrong class fails here), and records every
     trainable parameter's per-example norms for the 4 examples of the input."""
-    args, make_input = BUILD[kind]
+    make, make_input = BUILD[kind]
     torch.manual_seed(0)
-    reference = lc.get_layer_class(kind, "nn")(*args)
-    layer = lc.get_layer_class(kind, name)(*args)
-    assert [(n, p.shape) for n, p in layer.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
-    layer.load_state_dict(reference.state_dict())
-    x = make_input()
-    out = layer(x)
-    torch.testing.assert_close(out, reference(x), rtol=1e-5, atol=1e-6)
-    out.pow(2).sum().backward()
-    recorded = {n[: -len(buffered.BUFFER_SUFFIX)]: b for n, b in layer.named_buffers() if n.endswith(buffered.BUFFER_SUFFIX)}
-    if name == "nn":
-        assert not recorded
-    elif "sogns" in name:
-        assert {n.split("_sogns")[0] for n in recorded} == {n for n, _ in layer.named_parameters()}
+    reference = make()
+    module = copy.deepcopy(reference)
+    variant = layers.get(kind)
+    adopt(module, variant.layer_class(name), variant.options(module))
+    assert [(n, p.shape) for n, p in module.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
+    inputs = make_input()
+    want = reference(*inputs)
+    with layout_of(4, (2,) if kind == "Experts" else ()):
+        got = module(*inputs)
+    want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.pow(2).sum().backward()
+    recorded = {n[: -len(buffered.BUFFER_SUFFIX)]: b for n, b in module.named_buffers() if n.endswith(buffered.BUFFER_SUFFIX)}
+    if "sogns" in name:
+        assert {n.split("_sogns")[0] for n in recorded} == {n for n, _ in module.named_parameters()}
     else:
-        assert set(recorded) == {n for n, _ in layer.named_parameters()}
+        assert set(recorded) == {n for n, _ in module.named_parameters()}
         assert all(b[1].item() == 4 and b[0].item() > 0 for b in recorded.values())
+
+
+@contextlib.contextmanager
+def layout_of(examples, lengths):
+    """The layout a model's forward would set (4 examples; the experts' 8 rows are 4 examples of 2 tokens)."""
+    layout._active.append(layout.Layout(examples, frozenset(lengths)))
+    try:
+        yield
+    finally:
+        layout._active.pop()
 
 
 def test_unknown_name_names_the_key_and_the_choices():
     with pytest.raises(ValueError, match=r"unknown lnclass 'fast'; choose from \['fused', 'gns', 'nn', 'shim'\]"):
         lc.layer_classes(lnclass="fast")
     with pytest.raises(ValueError, match="unknown layer kind"):
-        lc.get_layer_class("Conv2d", "nn")
+        lc.get_layer_class("Conv3d", "nn")
 
 
 def test_context_manager_sets_and_restores():
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", lnclass="shim")) as config:
-        assert config.Linear is buffered.PEGradNormLinear
-        assert lc.config.LayerNorm is buffered.PEGradNormSeparatedLayerNorm
+        assert config.Linear is PEGradNormLinear
+        assert lc.config.LayerNorm is PEGradNormSeparatedLayerNorm
         assert lc.config.Embedding is nn.Embedding
     assert lc.config.Linear is nn.Linear and lc.config.LayerNorm is nn.LayerNorm
     with pytest.raises(RuntimeError):
-        with lc.set_contextual_config(Linear=buffered.PEGradNormLinear):
+        with lc.set_contextual_config(Linear=PEGradNormLinear):
             raise RuntimeError("boom")
     assert lc.config.Linear is nn.Linear  # restored after an exception too
     with pytest.raises(ValueError, match="unknown layer kind"):

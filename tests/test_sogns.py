@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import gnstracking
-from buffered import PEGradNormLinear, zero_sqgradnorm_buffers
+from buffered import zero_sqgradnorm_buffers
+from layers.linear import PEGradNormLinear
 from conftest import TINY, run_script
 from csv_tools import load_csv
 from oracle import per_example_sqnorms_by_loop

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 import gnstracking
 import layer_config as lc
 import tied
-from buffered import PEGradNormEmbedding, PEGradNormLinear, zero_sqgradnorm_buffers
+from buffered import zero_sqgradnorm_buffers
+from layers.embedding import PEGradNormEmbedding
+from layers.linear import PEGradNormLinear
 from model import GPT, GPTConfig
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab_size=67, dropout=0.0)
@@ -137,21 +139,35 @@ def test_embedding_without_the_head_in_backward():
     zero_sqgradnorm_buffers(model)
 
 
-def test_flattened_output_layer_input_is_a_clear_error():
+def test_flattened_output_layer_input_is_exact():
+    """An output layer fed the hidden states flattened to (B*T, D) (as OPT feeds its layers): its rows map to the
+    forward's examples (layout.py), so the tied matrix is exact, as with (B, T, D)."""
     class Flattening(nn.Module):
-        def __init__(self):
+        def __init__(self, flatten):
             super().__init__()
+            self.flatten = flatten
             self.emb = PEGradNormEmbedding(11, 4)
             self.head = PEGradNormLinear(4, 11, bias=False)
             self.head.weight = self.emb.weight
 
         def forward(self, ids):
-            return self.head(self.emb(ids).reshape(-1, 4))
+            h = self.emb(ids)
+            return self.head(h.reshape(-1, 4) if self.flatten else h).view(*ids.shape, 11)
 
-    model = Flattening()
-    gnstracking.MeasurementTracker.from_model(model)
-    with pytest.raises(ValueError, match="keep the examples on dim 0"):
-        model(torch.randint(0, 11, (3, 5)))
+    def loss(model, x, y):
+        return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+    x, y = torch.randint(0, 11, (2, 3, 5), generator=torch.Generator().manual_seed(5))
+    found = []
+    for flatten in (False, True):
+        torch.manual_seed(0)
+        model = Flattening(flatten).double()
+        batch, per_example = brute_force(model, loss, x, y)
+        measured = tracked_step(model, loss, x, y, micro_batches=(slice(0, 1), slice(1, 3)))["emb.weight+head.weight"]
+        assert measured.small_batch_norm ** 2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
+        assert measured.big_batch_norm ** 2 == pytest.approx(batch["emb.weight"], rel=1e-6)
+        found.append(measured.small_batch_norm)
+    assert found[0] == pytest.approx(found[1], rel=1e-9)
 
 
 def test_linking_is_idempotent():

@@ -109,9 +109,12 @@ def test_every_parameter_tracked_and_exact(name, classes):
     assert tracked_elements == sum(p.numel() for p in model.parameters())  # 100% of the elements
     if name == "hf_gpt2":
         assert "transformer.wte.weight+lm_head.weight" in {n for n, _, _ in tracker.tracked}
-        assert type(model.transformer.h[0].attn.c_attn) is lc.get_layer_class("Conv1D", classes[0])
+        c_attn = model.transformer.h[0].attn.c_attn  # converted in place: still a Conv1D, with the variant's forward
+        assert isinstance(c_attn, lc.get_layer_class("Conv1D", classes[0])) and isinstance(c_attn, Conv1D)
     else:
-        assert type(model.model.norm) is lc.get_layer_class("RMSNorm", classes[2]) and model.model.norm.eps == 1e-6
+        norm = model.model.norm
+        assert isinstance(norm, lc.get_layer_class("RMSNorm", classes[2])) and isinstance(norm, LlamaRMSNorm)
+        assert norm.eps == 1e-6
     x, y = torch.randint(0, VOCAB, (2, 5, T), generator=torch.Generator().manual_seed(1))
     measurements = accumulated_measurements(name, model, tracker, x, y)
     want = brute_force(name, model, x, y)
