@@ -6,13 +6,18 @@ convert() uses this for modules it cannot swap for a layer of a kind, because
 their forward does more than a layer's (a router returning logits and top-k
 choices, Gemma's embedding scaled by a buffer, OPT's position embedding computed
 from the attention mask, a Linear that casts its weight...), but whose
-parameters enter the computation only through F.linear and F.embedding.
+parameters enter the computation only through F.linear and F.embedding, or
+broadcast over the examples.
 The module keeps its class (it gains a wrapper forward), code, buffers and
 hooks; while its forward runs with gradients, a TorchFunctionMode watches every
 torch call that takes one of its parameters:
 
   F.linear(x, W, b), F.embedding(ids, W)   computed by functional.linear/embedding: the same
                                            values, and the per-example norms recorded
+  W.expand(N, ...), x + W, x * W, ...      W broadcast over the N examples of the forward (dim 0 of
+                                           x): replaced by one copy per example, whose gradients are
+                                           the examples' own (a ViT's class token and position
+                                           embeddings, a scale written out by hand)
   W.to(dtype), W.float(), W.t(), W.T, ...  norm-preserving views and casts: followed, so that
                                            F.linear(x, W.to(x.dtype)) is a use of W
   W.shape, W.dtype, W.detach(), ...        no gradient flows: ignored
@@ -30,12 +35,19 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import functional
-from buffered import PESqNormBuffersMixin, refuse_step
+from buffered import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
 _FOLLOWED = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
              torch.Tensor.double, torch.Tensor.t, torch.Tensor.contiguous, torch.Tensor.clone}
 _FOLLOWED_PROPERTIES = {"T", "mT"}
+# elementwise calls in which a parameter may be broadcast over the examples (a ViT's position embeddings added to
+# every example's tokens, a scale multiplying every row)
+_BROADCAST = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
+              torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__, torch.Tensor.__iadd__,
+              torch.Tensor.__isub__, torch.Tensor.__imul__, torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul,
+              torch.Tensor.div, torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.add, torch.sub,
+              torch.mul, torch.div}
 # calls through which no gradient flows
 _IGNORED = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
             torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.data_ptr,
@@ -90,7 +102,31 @@ class _ParameterUses(TorchFunctionMode):
             return self.linear(*args, **kwargs)
         elif func is F.embedding:
             return self.embedding(*args, **kwargs)
+        elif func is torch.Tensor.expand and names[0] is not None and sum(n is not None for n in names) == 1:
+            expanded = self.broadcast(args[0], _sizes(args[1:]))
+            if expanded is not None:
+                return expanded.expand(*args[1:], **kwargs)
+        elif func in _BROADCAST and len(args) == 2 and sum(n is not None for n in names) == 1 and not kwargs:
+            i = 0 if names[0] is not None else 1
+            other = args[1 - i]
+            expanded = self.broadcast(args[i], other.shape if isinstance(other, torch.Tensor) else None)
+            if expanded is not None:
+                return func(*((expanded, other) if i == 0 else (other, expanded)))
         return self.refuse(func, names, func(*args, **kwargs))
+
+    def broadcast(self, param, target_shape):
+        """The parameter as one copy per example of the forward, (N, ...), when an op broadcasts it over a target
+        whose dim 0 holds the N examples (the op then gives each example's gradient to its own copy); else None."""
+        import layout
+
+        if target_shape is None or len(target_shape) < param.dim() or not len(target_shape):
+            return None
+        current = layout.current()
+        examples = current.examples if current is not None else target_shape[0]
+        leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
+        if target_shape[0] != examples or leading[0] != 1 or (current is not None and current.packed is not None):
+            return None
+        return BroadcastOverExamples.apply(param.view(leading), examples, self.buffer(param))
 
     def buffer(self, t):
         name = self.name_of(t)
@@ -114,9 +150,30 @@ class _ParameterUses(TorchFunctionMode):
         call = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
         for name in {n for n in names if n is not None}:
             reason = (f"its forward uses its {name} in {call}, which per-example norms do not follow (only "
-                      f"F.linear and F.embedding)")
+                      f"F.linear, F.embedding and broadcasts over the examples)")
             refuse_step(reason, [self.module.pe_buffer(name)])
         return out
+
+
+def _sizes(args):
+    """expand's sizes, given as expand(*sizes) or expand(sizes)."""
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
+
+
+class BroadcastOverExamples(torch.autograd.Function):
+    """broadcast(param (1, ...), N, buffer) -> (N, ...) copies: backward receives each example's gradient of the
+    parameter in its own copy, records their squared norms and returns their sum."""
+
+    @staticmethod
+    def forward(ctx, param, examples, buffer):
+        ctx.buffer, ctx.shape = buffer, param.shape
+        return param.expand(examples, *param.shape[1:]).clone()  # a copy: an output may not be a view of an input
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.buffer is not None:
+            accumulate_pe_sqnorm(ctx.buffer, grad.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
+        return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None
 
 
 class InterceptedForward(PESqNormBuffersMixin):

@@ -205,7 +205,8 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
                 return next(reason for _, reason in chosen.values() if reason is not None)
             found, problem = swapcheck.find_replacement(module, usable, options)
             if found is not None:
-                adopt(module, chosen[found.kind][0], found.options)
+                roles = swapcheck.role_names(module, options)  # parameters named otherwise play their roles
+                adopt(module, chosen[found.kind][0], {**found.options, **roles})
                 return None
         if kind_name is not None:  # the user named a kind: only a layer of it may stand in
             return f"{type(module).__name__} not converted, {problem}"

@@ -71,9 +71,14 @@ def probed_kinds():
 # which modules, which candidates
 
 def role_names(module, options=None):
-    """{role: the module's parameter name} for the roles weight and bias (the user may rename them)."""
+    """{role: the module's parameter name} for the roles weight and bias: as the user names them, else by name,
+    else the module's only parameter is its weight (a norm whose gain is called `scale`)."""
     options = options or {}
-    return {role: options.get(role, role) for role in ROLES if options.get(role, role) in module._parameters}
+    roles = {role: options.get(role, role) for role in ROLES if options.get(role, role) in module._parameters}
+    own = [name for name, p in module._parameters.items() if p is not None]
+    if "weight" not in roles and "weight" not in options and len(own) == 1:
+        roles = {"weight": own[0]}
+    return roles
 
 
 def structure_problem(module, options=None):
@@ -98,13 +103,16 @@ def structure_problem(module, options=None):
 
 
 def _takes_one_input(module):
-    """True when module.forward takes exactly one positional input (so a probe can call it)."""
+    """True when module.forward needs exactly one positional input (so a probe can call it); others may have
+    defaults."""
     try:
         inputs = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return False
-    return len(inputs) == 1 and inputs[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                   inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in inputs if p.default is inspect.Parameter.empty
+                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    return bool(inputs) and inputs[0].kind in positional and len(required) == 1 and required[0] is inputs[0]
 
 
 def fitting_kinds(module, kinds=None, options=None):
@@ -216,7 +224,8 @@ class _Probe:
         key = (kind, setting)
         if key not in self._reference:
             gen = torch.Generator().manual_seed(0)
-            values, x = layers.get(kind).probe.data(self.module, gen)
+            bias = self.module._parameters[self.roles["bias"]] if "bias" in self.roles else None
+            values, x = layers.get(kind).probe.data(self.module, gen, self.weight, bias)
             values = {role: v.to(self.device, setting.param_dtype) for role, v in values.items()}
             if not x.is_floating_point():
                 if setting.input_dtype is not None:  # token ids have no dtype to vary
@@ -321,7 +330,7 @@ def _intercept_probe_data(module, generator):
     size); None when it has no parameter to shape an input from."""
     params = dict(module.named_parameters(recurse=False))
     if isinstance(module, nn.Embedding):
-        return layers.get("Embedding").probe.data(module, generator)
+        return layers.get("Embedding").probe.data(module, generator, module.weight, None)
     shaped = [p for p in params.values() if p.dim() >= 1]
     if not shaped:
         return None
@@ -340,10 +349,13 @@ def intercept_problem(module):
     params = dict(module.named_parameters(recurse=False))
     if not params or not all(p.is_floating_point() for p in params.values()):
         return "its parameters are not floating point"
+    # a subclass of torch's Linear or Embedding, or parameters shaped to broadcast over the batch (a ViT's class
+    # token): when no probe can run its forward, its uses are checked at every step instead
+    checked_at_each_step = isinstance(module, (nn.Linear, nn.Embedding)) or all(
+        p.dim() >= 2 and p.shape[0] == 1 for p in params.values())
     if not _takes_one_input(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            return None  # a torch layer's subclass: its uses are checked at every step
-        return f"its forward{_signature(module)} takes several inputs, so no probe can check it"
+        return None if checked_at_each_step else \
+            f"its forward{_signature(module)} takes several inputs, so no probe can check it"
     device = next(iter(params.values())).device
     device = torch.device("cpu") if device.type == "meta" else device
     data = _intercept_probe_data(module, torch.Generator().manual_seed(0))
@@ -357,7 +369,7 @@ def intercept_problem(module):
             lambda p, inp: torch.func.functional_call(module, p, (inp,)),
             {name: nn.Parameter(v.clone()) for name, v in values.items()}, x)
     except Exception as e:
-        return f"its forward fails on a probe input ({type(e).__name__}: {e})"
+        return None if checked_at_each_step else f"its forward fails on a probe input ({type(e).__name__}: {e})"
     twin = copy.copy(module)  # the module's attributes, buffers and children; its own parameters replaced below
     twin.__dict__.update(_parameters={name: nn.Parameter(v.clone()) for name, v in values.items()},
                          _buffers=dict(module._buffers), _forward_hooks={}, _forward_pre_hooks={},

@@ -62,8 +62,7 @@ class PEGradNormConv1D(_PEGradNormConv1DBase):
         return PEGradNormLinear.pe_promoted(self, out)
 
 
-def probe_data(module, generator):
-    weight, bias = module._parameters["weight"], module._parameters.get("bias")
+def probe_data(module, generator, weight, bias):
     K = weight.shape[0]
     params = {"weight": torch.randn(*weight.shape, generator=generator, dtype=torch.float64) / math.sqrt(K)}
     if bias is not None:

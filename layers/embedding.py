@@ -161,8 +161,7 @@ def fits(weight, bias):
     return weight.dim() == 2 and bias is None
 
 
-def probe_data(module, generator):
-    weight = module._parameters["weight"]
+def probe_data(module, generator, weight, bias=None):
     ids = torch.randint(0, weight.shape[0], (3, 4), generator=generator)
     if isinstance(getattr(module, "padding_idx", None), int):
         ids[0, 0] = module.padding_idx  # a padding row gets no gradient in nn.Embedding: the probe sees that

@@ -211,9 +211,8 @@ def eps_values(module):
     return values
 
 
-def norm_probe_data(module, generator):
+def norm_probe_data(module, generator, weight, bias):
     """Probe parameters (weight, and bias when the module has one) and the 12-row input of the docstring."""
-    weight, bias = module._parameters["weight"], module._parameters.get("bias")
     D = weight.shape[0]
     x = torch.randn(len(ROW_SCALES), D, generator=generator, dtype=torch.float64)
     x = x * torch.tensor(ROW_SCALES, dtype=torch.float64)[:, None] + torch.tensor(ROW_MEANS, dtype=torch.float64)[:, None]

@@ -305,8 +305,7 @@ def fits(weight, bias):
     return weight.dim() == 2 and (bias is None or bias.shape == weight.shape[:1])
 
 
-def probe_data(module, generator):
-    weight, bias = module._parameters["weight"], module._parameters.get("bias")
+def probe_data(module, generator, weight, bias):
     K = weight.shape[1]
     params = {"weight": torch.randn(*weight.shape, generator=generator, dtype=torch.float64) / math.sqrt(K)}
     if bias is not None:

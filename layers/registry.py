@@ -29,7 +29,8 @@ class Probe:
 
     Attributes:
         fits: fits(weight, bias) -> True when the kind holds parameters of these shapes (bias may be None).
-        data: data(module, generator) -> ({role: float64 tensor}, input): probe parameters and an input.
+        data: data(module, generator, weight, bias) -> ({role: float64 tensor}, input): probe parameters and an
+            input, for a module whose parameters playing the roles weight and bias (bias may be None) are given.
         candidates: candidates(module, options) -> [options dict]: the constructor options to try, in order
             (e.g. each eps), options being those the user fixed (treat_as).
         options: the option names a user may fix through convert(treat_as=...).

@@ -76,10 +76,10 @@ def captured(monkeypatch):
     record = {}
     original = buffered.accumulate_pe_sqnorm
 
-    def recording(buffer, pe_sqnorm):
+    def recording(buffer, pe_sqnorm, counted=True):
         if buffer is not None:
             record.setdefault(id(buffer), []).append(pe_sqnorm.detach().clone())
-        original(buffer, pe_sqnorm)
+        original(buffer, pe_sqnorm, counted)
 
     monkeypatch.setattr(fused_gns, "accumulate_pe_sqnorm", recording)
     monkeypatch.setattr(layers.linear, "accumulate_pe_sqnorm", recording)
