@@ -16,7 +16,7 @@ per-example norm layers, only more than one rank.
 
 The log gets each step's raw quantities under ddp/ (sq_norm_small, sq_norm_large,
 small_batch_size, big_batch_size); gns-analysis.py forms the EMAs with its own
---alpha, as for every GNS it prints (the estimator is gnstracking.two_batch_stats, the
+--alpha, as for every GNS it prints (the estimator is estimator.two_batch_stats, the
 one behind the per-example GNS too, with b = 1 there).
 
 Usage:

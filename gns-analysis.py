@@ -8,14 +8,14 @@ For each step, over the chosen parameters p (columns `<prefix>/<p>/norm`,
 `/pegn`, `/batch_size`):
     sgn   = sum_p norm_p^2            squared norm of the batch gradient
     spegn = sum_p pegn_p^2            mean squared norm of the per-example gradients
-    gtg, trsigma = gnstracking.unbiased_stats(sgn, spegn, B)      (arXiv 1812.06162 eq. A.2)
+    gtg, trsigma = estimator.unbiased_stats(sgn, spegn, B)      (arXiv 1812.06162 eq. A.2)
     gtg_ema, trsigma_ema = EMAs with decay alpha, i.e. pandas
         ewm(alpha=1 - alpha, adjust=False, ignore_na=True)
-    gns = gnstracking.gns_from_emas(gtg_ema, trsigma_ema) = trsigma_ema / gtg_ema
+    gns = estimator.gns_from_emas(gtg_ema, trsigma_ema) = trsigma_ema / gtg_ema
 Rows with no norm value (eval-only rows; steps a fp16 GradScaler skipped, whose
 GNS cells are empty; a step whose every norm is nan) are dropped first. A step whose gtg or trsigma is not
 finite (B = 1, a parameter not logged that step, a norm logged as nan/inf) is
-skipped: both EMAs keep their previous value, exactly as gnstracking.EMA does
+skipped: both EMAs keep their previous value, exactly as estimator.EMA does
 online. Steps with a norm logged as nan/inf are counted (a warning) apart from
 steps that lack a parameter's columns.
 
@@ -45,7 +45,7 @@ the whole gradient's norm): it is left out. With a record, every recorded
 parameter counts (an untied wte or lm_head is an ordinary parameter).
 
 DDP: train.py logs each step's raw cross-rank quantities under ddp/; the DDP
-GNS is formed here from them with the same --alpha (gnstracking.two_batch_stats).
+GNS is formed here from them with the same --alpha (estimator.two_batch_stats).
 (A log of the paper's reference code has only its own `ddp/gns`: shown as logged.)
 
 The x-axis is tokens (`tokens_processed`) where the log has them, else examples
@@ -87,7 +87,8 @@ import pandas as pd
 
 import layers
 from csv_tools import load_csv
-from gnstracking import gns_from_emas, read_parameter_record, two_batch_stats, unbiased_stats
+from estimator import gns_from_emas, two_batch_stats, unbiased_stats
+from gnstracking import read_parameter_record
 from plot import save_png, terminal_plot
 
 GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")

@@ -1,30 +1,29 @@
 """
-Measurements of gradient norms and per-example gradient norms, and the gradient
-noise scale (GNS) estimator built from them.
-
-One optimizer step gives, for each tracked parameter p,
+The measurements of a training step: for each tracked parameter p,
     norm = ||p.grad||                    the batch gradient's norm
     pegn = sqrt(mean_i ||g_i||^2)        from the layer's `<p>_upegsqnorm` buffer
     batch_size = B                       examples in the step (all micro-batches, all ranks)
-(see buffered.py for how the buffers are filled). `unbiased_stats` turns the
-squared norms, summed over the parameters of interest, into unbiased estimates
-of |G|^2 and tr(Sigma); GNS = EMA(tr(Sigma)) / EMA(|G|^2). gns-analysis.py and
-the running estimate in train.py's status line both use these functions.
+(see buffered.py for how the buffers are filled, estimator.py for the GNS made of them).
 
-Usage in a training loop (GNSMonitor, at the end of this file, does these steps in one call):
+One object does it all in a training loop, GNSMonitor:
 
-    accumulate = AccumulateMeasurements(prefix="train/gns/")
-    tracker = MeasurementTracker.from_model(model, callback=accumulate)
+    gns = GNSMonitor(model, log=log)     # or gns = layer_config.convert(model, log=log)
     ...backward of every micro-batch...
-    tracker.step(batch_size=B)        # before clipping, scaler.step and zero_grad
-    zero_sqgradnorm_buffers(model)
-    log(accumulate.get_msg())         # {"train/gns/<name>/norm": ..., "/pegn": ..., "/batch_size": ...}
+    gns.step(batch_size=B)               # before clipping, scaler.step and zero_grad: measure, zero, log
 
 Which parameters are tracked: every trainable one whose layer keeps a
-`<name>_upegsqnorm` buffer. Frozen parameters (requires_grad=False) are never
-measurements; they are listed in `tracker.skipped` with the other untracked
-ones and the reason. Parameters are looked up on their modules at every read,
-so a model sharded after the tracker was made (FSDP2) is read correctly.
+`<name>_upegsqnorm` buffer (find_tracked_parameters). The others are listed in
+`gns.untracked` with the reason; frozen parameters (requires_grad=False) are never
+measurements. Parameters are looked up on their modules at every read, so a model
+sharded after the monitor was made (FSDP2) is read correctly.
+
+A step is read in a handful of ops whatever the model's size (StepReader): every
+buffer is a view of one flat tensor (BufferTable), the gradients' norms come from
+one torch._foreach_norm, the ranks' sums from one all-reduce, and the numbers reach
+the host in one sync. Under data parallelism (DDP, FSDP2, HSDP) each rank's backward
+gives its examples' parts of the gradient, which the engine averages over the world:
+example i's gradient g_i is B / world times its local part, whatever each rank's
+share of the B examples (so unequal shares are exact).
 """
 
 import dataclasses
@@ -34,13 +33,12 @@ import os
 import warnings
 from typing import Any, Dict, List, NamedTuple, Tuple
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-import layers
 import layout
-from buffered import BUFFER_SUFFIX, norm_dtype, refused, refused_addresses, zero_sqgradnorm_buffers
+from buffered import BUFFER_SUFFIX, refused, refused_addresses
+from estimator import RunningGNS
 from tied import link_tied_parameters
 
 try:
@@ -50,102 +48,6 @@ except ImportError:  # a torch built without distributed
 
 PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv: what each tracked parameter is (describe_tracked)
 APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
-
-
-def two_batch_stats(sq_norm_small, sq_norm_big, small_batch_size, big_batch_size):
-    """Unbiased |G|^2 and tr(Sigma) from the squared norms of a small-batch and a big-batch gradient.
-
-    McCandlish et al. 2018 (arXiv 1812.06162) eq. A.2, with b examples in each small
-    batch (|g_b|^2 their mean squared norm) and B in the big one:
-        |G|^2     = (B * |g_B|^2 - b * |g_b|^2) / (B - b)
-        tr(Sigma) = (|g_b|^2 - |g_B|^2) / (1/b - 1/B)
-    Works on floats, numpy arrays and pandas Series alike (a Series stays a Series).
-    Returns (gtg, trsigma), both NaN where B > b > 0 does not hold.
-    """
-    b = np.asarray(small_batch_size, dtype=np.float64)
-    B = np.asarray(big_batch_size, dtype=np.float64)
-    valid = (B > b) & (b > 0)
-    b_safe, B_safe = np.where(valid, b, 1.0), np.where(valid, B, 2.0)
-    gtg = np.where(valid, (B_safe * sq_norm_big - b_safe * sq_norm_small) / (B_safe - b_safe), np.nan)
-    trsigma = np.where(valid, (sq_norm_small - sq_norm_big) / (1.0 / b_safe - 1.0 / B_safe), np.nan)
-    if np.ndim(gtg) == 0:
-        return float(gtg), float(trsigma)
-    for series in (sq_norm_big, sq_norm_small):
-        if hasattr(series, "index"):
-            return type(series)(gtg, index=series.index), type(series)(trsigma, index=series.index)
-    return gtg, trsigma
-
-
-def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
-    """Unbiased |G|^2 and tr(Sigma) from one step's squared norms: `two_batch_stats` with small batches
-    of one example, i.e. the Bessel-corrected sample statistics of the per-example gradients:
-        |G|^2     = (B * |g_B|^2 - mean_i |g_i|^2) / (B - 1)
-        tr(Sigma) = (mean_i |g_i|^2 - |g_B|^2) / (1 - 1/B)
-
-    Args:
-        sq_norm: squared norm of the batch-mean gradient |g_B|^2.
-        pe_sqnorm: mean over examples of the squared per-example gradient norm.
-        batch_size: B. Works on floats, numpy arrays and pandas Series alike.
-    Returns:
-        (gtg, trsigma). Both are NaN where B <= 1: one example gives no
-        estimate of the noise, so the GNS is undefined there.
-    """
-    return two_batch_stats(pe_sqnorm, sq_norm, 1, batch_size)
-
-
-def gns_from_emas(gtg_ema, trsigma_ema):
-    """GNS = EMA(tr(Sigma)) / EMA(|G|^2); NaN where the |G|^2 EMA is not positive.
-
-    (The paper's script clips the denominator at 1e-6 instead, which turns a
-    noise-dominated estimate into a huge but plausible-looking number.)
-    """
-    gtg_ema = np.asarray(gtg_ema, dtype=np.float64)
-    gns = np.where(gtg_ema > 0, np.asarray(trsigma_ema, dtype=np.float64) / np.where(gtg_ema > 0, gtg_ema, 1.0), np.nan)
-    return float(gns) if gns.ndim == 0 else gns
-
-
-class EMA:
-    """Exponential moving average that skips non-finite values (as pandas'
-    `ewm(alpha=1 - decay, adjust=False, ignore_na=True)` does for NaN), so one bad step does not
-    poison it. `value` is NaN until the first finite update."""
-
-    def __init__(self, decay):
-        self.decay = decay
-        self.value = math.nan
-
-    def update(self, x):
-        if not math.isfinite(x):
-            return self.value
-        self.value = x if math.isnan(self.value) else self.decay * self.value + (1 - self.decay) * x
-        return self.value
-
-
-class RunningGNS:
-    """Running GNS over steps: EMAs of |G|^2 and tr(Sigma) kept separately.
-
-    Feed it the summed squared norms of each step; `gns` is the current estimate
-    (NaN until a step with B > 1 and a positive |G|^2 EMA)."""
-
-    def __init__(self, decay=0.95):
-        self.gtg = EMA(decay)
-        self.trsigma = EMA(decay)
-
-    def update(self, sq_norm, pe_sqnorm, batch_size):
-        gtg, trsigma = unbiased_stats(sq_norm, pe_sqnorm, batch_size)
-        if math.isfinite(gtg) and math.isfinite(trsigma):
-            self.gtg.update(gtg)
-            self.trsigma.update(trsigma)
-        return self.gns
-
-    @property
-    def gns(self):
-        return gns_from_emas(self.gtg.value, self.trsigma.value)
-
-    def state_dict(self):
-        return {"decay": self.gtg.decay, "gtg": self.gtg.value, "trsigma": self.trsigma.value}
-
-    def load_state_dict(self, state):
-        self.gtg.value, self.trsigma.value = state["gtg"], state["trsigma"]
 
 
 # -----------------------------------------------------------------------------
@@ -303,7 +205,6 @@ def describe_tracked(model, tracked):
     record = {}
     for entry in tracked:
         param = entry.ref.get()
-        module, attr = entry.ref.module, entry.ref.attr
         first = aliases[id(param)][0]
         if len(entry.terms) > 1:  # a tied Embedding/Linear pair (tied.py)
             kind, layer = "Embedding+Linear", "+".join(type(m).__name__ for m, _, _ in entry.terms[:2])
@@ -338,208 +239,11 @@ def read_parameter_record(out_dir):
         return json.load(f)["parameters"]
 
 
+# -----------------------------------------------------------------------------
+# reading a step: a handful of ops whatever the number of parameters
+
 def _is_dtensor(t):
     return DTensor is not None and isinstance(t, DTensor)
-
-
-class MeasurementTracker:
-    """Reads every per-example norm buffer of a model once per optimizer step.
-
-    Args:
-        model: the model whose parameters are tracked (looked up again at every
-            read, so sharding the model afterwards with FSDP2 is fine).
-        tracked: [Tracked(name, ref, terms)], see `find_tracked_parameters`.
-        callback: a callable, or a list of callables, given each Measurement.
-        scaler: the GradScaler of fp16 training, or None; its scale is divided out,
-            and a step it will skip (an inf/nan gradient) is not a measurement.
-        skipped: {name: reason} of the parameters not tracked.
-    Call `step(batch_size=B)` after the last micro-batch's backward and before
-    gradient clipping / `scaler.unscale_` / `scaler.step` / `zero_grad`, then
-    `zero_sqgradnorm_buffers(model)` (GNSMonitor does all of it in one call).
-
-    Counters: `scaler_skipped_steps` (steps not measured because the scaler
-    skips them) and `nonfinite_steps` (measured steps with an inf/nan norm;
-    those are passed on as inf/nan, never replaced by a number).
-    """
-
-    def __init__(self, model, tracked, callback=None, scaler=None, skipped=None):
-        self.model = model
-        self.tracked = tracked
-        if callback is None:
-            callback = []
-        self.callbacks = list(callback) if isinstance(callback, (list, tuple)) else [callback]
-        self.scaler = scaler
-        self.skipped = dict(skipped or {})
-        self.unconverted = {}  # filled by layer_config.convert
-        self.step_count = 0
-        self.scaler_skipped_steps = 0
-        self.nonfinite_steps = 0
-        self.dropped = set()  # parameters found used several times per example (see step)
-
-    @classmethod
-    def from_model(cls, model, callback=None, scaler=None, suffix=BUFFER_SUFFIX, warn=True):
-        """A tracker of every trainable parameter of `model` whose layer records per-example norms.
-
-        Links tied Embedding/Linear tensors (tied.link_tied_parameters) so that
-        they are logged exactly; warns (unless warn=False) about tied tensors it cannot log exactly.
-        """
-        layout.install(model)  # each forward's examples, read by every layer (layout.py)
-        tracked, skipped = find_tracked_parameters(model, suffix)
-        for name, reason in skipped.items():
-            if warn and reason.startswith("tied"):
-                warnings.warn(f"GNS: not tracking {name}: {reason}")
-        return cls(model, tracked, callback=callback, scaler=scaler, skipped=skipped)
-
-    def describe(self):
-        """{logged name: layer kind, class, block, names, elements} (see describe_tracked)."""
-        return describe_tracked(self.model, self.tracked)
-
-    def _scaler_on(self):
-        return self.scaler is not None and self.scaler.is_enabled()
-
-    def read(self):
-        """Per tracked parameter: (||grad||^2, sum_i ||g_i||^2, examples counted), in one host sync.
-
-        Returns:
-            (values (n, 3) float64 on the CPU, all_grads_finite: bool, names of tracked
-            parameters without a gradient). The flag covers the untracked parameters
-            too, and is only computed (else True) when a GradScaler is on.
-
-        The buffer holds [sum_i ||g_i / n||^2, n] for the n examples this process
-        saw, so sum_i ||g_i||^2 = buffer[0] * n^2 (a bank's buffer has one such row
-        per disjoint slice; the rows add up). Under torch.distributed the sums and
-        counts of all ranks are added, and so are the squared norms of gradients
-        sharded by FSDP2 (one small all-reduce); a DDP gradient is already whole.
-        """
-        rows, no_grad = [], []
-        for name, ref, terms in self.tracked:
-            grad = ref.get().grad
-            # buffers looked up on every read: module.to(device) replaces them
-            buffers = [(module._buffers[buffer_name], coefficient) for module, buffer_name, coefficient in terms]
-            device = buffers[0][0].device
-            whole_sq = sharded_sq = torch.zeros((), dtype=torch.float64, device=device)
-            if grad is None:
-                no_grad.append(name)
-            elif _is_dtensor(grad) and all(isinstance(p, Shard) for p in grad.placements) \
-                    and grad.device_mesh.ndim == 1 and grad.device_mesh.size() == _world_size():
-                local = grad.to_local()  # this rank's shard: the squares of the shards add up
-                sharded_sq = torch.linalg.vector_norm(local, dtype=norm_dtype(local)).double().to(device) ** 2
-            elif _is_dtensor(grad):  # other layouts (HSDP's 2-D mesh, ...): gather the whole gradient (slower, exact)
-                whole = grad.full_tensor()
-                whole_sq = torch.linalg.vector_norm(whole, dtype=norm_dtype(whole)).double().to(device) ** 2
-            else:
-                whole_sq = torch.linalg.vector_norm(grad, dtype=norm_dtype(grad)).double().to(device) ** 2
-            table = sum(coefficient * buffer.double() for buffer, coefficient in buffers).reshape(-1, 2)
-            counts = buffers[0][0].double().reshape(-1, 2)[:, 1]  # every term counts the same examples
-            rows.append(torch.stack([whole_sq, sharded_sq, (table[:, 0] * counts ** 2).sum(), counts.max()]))
-        values = torch.stack(rows) if rows else torch.zeros(0, 4, dtype=torch.float64)
-        # GradScaler skips the step when any gradient is inf/nan: the untracked ones are checked in the same
-        # all-reduce and sync (a sharded gradient's inf may sit on another rank's shard)
-        other_sq = self._untracked_sq_norm(values.device) if self._scaler_on() else None
-        if other_sq is not None:
-            values = torch.cat([values, torch.stack([torch.zeros((), dtype=torch.float64, device=values.device),
-                                                     other_sq, torch.zeros_like(other_sq), torch.zeros_like(other_sq)])[None]])
-        if len(values) and _world_size() > 1:
-            summed = values[:, 1:].clone()
-            torch.distributed.all_reduce(summed)
-            values = torch.cat([values[:, :1], summed], dim=1)
-        values = torch.stack([values[:, 0] + values[:, 1], values[:, 2], values[:, 3]], dim=1).cpu()
-        if other_sq is None:
-            return values, True, no_grad
-        return values[:-1], bool(torch.isfinite(values[:, 0]).all()), no_grad
-
-    def _untracked_sq_norm(self, device):
-        """Sum of the squared norms of the gradients of the untracked parameters (their local shards under FSDP2)."""
-        tracked_ids = {id(ref.get()) for _, ref, _ in self.tracked}
-        grads = [p.grad for p in self.model.parameters() if id(p) not in tracked_ids and p.grad is not None]
-        grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
-        if not grads:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).double().sum().to(device)
-
-    def _count_error(self, name, count, batch_size):
-        """The ValueError for a buffer that counted `count` examples in a step of `batch_size`."""
-        if math.isnan(count):
-            terms = next(t for t in self.tracked if t.name == name).terms
-            reasons = {refused[a] for module, buffer_name, _ in terms
-                       for a in refused_addresses(module._buffers[buffer_name])}
-            why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
-            return ValueError(f"GNS: {name}: this step is not measured: its layer's input rows could not be mapped to "
-                              f"the forward's examples ({why}). See layout.py for the rows that can be mapped; "
-                              f"for a layout of your own, pass layout.install(model, layout_of=...)")
-        return ValueError(f"GNS: {name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
-                          f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
-                          f"ranks, or the number of packed sequences)")
-
-    def step(self, batch_size, step=None):
-        """Emit one Measurement per tracked parameter that took part in this step; returns them.
-
-        Returns [] for a step the GradScaler will skip (counted in scaler_skipped_steps).
-        Raises ValueError when a buffer's count of examples is not batch_size, or when
-        a parameter whose layer recorded examples has no gradient."""
-        values, grads_finite, no_grad = self.read()
-        if not grads_finite:
-            self.scaler_skipped_steps += 1
-            self.step_count += 1
-            return []
-        scale = self.scaler.get_scale() if self._scaler_on() else 1.0
-        # a count of k x B means k uses per example only beside parameters that counted B; when none did,
-        # batch_size itself is wrong (e.g. the micro-batch size, or one rank's share), which is an error
-        some_counted_batch_size = any(count == batch_size for count in values[:, 2].tolist())
-        measurements = []
-        for (name, _, _), (grad_sq, pe_sqnorm_sum, count) in zip(self.tracked, values.tolist()):
-            if math.isnan(count):
-                raise self._count_error(name, count, batch_size)
-            if count == 0:
-                if grad_sq > 0 and name not in no_grad and name not in self.dropped:
-                    raise ValueError(
-                        f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
-                        f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
-                        f"a parent module reading its weight), so its per-example norms are unknown. Call "
-                        f"functional.py's per-example functions where it is used, or leave it unconverted")
-                continue  # the layer was not used in this step
-            if name in no_grad:
-                raise ValueError(
-                    f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
-                    f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
-                    f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
-                    f"the tracker was made, make the tracker again (frozen parameters are not tracked)")
-            if count != batch_size and count % batch_size == 0 and some_counted_batch_size and name not in self.dropped:
-                warnings.warn(f"GNS: {name} recorded {count / batch_size:.0f} uses per example (a module or bank slice "
-                              "used more than once per forward, e.g. shared across depth); the norm of the summed "
-                              "gradient needs the cross terms between uses, so it is no longer tracked")
-                self.dropped.add(name)
-            if name in self.dropped:
-                continue
-            if count != batch_size:
-                raise self._count_error(name, count, batch_size)
-            # GradScaler multiplies every gradient by scale, so squared norms by scale^2.
-            # nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too, never a made-up number
-            measurement = Measurement(
-                big_batch_norm=math.sqrt(grad_sq) / scale if grad_sq >= 0 else math.nan,
-                small_batch_norm=math.sqrt(pe_sqnorm_sum / count) / scale if pe_sqnorm_sum >= 0 else math.nan,
-                big_batch_size=batch_size,
-                small_batch_size=1,
-                metadata={"name": name, "step": self.step_count if step is None else step},
-            )
-            for callback in self.callbacks:
-                callback(measurement)
-            measurements.append(measurement)
-        if any(not (math.isfinite(m.big_batch_norm) and math.isfinite(m.small_batch_norm)) for m in measurements):
-            self.nonfinite_steps += 1
-        self.step_count += 1
-        return measurements
-
-    def state_dict(self):
-        """The counters, for a checkpoint (the tracker holds no other state between steps)."""
-        return {"step_count": self.step_count, "scaler_skipped_steps": self.scaler_skipped_steps,
-                "nonfinite_steps": self.nonfinite_steps, "dropped": sorted(self.dropped)}
-
-    def load_state_dict(self, state):
-        self.step_count = state["step_count"]
-        self.scaler_skipped_steps = state["scaler_skipped_steps"]
-        self.nonfinite_steps = state["nonfinite_steps"]
-        self.dropped = set(state["dropped"])
 
 
 def _world_size():
@@ -547,23 +251,176 @@ def _world_size():
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-class AccumulateMeasurements:
-    """Callback collecting a step's measurements as CSV columns
-    `<prefix><name>/norm`, `/pegn`, `/batch_size`; `get_msg()` hands them over and clears."""
+def grad_piece(grad):
+    """(this rank's part of a gradient, how many ranks hold that same part): a plain gradient is whole on every
+    rank (DDP averaged it); a DTensor's local shard is its part, repeated over the mesh dims it is Replicate on
+    (HSDP's replicas). Partial placements (sums not yet reduced) are refused."""
+    if not _is_dtensor(grad):
+        return grad, None
+    copies = 1
+    for placement, size in zip(grad.placements, grad.device_mesh.mesh.shape):
+        if placement.is_partial():
+            raise ValueError("GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
+                             "read the step after the gradients are reduced")
+        if placement.is_replicate():
+            copies *= size
+    if grad.device_mesh.size() != _world_size():
+        raise ValueError(f"GNS: a DTensor gradient on a mesh of {grad.device_mesh.size()} ranks in a world of "
+                         f"{_world_size()}: the tracker adds the ranks' shards over the whole world")
+    return grad.to_local(), copies
 
-    def __init__(self, prefix="train/gns/"):
-        self.prefix = prefix
-        self.msg = {}
 
-    def __call__(self, measurement):
-        key = self.prefix + measurement.metadata["name"]
-        self.msg[key + "/norm"] = measurement.big_batch_norm
-        self.msg[key + "/pegn"] = measurement.small_batch_norm
-        self.msg[key + "/batch_size"] = measurement.big_batch_size
+class BufferTable:
+    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
+    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
 
-    def get_msg(self):
-        msg, self.msg = self.msg, {}
-        return msg
+    A buffer replaced since (model.to(device) moves buffers) is noticed at the next read, and the table rebuilt.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.views = []  # [(module, buffer name, view)]
+        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
+        self.build()
+
+    def current(self):
+        """True when every buffer is still the table's view and no buffer was added."""
+        found = [(m, n) for m in self.model.modules() for n, b in m._buffers.items()
+                 if b is not None and n.endswith(BUFFER_SUFFIX)]
+        return len(found) == len(self.views) and all(m._buffers.get(n) is v for m, n, v in self.views)
+
+    def build(self):
+        entries = [(m, n, b) for m in _unique_modules(self.model) for n, b in m._buffers.items()
+                   if b is not None and n.endswith(BUFFER_SUFFIX)]
+        sizes = {}
+        for _, _, b in entries:
+            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
+        self.flats = {device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()}
+        offsets = {device: 0 for device in sizes}
+        self.views, self.slot = [], {}
+        with torch.no_grad():
+            for module, name, buffer in entries:
+                device, n = buffer.device, buffer.numel()
+                view = self.flats[device][offsets[device]:offsets[device] + n].view(buffer.shape)
+                view.copy_(buffer)
+                module._buffers[name] = view
+                self.views.append((module, name, view))
+                self.slot[(id(module), name)] = (device, offsets[device])
+                offsets[device] += n
+
+    def zero(self):
+        """Zero every buffer (one op per device) and forget the step's refusals."""
+        for flat in self.flats.values():
+            flat.zero_()
+        refused.clear()
+
+
+def _unique_modules(model):
+    seen = set()
+    for module in model.modules():
+        if id(module) not in seen:
+            seen.add(id(module))
+            yield module
+
+
+class StepReader:
+    """The numbers of one step for a list of tracked tensors, in a number of ops that does not grow with them:
+    their gradients' squared norms (torch._foreach_norm), their buffers' sums and counts (one gather each from the
+    BufferTable), one all-reduce of what the ranks add up, one host sync.
+
+    Args:
+        table: the model's BufferTable.
+        tracked: [Tracked(name, ref, terms)].
+        untracked_params: callable -> the parameters whose gradients only the GradScaler's finiteness check reads.
+    """
+
+    def __init__(self, table, tracked, untracked_params):
+        self.table, self.tracked, self.untracked_params = table, tracked, untracked_params
+        self._indices = self._built_for = None
+
+    def indices(self):
+        """Per device: (term slot of each [sum] (k,), its entry (k,), its coefficient (k,), count slots (n, slices))."""
+        if self._indices is not None and self._built_for is self.table.views:
+            return self._indices
+        n = len(self.tracked)
+        per_device = {}
+        for i, entry in enumerate(self.tracked):
+            for term, (module, name, coefficient) in enumerate(entry.terms):
+                device, offset = self.table.slot[(id(module), name)]
+                numel = module._buffers[name].numel()
+                sums = per_device.setdefault(device, ([], [], [], [[] for _ in range(n)]))
+                for row in range(numel // 2):  # a bank's buffer: one [sum, count] per slice
+                    sums[0].append(offset + 2 * row)
+                    sums[1].append(i)
+                    sums[2].append(coefficient)
+                    if term == 0:
+                        sums[3][i].append(offset + 2 * row + 1)
+        self._indices = {}
+        for device, (slots, entries, coefficients, counts) in per_device.items():
+            pad = self.table.flats[device].numel() - 1  # the zero padding slot
+            width = max(1, max(len(c) for c in counts))
+            count_slots = [c + [pad] * (width - len(c)) for c in counts]
+            self._indices[device] = tuple(torch.tensor(v, device=device) for v in (slots, entries)) + (
+                torch.tensor(coefficients, dtype=torch.float32, device=device),
+                torch.tensor(count_slots, device=device))
+        self._built_for = self.table.views
+        return self._indices
+
+    def read(self, scaler_on=False):
+        """(values (n, 3) float64 on the CPU: ||grad||^2, sum of the buffers' sums over all ranks, examples counted;
+        all gradients finite (computed only when scaler_on, else True); names of tracked tensors without a gradient).
+        The sums are those of the local backward's per-example contributions, added over the ranks."""
+        if not self.table.current():
+            self.table.build()
+        indices = self.indices()
+        n = len(self.tracked)
+        grads, no_grad = [], []
+        for entry in self.tracked:
+            grad = entry.ref.get().grad
+            if grad is None:
+                no_grad.append(entry.name)
+            grads.append(grad)
+        device = next(iter(self.table.flats), torch.device("cpu"))
+        whole_sq, shard_sq = _squared_norms(grads, device)
+        sums = torch.zeros(n, dtype=torch.float32, device=device)
+        counts = torch.zeros(n, dtype=torch.float32, device=device)
+        for flat_device, (slots, entries, coefficients, count_slots) in indices.items():
+            flat = self.table.flats[flat_device]
+            sums.index_add_(0, entries.to(device), (flat[slots] * coefficients).to(device))
+            counts = torch.maximum(counts, flat[count_slots].amax(dim=1).to(device))
+        parts = [shard_sq, sums.double(), counts.double()]
+        if scaler_on:  # GradScaler skips a step where any gradient is inf/nan: the untracked ones too
+            others_whole, others_shard = _squared_norms(list(self.untracked_params()), device)
+            parts.append((others_whole.sum() + others_shard.sum()).reshape(1))
+        reduced = torch.cat(parts)
+        if _world_size() > 1:
+            torch.distributed.all_reduce(reduced)
+        values = torch.cat([whole_sq, reduced]).cpu()  # the one host sync
+        grad_sq = values[:n] + values[n:2 * n]
+        table = torch.stack([grad_sq, values[2 * n:3 * n], values[3 * n:4 * n]], dim=1)
+        finite = bool(torch.isfinite(grad_sq).all() and torch.isfinite(values[4 * n:]).all()) if scaler_on else True
+        return table, finite, no_grad
+
+
+def _squared_norms(grads, device):
+    """(squared norms of the whole gradients, of this rank's shards divided by their copies), (n,) float64 each,
+    zero where a gradient is absent or of the other kind; one _foreach_norm per dtype family."""
+    pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
+    whole = torch.zeros(len(grads), dtype=torch.float64, device=device)
+    shard = torch.zeros(len(grads), dtype=torch.float64, device=device)
+    for wide in (False, True):  # float64 gradients keep float64 norms (tests); any other dtype: float32
+        chosen = [i for i, (t, _) in enumerate(pieces) if t is not None and (t.dtype == torch.float64) == wide]
+        if not chosen:
+            continue
+        tensors = [pieces[i][0] for i in chosen]
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64 if wide else torch.float32))
+        sq = norms.double().to(device) ** 2
+        copies = torch.tensor([pieces[i][1] or 1 for i in chosen], dtype=torch.float64, device=device)
+        sharded = torch.tensor([pieces[i][1] is not None for i in chosen], device=device)
+        index = torch.tensor(chosen, device=device)
+        whole.index_copy_(0, index, torch.where(sharded, torch.zeros_like(sq), sq))
+        shard.index_copy_(0, index, torch.where(sharded, sq / copies, torch.zeros_like(sq)))
+    return whole, shard
 
 
 # -----------------------------------------------------------------------------
@@ -572,72 +429,205 @@ class AccumulateMeasurements:
 class GNSMonitor:
     """What a training loop adds for the GNS: make it once, call `step` once per optimizer step.
 
-        gns = GNSMonitor(model, log=log)     # after convert(model) or building with per-example norm layers
+        gns = GNSMonitor(model, log=log)     # after convert(model), or a model built with per-example norm layers
         for ...:
             ...forward/backward of every micro-batch...
             gns.step(batch_size=B)           # after the last backward, before clipping and optimizer.step()
             optimizer.step(); optimizer.zero_grad()
 
-    `step` reads every per-example norm buffer and gradient norm (one host sync),
-    zeroes the buffers, updates the running GNS and hands the row
-    {`<prefix><param>/norm`, `/pegn`, `/batch_size`, ..., "gns"} to `log` (a
-    tracker.LogWrapper, or any callable taking a dict, e.g. wandb's run.log); it
-    returns the row too. Approximate SOGNS norms, where a layer records them,
-    go under "train/sogns/". When `log` writes files (a LogWrapper with an
-    out_dir, or out_dir=...), what each tracked parameter is (layer kind,
-    block, names) is written there as PARAMETERS_JSON for gns-analysis.py.
+    `step` reads every per-example norm buffer and gradient norm (a handful of ops, one host sync), zeroes the
+    buffers, updates the running GNS and hands the row {`<prefix><param>/norm`, `/pegn`, `/batch_size`, ...,
+    "gns"} to `log` (a tracker.LogWrapper, or any callable taking a dict, e.g. wandb's run.log); it returns the
+    row. `measure` reads without zeroing, logging or updating (the Measurements). Approximate SOGNS norms, where
+    a layer records them, go under "train/sogns/". When `log` writes files (a LogWrapper with an out_dir, or
+    out_dir=...), what each tracked parameter is (layer kind, block, names) is written there as PARAMETERS_JSON
+    for gns-analysis.py.
+
+    What it knows, each said once (as warnings, and here): `unconverted` {module path: why} from
+    layer_config.convert; `untracked` {parameter: why} for every trainable parameter it does not measure (and
+    those it stops measuring during the run, with the step); `tracked`, the Tracked entries it logs.
 
     Args:
         model: the model (unwrapped: not the DDP wrapper; FSDP2-sharded is fine).
         log: a LogWrapper, a callable, or None.
-        scaler: the fp16 GradScaler, or None.
+        scaler: the fp16 GradScaler, or None: its scale is divided out, and a step it will skip (an inf/nan
+            gradient) is not a measurement.
         ema_decay: decay of the running GNS's EMAs (gns-analysis.py's --alpha).
         out_dir: where to write the record when `log` has no out_dir.
+        expect_tracked: raise when no parameter records per-example norms (convert() passes False: it says why).
     Under torch.distributed every rank must call `step` (it all-reduces once).
-    `state_dict()` / `load_state_dict()` carry the running GNS across a resume.
+    `state_dict()` / `load_state_dict()` carry the running GNS and the counters across a resume.
     """
 
-    def __init__(self, model, log=None, scaler=None, ema_decay=0.95, prefix="train/gns/", out_dir=None):
-        from sogns import SOGNS_SUFFIX  # imported here: sogns imports buffered, as this module does
+    def __init__(self, model, log=None, scaler=None, ema_decay=0.95, prefix="train/gns/", out_dir=None,
+                 expect_tracked=True):
+        from sogns import SOGNS_SUFFIX  # imported here: sogns imports the layers, which this module's callers need
 
-        self.model = model
-        self.log = log
-        self._exact = AccumulateMeasurements(prefix=prefix)
-        self.tracker = MeasurementTracker.from_model(model, callback=self._exact, scaler=scaler)
-        self._approx = AccumulateMeasurements(prefix=APPROX_PREFIX)
-        # SOGNS approximates Linear layers only; a tied pair is logged exactly above, so say nothing of it here
-        self.approx_tracker = MeasurementTracker.from_model(model, callback=self._approx, scaler=scaler,
-                                                            suffix=SOGNS_SUFFIX, warn=False)
-        if not self.tracker.tracked and not self.approx_tracker.tracked:
+        layout.install(model)  # each forward's examples, read by every layer (layout.py)
+        self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
+        self.tracked, self.untracked = find_tracked_parameters(model)
+        self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
+        self.unconverted = dict(model.__dict__.get("_pe_unconverted", {}))
+        if expect_tracked and not self.tracked and not self.approx_tracked:
             raise ValueError(f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
                              "it first (layer_config.convert(model)) or build it with per-example norm layer classes")
+        self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
+        self.table = BufferTable(model)
+        tracked_ids = {id(entry.ref.get()) for entry in self.tracked}
+        others = lambda: [p.grad for p in model.parameters() if id(p) not in tracked_ids and p.grad is not None]  # noqa: E731
+        self.reader = StepReader(self.table, self.tracked + self.approx_tracked, others)
         self.running = RunningGNS(decay=ema_decay)
         self.measurements = []  # the last step's exact Measurements (e.g. for a GNS over some of the parameters)
+        self.approx_measurements = []  # and its SOGNS ones
+        self.step_count = self.scaler_skipped_steps = self.nonfinite_steps = 0
         out_dir = out_dir if out_dir is not None else getattr(log, "out_dir", None)
-        self.record_path = write_parameter_record(out_dir, self.tracker.describe()) if out_dir else None
+        self.record_path = write_parameter_record(out_dir, self.describe()) if out_dir else None
+
+    def _warn_once(self, reasons):
+        """Warn about each parameter once per model, however many monitors are made of it."""
+        said = self.model.__dict__.setdefault("_pe_warned", set())
+        for name, reason in reasons.items():
+            if name not in said:
+                said.add(name)
+                warnings.warn(f"GNS: not tracking {name}: {reason}")
 
     @property
     def gns(self):
         """The running GNS (NaN until a step with B > 1 and a positive |G|^2 EMA)."""
         return self.running.gns
 
-    def step(self, batch_size):
-        """Measure this step (B = batch_size examples over all micro-batches and ranks), zero the buffers, log."""
-        exact = self.measurements = self.tracker.step(batch_size)
-        approx = self.approx_tracker.step(batch_size) if self.approx_tracker.tracked else []
-        zero_sqgradnorm_buffers(self.model)
-        # the running GNS is the exact one when there is one
-        row = {**self._exact.get_msg(), **self._approx.get_msg(),
-               "gns": self.running.update(*summed_sqnorms(exact or approx))}
+    @property
+    def dropped(self):
+        """The parameters no longer measured since a step found them used more than once per forward."""
+        return {name for name, reason in self.untracked.items() if reason.startswith("used")}
+
+    def describe(self):
+        """{logged name: layer kind, class, block, names, elements} (see describe_tracked)."""
+        return describe_tracked(self.model, self.tracked)
+
+    def _scaler_on(self):
+        return self.scaler is not None and self.scaler.is_enabled()
+
+    def measure(self, batch_size=None, gradients_unscaled=False):
+        """The exact Measurements of this step (B = batch_size examples over all micro-batches and ranks), without
+        zeroing the buffers or logging ([] for a step the GradScaler will skip); the SOGNS ones, where layers record
+        them, go to `approx_measurements`.
+
+        Args:
+            batch_size: B; None takes the examples the layers counted (the count most tracked tensors report, as a
+                layer used twice per forward counts 2 B), for trainers that do not say (integrations.py).
+            gradients_unscaled: the GradScaler has unscaled the gradients already (Lightning does before its
+                hook); the per-example norms, made in backward, still carry the scale.
+        Raises ValueError when a buffer's count of examples is not batch_size (or a forward's rows could not be
+        mapped to its examples), when a parameter whose layer recorded examples has no gradient, and when one
+        with a gradient had no example recorded."""
+        values, finite, no_grad = self.reader.read(self._scaler_on())
+        self.step_count += 1
+        self.measurements, self.approx_measurements = [], []
+        if not finite:
+            self.scaler_skipped_steps += 1
+            return []
+        if batch_size is None:  # the count most tracked tensors report (a layer shared across depth counts k B)
+            counted = [c for c in values[:, 2].tolist() if c > 0 and not math.isnan(c)]
+            batch_size = int(min(set(counted), key=lambda c: (-counted.count(c), c))) if counted else 0
+        scale = self.scaler.get_scale() if self._scaler_on() else 1.0
+        scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
+        n_exact = len(self.tracked)
+        exact = self._measurements(self.tracked, values[:n_exact].tolist(), no_grad, batch_size, scales)
+        approx = self._measurements(self.approx_tracked, values[n_exact:].tolist(), no_grad, batch_size, scales, False)
+        if any(not (math.isfinite(m.big_batch_norm) and math.isfinite(m.small_batch_norm)) for m in exact):
+            self.nonfinite_steps += 1
+        self.measurements, self.approx_measurements = exact, approx
+        return exact
+
+    def _measurements(self, tracked, rows, no_grad, batch_size, scales, exact=True):
+        """Measurements from the read rows (||grad||^2, summed buffer sums, counts) of the tracked entries."""
+        world = _world_size()  # DDP and FSDP2 average the ranks' gradients: each example's part is divided by it
+        # a count of k x B means k uses per example only beside parameters that counted B; when none did,
+        # batch_size itself is wrong (e.g. the micro-batch size, or one rank's share), which is an error
+        some_counted_batch_size = any(count == batch_size for _, _, count in rows)
+        found = []
+        for entry, (grad_sq, sums, count) in zip(tracked, rows):
+            name = entry.name
+            if math.isnan(count):
+                raise self._count_error(entry, count, batch_size)
+            if count == 0:
+                if exact and grad_sq > 0 and name not in no_grad:
+                    raise ValueError(
+                        f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
+                        f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
+                        f"a parent module reading its weight), so its per-example norms are unknown. Call "
+                        f"functional.py's per-example functions where it is used, or leave it out of convert()")
+                continue  # the layer was not used in this step
+            if name in no_grad:
+                raise ValueError(
+                    f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
+                    f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
+                    f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
+                    f"the monitor was made, make the monitor again (frozen parameters are not tracked)")
+            if exact and name in self.untracked:
+                continue  # stopped being measured at an earlier step
+            if count != batch_size and count % batch_size == 0 and some_counted_batch_size and exact:
+                reason = (f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
+                          "once per forward, e.g. shared across depth): the norm of the summed gradient needs the "
+                          f"cross terms between uses; not measured since step {self.step_count - 1}")
+                self._warn_once({name: reason})
+                self.untracked[name] = reason
+                continue
+            if count != batch_size:
+                raise self._count_error(entry, count, batch_size)
+            # each example's part of the averaged gradient is (local contribution) / world and equals g_i / B, so
+            # mean_i ||g_i||^2 = (B / world)^2 * (sum of the contributions' squared norms) / B. GradScaler multiplies
+            # every gradient by scale. nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too
+            pe_sqnorm = sums * batch_size / world ** 2
+            found.append(Measurement(
+                big_batch_norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
+                small_batch_norm=math.sqrt(pe_sqnorm) / scales[1] if pe_sqnorm >= 0 else math.nan,
+                big_batch_size=batch_size, small_batch_size=1,
+                metadata={"name": name, "step": self.step_count - 1}))
+        return found
+
+    def _count_error(self, entry, count, batch_size):
+        """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
+        if math.isnan(count):
+            reasons = {refused[a] for module, buffer_name, _ in entry.terms
+                       for a in refused_addresses(module._buffers[buffer_name])}
+            why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
+            return ValueError(f"GNS: {entry.name}: this step is not measured: its layer's input rows could not be "
+                              f"mapped to the forward's examples ({why}). See layout.py for the rows that can be "
+                              f"mapped; for a layout of your own, pass layout.install(model, layout_of=...); to "
+                              f"leave the layer untracked, convert(model, exclude=[its path])")
+        return ValueError(f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
+                          f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
+                          f"ranks, or the number of packed sequences)")
+
+    def step(self, batch_size=None, gradients_unscaled=False):
+        """Measure this step (B = batch_size examples over all micro-batches and ranks; see `measure`), zero the
+        buffers, update the running GNS and log the row; returns the row."""
+        try:
+            exact = self.measure(batch_size, gradients_unscaled)
+        finally:
+            self.table.zero()  # whatever happened, the next step starts from zero
+        approx = self.approx_measurements
+        row = {}
+        for prefix, found in ((self.prefix, exact), (APPROX_PREFIX, approx)):
+            for m in found:
+                key = prefix + m.metadata["name"]
+                row.update({key + "/norm": m.big_batch_norm, key + "/pegn": m.small_batch_norm,
+                            key + "/batch_size": m.big_batch_size})
+        row["gns"] = self.running.update(*summed_sqnorms(exact or approx))  # the exact GNS when there is one
         if self.log is not None:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)
         return row
 
     def state_dict(self):
-        return {"running": self.running.state_dict(), "tracker": self.tracker.state_dict(),
-                "approx_tracker": self.approx_tracker.state_dict()}
+        return {"running": self.running.state_dict(), "step_count": self.step_count,
+                "scaler_skipped_steps": self.scaler_skipped_steps, "nonfinite_steps": self.nonfinite_steps,
+                "dropped": {name: self.untracked[name] for name in sorted(self.dropped)}}
 
     def load_state_dict(self, state):
         self.running.load_state_dict(state["running"])
-        self.tracker.load_state_dict(state["tracker"])
-        self.approx_tracker.load_state_dict(state["approx_tracker"])
+        self.step_count = state["step_count"]
+        self.scaler_skipped_steps = state["scaler_skipped_steps"]
+        self.nonfinite_steps = state["nonfinite_steps"]
+        self.untracked.update(state["dropped"])

@@ -147,7 +147,7 @@ class _ParameterUses(TorchFunctionMode):
 
     def refuse(self, func, names, out):
         """A use the per-example norms would miss: the step is refused for these parameters, with the call named."""
-        call = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        call = torch.overrides.resolve_name(func) or getattr(func, "__qualname__", repr(func))
         for name in {n for n in names if n is not None}:
             reason = (f"its forward uses its {name} in {call}, which per-example norms do not follow (only "
                       f"F.linear, F.embedding and broadcasts over the examples)")

@@ -28,7 +28,6 @@ import torch.nn as nn
 
 import intercept
 import layers
-import layout
 import swapcheck
 from layers.registry import ROLES, adopt
 from buffered import BUFFER_SUFFIX
@@ -112,7 +111,7 @@ def _treat_as_entries(treat_as, known):
     return entries
 
 
-def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callback=None, scaler=None, treat_as=None):
+def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", treat_as=None, exclude=(), **monitor):
     """Give the layers of an existing model per-example norms, in place.
 
     Every module whose class is exactly one a layer kind replaces (torch's nn.Linear, nn.Embedding,
@@ -135,8 +134,12 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
             "Linear", "Conv1D" or "Embedding"), or {class: (kind, options)} to fix options the probe would
             otherwise search: eps (RMSNorm, LayerNorm), weight_offset (RMSNorm: 1.0 for a (1 + weight) scale).
             Matched by exact class; the probe still decides.
+        exclude: module paths ("model.layers.3", matching that module and everything under it) or module classes
+            to leave as they are; listed as excluded, their parameters not tracked.
+        monitor: keyword arguments of the GNSMonitor made of the model (log, scaler, ema_decay, out_dir, ...).
     Returns:
-        gnstracking.MeasurementTracker over the converted model, ready to `.step()`.
+        gnstracking.GNSMonitor of the converted model, ready to `.step()`; its `unconverted` is this conversion's
+        report (a GNSMonitor made of the model later has it too).
     """
     import gnstracking  # imported here: layer_config stays importable without the tracker's imports
 
@@ -220,10 +223,18 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
         return (f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
                 f"{followed}. Call functional.py's per-example norm functions from its forward")
 
+    def excluded(module, path):
+        return any(isinstance(e, type) and isinstance(module, e) or isinstance(e, str) and
+                   (path == e or path.startswith(e + ".")) for e in exclude)
+
     def visit(module, path, parent=None):
         if id(module) in visited:  # a module registered under several paths is converted once, stays shared
             return
         visited.add(id(module))
+        if path and excluded(module, path):
+            if any(True for _ in module.parameters()):
+                unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
+            return
         kind = known.get(type(module)) or next((k for k in structural if k.matches(module)), None)
         reason = None
         if kind is not None:
@@ -240,11 +251,9 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", callb
     visit(model, "")
     if owns_untracked_parameters(model):
         unconverted[""] = f"{type(model).__name__} owns parameters directly; call functional.py from its forward"
-    layout.install(model)
-    tracker = gnstracking.MeasurementTracker.from_model(model, callback=callback, scaler=scaler)
-    tracker.unconverted = unconverted
+    model.__dict__["_pe_unconverted"] = unconverted  # not a submodule or buffer: state_dict and copies stay clean
     if unconverted:
         listing = "; ".join(f"{path or '(the model itself)'}: {reason}" for path, reason in unconverted.items())
         warnings.warn(f"convert(): {len(unconverted)} module(s) not converted, their parameters not tracked: {listing}")
-    return tracker
+    return gnstracking.GNSMonitor(model, **{"expect_tracked": False, **monitor})
 

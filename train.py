@@ -583,9 +583,9 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
             save_checkpoint()
 
 tracker.close()
-if gns is not None and master_process and (gns.tracker.scaler_skipped_steps or gns.tracker.nonfinite_steps):
-    print(f"GNS: {gns.tracker.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
-          f"{gns.tracker.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
+if gns is not None and master_process and (gns.scaler_skipped_steps or gns.nonfinite_steps):
+    print(f"GNS: {gns.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
+          f"{gns.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
 if ddp:
     # gns: free DDP before its process group: left alive until exit, a gloo rank can abort at teardown
     model = raw_model = None

@@ -62,7 +62,6 @@ def build(args, name):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    import gnstracking
     import layer_config as lc
     from buffered import zero_sqgradnorm_buffers
 
@@ -89,7 +88,7 @@ def build(args, name):
             out = model(x)
         out.float().pow(2).mean().backward()
         if tracker is not None:
-            tracker.step(batch_size=args.batch_size)
+            tracker.measure(batch_size=args.batch_size)
             zero_sqgradnorm_buffers(model)
         model.zero_grad(set_to_none=True)
         if device_type == "cuda":

@@ -79,7 +79,7 @@ def build(args, name):
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
     tracked = lc.tracks_per_example_norms(linearclass, embeddingclass, lnclass)
-    tracker = gnstracking.MeasurementTracker.from_model(model, scaler=scaler)
+    tracker = gnstracking.GNSMonitor(model, scaler=scaler)
     step_model = torch.compile(model) if args.compile == "True" else model
     ga = args.gradient_accumulation_steps
     generator = torch.Generator().manual_seed(1)  # the same batches for every choice
@@ -92,7 +92,7 @@ def build(args, name):
                 _, loss = step_model(x, y)
             scaler.scale(loss / ga).backward()
         if tracked:
-            tracker.step(batch_size=args.batch_size * ga)
+            tracker.measure(batch_size=args.batch_size * ga)
             zero_sqgradnorm_buffers(model)
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

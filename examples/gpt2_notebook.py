@@ -108,19 +108,19 @@ class GPT2(nn.Module):
 
 
 # %% two ways to get per-example norms
-def build_converted(vocab_size, seed=0, callback=None, **kwargs):
-    """Built with torch layers, then converted in place: (model, tracker)."""
+def build_converted(vocab_size, seed=0, **kwargs):
+    """Built with torch layers, then converted in place: (model, its GNSMonitor)."""
     torch.manual_seed(seed)
     model = GPT2(vocab_size, **kwargs)
-    return model, layer_config.convert(model, callback=callback)
+    return model, layer_config.convert(model)
 
 
-def build_in_context(vocab_size, seed=0, callback=None, **kwargs):
-    """Built with the per-example norm layers from the start: (model, tracker)."""
+def build_in_context(vocab_size, seed=0, **kwargs):
+    """Built with the per-example norm layers from the start: (model, its GNSMonitor)."""
     torch.manual_seed(seed)
     with layer_config.set_contextual_config(**layer_config.layer_classes("gns", "gns", "gns")):
         model = GPT2(vocab_size, **kwargs)
-    return model, gnstracking.MeasurementTracker.from_model(model, callback=callback)
+    return model, gnstracking.GNSMonitor(model)
 
 
 # %% train
@@ -132,9 +132,8 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # made before convert(): still the right parameters
 
     # gns: a later cell converts the finished model (a tied pair is found and logged once); one object per step
-    layer_config.convert(model)
     log = LogWrapper(out_dir=args.out_dir)
-    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    gns = layer_config.convert(model, log=log, ema_decay=EMA_DECAY)
 
     for step in range(args.steps):
         x, y = next(batches)
@@ -146,8 +145,8 @@ def main(argv=None):
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    tied = [entry.name for entry in gns.tracker.tracked if "+" in entry.name]
-    print(f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(gns.tracker.tracked)} tensors "
+    tied = [entry.name for entry in gns.tracked if "+" in entry.name]
+    print(f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(gns.tracked)} tensors "
           f"(tied: {', '.join(tied)}): final running GNS {gns.gns:.4f}")
 
 

@@ -27,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
+import estimator  # noqa: E402
 import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
@@ -54,12 +55,11 @@ def main(argv=None):
     model = build(vocab_size)
 
     # gns: swap Linear, Embedding and (after the probe) LlamaRMSNorm for per-example norm layers
-    tracker = layer_config.convert(model)
-    assert not tracker.unconverted and not tracker.skipped, (tracker.unconverted, tracker.skipped)
     log = LogWrapper(out_dir=args.out_dir)
-    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
-    norm_names = [name for name, facts in gns.tracker.describe().items() if facts["kind"] == "RMSNorm"]
-    norm_gns = gnstracking.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
+    gns = layer_config.convert(model, log=log, ema_decay=EMA_DECAY)  # one object: the conversion report, the steps
+    assert not gns.unconverted and not gns.untracked, (gns.unconverted, gns.untracked)
+    norm_names = [name for name, facts in gns.describe().items() if facts["kind"] == "RMSNorm"]
+    norm_gns = estimator.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
@@ -73,7 +73,7 @@ def main(argv=None):
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    print(f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(gns.tracker.tracked)} parameters tracked: "
+    print(f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(gns.tracked)} parameters tracked: "
           f"final running GNS {gns.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {norm_gns.gns:.4f}")
 
 

@@ -16,7 +16,7 @@ gns-analysis.py reads.
     python gns-analysis.py out-modded --no-plots
 
 The token embedding is a plain nn.Embedding, left untracked on purpose: the
-tracker lists it in `gns.tracker.skipped`, and the GNS comes from the
+tracker lists it in `gns.untracked`, and the GNS comes from the
 CastedLinear weights and the bank. (functional.embedding would track it the same way.)
 """
 
@@ -130,9 +130,9 @@ def main(argv=None):
         log.step()
     log.close()
     print(f"modded_block: {args.steps} steps under bf16 autocast, loss {loss.item():.3f}, from "
-          f"{len(gns.tracker.tracked)} tensors (CastedLinear weights and the {model.mlp_bank.shape[0] * 2}-slice "
+          f"{len(gns.tracked)} tensors (CastedLinear weights and the {model.mlp_bank.shape[0] * 2}-slice "
           f"mlp_bank): final running GNS {gns.gns:.4f}")
-    print(f"not tracked: {', '.join(gns.tracker.skipped)} (a plain nn.Embedding)")
+    print(f"not tracked: {', '.join(gns.untracked)} (a plain nn.Embedding)")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-import gnstracking  # noqa: E402
 import layer_config  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
@@ -149,10 +148,9 @@ def main(argv=None):
     model = GPT(vocab_size)
 
     # gns: swap nn.Linear / nn.Embedding for per-example norm layers (there are no norm weights to swap)
-    tracker = layer_config.convert(model)
-    assert not tracker.skipped, tracker.skipped  # every parameter is a Linear or Embedding weight
     log = LogWrapper(out_dir=args.out_dir)
-    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    gns = layer_config.convert(model, log=log, ema_decay=EMA_DECAY)
+    assert not gns.untracked, gns.untracked  # every parameter is a Linear or Embedding weight
 
     matrices = list(model.transformer.h.parameters())  # all 2-D
     optimizers = [Muon(matrices), torch.optim.AdamW([model.transformer.wte.weight, model.lm_head.weight], lr=3e-3)]
@@ -168,7 +166,7 @@ def main(argv=None):
         log.step()
     log.close()
     print(f"nanochat_gpt: {args.steps} steps, loss {loss.item():.3f}, "
-          f"from {len(gns.tracker.tracked)} Linear/Embedding weights: final running GNS {gns.gns:.4f}")
+          f"from {len(gns.tracked)} Linear/Embedding weights: final running GNS {gns.gns:.4f}")
     print("no norm weights: the RMSNorms have no parameters, so the LayerNorm-only GNS is unavailable for this "
           "model; the GNS above comes from the Linear and Embedding layers (or give the norms a weight to track)")
 

@@ -17,7 +17,7 @@ neither Triton nor transformers.
 import importlib
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 VARIANTS = ("nn", "shim", "gns", "fused")  # the layer choices every kind offers ('nn' = the plain torch layer)
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants

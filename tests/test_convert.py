@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import functional
 import gnstracking
 import layer_config as lc
+import swapcheck
 from buffered import PESqNormBuffersMixin, zero_sqgradnorm_buffers
 from layers.embedding import PEGradNormEmbedding
 from layers.linear import PEGradNormLinear
@@ -83,7 +84,7 @@ def test_converted_model_matches_brute_force(classes, shape):
     for part in ([slice(0, B)] if B == 1 else [slice(0, B // 2), slice(B // 2, B)]):  # accumulation
         n = ids[part].shape[0]
         (loss_fn(model, ids[part], targets[part]) * n / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
     optimizer.step()  # the optimizer still holds the model's parameters
     assert not torch.equal(model.proj.weight.detach(), weights["proj.weight"])
     with torch.no_grad():
@@ -121,8 +122,8 @@ def test_a_module_used_twice_per_forward_is_dropped_with_a_warning():
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
     tracker = lc.convert(model)
     model(torch.randn(3, 4)).sum().backward()
-    with pytest.warns(UserWarning, match="0.weight recorded 2 uses per example"):
-        names = [m.metadata["name"] for m in tracker.step(batch_size=3)]
+    with pytest.warns(UserWarning, match="not tracking 0.weight: used 2 times per example"):
+        names = [m.metadata["name"] for m in tracker.measure(batch_size=3)]
     assert names == ["3.weight", "3.bias"]
 
 
@@ -250,7 +251,7 @@ def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
         B = shape[0]
         for part in ([slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]):
             (loss_fn(model, ids[part], targets[part]) * ids[part].shape[0] / B).backward()
-        measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+        measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
         model.zero_grad(set_to_none=True)
         expected = brute_force_pe(model, ids, targets)
         assert ("emb.weight+head.weight" in measurements) == tied
@@ -282,8 +283,8 @@ def test_register_buffers_names_the_missing_parameter():
 def test_functional_layers_are_found_by_the_tracker():
     model = nn.Sequential(TransposedLinear(4, 3), PEGradNormLinear(3, 2))
     model(torch.randn(5, 4)).sum().backward()
-    tracker = gnstracking.MeasurementTracker.from_model(model)
-    assert [m.metadata["name"] for m in tracker.step(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
+    tracker = gnstracking.GNSMonitor(model)
+    assert [m.metadata["name"] for m in tracker.measure(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
     assert isinstance(PEGradNormEmbedding(3, 2), nn.Embedding)
 
 
@@ -407,7 +408,7 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     rng = torch.get_rng_state()
     tracker = lc.convert(model, lnclass=lnclass)
     assert torch.equal(torch.get_rng_state(), rng)  # the probe draws from its own generator
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     ln, rms, conv1d = (lc.get_layer_class(k, c) for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass),
                                                              ("Conv1D", "gns")))
     expected = dict(ln=ln, ln_nobias=ln, proj=conv1d, rms=rms, gemma=rms, out=PEGradNormLinear, sub=ln)
@@ -438,11 +439,19 @@ def probe_failure(module, **convert_kwargs):
     return tracker.unconverted.get("1", ""), model[1]
 
 
-@pytest.mark.parametrize("module", [EpsOutsideRMSNorm(6), HiddenEpsRMSNorm(6), MaxNormEmbedding(10, 6)],
-                         ids=lambda m: type(m).__name__)
-def test_a_module_failing_the_probe_is_listed_and_left_alone(module):
-    """Listed with the closest candidate and its max relative difference; the module, its parameters and its
-    output are untouched (the probe runs on copies)."""
+class DiagonalNorm(HandRMSNorm):
+    """Scales through a diagonal matrix: no kind's layer computes it, and a matmul by diag(weight) is a use of the
+    weight that per-example norms do not follow."""
+
+    def forward(self, x):
+        return x @ torch.diag(self.weight)
+
+
+@pytest.mark.parametrize("module", [DiagonalNorm(6), MaxNormEmbedding(10, 6)], ids=lambda m: type(m).__name__)
+def test_a_module_that_can_neither_be_swapped_nor_followed_is_listed_and_left_alone(module):
+    """Listed with why no layer stands in (the closest candidate and its max relative difference) and why its own
+    forward cannot be followed; the module, its parameters and its output are untouched (the probes run on
+    copies)."""
     torch.manual_seed(0)
     with torch.no_grad():
         module.weight.add_(0.1 * torch.randn_like(module.weight))
@@ -452,11 +461,66 @@ def test_a_module_failing_the_probe_is_listed_and_left_alone(module):
     reason, now = probe_failure(module)
     assert now is module and type(module).__module__ == __name__
     if isinstance(module, MaxNormEmbedding):
-        assert "changes its parameters in place" in reason, reason
+        assert "changes its parameters in place" in reason and "embedding with max_norm" not in reason, reason
     else:
-        assert "on a probe input; closest" in reason and "(max relative;" in reason, reason
+        assert "as a layer, computes none of LayerNorm, RMSNorm on a probe input; closest" in reason, reason
+        assert "with its own forward kept, its forward uses its weight in torch.diag" in reason, reason
     assert torch.equal(module.weight, weight) and module.weight.grad is None
     assert torch.equal(module(x), before)
+
+
+class NormWithMask(HandRMSNorm):
+    def forward(self, x, mask=None):
+        return super().forward(x)
+
+
+class TwoWeights(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight, self.gain = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.weight * self.gain
+
+
+class Gate(nn.Module):
+    """Owns a parameter and has a child (whose training mode convert leaves as it was)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(6))
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(x) * self.gain
+
+
+@pytest.mark.parametrize("make", [lambda: EpsOutsideRMSNorm(6), lambda: HiddenEpsRMSNorm(6),
+                                  lambda: NormWithMask(6), lambda: TwoWeights(6), Gate],
+                         ids=["EpsOutsideRMSNorm", "HiddenEpsRMSNorm", "NormWithMask", "TwoWeights", "Gate"])
+def test_a_norm_no_layer_computes_keeps_its_forward_and_is_exact(make):
+    """No kind's layer computes these (eps outside the root, an eps found nowhere, a forward with a second input,
+    two scales, a child module), but their parameters only scale every row: followed with their own forward (the
+    scale broadcast over the examples), each example's norm is exact, and the output unchanged."""
+    torch.manual_seed(0)
+    module = make().double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    model = nn.Sequential(nn.Linear(6, 6), module).double()
+    x, g = torch.randn(5, 4, 6, dtype=torch.float64), torch.randn(5, 4, 6, dtype=torch.float64)
+    before = model(x)
+    tracker = lc.convert(model)
+    assert not tracker.unconverted and model[1] is module and isinstance(module, make().__class__)
+    assert torch.equal(model(x), before)
+    for part in (slice(0, 2), slice(2, 5)):
+        model(x[part]).backward(g[part])
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in tracker.tracked}
+    zero_sqgradnorm_buffers(model)
+    loop = per_example_sqnorms_by_loop(model, x, g)
+    assert set(recorded) == set(loop)
+    for name, (total, count) in recorded.items():
+        assert count == 5 and total == pytest.approx(loop[name].sum().item(), rel=1e-6), name
 
 
 class Router(nn.Module):
@@ -513,9 +577,8 @@ def test_a_module_keeping_its_own_forward_is_exact(make):
 
 
 def test_the_probe_tells_apart_eps_and_layernorm_from_rmsnorm():
-    reason, _ = probe_failure(HiddenEpsRMSNorm(6))
-    assert reason.startswith("HiddenEpsRMSNorm not converted: as a layer, computes none of LayerNorm, RMSNorm"), reason
-    assert "with its own forward kept, its forward uses its weight in TensorBase.mul" in reason, reason
+    found, reason = swapcheck.find_replacement(HiddenEpsRMSNorm(6), ["LayerNorm", "RMSNorm"])
+    assert found is None and reason.startswith("computes none of LayerNorm, RMSNorm on a probe input"), reason
     model = nn.Sequential(StoredWrongEps(6), NanoGPTLayerNorm(6, bias=False))
     tracker = lc.convert(model)
     assert model[0].eps == 1e-5 and isinstance(model[1], lc.get_layer_class("LayerNorm", "gns"))
@@ -554,29 +617,6 @@ class NormWithBuffer(HandRMSNorm):
         self.register_buffer("scale", torch.ones(d))
 
 
-class NormWithMask(HandRMSNorm):
-    def forward(self, x, mask=None):
-        return super().forward(x)
-
-
-class TwoWeights(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight, self.gain = nn.Parameter(torch.ones(d)), nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * self.weight * self.gain
-
-
-@pytest.mark.parametrize("module, reason", [
-    (NormWithMask(6), "its forward(x, mask=None) takes more than one input"),
-    (TwoWeights(6), "its parameters ['gain', 'weight'] are not a weight and maybe a bias"),
-], ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "")
-def test_a_module_a_swap_would_lose_something_of_is_not_probed(module, reason):
-    listed, now = probe_failure(module)
-    assert now is module and reason in listed, listed
-
-
 def test_a_converted_module_keeps_its_buffers_and_class():
     """Conversion is in place: a buffer the module's forward does not read stays, and so does its class."""
     model = nn.Sequential(NormWithBuffer(6))
@@ -596,7 +636,7 @@ def test_a_module_on_the_meta_device_is_probed_on_the_cpu():
 def test_nn_for_a_kind_leaves_its_lookalikes_alone_unlisted():
     model = nn.Sequential(HandRMSNorm(6), nn.LayerNorm(6))
     tracker = lc.convert(model, lnclass="nn")
-    assert type(model[0]) is HandRMSNorm and not tracker.unconverted and set(tracker.skipped) == {
+    assert type(model[0]) is HandRMSNorm and not tracker.unconverted and set(tracker.untracked) == {
         "0.weight", "1.weight", "1.bias"}
 
 
@@ -617,20 +657,24 @@ def test_a_module_that_refuses_float64_is_probed_in_its_own_dtype():
     assert "no candidate ran on a probe input" in reason and "float64 is not supported" in reason
 
 
-class Gate(nn.Module):
-    """Owns a parameter and has a child: listed, and the child's training mode is left as it was."""
-
-    def __init__(self):
-        super().__init__()
-        self.gain = nn.Parameter(torch.ones(6))
-        self.drop = nn.Dropout()
-
-    def forward(self, x):
-        return self.drop(x) * self.gain
-
-
 def test_convert_keeps_every_training_mode():
-    gate = Gate().train()
+    gate = Gate()
+    model = nn.Sequential(nn.Linear(6, 6), gate).eval()
+    gate.train()
     gate.drop.eval()
-    reason, _ = probe_failure(gate)
-    assert "Gate not converted" in reason and gate.training and not gate.drop.training
+    lc.convert(model)
+    assert not model.training and not model[0].training and gate.training and not gate.drop.training
+
+
+def test_excluded_modules_are_left_alone_and_listed():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 3)), nn.Linear(3, 2))
+    with pytest.warns(UserWarning, match="2 module\\(s\\) not converted"):
+        tracker = lc.convert(model, exclude=["1", "2"])
+    assert type(model[1][0]) is nn.LayerNorm and type(model[1][1]) is nn.Linear and type(model[2]) is nn.Linear
+    assert isinstance(model[0], PEGradNormLinear)
+    assert tracker.unconverted == {"1": "Sequential excluded by the caller (convert(exclude=...))",
+                                   "2": "Linear excluded by the caller (convert(exclude=...))"}
+    assert [t.name for t in tracker.tracked] == ["0.weight", "0.bias"]
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
+    tracker = lc.convert(model, exclude=[nn.LayerNorm])
+    assert type(model[1]) is nn.LayerNorm and "1" in tracker.unconverted

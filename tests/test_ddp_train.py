@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from gnstracking import two_batch_stats, unbiased_stats
+from estimator import two_batch_stats, unbiased_stats
 from conftest import GNS_LAYERS, TINY, run_script
 from csv_tools import load_csv
 

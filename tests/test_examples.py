@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from buffered import zero_sqgradnorm_buffers
 from csv_tools import load_csv
 import gnstracking
-from gnstracking import MeasurementTracker
+from gnstracking import GNSMonitor
 from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,7 +201,7 @@ def accumulated_step(model, tracker, x, y, split):
         loss = F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten())
         (loss * x[part].size(0) / B).backward()
         losses.append(loss.item())
-    measurements = tracker.step(batch_size=B)
+    measurements = tracker.measure(batch_size=B)
     zero_sqgradnorm_buffers(model)
     return losses, measurements
 
@@ -218,7 +218,7 @@ def converted_gpt2(vocab_size):
 
 def tracked_modded(vocab_size):
     model = example("modded_block").GPT(vocab_size, dim=12, n_layer=2, n_head=2).double()
-    return model, MeasurementTracker.from_model(model)
+    return model, GNSMonitor(model)
 
 
 @pytest.mark.parametrize("build", [converted_nanochat, converted_gpt2, tracked_modded])

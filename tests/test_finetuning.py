@@ -38,7 +38,7 @@ def measure(tracker, model, ids, targets, micro_batches=2):
     B = ids.shape[0]
     for part in torch.arange(B).chunk(micro_batches):
         (lm_loss(model, ids[part], targets[part]) * len(part) / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
     zero_sqgradnorm_buffers(model)
     return measurements
 
@@ -86,7 +86,7 @@ def test_bitfit_frozen_weights_are_skipped_and_biases_exact(classes):
         p.requires_grad_(name.endswith("bias"))  # BitFit: only the biases train
     tracker = lc.convert(model, *classes)
     assert [t.name for t in tracker.tracked] == ["ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"]
-    assert all(tracker.skipped[n].startswith("frozen") for n in ("emb.weight", "ln.weight", "mlp.0.weight", "head.weight"))
+    assert all(tracker.untracked[n].startswith("frozen") for n in ("emb.weight", "ln.weight", "mlp.0.weight", "head.weight"))
     ids, targets = data(5)
     measurements = measure(tracker, model, ids, targets)
     assert set(measurements) == {"ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"}
@@ -105,7 +105,7 @@ def test_lora_trainable_tensors_are_exact(linearclass):
     tracker = lc.convert(model, linearclass=linearclass)
     assert [t.name for t in tracker.tracked] == ["mlp.0.lora_a.weight", "mlp.0.lora_b.weight",
                                                  "mlp.2.lora_a.weight", "mlp.2.lora_b.weight"]
-    assert tracker.skipped["mlp.0.base.weight"].startswith("frozen") and tracker.unconverted == {}
+    assert tracker.untracked["mlp.0.base.weight"].startswith("frozen") and tracker.unconverted == {}
     ids, targets = data(4)
     measurements = measure(tracker, model, ids, targets)
     assert len(measurements) == 4
@@ -121,7 +121,7 @@ def test_a_counted_parameter_without_gradient_is_an_error_not_a_zero():
     model.zero_grad(set_to_none=True)  # too early: the gradients are gone before the tracker reads them
     with pytest.raises(ValueError, match="emb.weight: its layer recorded 4 examples in this step but the parameter has "
                                          "no gradient"):
-        tracker.step(batch_size=4)
+        tracker.measure(batch_size=4)
 
 
 class BankGPT(PESqNormBuffersMixin, nn.Module):
@@ -165,7 +165,7 @@ def test_a_bank_slice_used_twice_per_forward_stops_being_tracked():
     model = BankGPT(reuse_slice=True)
     tracker = lc.convert(model)
     ids, targets = data(4)
-    with pytest.warns(UserWarning, match="mlp_bank recorded 3 uses per example"):
+    with pytest.warns(UserWarning, match="not tracking mlp_bank: used 3 times per example"):
         measurements = measure(tracker, model, ids, targets)
     assert "mlp_bank" not in measurements and "head.weight" in measurements
 
@@ -197,12 +197,12 @@ class BroadcastPositions(nn.Module):
 def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     torch.manual_seed(0)
     model = BroadcastPositions()
-    tracker = gnstracking.MeasurementTracker.from_model(model)
+    tracker = gnstracking.GNSMonitor(model)
     ids, targets = data(4)
     lm_loss(model, ids, targets).backward()
     with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*one row for the forward's 4 "
                                          r"examples \(shape \(1, 5\)\).*position_ids=torch.arange\(T\).expand\(B, T\)"):
-        tracker.step(batch_size=4)
+        tracker.measure(batch_size=4)
     # the fix: the same positions expanded to (B, T) give the same output and exact norms
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
@@ -234,7 +234,7 @@ def test_a_frozen_tied_matrix_costs_nothing_and_is_listed_frozen():
     model.wte.weight.requires_grad_(False)
     tracker = lc.convert(model)
     assert tied.link_tied_parameters(model) == {} and not model.head._forward_hooks
-    assert tracker.skipped["wte.weight"].startswith("frozen")
+    assert tracker.untracked["wte.weight"].startswith("frozen")
     ids, targets = data(3)
     measurements = measure(tracker, model, ids, targets, micro_batches=1)
     assert set(measurements) == {"ln.weight", "ln.bias"}

@@ -22,7 +22,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gnstracking import RunningGNS, unbiased_stats, write_parameter_record  # noqa: E402
+from estimator import RunningGNS, unbiased_stats  # noqa: E402
+from gnstracking import write_parameter_record  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))

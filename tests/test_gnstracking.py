@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import estimator
 import gnstracking
 from buffered import zero_sqgradnorm_buffers
 from layers.embedding import PEGradNormShimEmbedding
@@ -21,24 +22,24 @@ from layers.linear import PEGradNormLinear
 
 
 def test_unbiased_stats_formula_and_batch_of_one():
-    gtg, trsigma = gnstracking.unbiased_stats(2.0, 10.0, 4)
+    gtg, trsigma = estimator.unbiased_stats(2.0, 10.0, 4)
     assert gtg == pytest.approx((4 * 2.0 - 10.0) / 3)
     assert trsigma == pytest.approx((10.0 - 2.0) / (1 - 1 / 4))
-    gtg, trsigma = gnstracking.unbiased_stats(2.0, 10.0, 1)  # GNS undefined: NaN, no ZeroDivisionError
+    gtg, trsigma = estimator.unbiased_stats(2.0, 10.0, 1)  # GNS undefined: NaN, no ZeroDivisionError
     assert math.isnan(gtg) and math.isnan(trsigma)
-    series = gnstracking.unbiased_stats(pd.Series([2.0, 2.0]), pd.Series([10.0, 10.0]), pd.Series([4, 1]))
+    series = estimator.unbiased_stats(pd.Series([2.0, 2.0]), pd.Series([10.0, 10.0]), pd.Series([4, 1]))
     assert isinstance(series[0], pd.Series)
     assert series[0].iloc[0] == pytest.approx(-2 / 3) and math.isnan(series[0].iloc[1])
 
 
 def test_gns_from_emas_is_nan_when_gtg_not_positive():
-    assert gnstracking.gns_from_emas(2.0, 10.0) == 5.0
-    assert math.isnan(gnstracking.gns_from_emas(-1.0, 10.0))
-    np.testing.assert_array_equal(np.isnan(gnstracking.gns_from_emas([1.0, 0.0], [3.0, 3.0])), [False, True])
+    assert estimator.gns_from_emas(2.0, 10.0) == 5.0
+    assert math.isnan(estimator.gns_from_emas(-1.0, 10.0))
+    np.testing.assert_array_equal(np.isnan(estimator.gns_from_emas([1.0, 0.0], [3.0, 3.0])), [False, True])
 
 
 def test_ema_skips_non_finite_values():
-    ema = gnstracking.EMA(0.5)
+    ema = estimator.EMA(0.5)
     assert math.isnan(ema.value)
     assert ema.update(4.0) == 4.0
     assert ema.update(float("nan")) == 4.0
@@ -65,16 +66,17 @@ class TinyNet(nn.Module):
 def test_tracker_matches_per_example_loop_with_accumulation():
     torch.manual_seed(0)
     net = TinyNet().double()
-    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-    tracker = gnstracking.MeasurementTracker.from_model(net, callback=accumulate)
-    assert set(tracker.skipped) == {"plain.weight", "plain.bias"}
+    tracker = gnstracking.GNSMonitor(net)
+    assert set(tracker.untracked) == {"plain.weight", "plain.bias"}
     micro_batches = [torch.randint(0, 13, (3, 7)) for _ in range(2)]  # B = 6 over two micro-batches
     targets = [torch.randn(3, 7, 5, dtype=torch.float64) for _ in range(2)]
     B = 6
     for ids, y in zip(micro_batches, targets):
         loss = F.mse_loss(net(ids), y) / len(micro_batches)
         loss.backward()
-    measurements = tracker.step(batch_size=B)
+    row = tracker.step(batch_size=B)
+    measurements = tracker.measurements
+    assert all(b.abs().sum() == 0 for n, b in net.named_buffers())  # step zeroed the buffers
     grads = {n: p.grad.clone() for n, p in net.named_parameters()}
 
     # oracle: each example's own gradient g_i of its loss (mean over its tokens)
@@ -92,10 +94,8 @@ def test_tracker_matches_per_example_loop_with_accumulation():
         assert m.big_batch_size == B and m.small_batch_size == 1
         assert m.big_batch_norm == pytest.approx(grads[name].norm().item(), rel=1e-9)
         assert m.small_batch_norm == pytest.approx(math.sqrt(np.mean(per_example[name])), rel=1e-6)
-    msg = accumulate.get_msg()
-    assert msg["train/gns/ln.weight/batch_size"] == B
-    assert msg["train/gns/head.bias/pegn"] == measurements[-1].small_batch_norm
-    assert accumulate.get_msg() == {}
+    assert row["train/gns/ln.weight/batch_size"] == B
+    assert row["train/gns/head.bias/pegn"] == measurements[-1].small_batch_norm
 
 
 def test_tracker_divides_out_the_grad_scale():
@@ -110,11 +110,11 @@ def test_tracker_divides_out_the_grad_scale():
     layer = PEGradNormLinear(6, 4)
     x = torch.randn(4, 6)
     (layer(x).pow(2).mean()).backward()
-    plain = gnstracking.MeasurementTracker.from_model(layer).step(batch_size=4)
+    plain = gnstracking.GNSMonitor(layer).measure(batch_size=4)
     layer.zero_grad()
     zero_sqgradnorm_buffers(layer)
     (1024.0 * layer(x).pow(2).mean()).backward()
-    scaled = gnstracking.MeasurementTracker.from_model(layer, scaler=FakeScaler()).step(batch_size=4)
+    scaled = gnstracking.GNSMonitor(layer, scaler=FakeScaler()).measure(batch_size=4)
     for a, b in zip(plain, scaled):
         assert b.big_batch_norm == pytest.approx(a.big_batch_norm, rel=1e-5)
         assert b.small_batch_norm == pytest.approx(a.small_batch_norm, rel=1e-5)
@@ -122,11 +122,11 @@ def test_tracker_divides_out_the_grad_scale():
 
 def test_tracker_rejects_a_wrong_batch_size_and_skips_unused_layers():
     layer = PEGradNormLinear(3, 2)
-    tracker = gnstracking.MeasurementTracker.from_model(layer)
-    assert tracker.step(batch_size=4) == []  # nothing ran backward: no measurement
+    tracker = gnstracking.GNSMonitor(layer)
+    assert tracker.measure(batch_size=4) == []  # nothing ran backward: no measurement
     layer(torch.randn(4, 3)).sum().backward()
     with pytest.raises(ValueError, match="counted 4 examples"):
-        tracker.step(batch_size=8)
+        tracker.measure(batch_size=8)
 
 
 def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
@@ -137,17 +137,17 @@ def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
             self.lm_head = PEGradNormLinear(4, 10, bias=False)
             self.lm_head.weight = self.wte.weight
 
-    tracker = gnstracking.MeasurementTracker.from_model(Tied())
-    assert [name for name, _, _ in tracker.tracked] == ["wte.weight+lm_head.weight"] and tracker.skipped == {}
+    tracker = gnstracking.GNSMonitor(Tied())
+    assert [name for name, _, _ in tracker.tracked] == ["wte.weight+lm_head.weight"] and tracker.untracked == {}
     assert [c for _, _, c in tracker.tracked[0][2]] == [1.0, 1.0, 2.0]  # embedding, head, 2 x cross term (tests/test_tied.py)
 
 
 def test_summed_sqnorms_and_running_gns():
     ms = [gnstracking.Measurement(1.0, 2.0, 8), gnstracking.Measurement(2.0, 3.0, 8)]
     assert gnstracking.summed_sqnorms(ms) == (5.0, 13.0, 8)
-    running = gnstracking.RunningGNS(decay=0.9)
+    running = estimator.RunningGNS(decay=0.9)
     assert math.isnan(running.gns)
-    gtg, trsigma = gnstracking.unbiased_stats(5.0, 13.0, 8)
+    gtg, trsigma = estimator.unbiased_stats(5.0, 13.0, 8)
     assert running.update(5.0, 13.0, 8) == pytest.approx(trsigma / gtg)
     assert running.update(5.0, 13.0, 1) == pytest.approx(trsigma / gtg)  # B = 1 carries no information
 
@@ -167,13 +167,13 @@ def test_gns_matches_analytic_least_squares(T):
         layer.weight.copy_(w_star + torch.randn(1, d, dtype=torch.float64) / math.sqrt(d))  # |w - w*| ~ 1
     delta_sq = (layer.weight - w_star).pow(2).sum().item()
     expected = ((d + 1) + d * s ** 2 / delta_sq) / T
-    tracker = gnstracking.MeasurementTracker.from_model(layer)
+    tracker = gnstracking.GNSMonitor(layer)
     gtgs, trsigmas = [], []
     for _ in range(steps):
         x = torch.randn(B, T, d, dtype=torch.float64)
         y = x @ w_star.T + s * torch.randn(B, T, 1, dtype=torch.float64)
         (0.5 * F.mse_loss(layer(x), y)).backward()  # mean over tokens and examples
-        gtg, trsigma = gnstracking.unbiased_stats(*gnstracking.summed_sqnorms(tracker.step(batch_size=B)))
+        gtg, trsigma = estimator.unbiased_stats(*gnstracking.summed_sqnorms(tracker.measure(batch_size=B)))
         gtgs.append(gtg)
         trsigmas.append(trsigma)
         layer.zero_grad()
@@ -200,7 +200,7 @@ class Blocks(nn.Module):
 
 
 def test_record_says_each_parameters_kind_and_block_from_the_model_not_its_name():
-    record = gnstracking.MeasurementTracker.from_model(Blocks()).describe()
+    record = gnstracking.GNSMonitor(Blocks()).describe()
     assert record["h.1.ln_attn.weight"] == {"kind": "LayerNorm", "layer": "PEGradNormLayerNorm", "block": 1,
                                             "names": ["h.1.ln_attn.weight"], "numel": 8, "bank_slices": None}
     assert record["h.0.norm_proj.bias"]["kind"] == "Linear" and record["h.0.norm_proj.bias"]["block"] == 0
@@ -214,14 +214,14 @@ def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
     model = Blocks()
     log = LogWrapper(out_dir=str(tmp_path))
     monitor = gnstracking.GNSMonitor(model, log=log, ema_decay=0.9)
-    assert gnstracking.read_parameter_record(str(tmp_path)) == monitor.tracker.describe()
-    reference = gnstracking.RunningGNS(decay=0.9)
+    assert gnstracking.read_parameter_record(str(tmp_path)) == monitor.describe()
+    reference = estimator.RunningGNS(decay=0.9)
     ids = torch.randint(0, 13, (6, 4, 5))
     rows = []
     for step in range(4):
         model(ids[step]).pow(2).mean().backward()
         measurements = {}
-        for name, ref, terms in monitor.tracker.tracked:  # what the row must hold, read before the monitor zeroes
+        for name, ref, terms in monitor.tracked:  # what the row must hold, read before the monitor zeroes
             module, buffer_name, _ = terms[0]
             total, count = module._buffers[buffer_name].tolist()
             measurements[name] = (ref.get().grad.norm().item(), (total * count) ** 0.5)
@@ -241,7 +241,7 @@ def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
             state = monitor.state_dict()
             monitor = gnstracking.GNSMonitor(model, log=log, ema_decay=0.9)
             monitor.load_state_dict(state)
-    assert monitor.tracker.step_count == 4 and rows[-1]["gns"] == pytest.approx(reference.gns, rel=1e-5)
+    assert monitor.step_count == 4 and rows[-1]["gns"] == pytest.approx(reference.gns, rel=1e-5)
 
 
 def test_monitor_refuses_a_model_without_per_example_layers():
@@ -257,9 +257,9 @@ def test_a_parametrized_weight_is_skipped_with_the_reason():
     with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
         from model import GPT, GPTConfig
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=11, spectral_c_attn=[1]))
-    tracker = gnstracking.MeasurementTracker.from_model(model)
+    tracker = gnstracking.GNSMonitor(model)
     name = "transformer.h.1.attn.c_attn.parametrizations.weight.original"
-    assert tracker.skipped[name].startswith("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm)")
+    assert tracker.untracked[name].startswith("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm)")
     assert "transformer.h.0.attn.c_attn.weight" in [t.name for t in tracker.tracked]
 
 
@@ -275,4 +275,4 @@ def test_a_wrong_batch_size_is_an_error_not_a_dropped_parameter():
     with pytest.raises(ValueError, match=r"0.weight's buffer counted 8 examples but step\(batch_size=4\); pass the "
                                          r"number of examples of the whole step"):
         gns.step(batch_size=4)
-    assert not gns.tracker.dropped
+    assert not gns.dropped

@@ -75,7 +75,7 @@ def measured(tracker, model, loss_of, parts, n):
     """{logged name: Measurement} of one step over micro-batches `parts`, each loss a share of the mean over n."""
     for part in parts:
         (loss_of(part).sum() / n).backward()
-    found = {m.metadata["name"]: m for m in tracker.step(batch_size=n)}
+    found = {m.metadata["name"]: m for m in tracker.measure(batch_size=n)}
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
     return found
@@ -90,7 +90,7 @@ def check_exact(model, tracker, want, got, coverage=1.0, atol=1e-20):
         assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6, abs=atol), name
     tracked = sum(model.get_parameter(name.split("+")[0]).numel() for name in got)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert tracked == pytest.approx(coverage * total), (tracked, total, tracker.unconverted, tracker.skipped)
+    assert tracked == pytest.approx(coverage * total), (tracked, total, tracker.unconverted, tracker.untracked)
 
 
 def run_lm(model, positions=False, micro_batches=((0, SPLIT), (SPLIT, B))):
@@ -133,7 +133,7 @@ def test_mixture_of_experts_every_parameter_exact(name, implementation):
     model.config._experts_implementation = default if implementation == "default" else "eager"
     tracker = lc.convert(model.float())
     model.double()
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     assert any(type(m).__name__.startswith("PEGradNormExperts") for m in model.modules())
     got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     check_exact(model, tracker, want, got)
@@ -180,7 +180,7 @@ def test_opt_flattened_rows_and_position_embedding_exact():
                                                word_embed_proj_dim=16, pad_token_id=1, bos_token_id=0,
                                                eos_token_id=2, layerdrop=0.0)).double()
     tracker, want, got = run_lm(model)
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     check_exact(model, tracker, want, got)
 
 
@@ -193,7 +193,7 @@ def test_gemma_scaled_embedding_with_tied_head_exact(name):
     model = model_cls(config(config_cls, **TINY, num_key_value_heads=1, head_dim=8, pad_token_id=0,
                              bos_token_id=2, eos_token_id=1, sliding_window=4)).double()
     tracker, want, got = run_lm(model)
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     assert "model.embed_tokens.weight+lm_head.weight" in got
     check_exact(model, tracker, want, got)
 
@@ -203,7 +203,7 @@ def test_bert_aliased_head_bias_logged_once_and_exact():
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(config(transformers.BertConfig, **TINY, **NO_DROPOUT)).double()
     tracker, want, got = run_lm(model, positions=True)
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     assert "cls.predictions.bias" in got and "cls.predictions.decoder.bias" not in got
     assert tracker.describe()["cls.predictions.bias"]["kind"] == "Linear"
     check_exact(model, tracker, want, got)
@@ -218,7 +218,7 @@ def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix(
     lm_losses(model, ids, mask).mean().backward()
     with pytest.raises(ValueError, match=r"position_embeddings.weight: this step is not measured.*one row for the "
                                          r"forward's 5 examples.*position_ids=torch.arange\(T\).expand\(B, T\)"):
-        tracker.step(batch_size=B)
+        tracker.measure(batch_size=B)
 
 
 def test_t5_relative_position_table_refused_the_rest_exact():
@@ -241,9 +241,9 @@ def test_t5_relative_position_table_refused_the_rest_exact():
     assert tables == {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
                       "decoder.block.0.layer.0.SelfAttention.relative_attention_bias"}
     assert all("shares across the batch" in tracker.unconverted[p] for p in tables)
-    assert "tied to" in tracker.skipped["shared.weight"] and "used by 4 layers" in tracker.skipped["shared.weight"]
+    assert "tied to" in tracker.untracked["shared.weight"] and "used by 4 layers" in tracker.untracked["shared.weight"]
     got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
-    untracked = {p for p in tracker.skipped}
+    untracked = {p for p in tracker.untracked}
     assert not untracked & {n.split("+")[0] for n in got}
     share = 1 - sum(model.get_parameter(n).numel() for n in untracked) / sum(p.numel() for p in model.parameters())
     check_exact(model, tracker, want, got, coverage=share)
@@ -260,7 +260,7 @@ def test_vit_patches_class_token_and_position_embeddings_exact():
                                            reduction="none")
     want = brute_force(model, loss_of, B)
     tracker = lc.convert(model)
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings"} <= set(got)
     check_exact(model, tracker, want, got, atol=1e-24)
@@ -299,7 +299,7 @@ def test_transformer_encoder_multihead_attention_exact(batch_first):
 
     want = brute_force(model, loss_of, B)
     tracker = lc.convert(model)
-    assert not tracker.unconverted and not tracker.skipped
+    assert not tracker.unconverted and not tracker.untracked
     got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert "encoder.layers.0.self_attn.in_proj_weight" in got and "encoder.layers.1.self_attn.out_proj.bias" in got
     check_exact(model, tracker, want, got)

@@ -27,6 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import estimator  # noqa: E402
 import gnstracking  # noqa: E402
 import layer_config as lc  # noqa: E402
 from buffered import zero_sqgradnorm_buffers  # noqa: E402
@@ -310,9 +311,8 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass="gns")):
         from model import GPT, GPTConfig
         model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.0, bias=True))
-    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-    tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate)
-    running, clean_running = gnstracking.RunningGNS(0.9), gnstracking.RunningGNS(0.9)
+    tracker = gnstracking.GNSMonitor(model)
+    running, clean_running = estimator.RunningGNS(0.9), estimator.RunningGNS(0.9)
     log = LogWrapper(out_dir=str(tmp_path))
     B, micro, n_steps = 4, 2, 8
     bad_param = "transformer.h.0.mlp.c_fc.weight"
@@ -327,10 +327,13 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
             loss.backward()
         if faults.get(step) == "grad":
             model.get_parameter(bad_param).grad[0, 0] = math.inf
-        measurements = tracker.step(batch_size=B * micro)
+        measurements = tracker.measure(batch_size=B * micro)
         zero_sqgradnorm_buffers(model)
         sums = gnstracking.summed_sqnorms(measurements)
-        log.log({**accumulate.get_msg(), "gns": running.update(*sums), "iter_num": step})
+        columns = {f"train/gns/{m.metadata['name']}/{key}": value for m in measurements
+                   for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm),
+                                      ("batch_size", m.big_batch_size))}
+        log.log({**columns, "gns": running.update(*sums), "iter_num": step})
         if step not in faults:
             clean_running.update(*sums)
         log.step()
@@ -383,18 +386,18 @@ def test_grad_scaler_skipped_steps_are_not_measurements(bad):
     model = _tiny_fp16_gpt(lnclass="gns" if bad == "loss" else "nn")
     reference = _tiny_fp16_gpt(lnclass="gns" if bad == "loss" else "nn")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    tracker = gnstracking.MeasurementTracker.from_model(model, scaler=scaler)
-    reference_tracker = gnstracking.MeasurementTracker.from_model(reference)
+    tracker = gnstracking.GNSMonitor(model, scaler=scaler)
+    reference_tracker = gnstracking.GNSMonitor(reference)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(1))
 
     _, loss = reference(x, torch.roll(x, 1, 1))
     loss.backward()
-    expected = {m.metadata["name"]: m for m in reference_tracker.step(batch_size=4)}
+    expected = {m.metadata["name"]: m for m in reference_tracker.measure(batch_size=4)}
     with torch.autocast("cpu", dtype=torch.float16):
         _, loss = model(x, torch.roll(x, 1, 1))
     scaler.scale(loss).backward()
-    got = tracker.step(batch_size=4)
+    got = tracker.measure(batch_size=4)
     assert len(got) == len(expected) > 0
     for m in got:
         assert m.small_batch_norm == pytest.approx(expected[m.metadata["name"]].small_batch_norm, rel=3e-2)
@@ -410,9 +413,9 @@ def test_grad_scaler_skipped_steps_are_not_measurements(bad):
         _, loss = model(x, torch.roll(x, 1, 1))
     scaler.scale(loss * (math.inf if bad == "loss" else 1.0)).backward()
     if bad == "untracked-grad":
-        assert "transformer.ln_f.weight" in tracker.skipped
+        assert "transformer.ln_f.weight" in tracker.untracked
         model.transformer.ln_f.weight.grad[0] = math.nan
-    assert tracker.step(batch_size=4) == []
+    assert tracker.measure(batch_size=4) == []
     assert tracker.scaler_skipped_steps == 1 and tracker.nonfinite_steps == 0
     scaler.step(optimizer)
     scaler.update()

@@ -15,7 +15,7 @@ from layers.linear import PEGradNormLinear
 from conftest import TINY, run_script
 from csv_tools import load_csv
 from oracle import per_example_sqnorms_by_loop
-from sogns import SOGNS_SUFFIX, ExactAndSOGNSLinear, SOGNSLinear
+from sogns import ExactAndSOGNSLinear, SOGNSLinear
 
 
 def defining_formula(x, g):
@@ -70,8 +70,8 @@ def test_gns_plus_sogns_keeps_the_exact_numbers_and_tracks_both():
         layer(x).backward(g)
     torch.testing.assert_close(both.weight.grad, exact_only.weight.grad)
     torch.testing.assert_close(both.weight_upegsqnorm, exact_only.weight_upegsqnorm)
-    exact = gnstracking.MeasurementTracker.from_model(both).step(batch_size=3)
-    approx = gnstracking.MeasurementTracker.from_model(both, suffix=SOGNS_SUFFIX).step(batch_size=3)
+    monitor = gnstracking.GNSMonitor(both)
+    exact, approx = monitor.measure(batch_size=3), monitor.approx_measurements
     assert [m.metadata["name"] for m in exact] == [m.metadata["name"] for m in approx] == ["weight", "bias"]
     assert approx[0].big_batch_norm == exact[0].big_batch_norm  # the batch norm is exact in both
     assert approx[1].small_batch_norm == pytest.approx(exact[1].small_batch_norm, rel=1e-6)  # bias: exact

@@ -15,7 +15,8 @@ import torch
 
 from conftest import GNS_LAYERS, TINY, run_script
 from csv_tools import load_csv
-from gnstracking import PARAMETERS_JSON, RunningGNS, summed_sqnorms, Measurement
+from estimator import RunningGNS
+from gnstracking import PARAMETERS_JSON, Measurement, summed_sqnorms
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shakespeare_data")]
 STEPS, EXAMPLES, BLOCK = 6, 8, 16  # 4 sequences x 2 accumulation steps of 16 characters

@@ -86,7 +86,7 @@ def accumulated_measurements(name, model, tracker, x, y, split=2):
     B = x.size(0)
     for part in (slice(0, split), slice(split, B)):
         (loss_fn(name, model, x[part], y[part]) * x[part].size(0) / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.step(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
     return measurements
@@ -103,7 +103,7 @@ def converted(name, dtype, classes=("gns", "gns", "gns")):
 def test_every_parameter_tracked_and_exact(name, classes):
     """float64, dropout 0, 2 uneven micro-batches: pegn and norm of every parameter within 1e-6 of brute force."""
     model, tracker = converted(name, torch.float64, classes)
-    assert tracker.unconverted == {} and tracker.skipped == {}
+    assert tracker.unconverted == {} and tracker.untracked == {}
     assert tracked_names(tracker) == parameter_names(model)
     tracked_elements = sum(model.get_parameter(n.split("+")[0]).numel() for n, _, _ in tracker.tracked)
     assert tracked_elements == sum(p.numel() for p in model.parameters())  # 100% of the elements
@@ -150,7 +150,7 @@ def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
     model = LlamaForCausalLM(config).double()
     assert model.model.embed_tokens.padding_idx == 2 and model.lm_head.weight is model.model.embed_tokens.weight
     tracker = lc.convert(model)
-    assert tracker.unconverted == {} and tracker.skipped == {} and tracked_names(tracker) == parameter_names(model)
+    assert tracker.unconverted == {} and tracker.untracked == {} and tracked_names(tracker) == parameter_names(model)
     x, y = torch.randint(0, VOCAB, (2, 5, T), generator=torch.Generator().manual_seed(4))
     x[:, -3:] = 2  # right padding in every example
     measurements = accumulated_measurements("hf_llama", model, tracker, x, y)

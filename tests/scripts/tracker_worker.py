@@ -41,13 +41,20 @@ class FakeScaler:
 
 def inf_seen(model):
     """An inf in rank 1's shard of an untracked parameter's gradient (ln_f's, treated as untracked here): the
-    scaler would skip the step on every rank, so every rank's tracker must see it (it is all-reduced)."""
+    scaler would skip the step on every rank, so every rank's reader must see it (it is all-reduced)."""
     tracked = [t for t in gnstracking.find_tracked_parameters(model)[0] if "ln_f" not in t.name]
-    tracker = gnstracking.MeasurementTracker(model, tracked, scaler=FakeScaler())
+    others = lambda: [p.grad for n, p in model.named_parameters() if "ln_f" in n and p.grad is not None]  # noqa: E731
+    reader = gnstracking.StepReader(gnstracking.BufferTable(model), tracked, others)
     if dist.get_rank() == 1:
         model.transformer.ln_f.weight.grad.to_local()[0] = float("inf")
-    _, finite, _ = tracker.read()
+    _, finite, _ = reader.read(scaler_on=True)
     return not finite
+
+
+def columns(measurements):
+    """The log columns of a step's Measurements."""
+    return {f"train/gns/{m.metadata['name']}/{key}": value for m in measurements
+            for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm), ("batch_size", m.big_batch_size))}
 
 
 def main(out_path, engine="ddp"):
@@ -59,8 +66,7 @@ def main(out_path, engine="ddp"):
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass="gns")):
         from model import GPT, GPTConfig
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0, bias=True))
-    accumulate = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-    tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate)
+    tracker = gnstracking.GNSMonitor(model)
     step_model, after = model, None
     if ddp and engine == "ddp":
         step_model = DDP(model, broadcast_buffers=False)
@@ -68,8 +74,7 @@ def main(out_path, engine="ddp"):
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
-        accumulate_after = gnstracking.AccumulateMeasurements(prefix="train/gns/")
-        after = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_after)
+        after = gnstracking.GNSMonitor(model)
     data = torch.randint(0, VOCAB, (GLOBAL_BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(1))
     mine = data[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]  # this rank's examples
     micro_batches = mine.split(MICRO_BATCH)
@@ -78,11 +83,10 @@ def main(out_path, engine="ddp"):
             step_model.require_backward_grad_sync = i == len(micro_batches) - 1
         _, loss = step_model(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())
         (loss / len(micro_batches)).backward()
-    tracker.step(batch_size=GLOBAL_BATCH)
-    result = accumulate.get_msg()
+    result = columns(tracker.measure(batch_size=GLOBAL_BATCH))
     if after is not None:
-        after.step(batch_size=GLOBAL_BATCH)
-        result = {"before": result, "after": accumulate_after.get_msg(), "inf_on_rank_1_seen": inf_seen(model)}
+        result = {"before": result, "after": columns(after.measure(batch_size=GLOBAL_BATCH)),
+                  "inf_on_rank_1_seen": inf_seen(model)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
