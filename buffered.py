@@ -40,6 +40,11 @@ import torch
 
 import layout
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
+
 BUFFER_SUFFIX = "_upegsqnorm"
 refused = {}  # {buffer's data_ptr: why its step was refused (rows not mapped to examples)}, cleared with the buffers
 
@@ -121,12 +126,18 @@ class PESqNormBuffersMixin:
         buffers = tuple(self.pe_buffer(name) for name in param_names)
         if all(b is None for b in buffers):
             return None, buffers
-        return rows_or_refuse(x.shape, buffers)
+        params = [getattr(self, self.pe_roles.get(name, name), None) for name in param_names]
+        return rows_or_refuse(x.shape, buffers, params)
 
 
-def rows_or_refuse(shape, buffers):
+def rows_or_refuse(shape, buffers, params=()):
     """(Rows of an input of `shape`, buffers), or (None, Nones) after refusing the step when they cannot be
-    mapped to examples (layout.py)."""
+    mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism."""
+    if any(_is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
+        refuse_step("its parameters are sharded by tensor parallelism (a DTensor in the forward): each rank would "
+                    "record the norms of its shard of the examples' gradients, which this tracker does not combine; "
+                    "measure with data parallelism only (DDP, FSDP2, HSDP)", buffers)
+        return None, tuple(None for _ in buffers)
     rows = layout.rows_for(shape)
     if isinstance(rows, str):
         refuse_step(rows, buffers)
@@ -151,6 +162,10 @@ def refused_addresses(buffer):
     start = buffer.data_ptr()
     end = start + buffer.numel() * buffer.element_size()
     return [address for address in refused if start <= address < end]
+
+
+def _is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
 
 
 def norm_dtype(t):

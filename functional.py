@@ -40,9 +40,7 @@ import torch.nn.functional as F
 
 import layers
 from buffered import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
-from layers.embedding import EmbeddingFunction
-from layers.layernorm import AffineFunction, LayerNormFunction, torch_layer_norm
-from layers.linear import LinearFunction
+from layers.layernorm import torch_layer_norm
 from layers.rmsnorm import torch_rms_norm
 from tied import note_embedding, note_head
 
@@ -76,10 +74,10 @@ def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None
     rows: which example each row of x belongs to (layout.Rows), when the layer knows better than the layout
     (tokens routed to an expert); default: the layout's."""
     x, weight, bias = autocast_inputs(x, weight, bias)
-    rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer)) if rows is None else \
+    rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer), (weight, bias)) if rows is None else \
         (rows, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-        out = LinearFunction.apply(x, weight, bias, *buffers, rows)
+        out = layers.linear.linear(x, weight, bias, *buffers, rows)
     note_head(buffers[0], x, rows, out)
     return out
 
@@ -88,8 +86,8 @@ def embedding(ids, weight, weight_buffer=None, padding_idx=None):
     """F.embedding(ids, weight, padding_idx) (no max_norm), recording per-example norms of the weight gradient."""
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]  # F.embedding's convention
-    rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,))
-    out = EmbeddingFunction.apply(ids, weight, padding_idx, buffer, rows)
+    rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,), (weight,))
+    out = layers.embedding.embedding(ids, weight, padding_idx, buffer, rows)
     note_embedding(buffer, ids, rows, out)
     return out
 
@@ -101,7 +99,7 @@ def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=N
         x = x.float()  # computed in float32 under autocast
     rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):
-        return LayerNormFunction.apply(x, weight, bias, eps, *buffers, rows, out_dtype)
+        return layers.layernorm.layer_norm(x, weight, bias, eps, *buffers, rows, out_dtype)
 
 
 def rms_norm(x, weight, eps=None, weight_buffer=None):
@@ -109,4 +107,4 @@ def rms_norm(x, weight, eps=None, weight_buffer=None):
     out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
     rows, (buffer,) = rows_or_refuse(x.shape, (weight_buffer,))
-    return AffineFunction.apply(xhat, weight, None, buffer, None, rows).to(out_dtype)
+    return layers.layernorm.affine(xhat, weight, None, buffer, None, rows).to(out_dtype)

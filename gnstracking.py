@@ -33,6 +33,7 @@ import os
 import warnings
 from typing import Any, Dict, List, NamedTuple, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -257,17 +258,26 @@ def grad_piece(grad):
     (HSDP's replicas). Partial placements (sums not yet reduced) are refused."""
     if not _is_dtensor(grad):
         return grad, None
-    copies = 1
-    for placement, size in zip(grad.placements, grad.device_mesh.mesh.shape):
-        if placement.is_partial():
+    return grad._local_tensor, _copies(grad.device_mesh, grad.placements)  # the attribute: no op per parameter
+
+
+_copies_by_layout = {}  # (id(mesh), placements) -> copies: reading a mesh's shape builds a tensor each time
+
+
+def _copies(mesh, placements):
+    key = (id(mesh), tuple(placements))
+    if key not in _copies_by_layout:
+        if any(p.is_partial() for p in placements):
             raise ValueError("GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
                              "read the step after the gradients are reduced")
-        if placement.is_replicate():
-            copies *= size
-    if grad.device_mesh.size() != _world_size():
-        raise ValueError(f"GNS: a DTensor gradient on a mesh of {grad.device_mesh.size()} ranks in a world of "
-                         f"{_world_size()}: the tracker adds the ranks' shards over the whole world")
-    return grad.to_local(), copies
+        if mesh.size() != _world_size():
+            raise ValueError(f"GNS: a DTensor gradient on a mesh of {mesh.size()} ranks in a world of "
+                             f"{_world_size()}: the monitor adds the ranks' shards over the whole world")
+        copies = 1
+        for placement, size in zip(placements, mesh.mesh.shape):
+            copies *= size if placement.is_replicate() else 1
+        _copies_by_layout[key] = copies
+    return _copies_by_layout[key]
 
 
 class BufferTable:
@@ -292,6 +302,10 @@ class BufferTable:
     def build(self):
         entries = [(m, n, b) for m in _unique_modules(self.model) for n, b in m._buffers.items()
                    if b is not None and n.endswith(BUFFER_SUFFIX)]
+        if any(_is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
+            raise ValueError("GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
+                             "each rank would record the norms of its shard of the examples' gradients, which the "
+                             "monitor does not combine; measure with data parallelism only (DDP, FSDP2, HSDP)")
         sizes = {}
         for _, _, b in entries:
             sizes[b.device] = sizes.get(b.device, 0) + b.numel()
@@ -313,6 +327,15 @@ class BufferTable:
         for flat in self.flats.values():
             flat.zero_()
         refused.clear()
+
+
+def buffer_table(model):
+    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
+    buffers and rebuild at every read)."""
+    table = model.__dict__.get("_pe_buffer_table")
+    if table is None:
+        table = model.__dict__["_pe_buffer_table"] = BufferTable(model)
+    return table
 
 
 def _unique_modules(model):
@@ -337,6 +360,7 @@ class StepReader:
     def __init__(self, table, tracked, untracked_params):
         self.table, self.tracked, self.untracked_params = table, tracked, untracked_params
         self._indices = self._built_for = None
+        self._plans = {}  # the index tensors squared_norms needs, by the gradients' pattern (dtypes, shards, absences)
 
     def indices(self):
         """Per device: (term slot of each [sum] (k,), its entry (k,), its coefficient (k,), count slots (n, slices))."""
@@ -367,7 +391,7 @@ class StepReader:
         return self._indices
 
     def read(self, scaler_on=False):
-        """(values (n, 3) float64 on the CPU: ||grad||^2, sum of the buffers' sums over all ranks, examples counted;
+        """(values (n, 3) float64 numpy array: ||grad||^2, sum of the buffers' sums over all ranks, examples counted;
         all gradients finite (computed only when scaler_on, else True); names of tracked tensors without a gradient).
         The sums are those of the local backward's per-example contributions, added over the ranks."""
         if not self.table.current():
@@ -381,46 +405,66 @@ class StepReader:
                 no_grad.append(entry.name)
             grads.append(grad)
         device = next(iter(self.table.flats), torch.device("cpu"))
-        whole_sq, shard_sq = _squared_norms(grads, device)
+        whole_sq, shard_sq = self.squared_norms(grads, device)
         sums = torch.zeros(n, dtype=torch.float32, device=device)
-        counts = torch.zeros(n, dtype=torch.float32, device=device)
+        counts = None
         for flat_device, (slots, entries, coefficients, count_slots) in indices.items():
             flat = self.table.flats[flat_device]
             sums.index_add_(0, entries.to(device), (flat[slots] * coefficients).to(device))
-            counts = torch.maximum(counts, flat[count_slots].amax(dim=1).to(device))
-        parts = [shard_sq, sums.double(), counts.double()]
+            found = flat[count_slots].amax(dim=1).to(device)
+            counts = found if counts is None else torch.maximum(counts, found)
+        parts = [sums, counts if counts is not None else torch.zeros_like(sums)]
+        parts += [shard_sq.float()] if shard_sq is not None else []
         if scaler_on:  # GradScaler skips a step where any gradient is inf/nan: the untracked ones too
-            others_whole, others_shard = _squared_norms(list(self.untracked_params()), device)
-            parts.append((others_whole.sum() + others_shard.sum()).reshape(1))
+            others = list(self.untracked_params())
+            if others:
+                others_whole, others_shard = self.squared_norms(others, device, plan_key="untracked")
+                parts.append(others_whole.sum().reshape(1).float())
+                parts += [others_shard.sum().reshape(1).float()] if others_shard is not None else []
         reduced = torch.cat(parts)
         if _world_size() > 1:
             torch.distributed.all_reduce(reduced)
-        values = torch.cat([whole_sq, reduced]).cpu()  # the one host sync
-        grad_sq = values[:n] + values[n:2 * n]
-        table = torch.stack([grad_sq, values[2 * n:3 * n], values[3 * n:4 * n]], dim=1)
-        finite = bool(torch.isfinite(grad_sq).all() and torch.isfinite(values[4 * n:]).all()) if scaler_on else True
+        values = torch.cat([whole_sq, reduced.double()]).cpu().numpy()  # the one host sync
+        grad_sq = values[:n] + (values[3 * n:4 * n] if shard_sq is not None else 0.0)
+        table = np.stack([grad_sq, values[n:2 * n], values[2 * n:3 * n]], axis=1)
+        rest = values[(4 if shard_sq is not None else 3) * n:]
+        finite = bool(np.isfinite(grad_sq).all() and np.isfinite(rest).all()) if scaler_on else True
         return table, finite, no_grad
 
-
-def _squared_norms(grads, device):
-    """(squared norms of the whole gradients, of this rank's shards divided by their copies), (n,) float64 each,
-    zero where a gradient is absent or of the other kind; one _foreach_norm per dtype family."""
-    pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
-    whole = torch.zeros(len(grads), dtype=torch.float64, device=device)
-    shard = torch.zeros(len(grads), dtype=torch.float64, device=device)
-    for wide in (False, True):  # float64 gradients keep float64 norms (tests); any other dtype: float32
-        chosen = [i for i, (t, _) in enumerate(pieces) if t is not None and (t.dtype == torch.float64) == wide]
-        if not chosen:
-            continue
-        tensors = [pieces[i][0] for i in chosen]
-        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64 if wide else torch.float32))
-        sq = norms.double().to(device) ** 2
-        copies = torch.tensor([pieces[i][1] or 1 for i in chosen], dtype=torch.float64, device=device)
-        sharded = torch.tensor([pieces[i][1] is not None for i in chosen], device=device)
-        index = torch.tensor(chosen, device=device)
-        whole.index_copy_(0, index, torch.where(sharded, torch.zeros_like(sq), sq))
-        shard.index_copy_(0, index, torch.where(sharded, sq / copies, torch.zeros_like(sq)))
-    return whole, shard
+    def squared_norms(self, grads, device, plan_key="tracked"):
+        """(squared norms of the whole gradients (n,) float64, of this rank's shards divided by their copies (n,)
+        float64, or None when no gradient is sharded); zero where a gradient is absent. One _foreach_norm per
+        dtype family (float64 gradients keep float64 norms; any other dtype: float32), index tensors cached."""
+        pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
+        pattern = tuple((t is not None and t.dtype == torch.float64, t is None, copies) for t, copies in pieces)
+        plans = self._plans.setdefault(plan_key, {})
+        if pattern not in plans:
+            groups = []
+            for wide in (False, True):
+                chosen = [i for i, (t, _) in enumerate(pieces) if t is not None and (t.dtype == torch.float64) == wide]
+                if chosen:
+                    copies = torch.tensor([pieces[i][1] or 1 for i in chosen], dtype=torch.float64, device=device)
+                    sharded = torch.tensor([pieces[i][1] is not None for i in chosen], device=device)
+                    groups.append((wide, chosen, torch.tensor(chosen, device=device), copies, sharded))
+            everything = len(groups) == 1 and len(groups[0][1]) == len(grads)
+            plans[pattern] = (groups, everything, any(c is not None for _, c in pieces))
+        groups, everything, any_sharded = plans[pattern]
+        whole = None if everything else torch.zeros(len(grads), dtype=torch.float64, device=device)
+        shard = torch.zeros(len(grads), dtype=torch.float64, device=device) if any_sharded else None
+        for wide, chosen, index, copies, sharded in groups:
+            tensors = [pieces[i][0] for i in chosen]
+            sq = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64 if wide else torch.float32))
+            sq = sq.to(device, torch.float64).pow(2)
+            if any_sharded:
+                shard.index_copy_(0, index, torch.where(sharded, sq / copies, torch.zeros_like(sq)))
+                sq = torch.where(sharded, torch.zeros_like(sq), sq)
+            if everything:
+                whole = sq  # every gradient present, one dtype family: already in order
+            else:
+                whole.index_copy_(0, index, sq)
+        if whole is None:
+            whole = torch.zeros(len(grads), dtype=torch.float64, device=device)
+        return whole, shard
 
 
 # -----------------------------------------------------------------------------
@@ -472,7 +516,7 @@ class GNSMonitor:
             raise ValueError(f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
                              "it first (layer_config.convert(model)) or build it with per-example norm layer classes")
         self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
-        self.table = BufferTable(model)
+        self.table = buffer_table(model)
         tracked_ids = {id(entry.ref.get()) for entry in self.tracked}
         others = lambda: [p.grad for p in model.parameters() if id(p) not in tracked_ids and p.grad is not None]  # noqa: E731
         self.reader = StepReader(self.table, self.tracked + self.approx_tracked, others)

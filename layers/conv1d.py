@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from buffered import PESqNormBuffersMixin, autocast_inputs, on_output_grad
-from layers.linear import LINEAR_OPTIONS, LinearFunction, PEGradNormLinear, record_linear_norms
+from layers.linear import LINEAR_OPTIONS, PEGradNormLinear, linear, record_linear_norms
 from layers.registry import LayerKind, Probe, register
 
 
@@ -58,7 +58,7 @@ class PEGradNormConv1D(_PEGradNormConv1DBase):
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-            out = LinearFunction.apply(x, weight.t(), bias, *buffers, rows)
+            out = linear(x, weight.t(), bias, *buffers, rows)
         return PEGradNormLinear.pe_promoted(self, out)
 
 

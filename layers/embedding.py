@@ -61,6 +61,13 @@ def record_embedding_norms(ids, rows, num_embeddings, padding_idx, weight_buffer
     return record
 
 
+def embedding(ids, weight, padding_idx, weight_buffer, rows):
+    """F.embedding recording per-example norms (EmbeddingFunction); torch's own where there is nothing to record."""
+    if weight_buffer is None:
+        return F.embedding(ids, weight, padding_idx)
+    return EmbeddingFunction.apply(ids, weight, padding_idx, weight_buffer, rows)
+
+
 class EmbeddingFunction(torch.autograd.Function):
     """embedding(ids, weight, padding_idx, weight_buffer, rows): F.embedding whose backward scatters the weight
     gradient and records its per-example norms (the buffer may be None: then no norms)."""
@@ -131,7 +138,7 @@ class PEGradNormEmbedding(_PEGradNormEmbeddingBase):
 
     def forward(self, ids):
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
-        out = EmbeddingFunction.apply(ids, self.weight, self.padding_idx, weight_buffer, rows)
+        out = embedding(ids, self.weight, self.padding_idx, weight_buffer, rows)
         note_embedding(weight_buffer, ids, rows, out)
         return out
 

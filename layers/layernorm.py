@@ -57,6 +57,22 @@ def record_affine_norms(xhat, rows, weight_buffer, bias_buffer):
     return record
 
 
+def affine(xhat, weight, bias, weight_buffer, bias_buffer, rows):
+    """xhat * weight (+ bias) recording per-example norms (AffineFunction); torch's ops where there is nothing to
+    record."""
+    if weight_buffer is None and bias_buffer is None:
+        return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
+    return AffineFunction.apply(xhat, weight, bias, weight_buffer, bias_buffer, rows)
+
+
+def layer_norm(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype):
+    """LayerNorm over the last dim recording per-example norms (LayerNormFunction); torch's where there is nothing
+    to record."""
+    if weight_buffer is None and bias_buffer is None:
+        return F.layer_norm(x, weight.shape, weight, bias, eps).to(out_dtype)
+    return LayerNormFunction.apply(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype)
+
+
 class AffineFunction(torch.autograd.Function):
     """affine(xhat, weight, bias, weight_buffer, bias_buffer, rows) = xhat * weight (+ bias): the affine half of a
     norm layer whose normalisation autograd handles; backward records the per-example norms."""
@@ -194,7 +210,7 @@ class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
             x = x.float()  # computed in float32 under autocast, returned in the dtype torch's LayerNorm returns
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
         with torch.autocast(x.device.type, enabled=False):
-            return LayerNormFunction.apply(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
+            return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
 
 
 # -----------------------------------------------------------------------------

@@ -219,6 +219,14 @@ def linear_backward(ctx, grad_out, weight_grad_fn=linear_weight_grad_and_pe_sqno
     return grad_x, grad_weight, grad_bias, None, None, None
 
 
+def linear(x, weight, bias, weight_buffer, bias_buffer, rows):
+    """F.linear recording per-example norms (LinearFunction); torch's own F.linear where there is nothing to record
+    (frozen parameters, a refused step: also tensor-parallel DTensors, which only torch's ops take)."""
+    if weight_buffer is None and bias_buffer is None:
+        return F.linear(x, weight, bias)
+    return LinearFunction.apply(x, weight, bias, weight_buffer, bias_buffer, rows)
+
+
 class LinearFunction(torch.autograd.Function):
     """linear(x, weight, bias, weight_buffer, bias_buffer, rows): y = F.linear(x, weight, bias); backward forms
     the weight gradient and its per-example norms together (linear_weight_grad_and_pe_sqnorm), and only the
@@ -276,7 +284,7 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
         x, weight, bias = autocast_inputs(x, *self.pe_weight_and_bias(x))
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-            out = LinearFunction.apply(x, weight, bias, *buffers, rows)
+            out = linear(x, weight, bias, *buffers, rows)
         note_head(buffers[0], x, rows, out)
         return self.pe_promoted(out)
 

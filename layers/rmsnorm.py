@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from buffered import on_output_grad
-from layers.layernorm import (OUTPUT_DTYPES, AffineFunction, _PEGradNormLayerNormBase, eps_values, norm_probe_data,
+from layers.layernorm import (OUTPUT_DTYPES, _PEGradNormLayerNormBase, affine, eps_values, norm_probe_data,
                               record_affine_norms)
 from layers.registry import LayerKind, Probe, register
 
@@ -61,7 +61,7 @@ class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
         scale = self.pe_scale()
         if self.weight_offset:
             x = x.to(torch.promote_types(x.dtype, scale.dtype))  # in float32 at least, as Gemma does
-        return AffineFunction.apply(self.pe_normalize(x), scale, None, weight_buffer, None, rows).to(out_dtype)
+        return affine(self.pe_normalize(x), scale, None, weight_buffer, None, rows).to(out_dtype)
 
     def extra_repr(self):
         return super().extra_repr() + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")

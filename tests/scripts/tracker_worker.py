@@ -1,6 +1,6 @@
 """Worker for tests/test_ddp.py: run under torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/tracker_worker.py OUT.json ddp|fsdp
+    torchrun --standalone --nproc_per_node=2 tests/scripts/tracker_worker.py OUT.json ddp|ddp-unequal|fsdp|tp [N_LAYER]
 
 Every rank builds the same tiny GPT with per-example norm layers, takes its share
 of one fixed global batch (two micro-batches per rank), runs one optimizer step's
@@ -10,6 +10,10 @@ trackers read the same step: one made before sharding (it must find the new,
 sharded parameters) and one after, written as {"before": ..., "after": ...}.
 Without torchrun (no RANK in the environment) the same global batch runs in one
 process with twice the accumulation steps, which is what the numbers must equal.
+'ddp-unequal' gives rank 0 five of the 8 examples and rank 1 three, each rank's loss scaled so
+that DDP's averaged gradient is the mean over the 8. 'tp' shards the MLPs over the ranks with
+tensor parallelism (refused: the JSON holds the error). Every run also counts the ops one
+GNSMonitor.step dispatches ("step_ops").
 """
 
 import json
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -44,7 +49,7 @@ def inf_seen(model):
     scaler would skip the step on every rank, so every rank's reader must see it (it is all-reduced)."""
     tracked = [t for t in gnstracking.find_tracked_parameters(model)[0] if "ln_f" not in t.name]
     others = lambda: [p.grad for n, p in model.named_parameters() if "ln_f" in n and p.grad is not None]  # noqa: E731
-    reader = gnstracking.StepReader(gnstracking.BufferTable(model), tracked, others)
+    reader = gnstracking.StepReader(gnstracking.buffer_table(model), tracked, others)
     if dist.get_rank() == 1:
         model.transformer.ln_f.weight.grad.to_local()[0] = float("inf")
     _, finite, _ = reader.read(scaler_on=True)
@@ -57,7 +62,30 @@ def columns(measurements):
             for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm), ("batch_size", m.big_batch_size))}
 
 
-def main(out_path, engine="ddp"):
+def step_ops(monitor, batch_size):
+    """The number of ops dispatched by monitor.step (each about one launch on a GPU)."""
+    counter = OpCounter()
+    with counter:
+        monitor.step(batch_size=batch_size)
+    return counter.count
+
+
+class OpCounter(TorchDispatchMode):
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def shares(rank, world, engine):
+    """This rank's slice of the global batch: equal shares, or 5 + 3 of 8 examples ('ddp-unequal')."""
+    if engine == "ddp-unequal" and world == 2:
+        return slice(0, 5) if rank == 0 else slice(5, 8)
+    return slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+
+
+def main(out_path, engine="ddp", n_layer="2"):
     ddp = "RANK" in os.environ
     if ddp:
         dist.init_process_group(backend="gloo")
@@ -65,28 +93,42 @@ def main(out_path, engine="ddp"):
     torch.manual_seed(0)
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass="gns")):
         from model import GPT, GPTConfig
-        model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0, bias=True))
+        model = GPT(GPTConfig(n_layer=int(n_layer), n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB,
+                              dropout=0.0, bias=True))
     tracker = gnstracking.GNSMonitor(model)
     step_model, after = model, None
-    if ddp and engine == "ddp":
+    if ddp and engine.startswith("ddp"):
         step_model = DDP(model, broadcast_buffers=False)
     elif ddp and engine == "fsdp":
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
         after = gnstracking.GNSMonitor(model)
+    elif ddp and engine == "tp":  # one tensor-parallel group over the ranks: the MLPs' matrices sharded
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.transformer.h:
+            parallelize_module(block.mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
     data = torch.randint(0, VOCAB, (GLOBAL_BATCH, BLOCK + 1), generator=torch.Generator().manual_seed(1))
-    mine = data[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]  # this rank's examples
+    mine = data if engine == "tp" else data[shares(rank, world, engine)]  # tensor parallel ranks share the batch
     micro_batches = mine.split(MICRO_BATCH)
     for i, xy in enumerate(micro_batches):
-        if ddp and engine == "ddp":
+        if ddp and engine.startswith("ddp"):
             step_model.require_backward_grad_sync = i == len(micro_batches) - 1
         _, loss = step_model(xy[:, :-1].contiguous(), xy[:, 1:].contiguous())
-        (loss / len(micro_batches)).backward()
-    result = columns(tracker.measure(batch_size=GLOBAL_BATCH))
+        # weighted so that the averaged gradient is the mean over the global batch, whatever this rank's share
+        ranks = world if ddp and engine != "tp" else 1
+        (loss * len(xy) * ranks / GLOBAL_BATCH).backward()
+    try:
+        result = columns(tracker.measure(batch_size=GLOBAL_BATCH))
+    except ValueError as e:
+        result = {"error": str(e)}
     if after is not None:
         result = {"before": result, "after": columns(after.measure(batch_size=GLOBAL_BATCH)),
                   "inf_on_rank_1_seen": inf_seen(model)}
+    if "error" not in result:
+        result["step_ops"] = step_ops(after or tracker, GLOBAL_BATCH)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
