@@ -131,6 +131,11 @@ class Layout:
             return (f"its input has rows {leading}: {self.examples} examples of {self.examples} positions, in a model "
                     "with sequence-first layers (batch_first=False), could be either way round; use "
                     "batch_first=True, or a batch size other than the sequence length")
+        if len(leading) == 1 and leading[0] == self.examples and self.examples in self.lengths:
+            return (f"its input has {self.examples} rows and the forward has {self.examples} examples of "
+                    f"{self.examples} positions: one row per example and a per-position table broadcast over the "
+                    "batch (e.g. position embeddings of torch.arange(T)) cannot be told apart; pass per-example "
+                    "rows (positions expanded to (B, T)), or use a batch size other than the sequence length")
         if leading and leading[0] == self.examples:
             return Rows("dim0", self.examples)
         if len(leading) > 1 and leading[0] == 1:

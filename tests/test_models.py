@@ -221,6 +221,35 @@ def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix(
         tracker.measure(batch_size=B)
 
 
+def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
+    """wpe(torch.arange(T)) gives T rows broadcast over the batch: with T == B they look like one row per example,
+    so the step is refused (never a number) and the fix is named; expanded to (B, T) the same model is exact."""
+    class TinyLM(nn.Module):
+        def __init__(self, expand):
+            super().__init__()
+            self.expand, self.wte, self.wpe, self.head = expand, nn.Embedding(V, 6), nn.Embedding(8, 6), nn.Linear(6, V)
+
+        def forward(self, idx):
+            pos = torch.arange(idx.shape[1])
+            return self.head(self.wte(idx) + self.wpe(pos.expand(idx.shape) if self.expand else pos))
+
+    ids = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(3))
+    for expand in (False, True):
+        torch.manual_seed(0)
+        model = TinyLM(expand).double()
+        loss_of = lambda part: F.cross_entropy(model(ids[part]).flatten(0, 1), ids[part].flatten(),  # noqa: E731
+                                               reduction="none").view(-1, 4).mean(1)
+        want = brute_force(model, loss_of, 4)
+        tracker = lc.convert(model)
+        if not expand:
+            loss_of(slice(0, 4)).mean().backward()
+            with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*4 examples of 4 positions"
+                                                 r".*expanded to \(B, T\)"):
+                tracker.measure(batch_size=4)
+            continue
+        check_exact(model, tracker, want, measured(tracker, model, loss_of, [slice(0, 4)], 4))
+
+
 def test_t5_relative_position_table_refused_the_rest_exact():
     """T5's relative_attention_bias is fed a (query, key) table shared by the batch: listed, never a number; its
     shared input/output matrix (3 embeddings and the head) is listed with the reason; the rest is exact."""
