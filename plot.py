@@ -10,6 +10,7 @@ x or y is missing or non-finite are left out.
 """
 
 import argparse
+import difflib
 import sys
 
 import numpy as np
@@ -94,6 +95,23 @@ def save_png(path, series, x_label="x", y_label="y", title=None, scatter=False, 
     return path
 
 
+def unknown_columns_message(unknown, columns):
+    """The run's main columns by name, the per-parameter ones (train/gns/<param>/...) as a count and a pattern:
+    there are about 90 of those, which would bury the rest."""
+    columns = [str(c) for c in columns]
+    per_parameter = [c for c in columns if c.startswith("train/gns/") and c.count("/") >= 3]
+    main_columns = [c for c in columns if c not in per_parameter]
+    close = [m for u in unknown for m in difflib.get_close_matches(u, columns, n=2)]
+    lines = [f"unknown column(s) {unknown}; the run's columns:", "  " + ", ".join(main_columns)]
+    if per_parameter:
+        parameters = sorted({c[len("train/gns/"):c.rindex("/")] for c in per_parameter})
+        lines.append(f"  and train/gns/<parameter>/{{norm,pegn,batch_size}} for {len(parameters)} parameters, e.g. "
+                     f"{per_parameter[0]} (all of them: python -c \"import csv_tools; "
+                     f"print(list(csv_tools.load_csv('OUT_DIR').columns))\")")
+    lines += [f"  did you mean {' or '.join(close)}?"] if close else []
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Plot logged metrics of a run in the terminal.")
     parser.add_argument("out_dir", help="run directory holding log.csv (or the .tmp files of a running/killed run)")
@@ -109,9 +127,7 @@ def main(argv=None):
         df = load_csv(args.out_dir)
         unknown = [k for k in [args.x, *args.keys] if k not in df.columns]
         if unknown:
-            raise ValueError(
-                f"unknown column(s) {unknown}; available columns:\n  " + "\n  ".join(map(str, df.columns))
-            )
+            raise ValueError(unknown_columns_message(unknown, df.columns))
     except (FileNotFoundError, ValueError) as e:
         print(f"plot.py: error: {e}", file=sys.stderr)
         return 1
