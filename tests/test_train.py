@@ -71,6 +71,13 @@ def test_gns_run_logs_every_tracked_parameter_once_per_step_and_analysis_agrees(
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     assert len(results) == STEPS
 
+    # sample.py reads the checkpoint (token counter and all) and writes characters of the dataset's vocabulary
+    sample = run_script("sample.py", f"--out_dir={tmp_path}", "--device=cpu", "--num_samples=2", "--max_new_tokens=20",
+                        "--start=ROMEO:")
+    assert sample.returncode == 0, sample.stderr
+    samples = sample.stdout.split("---------------")[:2]
+    assert len(samples) == 2 and all("ROMEO:" in s and len(s.strip()) >= len("ROMEO:") + 20 for s in samples), sample.stdout
+
 
 def test_plain_run_writes_no_gns_columns(tmp_path):
     out = run_script("train.py", *TINY, "--max_iters=4", "--eval_interval=2", f"--out_dir={tmp_path}")

@@ -1,0 +1,83 @@
+"""
+Sample from a model trained with train.py (nanoGPT's sample.py, reading this fork's checkpoints).
+
+    python sample.py --out_dir=out-shakespeare-char --device=cpu --num_samples=2 --max_new_tokens=200
+
+The checkpoint holds plain weights: the per-example norm buffers are not saved, so
+the model is built with torch's layers. Besides nanoGPT's keys it carries
+`tokens_processed` (a buffer of the run's token count, dropped here) and, for
+character-level data, the vocabulary comes from the dataset's meta.pkl.
+"""
+import os
+import pickle
+from contextlib import nullcontext
+
+import torch
+
+from model import GPTConfig, GPT
+
+# -----------------------------------------------------------------------------
+out_dir = 'out' # the run's directory, holding ckpt.pt
+start = "\n" # or "<|endoftext|>" or etc. Can also specify a file, use as: "FILE:prompt.txt"
+num_samples = 10 # number of samples to draw
+max_new_tokens = 500 # number of tokens generated in each sample
+temperature = 0.8 # 1.0 = no change, < 1.0 = less random, > 1.0 = more random, in predictions
+top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 probability
+seed = 1337
+device = 'cuda' if torch.cuda.is_available() else 'cpu' # examples: 'cpu', 'cuda', 'cuda:0', 'mps'
+dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32' # 'float32', 'bfloat16', or 'float16'
+exec(open('configurator.py').read()) # overrides from command line or config file
+# -----------------------------------------------------------------------------
+
+torch.manual_seed(seed)
+device_type = 'cuda' if 'cuda' in device else 'cpu'
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
+ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=device_type, dtype=ptdtype)
+
+# model
+ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+if not os.path.exists(ckpt_path):
+    raise SystemExit(f"sample.py: no checkpoint {ckpt_path}; train first (python train.py ...) or pass the run's "
+                     f"--out_dir (a run writes ckpt.pt at every eval_interval)")
+checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+model_args = {k: v for k, v in checkpoint['model_args'].items() if k in GPTConfig.__dataclass_fields__}
+model = GPT(GPTConfig(**model_args))
+state_dict = checkpoint['model']
+state_dict.pop('tokens_processed', None) # the run's token counter, not a weight
+unwanted_prefix = '_orig_mod.' # torch.compile's wrapper
+state_dict = {k.removeprefix(unwanted_prefix): v for k, v in state_dict.items()}
+model.load_state_dict(state_dict)
+model.eval()
+model.to(device)
+
+# the encoding: the dataset's own vocabulary (meta.pkl) if it has one, else GPT-2's BPE
+dataset = checkpoint.get('config', {}).get('dataset')
+meta_path = os.path.join('data', dataset, 'meta.pkl') if dataset else None
+if meta_path and os.path.exists(meta_path):
+    print(f"Loading meta from {meta_path}...")
+    with open(meta_path, 'rb') as f:
+        meta = pickle.load(f)
+    stoi, itos = meta['stoi'], meta['itos']
+    encode = lambda s: [stoi[c] for c in s]
+    decode = lambda l: ''.join([itos[i] for i in l])
+else:
+    import tiktoken
+    print("No meta.pkl found, assuming GPT-2 encodings...")
+    enc = tiktoken.get_encoding("gpt2")
+    encode = lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})
+    decode = lambda l: enc.decode(l)
+
+# encode the beginning of the prompt
+if start.startswith('FILE:'):
+    with open(start[5:], 'r', encoding='utf-8') as f:
+        start = f.read()
+start_ids = encode(start)
+x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+
+# run generation
+with torch.no_grad():
+    with ctx:
+        for k in range(num_samples):
+            y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)
+            print(decode(y[0].tolist()))
+            print('---------------')
