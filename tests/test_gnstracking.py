@@ -5,6 +5,8 @@ Measurements, the tracker and the GNS estimator of gnstracking.py.
 """
 
 import math
+import os
+import sys
 
 import numpy as np
 import pandas as pd
@@ -276,3 +278,13 @@ def test_a_wrong_batch_size_is_an_error_not_a_dropped_parameter():
                                          r"number of examples of the whole step"):
         gns.step(batch_size=4)
     assert not gns.dropped
+
+
+def test_step_read_takes_a_few_ops_whatever_the_depth():
+    """Issue 23: GNSMonitor.step (read + zeroing) is a handful of dispatched ops, the same for 12 and 24 blocks,
+    LayerNorm-only or every layer tracked (bench/read_ops.py prints these beside a plain step's)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import read_ops
+    found = {(n, choice): read_ops.counts(choice, n)[1] for n in (12, 24) for choice in ("LayerNorm-only gns",
+                                                                                          "all-layer gns")}
+    assert max(found.values()) <= 40 and len(set(found.values())) == 1, found
