@@ -6,11 +6,10 @@ The paper's figures from run directories (the plotting behind "Replicating Figur
     fig.savefig("gns_by_layer_type.png")
 
 Every function takes out_dirs written by train.py, returns a matplotlib Figure
-and leaves saving to the caller. The numbers come from gns-analysis.py's
+and leaves saving to the caller. The numbers come from gns_analysis.py's
 `analyze_gns` (the same estimator and EMA), so figures and printed results agree.
 """
 
-import importlib.util
 import os
 
 import matplotlib
@@ -20,12 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+import gns_analysis  # noqa: E402
 from csv_tools import load_csv  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location(
-    "gns_analysis", os.path.join(os.path.dirname(os.path.abspath(__file__)), "gns-analysis.py"))
-gns_analysis = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gns_analysis)
 
 GROUP_COLUMNS = {"all parameters": "gns", "LayerNorm only": "gns_layernorm",
                  "Linear only": "gns_linear", "Embedding only": "gns_embedding"}

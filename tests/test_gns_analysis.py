@@ -8,7 +8,6 @@ reference format, error messages and the files written.
     cd /work/main && python -m pytest -q tests/test_gns_analysis.py
 """
 
-import importlib.util
 import math
 import os
 import re
@@ -26,9 +25,7 @@ from estimator import RunningGNS, unbiased_stats  # noqa: E402
 from gnstracking import write_parameter_record  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
-ga = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ga)
+import gns_analysis as ga
 
 PARAMS = [
     "transformer.wte.weight",

@@ -9,7 +9,6 @@ train.py runs in subprocesses with a tiny CPU model (as in tests/test_train.py).
 """
 
 import atexit
-import importlib.util
 import math
 import os
 import pickle
@@ -35,9 +34,7 @@ from conftest import GNS_LAYERS, TINY as TINY_BASE, run_script  # noqa: E402
 from csv_tools import load_csv  # noqa: E402
 from tracker import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
-ga = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ga)
+import gns_analysis as ga
 
 TINY = [*TINY_BASE, *GNS_LAYERS]
 TOKENS_PER_ITER = 4 * 2 * 16

@@ -26,6 +26,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 from transformers.pytorch_utils import Conv1D
 
 import fused_gns
+import gns_analysis
 import layer_config as lc
 from buffered import zero_sqgradnorm_buffers
 from csv_tools import load_csv
@@ -301,7 +302,7 @@ def test_example_logs_every_parameter_and_gns_analysis_reads_it(name, tmp_path, 
         for metric in ("norm", "pegn", "batch_size"):
             column = f"train/gns/{param}/{metric}"
             assert column in df.columns and df[column].notna().all(), column
-    assert load("gns-analysis.py", "gns_analysis").main([str(tmp_path), "--no-plots"]) == 0
+    assert gns_analysis.main([str(tmp_path), "--no-plots"]) == 0
     assert "Final GNS: " in capsys.readouterr().out
 
 
