@@ -18,26 +18,20 @@ To shard the model, gradients and optimizer state with FSDP2 instead of DDP:
 $ torchrun --standalone --nproc_per_node=4 train.py --fsdp=True
 """
 
-import gc
 import os
 import time
 import pickle
-import random
 from contextlib import nullcontext
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.distributed import init_process_group, destroy_process_group
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.checkpoint import state_dict as dcp_state
 
 # gns: the layer registry, the measurements and the CSV log
 import layer_config as lc
 import gnstracking
 from tracker import LogWrapper
 import schedules
-import ddpgns
+import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -131,38 +125,25 @@ if device.startswith('cuda') and not torch.cuda.is_available():
 
 # various inits, derived attributes, I/O setup
 ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
-if fsdp and not ddp:
-    raise SystemExit("train.py: fsdp=True shards the model over the processes of torchrun: "
-                     "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True")
 if fsdp and (compile or dtype == 'float16'):
     raise SystemExit("train.py: fsdp=True is supported with compile=False and dtype float32 or bfloat16 "
                      "(fp16's GradScaler is not set up for sharded gradients)")
-if ddp:
+if ddp and bs_schedule == 'none':
     ddp_world_size = int(os.environ['WORLD_SIZE'])
-    if bs_schedule == 'none' and gradient_accumulation_steps % ddp_world_size != 0:
+    if gradient_accumulation_steps % ddp_world_size != 0:
         divisors = [n for n in range(1, gradient_accumulation_steps + 1) if gradient_accumulation_steps % n == 0]
         lower = gradient_accumulation_steps // ddp_world_size * ddp_world_size
         raise SystemExit(f"train.py: gradient_accumulation_steps={gradient_accumulation_steps} counts micro-batches over "
                          f"all {ddp_world_size} ranks, so it must be a multiple of the number of ranks (each rank runs "
                          f"an equal share); use --gradient_accumulation_steps={lower or ddp_world_size} or "
                          f"{lower + ddp_world_size}, or a number of ranks in {divisors}")
-    init_process_group(backend=backend)
-    ddp_rank = int(os.environ['RANK'])
-    ddp_local_rank = int(os.environ['LOCAL_RANK'])
-    device = f'cuda:{ddp_local_rank}' if device.startswith('cuda') else device
-    if device.startswith('cuda'):
-        torch.cuda.set_device(device)
-    master_process = ddp_rank == 0 # this process will do logging, checkpointing etc.
-    seed_offset = ddp_rank # each process gets a different seed
-    # world_size number of processes will be training simultaneously, so we can scale
-    # down the desired gradient accumulation iterations per process proportionally
-    gradient_accumulation_steps = schedules.per_rank_steps(gradient_accumulation_steps, ddp_world_size)
-else:
-    # if not ddp, we are running on a single gpu, and one process
-    master_process = True
-    seed_offset = 0
-    ddp_world_size = 1
-    ddp_rank = 0
+engine = engines.start(device, backend, fsdp) # gns: torchrun's processes joined (DDP or FSDP2), or one process
+device, ddp_rank, ddp_world_size = engine.device, engine.rank, engine.world_size
+master_process = engine.master_process # this process will do logging, checkpointing etc.
+seed_offset = engine.seed_offset # each process gets a different seed
+# world_size number of processes will be training simultaneously, so we can scale
+# down the desired gradient accumulation iterations per process proportionally
+gradient_accumulation_steps = schedules.per_rank_steps(gradient_accumulation_steps, ddp_world_size)
 if bs_schedule != 'none': # gns: a schedule sets these before every step; 'gns' starts at the minimum
     gradient_accumulation_steps = schedules.per_rank_steps(bs_min_accum_steps, ddp_world_size)
 examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
@@ -267,24 +248,7 @@ with lc.set_contextual_config(**layer_classes):
         print(f"Resuming training from {out_dir}")
         # resume training from a checkpoint.
         ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        if master_process and os.path.exists(ckpt_path + '.tmp'): # left by a crash while saving; ckpt.pt is the previous one
-            print(f"removing {ckpt_path}.tmp, an unfinished checkpoint")
-            os.remove(ckpt_path + '.tmp')
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"train.py: cannot resume: no checkpoint {ckpt_path} (the run stopped before its first "
-                             f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir")
-        try:
-            # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
-            checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
-            missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
-        except Exception as e:
-            checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]
-        if missing:
-            raise SystemExit(f"train.py: cannot resume: {ckpt_path} is not a readable checkpoint (missing or damaged: "
-                             f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir")
-        if checkpoint.get('fsdp', False) != fsdp:
-            raise SystemExit(f"train.py: cannot resume: {ckpt_path} was written with fsdp={checkpoint.get('fsdp', False)} "
-                             f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}")
+        checkpoint = engines.load_checkpoint(ckpt_path, fsdp, master_process) # gns: or exit saying what is wrong
         checkpoint_model_args = checkpoint['model_args']
         # force these config attributes to be equal otherwise we can't even resume training
         # the rest of the attributes (e.g. dropout) can stay as desired from command line
@@ -322,13 +286,7 @@ if block_size < model.config.block_size:
     model.crop_block_size(block_size)
     model_args['block_size'] = block_size # so that the checkpoint will have the right value
 model.to(device)
-if fsdp: # shard each block, then the root (embeddings, final norm, head): every rank holds 1/world of each
-    with torch.no_grad(): # rank 0's initial weights everywhere (DDP does this itself; each rank seeded its own)
-        for tensor in model.state_dict().values():
-            torch.distributed.broadcast(tensor, 0)
-    for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
+model = engine.shard(model) # gns: FSDP2 shards each block, then the root; DDP and one process keep it whole
 
 # initialize a GradScaler. If enabled=False scaler is a no-op
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
@@ -336,11 +294,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':
-    if fsdp: # the full (unsharded) optimizer state, keyed by parameter name; each rank keeps its shards
-        dcp_state.set_optimizer_state_dict(model, optimizer, checkpoint['optimizer'],
-                                           options=dcp_state.StateDictOptions(full_state_dict=True))
-    else:
-        optimizer.load_state_dict(checkpoint['optimizer'])
+    engine.load_optimizer(model, optimizer, checkpoint['optimizer'])
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
 
@@ -364,13 +318,9 @@ if compile:
     model = torch.compile(model) # requires PyTorch 2.0
 
 # wrap model into DDP container
-ddp_grad_stats = None
-if ddp and not fsdp:
-    # gns: no buffer broadcast, or rank 0's per-example norm buffers would overwrite the others'
-    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
-    # gns: cross-rank GNS, each rank's local gradient (b examples) against the averaged one (B examples)
-    if tracked:
-        ddp_grad_stats = ddpgns.DDPGradientStatsHook(model)
+model = engine.wrap(model)
+# gns: under DDP, a second GNS (ddp/ columns): each rank's gradient (b examples) against the averaged one (B examples)
+ddp_grad_stats = engine.gns_hook(model)
 
 # gns: this step's accumulation steps per rank under a batch-size schedule, decided by rank 0
 def scheduled_accum_steps():
@@ -379,11 +329,7 @@ def scheduled_accum_steps():
     else: # 'gns': the running GNS from the last step (NaN early on keeps the current value)
         total = schedules.gns_steps(gradient_accumulation_steps * ddp_world_size, gns.gns, batch_size, bs_gns_factor,
                                     bs_min_accum_steps, bs_max_accum_steps, max_delta=ddp_world_size)
-    steps = schedules.per_rank_steps(total, ddp_world_size)
-    if ddp: # every rank must run the same number of micro-batches
-        steps = torch.tensor([steps], device=device if device_type == 'cuda' else 'cpu')
-        torch.distributed.broadcast(steps, 0)
-    return int(steps)
+    return engine.broadcast(schedules.per_rank_steps(total, ddp_world_size)) # every rank runs the same number
 
 # helps estimate an arbitrarily accurate loss over either split using many batches
 @torch.no_grad()
@@ -397,11 +343,7 @@ def estimate_loss():
             with ctx:
                 logits, loss = model(X, Y)
             losses[k] = loss.item()
-        out[split] = losses.mean().item()
-        if fsdp: # every rank evaluated (a sharded forward needs them all): the mean over ranks
-            mean = torch.tensor([out[split]], device=device)
-            torch.distributed.all_reduce(mean)
-            out[split] = mean.item() / ddp_world_size
+        out[split] = engine.mean(losses.mean().item()) # gns: under FSDP2 every rank evaluated
     model.train()
     return out
 
@@ -418,39 +360,10 @@ def get_lr(tokens, step_tokens):
     assert 0 <= decay_ratio <= 1
     return min_lr + (1.0 - decay_ratio) * (learning_rate - min_lr)
 
-# gns: what a resumed run needs to continue exactly: every rank's random state and prefetched batch
-def rank_state():
-    state = dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                 cuda=torch.cuda.get_rng_state(device) if device_type == 'cuda' else None, batch=(X.cpu(), Y.cpu()))
-    if not ddp:
-        return [state]
-    states = [None] * ddp_world_size
-    torch.distributed.all_gather_object(states, state)
-    return states
-
-def restore_rank_state(states):
-    global X, Y
-    if len(states) != ddp_world_size:
-        print(f"warning: the checkpoint holds the random state of {len(states)} rank(s), this run has {ddp_world_size}: "
-              "dropout, evaluation batches (and training batches without --data_seed) will differ from an uninterrupted run")
-        return
-    state = states[ddp_rank]
-    torch.set_rng_state(state['torch'])
-    np.random.set_state(state['numpy'])
-    random.setstate(state['python'])
-    if state['cuda'] is not None and device_type == 'cuda':
-        torch.cuda.set_rng_state(state['cuda'], device)
-    X, Y = (t.to(device) for t in state['batch'])
-
 def save_checkpoint():
-    # FSDP: every rank takes part in gathering the full state; DDP: every rank gives its random state
-    if fsdp:
-        options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = dcp_state.get_model_state_dict(raw_model, options=options)
-        optimizer_state = dcp_state.get_optimizer_state_dict(raw_model, optimizer, options=options)
-    else:
-        model_state, optimizer_state = raw_model.state_dict(), optimizer.state_dict()
-    ranks = rank_state()
+    # gns: every rank takes part (FSDP2 gathers the full state; every rank gives its random state and batch)
+    model_state, optimizer_state = engine.state_dicts(raw_model, optimizer)
+    ranks = engine.gather(engines.rank_state(device, (X, Y)))
     if not master_process:
         return
     checkpoint = {
@@ -465,31 +378,32 @@ def save_checkpoint():
         'fsdp': fsdp,
         'gns': gns.state_dict() if gns is not None else None, # gns: the running GNS's EMAs
         'accum_steps': gradient_accumulation_steps, # gns: where a batch-size schedule stands
-        'ranks': ranks,
+        'ranks': ranks, # gns: every rank's random state and prefetched batch, for an exact resume
     }
     print(f"saving checkpoint to {out_dir}")
-    # written to a temp file first so a crash while saving keeps the previous checkpoint
-    torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt.tmp'))
-    os.replace(os.path.join(out_dir, 'ckpt.pt.tmp'), os.path.join(out_dir, 'ckpt.pt'))
+    engines.save_checkpoint(os.path.join(out_dir, 'ckpt.pt'), checkpoint) # gns: through a temporary file
 
 # training loop
 X, Y = get_batch('train', (iter_num, 0)) # fetch the very first batch
-raw_model = model.module if ddp and not fsdp else model # unwrap DDP container if needed
-raw_model = getattr(raw_model, '_orig_mod', raw_model) # and the compile wrapper
+raw_model = engine.unwrap(model) # unwrap DDP container if needed, and the compile wrapper
 if init_from == 'resume': # gns: continue exactly where the checkpoint was written
     if checkpoint.get('gns') is not None and gns is not None:
         gns.load_state_dict(checkpoint['gns'])
     if bs_schedule != 'none' and 'accum_steps' in checkpoint:
         gradient_accumulation_steps = checkpoint['accum_steps']
-    if 'ranks' in checkpoint:
-        restore_rank_state(checkpoint['ranks'])
+    if len(checkpoint.get('ranks', [])) == ddp_world_size:
+        X, Y = engines.restore_rank_state(checkpoint['ranks'][ddp_rank], device)
+    elif 'ranks' in checkpoint:
+        print(f"warning: the checkpoint holds the random state of {len(checkpoint['ranks'])} rank(s), this run has "
+              f"{ddp_world_size}: dropout, evaluation batches (and training batches without --data_seed) will differ "
+              "from an uninterrupted run")
 checkpoint = None # free up memory
 t0 = time.time()
 local_iter_num = 0 # number of iterations in the lifetime of this process
 running_mfu = -1.0
 if iter_num == 0 or eval_only:
     # the weights before any step (or, eval_only, the checkpoint's): printed, not a log row (rows are optimizer steps)
-    losses = estimate_loss() if master_process or fsdp else None
+    losses = estimate_loss() if master_process or engine.evaluates_on_every_rank else None
     if master_process:
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
 while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
@@ -507,14 +421,8 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     # and using the GradScaler if data type is float16
     for micro_step in range(gradient_accumulation_steps):
-        if ddp and fsdp: # FSDP2: reduce-scatter the gradients after the last micro-batch only
-            model.set_requires_gradient_sync(micro_step == gradient_accumulation_steps - 1)
-        elif ddp:
-            # in DDP training we only need to sync gradients at the last micro step.
-            # the official way to do this is with model.no_sync() context manager, but
-            # I really dislike that this bloats the code and forces us to repeat code
-            # looking at the source of that context manager, it just toggles this variable
-            model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
+        # in DDP training we only need to sync gradients at the last micro step (FSDP2: reduce-scatter them)
+        engine.sync_gradients(model, micro_step == gradient_accumulation_steps - 1)
         with ctx:
             logits, loss = model(X, Y)
             loss = loss / gradient_accumulation_steps # scale the loss to account for gradient accumulation
@@ -533,7 +441,7 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
     # clip the gradient (the norm is logged before clipping)
     scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip != 0.0 else float('inf'))
-    grad_norm = (grad_norm.full_tensor() if fsdp else grad_norm).item()
+    grad_norm = engine.full(grad_norm).item()
     # step the optimizer and scaler if training in fp16
     scaler.step(optimizer)
     scaler.update()
@@ -565,7 +473,7 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
     # evaluate the weights this step made (and always after the last step), in this step's row
     final_iter = iter_num >= max_iters or tokens_processed >= max_tokens
     evaluate = iter_num % eval_interval == 0 or final_iter
-    if evaluate and (master_process or fsdp):
+    if evaluate and (master_process or engine.evaluates_on_every_rank):
         losses = estimate_loss()
         if master_process:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -574,11 +482,7 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
     tracker.step()
     if evaluate:
         save = master_process and (losses['val'] < best_val_loss or always_save_checkpoint)
-        if ddp: # rank 0 decides; every rank takes part in the save
-            save = [save]
-            torch.distributed.broadcast_object_list(save, 0)
-            save = save[0]
-        if save:
+        if engine.broadcast(save): # rank 0 decides; every rank takes part in the save
             best_val_loss = losses['val'] if master_process else best_val_loss
             save_checkpoint()
 
@@ -586,8 +490,5 @@ tracker.close()
 if gns is not None and master_process and (gns.scaler_skipped_steps or gns.nonfinite_steps):
     print(f"GNS: {gns.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
           f"{gns.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
-if ddp:
-    # gns: free DDP before its process group: left alive until exit, a gloo rank can abort at teardown
-    model = raw_model = None
-    gc.collect()
-    destroy_process_group()
+model = raw_model = ddp_grad_stats = None # gns: DDP freed before its process group (gloo can abort at teardown)
+engine.close()

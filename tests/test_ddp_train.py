@@ -56,6 +56,15 @@ def test_two_ranks_log_ddp_gns_and_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_ddp_gns_needs_no_per_example_layers(tmp_path):
+    """The cross-rank GNS compares gradients DDP already has: with torch's layers it is still logged."""
+    plain = train(tmp_path / "plain", "--backend=gloo", "--linearclass=nn", "--embeddingclass=nn", "--lnclass=nn",
+                  nproc=2)
+    assert not [c for c in plain.columns if c.startswith("train/gns/")]
+    assert (plain["ddp/small_batch_size"] == 8).all() and np.isfinite(plain["ddp/sq_norm_small"]).all()
+
+
+@pytest.mark.slow
 def test_two_ranks_follow_a_gns_batch_schedule_together(tmp_path):
     """Rank 0 decides each step's accumulation steps and broadcasts them; a mismatch would hang or fail."""
     df = train(tmp_path, "--backend=gloo", "--bs_schedule=gns", "--bs_min_accum_steps=2", "--bs_max_accum_steps=8",
