@@ -15,7 +15,7 @@ Vocabulary (used everywhere in this project):
                adds to it, so micro-batches of a gradient-accumulation step
                accumulate; `zero_sqgradnorm_buffers` clears it after the step. A
                count of NaN means a forward's rows could not be mapped to its
-               examples: the tracker refuses that step (layout.py).
+               examples: the monitor refuses that step (layout.py).
 
 Why [sum, count]: the step's loss is the mean over its B examples, so backward
 sees g_i / B where g_i is example i's own gradient. The buffer then holds
@@ -135,7 +135,7 @@ def rows_or_refuse(shape, buffers, params=()):
     mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism."""
     if any(_is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
         refuse_step("its parameters are sharded by tensor parallelism (a DTensor in the forward): each rank would "
-                    "record the norms of its shard of the examples' gradients, which this tracker does not combine; "
+                    "record the norms of its shard of the examples' gradients, which the monitor does not combine; "
                     "measure with data parallelism only (DDP, FSDP2, HSDP)", buffers)
         return None, tuple(None for _ in buffers)
     rows = layout.rows_for(shape)
@@ -146,7 +146,7 @@ def rows_or_refuse(shape, buffers, params=()):
 
 
 def refuse_step(reason, buffers):
-    """Mark this step's buffers as not measured (count NaN) and keep the reason for the tracker's error; only
+    """Mark this step's buffers as not measured (count NaN) and keep the reason for the monitor's error; only
     for a forward that will have a backward."""
     if not torch.is_grad_enabled():
         return

@@ -2,7 +2,7 @@
 Per-example norm versions of linear, embedding, layer_norm and rms_norm, for
 layers that are not torch.nn modules (or subclasses with their own forward).
 Each takes the parameters it uses and the buffers to record into; a module
-registers those buffers once and the tracker finds them by name:
+registers those buffers once and the monitor finds them by name:
 
     class CastedLinear(PESqNormBuffersMixin, nn.Module):   # stores W as (in, out)
         def __init__(self, d_in, d_out):
@@ -30,8 +30,8 @@ one [sum, count] row per slice and is indexed like the bank:
     register_buffers(self, "mlp_bank", kind="Linear", bank_dims=2)       # buffer (n_layer, 2, 2)
     h = linear(x, self.mlp_bank[i, 0], weight_buffer=self.mlp_bank_upegsqnorm[i, 0])
 
-The tracker adds the rows and logs the bank once. A slice used twice in one
-forward counts its examples twice, and the tracker then stops tracking the bank
+The monitor adds the rows and logs the bank once. A slice used twice in one
+forward counts its examples twice, and the monitor then stops tracking the bank
 with a warning (the norm of a sum of uses needs cross terms), as for any layer.
 """
 

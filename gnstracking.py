@@ -83,8 +83,8 @@ def summed_sqnorms(measurements):
 class ParameterRef:
     """Where a parameter lives: `module._parameters[attr]`, looked up on every read.
 
-    Engines that shard a model after the tracker was made (FSDP2's fully_shard)
-    put new Parameter objects (DTensors) on the same modules, so a tracker that
+    Engines that shard a model after the monitor was made (FSDP2's fully_shard)
+    put new Parameter objects (DTensors) on the same modules, so a monitor that
     held the old objects would read gradients that never come."""
 
     def __init__(self, module, attr):

@@ -25,7 +25,7 @@ torch call that takes one of its parameters:
                                            with an error naming the call (never a number)
 
 A parameter used twice in one forward counts its examples twice, and the
-tracker then stops tracking it (the norm of a sum of uses needs cross terms),
+monitor then stops tracking it (the norm of a sum of uses needs cross terms),
 as for a layer shared across depth; a parameter whose gradient came from
 somewhere else than these calls is an error at the step.
 """

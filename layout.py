@@ -25,7 +25,7 @@ forward (a bare layer called in a test) dim 0 is the example.
 
 A layer input that fits none of these (a (1, T) table broadcast over the batch,
 a sequence-first (T, N, D) tensor, rows of no known length) cannot be mapped:
-`rows_for` returns the reason, and the layer records it so that the tracker
+`rows_for` returns the reason, and the layer records it so that the monitor
 refuses the step with an error naming the layer (never a number). A user with a
 layout of their own passes `install(model, layout_of=fn)`, fn(args, kwargs) ->
 Layout.

@@ -41,7 +41,7 @@ from buffered import (BUFFER_SUFFIX, PESqNormBuffersMixin, accumulate_pe_sqnorm,
 from layers.linear import PEGradNormLinear
 
 # ends in BUFFER_SUFFIX: zeroed by zero_sqgradnorm_buffers and kept float32 like the exact buffers,
-# but never mistaken for them (the exact tracker looks for `<param>_upegsqnorm` exactly)
+# but never mistaken for them (the exact GNS monitor looks for `<param>_upegsqnorm` exactly)
 SOGNS_SUFFIX = "_sogns" + BUFFER_SUFFIX
 
 

@@ -25,7 +25,7 @@ each per-example norm layer reports its raw output (`note_embedding`,
 `note_head`: the lookup itself, before a scale such as Gemma's), on whose node a
 backward pre-hook computes the cross term (no node is added, so in-place ops on
 the outputs still work).
-MeasurementTracker.from_model calls it; the tracker then logs the tensor once,
+GNSMonitor calls it (through find_tracked_parameters); the monitor then logs the tensor once,
 under all its names joined by "+" (e.g. `transformer.wte.weight+lm_head.weight`).
 """
 
@@ -100,7 +100,7 @@ class TiedParameter:
 
     @property
     def terms(self):
-        """[(module, buffer name, coefficient)], the tracker's format (gnstracking.find_tracked_parameters)."""
+        """[(module, buffer name, coefficient)], the monitor's format (gnstracking.find_tracked_parameters)."""
         return [(self.embedding, self._param_name + BUFFER_SUFFIX, 1.0),
                 (self.linear, self._param_name + BUFFER_SUFFIX, 1.0),
                 (self.embedding, self._cross_buffer_name, 2.0)]
@@ -174,7 +174,7 @@ def link_tied_parameters(model):
     Returns:
         {id(parameter): TiedParameter} for the tensors linked (now or earlier).
         Tensors shared in any other way (two Linears, a plain torch layer on one
-        side) are not linked; the tracker reports them as skipped.
+        side) are not linked; the monitor lists them as untracked.
     """
     users = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
@@ -186,7 +186,7 @@ def link_tied_parameters(model):
         if len(modules) != 2:
             continue  # not shared, or one module registered twice (a shared module: one use)
         if not getattr(uses[0][1], uses[0][2]).requires_grad:
-            continue  # frozen: no gradient, so no cross term to pay for (the tracker skips it as frozen)
+            continue  # frozen: no gradient, so no cross term to pay for (the monitor skips it as frozen)
         (_, a, pa), (_, b, pb) = modules.values()
         embedding, linear = (a, b) if isinstance(a, nn.Embedding) else (b, a)
         p_emb, p_lin = (pa, pb) if embedding is a else (pb, pa)

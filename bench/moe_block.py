@@ -74,11 +74,11 @@ def build(args, name):
     for p in block.parameters():
         nn.init.normal_(p, std=0.02)
     model = nn.Sequential(block).to(args.device)
-    tracker = None
+    monitor = None
     if name == "per-example":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tracker = lc.convert(model)  # the Sequential around the block maps its (B*T, D) rows to the B examples
+            monitor = lc.convert(model)  # the Sequential around the block maps its (B*T, D) rows to the B examples
     device_type = "cuda" if "cuda" in args.device else "cpu"
     ctx = torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
     x = torch.randn(args.batch_size, args.tokens, args.hidden, generator=torch.Generator().manual_seed(1)).to(args.device)
@@ -87,8 +87,8 @@ def build(args, name):
         with ctx:
             out = model(x)
         out.float().pow(2).mean().backward()
-        if tracker is not None:
-            tracker.measure(batch_size=args.batch_size)
+        if monitor is not None:
+            monitor.measure(batch_size=args.batch_size)
             zero_sqgradnorm_buffers(model)
         model.zero_grad(set_to_none=True)
         if device_type == "cuda":

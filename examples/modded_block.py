@@ -16,7 +16,7 @@ gns-analysis.py reads.
     python gns-analysis.py out-modded --no-plots
 
 The token embedding is a plain nn.Embedding, left untracked on purpose: the
-tracker lists it in `gns.untracked`, and the GNS comes from the
+monitor lists it in `gns.untracked`, and the GNS comes from the
 CastedLinear weights and the bank. (functional.embedding would track it the same way.)
 """
 

@@ -44,7 +44,7 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
         names = [name for name, _ in self.named_parameters(recurse=False)]
         self.register_pe_buffers(*names)
         self.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in names})
-        for name in ("weight", "bias"):  # out_proj's buffers live on out_proj, where the tracker looks
+        for name in ("weight", "bias"):  # out_proj's buffers live on out_proj, where the monitor looks
             param = getattr(self.out_proj, name, None)
             if param is not None:
                 self.out_proj.register_buffer(name + "_upegsqnorm", torch.zeros(2, device=param.device),

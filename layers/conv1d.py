@@ -23,7 +23,7 @@ from layers.registry import LayerKind, Probe, register
 class _PEGradNormConv1DBase(PESqNormBuffersMixin, nn.Module):
     """transformers' Conv1D(nf, nx): weight (nx, nf) = (in, out), bias (nf,), y = x @ weight + bias."""
 
-    pe_kind = "Linear"  # the layer kind in the tracker's record of each parameter: a Linear, stored transposed
+    pe_kind = "Linear"  # the layer kind in the monitor's record of each parameter: a Linear, stored transposed
 
     def __init__(self, nf, nx, bias=True, device=None, dtype=None):
         super().__init__()
