@@ -72,8 +72,8 @@ def test_converted_model_matches_brute_force(classes, shape):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built before convert: must keep working
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
-        tracker = lc.convert(model, *classes)
-    assert set(tracker.unconverted) == {"padded"}
+        monitor = lc.convert(model, *classes)
+    assert set(monitor.unconverted) == {"padded"}
     assert type(model.blocks[1][1]).__name__.startswith("PEGradNorm") and model.alias is model.proj
     assert model.head.weight is model.emb.weight and isinstance(model.bare_norm, nn.RMSNorm)
     for n, p in model.named_parameters():
@@ -84,7 +84,7 @@ def test_converted_model_matches_brute_force(classes, shape):
     for part in ([slice(0, B)] if B == 1 else [slice(0, B // 2), slice(B // 2, B)]):  # accumulation
         n = ids[part].shape[0]
         (loss_fn(model, ids[part], targets[part]) * n / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
     optimizer.step()  # the optimizer still holds the model's parameters
     assert not torch.equal(model.proj.weight.detach(), weights["proj.weight"])
     with torch.no_grad():
@@ -109,8 +109,8 @@ def test_convert_keeps_device_dtype_and_training_mode():
 
 def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))
-    tracker = lc.convert(model, linearclass="nn", lnclass="gns")
-    assert type(model[0]) is nn.Linear and [n for n, _, _ in tracker.tracked] == ["1.weight", "1.bias"]
+    monitor = lc.convert(model, linearclass="nn", lnclass="gns")
+    assert type(model[0]) is nn.Linear and [n for n, _, _ in monitor.tracked] == ["1.weight", "1.bias"]
     with pytest.raises(ValueError, match="wrap it in a module"):
         lc.convert(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown linearclass 'fast'"):
@@ -120,10 +120,10 @@ def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
 def test_a_module_used_twice_per_forward_is_dropped_with_a_warning():
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
-    tracker = lc.convert(model)
+    monitor = lc.convert(model)
     model(torch.randn(3, 4)).sum().backward()
     with pytest.warns(UserWarning, match="not tracking 0.weight: used 2 times per example"):
-        names = [m.metadata["name"] for m in tracker.measure(batch_size=3)]
+        names = [m.metadata["name"] for m in monitor.measure(batch_size=3)]
     assert names == ["3.weight", "3.bias"]
 
 
@@ -242,8 +242,8 @@ def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
         model = PaddedTiedLM().double()
         if not tied:
             model.head.weight = nn.Parameter(model.emb.weight.detach().clone())
-        tracker = lc.convert(model, *classes)
-        assert not tracker.unconverted and model.emb.padding_idx == 0
+        monitor = lc.convert(model, *classes)
+        assert not monitor.unconverted and model.emb.padding_idx == 0
         assert type(model.emb).__name__.startswith("PEGradNorm")
         gen = torch.Generator().manual_seed(1)
         ids, targets = torch.randint(0, 13, (2, *shape), generator=gen)
@@ -251,7 +251,7 @@ def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
         B = shape[0]
         for part in ([slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]):
             (loss_fn(model, ids[part], targets[part]) * ids[part].shape[0] / B).backward()
-        measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
+        measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
         model.zero_grad(set_to_none=True)
         expected = brute_force_pe(model, ids, targets)
         assert ("emb.weight+head.weight" in measurements) == tied
@@ -280,11 +280,11 @@ def test_register_buffers_names_the_missing_parameter():
         functional.register_buffers(nn.Module(), "weight")
 
 
-def test_functional_layers_are_found_by_the_tracker():
+def test_functional_layers_are_found_by_the_monitor():
     model = nn.Sequential(TransposedLinear(4, 3), PEGradNormLinear(3, 2))
     model(torch.randn(5, 4)).sum().backward()
-    tracker = gnstracking.GNSMonitor(model)
-    assert [m.metadata["name"] for m in tracker.measure(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
+    monitor = gnstracking.GNSMonitor(model)
+    assert [m.metadata["name"] for m in monitor.measure(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
     assert isinstance(PEGradNormEmbedding(3, 2), nn.Embedding)
 
 
@@ -406,9 +406,9 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     x, g = torch.randn(shape, dtype=torch.float64), torch.randn(shape, dtype=torch.float64)
     before = model(x)
     rng = torch.get_rng_state()
-    tracker = lc.convert(model, lnclass=lnclass)
+    monitor = lc.convert(model, lnclass=lnclass)
     assert torch.equal(torch.get_rng_state(), rng)  # the probe draws from its own generator
-    assert not tracker.unconverted and not tracker.untracked
+    assert not monitor.unconverted and not monitor.untracked
     ln, rms, conv1d = (lc.get_layer_class(k, c) for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass),
                                                              ("Conv1D", "gns")))
     expected = dict(ln=ln, ln_nobias=ln, proj=conv1d, rms=rms, gemma=rms, out=PEGradNormLinear, sub=ln)
@@ -423,7 +423,7 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     B = shape[0]
     for part in [slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]:
         model(x[part]).backward(g[part])
-    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in tracker.tracked}
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
     zero_sqgradnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     assert set(recorded) == set(loop)
@@ -435,8 +435,8 @@ def probe_failure(module, **convert_kwargs):
     """convert() a model holding `module`: (its unconverted reason, the module now at its place)."""
     model = nn.Sequential(nn.Linear(6, 6), module)
     with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
-        tracker = lc.convert(model, **convert_kwargs)
-    return tracker.unconverted.get("1", ""), model[1]
+        monitor = lc.convert(model, **convert_kwargs)
+    return monitor.unconverted.get("1", ""), model[1]
 
 
 class DiagonalNorm(HandRMSNorm):
@@ -510,12 +510,12 @@ def test_a_norm_no_layer_computes_keeps_its_forward_and_is_exact(make):
     model = nn.Sequential(nn.Linear(6, 6), module).double()
     x, g = torch.randn(5, 4, 6, dtype=torch.float64), torch.randn(5, 4, 6, dtype=torch.float64)
     before = model(x)
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and model[1] is module and isinstance(module, make().__class__)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and model[1] is module and isinstance(module, make().__class__)
     assert torch.equal(model(x), before)
     for part in (slice(0, 2), slice(2, 5)):
         model(x[part]).backward(g[part])
-    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in tracker.tracked}
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
     zero_sqgradnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     assert set(recorded) == set(loop)
@@ -559,8 +559,8 @@ def test_a_module_keeping_its_own_forward_is_exact(make):
         return out[0].view(inputs.shape[0], 4, -1) if isinstance(out, tuple) else out
 
     before = model(x)
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and model[0] is module and isinstance(module, type(make()))
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and model[0] is module and isinstance(module, type(make()))
     for want, got in zip(*(out if isinstance(out, tuple) else (out,) for out in (before, model(x)))):
         assert torch.equal(got, want)
     g = torch.randn_like(output(x))
@@ -580,17 +580,17 @@ def test_the_probe_tells_apart_eps_and_layernorm_from_rmsnorm():
     found, reason = swapcheck.find_replacement(HiddenEpsRMSNorm(6), ["LayerNorm", "RMSNorm"])
     assert found is None and reason.startswith("computes none of LayerNorm, RMSNorm on a probe input"), reason
     model = nn.Sequential(StoredWrongEps(6), NanoGPTLayerNorm(6, bias=False))
-    tracker = lc.convert(model)
+    monitor = lc.convert(model)
     assert model[0].eps == 1e-5 and isinstance(model[1], lc.get_layer_class("LayerNorm", "gns"))
-    assert not tracker.unconverted
+    assert not monitor.unconverted
 
 
 def test_torch_subclasses_are_probed_as_their_base_kind():
     model = nn.Sequential(DefaultEpsRMSNorm(6), SameLayerNorm(6, bias=False))
     x = torch.randn(2, 3, 6)
     before = model(x)
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and model[0].eps is None and model[1].bias is None
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and model[0].eps is None and model[1].bias is None
     assert isinstance(model[0], lc.get_layer_class("RMSNorm", "gns"))
     torch.testing.assert_close(model(x), before)
 
@@ -598,11 +598,11 @@ def test_torch_subclasses_are_probed_as_their_base_kind():
 def test_treat_as_names_a_kind_and_its_options():
     model = nn.Sequential(HiddenEpsRMSNorm(6), NanoGPTLayerNorm(6, bias=False))
     with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
-        tracker = lc.convert(model, treat_as={HiddenEpsRMSNorm: ("RMSNorm", {"eps": 3e-7}),
+        monitor = lc.convert(model, treat_as={HiddenEpsRMSNorm: ("RMSNorm", {"eps": 3e-7}),
                                               NanoGPTLayerNorm: "RMSNorm"})  # wrongly named
     assert isinstance(model[0], lc.get_layer_class("RMSNorm", "gns")) and model[0].eps == 3e-7
     assert type(model[1]) is NanoGPTLayerNorm
-    assert "computes none of RMSNorm on a probe input" in tracker.unconverted["1"]
+    assert "computes none of RMSNorm on a probe input" in monitor.unconverted["1"]
     for bad, match in [({HiddenEpsRMSNorm: "Norm"}, "unknown kind 'Norm'"), ({nn.Linear: "Linear"}, "by its class"),
                        ({HiddenEpsRMSNorm: ("RMSNorm", {"bias": True})}, "takes options"),
                        ({"HiddenEpsRMSNorm": "RMSNorm"}, "nn.Module classes"),
@@ -620,23 +620,23 @@ class NormWithBuffer(HandRMSNorm):
 def test_a_converted_module_keeps_its_buffers_and_class():
     """Conversion is in place: a buffer the module's forward does not read stays, and so does its class."""
     model = nn.Sequential(NormWithBuffer(6))
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and isinstance(model[0], NormWithBuffer)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and isinstance(model[0], NormWithBuffer)
     assert torch.equal(model[0].scale, torch.ones(6)) and "scale" in dict(model[0].named_buffers())
 
 
 def test_a_module_on_the_meta_device_is_probed_on_the_cpu():
     with torch.device("meta"):
         model = nn.Sequential(HandRMSNorm(6, offset=1.0), InOutLinear(6, 3))
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and model[0].weight.is_meta and model[0].weight_upegsqnorm.is_meta
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and model[0].weight.is_meta and model[0].weight_upegsqnorm.is_meta
     assert model[0].weight_offset == 1.0 and isinstance(model[1], lc.get_layer_class("Conv1D", "gns"))
 
 
 def test_nn_for_a_kind_leaves_its_lookalikes_alone_unlisted():
     model = nn.Sequential(HandRMSNorm(6), nn.LayerNorm(6))
-    tracker = lc.convert(model, lnclass="nn")
-    assert type(model[0]) is HandRMSNorm and not tracker.unconverted and set(tracker.untracked) == {
+    monitor = lc.convert(model, lnclass="nn")
+    assert type(model[0]) is HandRMSNorm and not monitor.unconverted and set(monitor.untracked) == {
         "0.weight", "1.weight", "1.bias"}
 
 
@@ -651,8 +651,8 @@ class Float32OnlyRMSNorm(HandRMSNorm):
 
 def test_a_module_that_refuses_float64_is_probed_in_its_own_dtype():
     model = nn.Sequential(Float32OnlyRMSNorm(6, tiny=1e-5))
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and model[0].eps == 1e-5 and model[0].weight_offset == 0
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and model[0].eps == 1e-5 and model[0].weight_offset == 0
     reason, _ = probe_failure(Float32OnlyRMSNorm(6, tiny=1e-5).double())
     assert "no candidate ran on a probe input" in reason and "float64 is not supported" in reason
 
@@ -669,12 +669,12 @@ def test_convert_keeps_every_training_mode():
 def test_excluded_modules_are_left_alone_and_listed():
     model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 3)), nn.Linear(3, 2))
     with pytest.warns(UserWarning, match="2 module\\(s\\) not converted"):
-        tracker = lc.convert(model, exclude=["1", "2"])
+        monitor = lc.convert(model, exclude=["1", "2"])
     assert type(model[1][0]) is nn.LayerNorm and type(model[1][1]) is nn.Linear and type(model[2]) is nn.Linear
     assert isinstance(model[0], PEGradNormLinear)
-    assert tracker.unconverted == {"1": "Sequential excluded by the caller (convert(exclude=...))",
+    assert monitor.unconverted == {"1": "Sequential excluded by the caller (convert(exclude=...))",
                                    "2": "Linear excluded by the caller (convert(exclude=...))"}
-    assert [t.name for t in tracker.tracked] == ["0.weight", "0.bias"]
+    assert [t.name for t in monitor.tracked] == ["0.weight", "0.bias"]
     model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
-    tracker = lc.convert(model, exclude=[nn.LayerNorm])
-    assert type(model[1]) is nn.LayerNorm and "1" in tracker.unconverted
+    monitor = lc.convert(model, exclude=[nn.LayerNorm])
+    assert type(model[1]) is nn.LayerNorm and "1" in monitor.unconverted

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "scripts", "tracker_worker.py")
+WORKER = os.path.join(REPO, "tests", "scripts", "monitor_worker.py")
 
 
 def run_worker(tmp_path, name, nproc=None, engine="ddp", n_layer=2):

@@ -193,15 +193,15 @@ def brute_force(model, x, y):
     return result
 
 
-def accumulated_step(model, tracker, x, y, split):
-    """Backward of two uneven micro-batches, each loss weighted by its share of the batch; then one tracker step."""
+def accumulated_step(model, monitor, x, y, split):
+    """Backward of two uneven micro-batches, each loss weighted by its share of the batch; then one monitor step."""
     B = x.size(0)
     losses = []
     for part in (slice(0, split), slice(split, B)):
         loss = F.cross_entropy(model(x[part]).flatten(0, 1), y[part].flatten())
         (loss * x[part].size(0) / B).backward()
         losses.append(loss.item())
-    measurements = tracker.measure(batch_size=B)
+    measurements = monitor.measure(batch_size=B)
     zero_sqgradnorm_buffers(model)
     return losses, measurements
 
@@ -224,9 +224,9 @@ def tracked_modded(vocab_size):
 @pytest.mark.parametrize("build", [converted_nanochat, converted_gpt2, tracked_modded])
 def test_example_model_norms_match_brute_force(build):
     torch.manual_seed(0)
-    model, tracker = build(vocab_size=23)
+    model, monitor = build(vocab_size=23)
     x, y = torch.randint(0, 23, (2, 5, 7), generator=torch.Generator().manual_seed(1))
-    _, measurements = accumulated_step(model, tracker, x, y, split=2)
+    _, measurements = accumulated_step(model, monitor, x, y, split=2)
     want = brute_force(model, x, y)
     names = {m.metadata["name"] for m in measurements}
     untracked = {"embed.weight"} if build is tracked_modded else set()
@@ -243,8 +243,8 @@ def test_example_model_norms_match_brute_force(build):
 def test_notebook_gpt2_converted_equals_context_manager():
     nb = example("gpt2_notebook")
     kwargs = dict(block_size=7, n_layer=2, n_head=2, n_embd=12)
-    converted, converted_tracker = nb.build_converted(31, seed=3, **kwargs)
-    built, built_tracker = nb.build_in_context(31, seed=3, **kwargs)
+    converted, converted_monitor = nb.build_converted(31, seed=3, **kwargs)
+    built, built_monitor = nb.build_in_context(31, seed=3, **kwargs)
     # converted in place: each module an instance of the class built with (nn.LayerNorm's keeps that class too)
     assert all(isinstance(a, type(b)) for a, b in zip(converted.modules(), built.modules(), strict=True))
     assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm))
@@ -254,8 +254,8 @@ def test_notebook_gpt2_converted_equals_context_manager():
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (converted, built)]
     for step in range(2):
         x, y = torch.randint(0, 31, (2, 5, 7), generator=torch.Generator().manual_seed(step))
-        losses_a, measured_a = accumulated_step(converted, converted_tracker, x, y, split=3)
-        losses_b, measured_b = accumulated_step(built, built_tracker, x, y, split=3)
+        losses_a, measured_a = accumulated_step(converted, converted_monitor, x, y, split=3)
+        losses_b, measured_b = accumulated_step(built, built_monitor, x, y, split=3)
         assert losses_a == losses_b
         for (name, a), (_, b) in zip(converted.named_parameters(), built.named_parameters()):
             assert torch.equal(a.grad, b.grad), name

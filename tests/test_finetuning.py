@@ -33,12 +33,12 @@ def data(B, T=5, seed=1):
     return torch.randint(0, VOCAB, (2, B, T), generator=gen).unbind(0)
 
 
-def measure(tracker, model, ids, targets, micro_batches=2):
-    """Forward/backward over `micro_batches` parts of the batch (gradient accumulation), then one tracker step."""
+def measure(monitor, model, ids, targets, micro_batches=2):
+    """Forward/backward over `micro_batches` parts of the batch (gradient accumulation), then one monitor step."""
     B = ids.shape[0]
     for part in torch.arange(B).chunk(micro_batches):
         (lm_loss(model, ids[part], targets[part]) * len(part) / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
     zero_sqgradnorm_buffers(model)
     return measurements
 
@@ -84,11 +84,11 @@ def test_bitfit_frozen_weights_are_skipped_and_biases_exact(classes):
     model = TinyLM().double()
     for name, p in model.named_parameters():
         p.requires_grad_(name.endswith("bias"))  # BitFit: only the biases train
-    tracker = lc.convert(model, *classes)
-    assert [t.name for t in tracker.tracked] == ["ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"]
-    assert all(tracker.untracked[n].startswith("frozen") for n in ("emb.weight", "ln.weight", "mlp.0.weight", "head.weight"))
+    monitor = lc.convert(model, *classes)
+    assert [t.name for t in monitor.tracked] == ["ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"]
+    assert all(monitor.untracked[n].startswith("frozen") for n in ("emb.weight", "ln.weight", "mlp.0.weight", "head.weight"))
     ids, targets = data(5)
-    measurements = measure(tracker, model, ids, targets)
+    measurements = measure(monitor, model, ids, targets)
     assert set(measurements) == {"ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"}
     assert_matches_brute_force(model, measurements, ids, targets)
     lm_loss(model, ids, targets).backward()
@@ -102,12 +102,12 @@ def test_lora_trainable_tensors_are_exact(linearclass):
     model.requires_grad_(False)
     model.mlp[0], model.mlp[2] = LoRALinear(model.mlp[0]), LoRALinear(model.mlp[2])  # LoRA layers: trainable
     model.double()
-    tracker = lc.convert(model, linearclass=linearclass)
-    assert [t.name for t in tracker.tracked] == ["mlp.0.lora_a.weight", "mlp.0.lora_b.weight",
+    monitor = lc.convert(model, linearclass=linearclass)
+    assert [t.name for t in monitor.tracked] == ["mlp.0.lora_a.weight", "mlp.0.lora_b.weight",
                                                  "mlp.2.lora_a.weight", "mlp.2.lora_b.weight"]
-    assert tracker.untracked["mlp.0.base.weight"].startswith("frozen") and tracker.unconverted == {}
+    assert monitor.untracked["mlp.0.base.weight"].startswith("frozen") and monitor.unconverted == {}
     ids, targets = data(4)
-    measurements = measure(tracker, model, ids, targets)
+    measurements = measure(monitor, model, ids, targets)
     assert len(measurements) == 4
     assert_matches_brute_force(model, measurements, ids, targets)
 
@@ -115,13 +115,13 @@ def test_lora_trainable_tensors_are_exact(linearclass):
 def test_a_counted_parameter_without_gradient_is_an_error_not_a_zero():
     torch.manual_seed(0)
     model = TinyLM()
-    tracker = lc.convert(model)
+    monitor = lc.convert(model)
     ids, targets = data(4)
     lm_loss(model, ids, targets).backward()
-    model.zero_grad(set_to_none=True)  # too early: the gradients are gone before the tracker reads them
+    model.zero_grad(set_to_none=True)  # too early: the gradients are gone before the monitor reads them
     with pytest.raises(ValueError, match="emb.weight: its layer recorded 4 examples in this step but the parameter has "
                                          "no gradient"):
-        tracker.measure(batch_size=4)
+        monitor.measure(batch_size=4)
 
 
 class BankGPT(PESqNormBuffersMixin, nn.Module):
@@ -147,26 +147,26 @@ class BankGPT(PESqNormBuffersMixin, nn.Module):
 def test_a_bank_of_slices_is_logged_once_and_exactly():
     torch.manual_seed(0)
     model = BankGPT().double()
-    tracker = lc.convert(model)
-    assert [t.name for t in tracker.tracked] == ["mlp_bank", "emb.weight", "head.weight"]
-    record = tracker.describe()["mlp_bank"]
+    monitor = lc.convert(model)
+    assert [t.name for t in monitor.tracked] == ["mlp_bank", "emb.weight", "head.weight"]
+    record = monitor.describe()["mlp_bank"]
     assert record["kind"] == "Linear" and record["bank_slices"] == 6 and record["block"] is None
     ids, targets = data(5)
-    measurements = measure(tracker, model, ids, targets)
+    measurements = measure(monitor, model, ids, targets)
     assert measurements["mlp_bank"].big_batch_size == 5
     assert_matches_brute_force(model, measurements, ids, targets)
     # batch of 1 (the GNS itself is undefined there, the norms are not)
-    measurements = measure(tracker, model, ids[:1], targets[:1], micro_batches=1)
+    measurements = measure(monitor, model, ids[:1], targets[:1], micro_batches=1)
     assert_matches_brute_force(model, measurements, ids[:1], targets[:1])
 
 
 def test_a_bank_slice_used_twice_per_forward_stops_being_tracked():
     torch.manual_seed(0)
     model = BankGPT(reuse_slice=True)
-    tracker = lc.convert(model)
+    monitor = lc.convert(model)
     ids, targets = data(4)
     with pytest.warns(UserWarning, match="not tracking mlp_bank: used 3 times per example"):
-        measurements = measure(tracker, model, ids, targets)
+        measurements = measure(monitor, model, ids, targets)
     assert "mlp_bank" not in measurements and "head.weight" in measurements
 
 
@@ -197,12 +197,12 @@ class BroadcastPositions(nn.Module):
 def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     torch.manual_seed(0)
     model = BroadcastPositions()
-    tracker = gnstracking.GNSMonitor(model)
+    monitor = gnstracking.GNSMonitor(model)
     ids, targets = data(4)
     lm_loss(model, ids, targets).backward()
     with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*one row for the forward's 4 "
                                          r"examples \(shape \(1, 5\)\).*position_ids=torch.arange\(T\).expand\(B, T\)"):
-        tracker.measure(batch_size=4)
+        monitor.measure(batch_size=4)
     # the fix: the same positions expanded to (B, T) give the same output and exact norms
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
@@ -210,7 +210,7 @@ def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     expanded = torch.arange(5).expand(4, 5)
     forward = model.forward
     model.forward = lambda ids: forward(ids, expanded[:ids.shape[0]])
-    measurements = measure(tracker, model, ids, targets, micro_batches=1)
+    measurements = measure(monitor, model, ids, targets, micro_batches=1)
     assert set(measurements) == {"wte.weight", "wpe.weight"}
     assert_matches_brute_force(model, measurements, ids, targets)
 
@@ -232,9 +232,9 @@ def test_a_frozen_tied_matrix_costs_nothing_and_is_listed_frozen():
 
     model = Tied()
     model.wte.weight.requires_grad_(False)
-    tracker = lc.convert(model)
+    monitor = lc.convert(model)
     assert tied.link_tied_parameters(model) == {} and not model.head._forward_hooks
-    assert tracker.untracked["wte.weight"].startswith("frozen")
+    assert monitor.untracked["wte.weight"].startswith("frozen")
     ids, targets = data(3)
-    measurements = measure(tracker, model, ids, targets, micro_batches=1)
+    measurements = measure(monitor, model, ids, targets, micro_batches=1)
     assert set(measurements) == {"ln.weight", "ln.bias"}

@@ -71,17 +71,17 @@ def brute_force(model, loss_of, n):
     return {name: (torch.as_tensor(total[name]).pow(2).sum().item(), per_example[name]) for name in params}
 
 
-def measured(tracker, model, loss_of, parts, n):
+def measured(monitor, model, loss_of, parts, n):
     """{logged name: Measurement} of one step over micro-batches `parts`, each loss a share of the mean over n."""
     for part in parts:
         (loss_of(part).sum() / n).backward()
-    found = {m.metadata["name"]: m for m in tracker.measure(batch_size=n)}
+    found = {m.metadata["name"]: m for m in monitor.measure(batch_size=n)}
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
     return found
 
 
-def check_exact(model, tracker, want, got, coverage=1.0, atol=1e-20):
+def check_exact(model, monitor, want, got, coverage=1.0, atol=1e-20):
     """Every measurement within 1e-6 of brute force (atol for gradients that are zero up to rounding, as a key
     projection's bias is, softmax being blind to it); the tracked elements the given share of the model's."""
     for name, m in got.items():
@@ -90,17 +90,17 @@ def check_exact(model, tracker, want, got, coverage=1.0, atol=1e-20):
         assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6, abs=atol), name
     tracked = sum(model.get_parameter(name.split("+")[0]).numel() for name in got)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert tracked == pytest.approx(coverage * total), (tracked, total, tracker.unconverted, tracker.untracked)
+    assert tracked == pytest.approx(coverage * total), (tracked, total, monitor.unconverted, monitor.untracked)
 
 
 def run_lm(model, positions=False, micro_batches=((0, SPLIT), (SPLIT, B))):
-    """Brute force, convert, one accumulated step; returns (tracker, brute force, measurements)."""
+    """Brute force, convert, one accumulated step; returns (monitor, brute force, measurements)."""
     ids, mask = lm_batch()
     loss_of = lambda part: lm_losses(model, ids[part], mask[part], positions)  # noqa: E731
     want = brute_force(model, loss_of, B)
-    tracker = lc.convert(model)
-    got = measured(tracker, model, loss_of, [slice(*p) for p in micro_batches], B)
-    return tracker, want, got
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(*p) for p in micro_batches], B)
+    return monitor, want, got
 
 
 # -----------------------------------------------------------------------------
@@ -131,12 +131,12 @@ def test_mixture_of_experts_every_parameter_exact(name, implementation):
     loss_of = lambda part: lm_losses(model, ids[part], mask[part])  # noqa: E731
     want = brute_force(model.double(), loss_of, B)
     model.config._experts_implementation = default if implementation == "default" else "eager"
-    tracker = lc.convert(model.float())
+    monitor = lc.convert(model.float())
     model.double()
-    assert not tracker.unconverted and not tracker.untracked
+    assert not monitor.unconverted and not monitor.untracked
     assert any(type(m).__name__.startswith("PEGradNormExperts") for m in model.modules())
-    got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
-    check_exact(model, tracker, want, got)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    check_exact(model, monitor, want, got)
 
 
 def test_a_token_routed_to_no_expert_adds_nothing():
@@ -179,9 +179,9 @@ def test_opt_flattened_rows_and_position_embedding_exact():
     model = transformers.OPTForCausalLM(config(transformers.OPTConfig, **TINY, **NO_DROPOUT, ffn_dim=24,
                                                word_embed_proj_dim=16, pad_token_id=1, bos_token_id=0,
                                                eos_token_id=2, layerdrop=0.0)).double()
-    tracker, want, got = run_lm(model)
-    assert not tracker.unconverted and not tracker.untracked
-    check_exact(model, tracker, want, got)
+    monitor, want, got = run_lm(model)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
 
 
 @pytest.mark.parametrize("name", ["Gemma", "Gemma3"])
@@ -192,33 +192,33 @@ def test_gemma_scaled_embedding_with_tied_head_exact(name):
     torch.manual_seed(0)
     model = model_cls(config(config_cls, **TINY, num_key_value_heads=1, head_dim=8, pad_token_id=0,
                              bos_token_id=2, eos_token_id=1, sliding_window=4)).double()
-    tracker, want, got = run_lm(model)
-    assert not tracker.unconverted and not tracker.untracked
+    monitor, want, got = run_lm(model)
+    assert not monitor.unconverted and not monitor.untracked
     assert "model.embed_tokens.weight+lm_head.weight" in got
-    check_exact(model, tracker, want, got)
+    check_exact(model, monitor, want, got)
 
 
 def test_bert_aliased_head_bias_logged_once_and_exact():
     """cls.predictions.bias is cls.predictions.decoder.bias: one tensor, recorded by the decoder, logged once."""
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(config(transformers.BertConfig, **TINY, **NO_DROPOUT)).double()
-    tracker, want, got = run_lm(model, positions=True)
-    assert not tracker.unconverted and not tracker.untracked
+    monitor, want, got = run_lm(model, positions=True)
+    assert not monitor.unconverted and not monitor.untracked
     assert "cls.predictions.bias" in got and "cls.predictions.decoder.bias" not in got
-    assert tracker.describe()["cls.predictions.bias"]["kind"] == "Linear"
-    check_exact(model, tracker, want, got)
+    assert monitor.describe()["cls.predictions.bias"]["kind"] == "Linear"
+    check_exact(model, monitor, want, got)
 
 
 def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix():
     """BERT looks its positions up as one (1, T) row for the whole batch: that step is refused, naming the fix."""
     torch.manual_seed(0)
     model = transformers.BertForMaskedLM(config(transformers.BertConfig, **TINY, **NO_DROPOUT)).double()
-    tracker = lc.convert(model)
+    monitor = lc.convert(model)
     ids, mask = lm_batch()
     lm_losses(model, ids, mask).mean().backward()
     with pytest.raises(ValueError, match=r"position_embeddings.weight: this step is not measured.*one row for the "
                                          r"forward's 5 examples.*position_ids=torch.arange\(T\).expand\(B, T\)"):
-        tracker.measure(batch_size=B)
+        monitor.measure(batch_size=B)
 
 
 def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
@@ -240,14 +240,14 @@ def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
         loss_of = lambda part: F.cross_entropy(model(ids[part]).flatten(0, 1), ids[part].flatten(),  # noqa: E731
                                                reduction="none").view(-1, 4).mean(1)
         want = brute_force(model, loss_of, 4)
-        tracker = lc.convert(model)
+        monitor = lc.convert(model)
         if not expand:
             loss_of(slice(0, 4)).mean().backward()
             with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*4 examples of 4 positions"
                                                  r".*expanded to \(B, T\)"):
-                tracker.measure(batch_size=4)
+                monitor.measure(batch_size=4)
             continue
-        check_exact(model, tracker, want, measured(tracker, model, loss_of, [slice(0, 4)], 4))
+        check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 4)], 4))
 
 
 def test_t5_relative_position_table_refused_the_rest_exact():
@@ -265,17 +265,17 @@ def test_t5_relative_position_table_refused_the_rest_exact():
         return F.cross_entropy(logits.flatten(0, 1), labels[part].flatten(), reduction="none").view(-1, 5).mean(1)
 
     want = brute_force(model, loss_of, B)
-    tracker = lc.convert(model)
-    tables = {path for path in tracker.unconverted if path.endswith("relative_attention_bias")}
+    monitor = lc.convert(model)
+    tables = {path for path in monitor.unconverted if path.endswith("relative_attention_bias")}
     assert tables == {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
                       "decoder.block.0.layer.0.SelfAttention.relative_attention_bias"}
-    assert all("shares across the batch" in tracker.unconverted[p] for p in tables)
-    assert "tied to" in tracker.untracked["shared.weight"] and "used by 4 layers" in tracker.untracked["shared.weight"]
-    got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
-    untracked = {p for p in tracker.untracked}
+    assert all("shares across the batch" in monitor.unconverted[p] for p in tables)
+    assert "tied to" in monitor.untracked["shared.weight"] and "used by 4 layers" in monitor.untracked["shared.weight"]
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    untracked = {p for p in monitor.untracked}
     assert not untracked & {n.split("+")[0] for n in got}
     share = 1 - sum(model.get_parameter(n).numel() for n in untracked) / sum(p.numel() for p in model.parameters())
-    check_exact(model, tracker, want, got, coverage=share)
+    check_exact(model, monitor, want, got, coverage=share)
 
 
 def test_vit_patches_class_token_and_position_embeddings_exact():
@@ -288,11 +288,11 @@ def test_vit_patches_class_token_and_position_embeddings_exact():
     loss_of = lambda part: F.cross_entropy(model(pixel_values=images[part]).logits, labels[part],  # noqa: E731
                                            reduction="none")
     want = brute_force(model, loss_of, B)
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and not tracker.untracked
-    got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and not monitor.untracked
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert {"vit.embeddings.cls_token", "vit.embeddings.position_embeddings"} <= set(got)
-    check_exact(model, tracker, want, got, atol=1e-24)
+    check_exact(model, monitor, want, got, atol=1e-24)
 
 
 class EncoderLM(nn.Module):
@@ -327,11 +327,11 @@ def test_transformer_encoder_multihead_attention_exact(batch_first):
         return (losses * mask[part]).sum(1) / mask[part].sum(1)
 
     want = brute_force(model, loss_of, B)
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and not tracker.untracked
-    got = measured(tracker, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and not monitor.untracked
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert "encoder.layers.0.self_attn.in_proj_weight" in got and "encoder.layers.1.self_attn.out_proj.bias" in got
-    check_exact(model, tracker, want, got)
+    check_exact(model, monitor, want, got)
 
 
 def test_multihead_attention_converted_computes_what_torch_computes():
@@ -374,9 +374,9 @@ def test_packed_llama_batch_one_example_per_sequence():
 
     loss_of = lambda part: packed_losses(sequences[part])  # noqa: E731  (a one-sequence row: unpacked)
     want = brute_force(model, loss_of, 4)
-    tracker = lc.convert(model)
-    got = measured(tracker, model, loss_of, [slice(0, 2), slice(2, 4)], 4)
-    check_exact(model, tracker, want, got)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, 2), slice(2, 4)], 4)
+    check_exact(model, monitor, want, got)
 
 
 # -----------------------------------------------------------------------------
@@ -396,8 +396,8 @@ def test_nanochat_casting_linear_runs_in_bf16_after_conversion():
     model = nn.Sequential(CastingLinear(6, 8, bias=False), nn.ReLU(), CastingLinear(8, 4, bias=False))
     x = torch.randn(5, 3, 6)
     reference = model(x.bfloat16())
-    tracker = lc.convert(model)
-    assert not tracker.unconverted and all(m.cast_weight for m in (model[0], model[2]))
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and all(m.cast_weight for m in (model[0], model[2]))
     out = model(x.bfloat16())
     assert out.dtype == reference.dtype == torch.bfloat16 and torch.equal(out, reference)
     out.float().pow(2).sum().backward()

@@ -1,5 +1,5 @@
 """
-Tied embedding / output matrix (tied.py): the tracker logs the shared tensor once,
+Tied embedding / output matrix (tied.py): the monitor logs the shared tensor once,
 as `<names joined by +>`, with the exact per-example norm of its whole gradient,
 checked against a brute-force loop over examples on small tied GPTs.
 
@@ -56,15 +56,15 @@ def last_position_loss(model, x, y):
 
 
 def tracked_step(model, loss_fn, x, y, micro_batches=(None,)):
-    """Backward over micro-batches (each scaled to the mean over the whole batch), then one tracker step."""
-    tracker = gnstracking.GNSMonitor(model)
+    """Backward over micro-batches (each scaled to the mean over the whole batch), then one monitor step."""
+    monitor = gnstracking.GNSMonitor(model)
     model.zero_grad(set_to_none=True)
     B = x.shape[0]
     for part in micro_batches:
         sl = slice(None) if part is None else part
         n = x[sl].shape[0]
         (loss_fn(model, x[sl], y[sl]) * n / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
     zero_sqgradnorm_buffers(model)
     return measurements
 
@@ -90,10 +90,10 @@ def test_cross_term_is_needed():
     """Leaving the cross term out (or logging one use only) gives a different number: the test above is not vacuous."""
     model = build()
     x, y = torch.randint(0, 67, (2, 4, 9), generator=torch.Generator().manual_seed(2))
-    tracker = gnstracking.GNSMonitor(model)
+    monitor = gnstracking.GNSMonitor(model)
     _, loss = model(x, y)
     loss.backward()
-    (_, _, terms), = [t for t in tracker.tracked if t[0] == TIED]
+    (_, _, terms), = [t for t in monitor.tracked if t[0] == TIED]
     emb, head, cross = [module._buffers[name] for module, name, _ in terms]
     two = terms[2][2]
     assert two == 2.0 and abs(cross[0].item()) > 1e-3 * (emb[0].item() + head[0].item())
@@ -131,9 +131,9 @@ def test_embedding_without_the_head_in_backward():
     """A backward that never reaches the output layer: the cross term is 0 and the norm is the embedding's."""
     model = build()
     x = torch.randint(0, 67, (3, 8), generator=torch.Generator().manual_seed(3))
-    tracker = gnstracking.GNSMonitor(model)
+    monitor = gnstracking.GNSMonitor(model)
     model.transformer.wte(x).pow(2).mean().backward()
-    (_, _, terms), = [t for t in tracker.tracked if t[0] == TIED]
+    (_, _, terms), = [t for t in monitor.tracked if t[0] == TIED]
     emb, _, cross = [m._buffers[b] for m, b, _ in terms]
     assert cross[0].item() == 0.0 and emb[0].item() > 0
     zero_sqgradnorm_buffers(model)
@@ -218,8 +218,8 @@ def test_tied_pairs_that_cannot_be_exact_are_skipped():
 
     for model, name in ((TwoLinears(), "a.weight"), (PlainEmbedding(), "wte.weight")):
         with pytest.warns(UserWarning, match=f"not tracking {name}"):
-            tracker = gnstracking.GNSMonitor(model, expect_tracked=False)
-        assert tracker.tracked == [] and "tied to" in tracker.untracked[name]
+            monitor = gnstracking.GNSMonitor(model, expect_tracked=False)
+        assert monitor.tracked == [] and "tied to" in monitor.untracked[name]
         assert tied.link_tied_parameters(model) == {}
 
 

@@ -55,8 +55,8 @@ def parameter_names(model):
     return {name for name, _ in model.named_parameters(remove_duplicate=False)}
 
 
-def tracked_names(tracker):
-    return {part for name, _, _ in tracker.tracked for part in name.split("+")}
+def tracked_names(monitor):
+    return {part for name, _, _ in monitor.tracked for part in name.split("+")}
 
 
 # -----------------------------------------------------------------------------
@@ -82,12 +82,12 @@ def brute_force(name, model, x, y):
     return {n: (batch[n].pow(2).sum().item(), per_example[n]) for n in per_example}
 
 
-def accumulated_measurements(name, model, tracker, x, y, split=2):
+def accumulated_measurements(name, model, monitor, x, y, split=2):
     """{name: Measurement} of one step over two micro-batches, each loss weighted by its share of the batch."""
     B = x.size(0)
     for part in (slice(0, split), slice(split, B)):
         (loss_fn(name, model, x[part], y[part]) * x[part].size(0) / B).backward()
-    measurements = {m.metadata["name"]: m for m in tracker.measure(batch_size=B)}
+    measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
     model.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(model)
     return measurements
@@ -103,13 +103,13 @@ def converted(name, dtype, classes=("gns", "gns", "gns")):
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_every_parameter_tracked_and_exact(name, classes):
     """float64, dropout 0, 2 uneven micro-batches: pegn and norm of every parameter within 1e-6 of brute force."""
-    model, tracker = converted(name, torch.float64, classes)
-    assert tracker.unconverted == {} and tracker.untracked == {}
-    assert tracked_names(tracker) == parameter_names(model)
-    tracked_elements = sum(model.get_parameter(n.split("+")[0]).numel() for n, _, _ in tracker.tracked)
+    model, monitor = converted(name, torch.float64, classes)
+    assert monitor.unconverted == {} and monitor.untracked == {}
+    assert tracked_names(monitor) == parameter_names(model)
+    tracked_elements = sum(model.get_parameter(n.split("+")[0]).numel() for n, _, _ in monitor.tracked)
     assert tracked_elements == sum(p.numel() for p in model.parameters())  # 100% of the elements
     if name == "hf_gpt2":
-        assert "transformer.wte.weight+lm_head.weight" in {n for n, _, _ in tracker.tracked}
+        assert "transformer.wte.weight+lm_head.weight" in {n for n, _, _ in monitor.tracked}
         c_attn = model.transformer.h[0].attn.c_attn  # converted in place: still a Conv1D, with the variant's forward
         assert isinstance(c_attn, lc.get_layer_class("Conv1D", classes[0])) and isinstance(c_attn, Conv1D)
     else:
@@ -117,7 +117,7 @@ def test_every_parameter_tracked_and_exact(name, classes):
         assert isinstance(norm, lc.get_layer_class("RMSNorm", classes[2])) and isinstance(norm, LlamaRMSNorm)
         assert norm.eps == 1e-6
     x, y = torch.randint(0, VOCAB, (2, 5, T), generator=torch.Generator().manual_seed(1))
-    measurements = accumulated_measurements(name, model, tracker, x, y)
+    measurements = accumulated_measurements(name, model, monitor, x, y)
     want = brute_force(name, model, x, y)
     assert {n.split("+")[0] for n in measurements} == set(want)
     for param, m in measurements.items():
@@ -129,12 +129,12 @@ def test_every_parameter_tracked_and_exact(name, classes):
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_bf16_autocast_close_to_float32(name):
-    model, tracker = converted(name, torch.float32)
+    model, monitor = converted(name, torch.float32)
     x, y = torch.randint(0, VOCAB, (2, 6, T), generator=torch.Generator().manual_seed(2))
-    want = accumulated_measurements(name, model, tracker, x, y, split=3)
+    want = accumulated_measurements(name, model, monitor, x, y, split=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = accumulated_measurements(name, model, tracker, x, y, split=3)
-    assert set(got) == set(want) and len(got) == len(tracker.tracked)
+        got = accumulated_measurements(name, model, monitor, x, y, split=3)
+    assert set(got) == set(want) and len(got) == len(monitor.tracked)
     for param, m in got.items():
         assert m.big_batch_norm == pytest.approx(want[param].big_batch_norm, rel=3e-2), param
         assert m.small_batch_norm == pytest.approx(want[param].small_batch_norm, rel=3e-2), param
@@ -150,11 +150,11 @@ def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).double()
     assert model.model.embed_tokens.padding_idx == 2 and model.lm_head.weight is model.model.embed_tokens.weight
-    tracker = lc.convert(model)
-    assert tracker.unconverted == {} and tracker.untracked == {} and tracked_names(tracker) == parameter_names(model)
+    monitor = lc.convert(model)
+    assert monitor.unconverted == {} and monitor.untracked == {} and tracked_names(monitor) == parameter_names(model)
     x, y = torch.randint(0, VOCAB, (2, 5, T), generator=torch.Generator().manual_seed(4))
     x[:, -3:] = 2  # right padding in every example
-    measurements = accumulated_measurements("hf_llama", model, tracker, x, y)
+    measurements = accumulated_measurements("hf_llama", model, monitor, x, y)
     want = brute_force("hf_llama", model, x, y)
     assert "model.embed_tokens.weight+lm_head.weight" in measurements and len(measurements) == len(want)
     for param, m in measurements.items():
@@ -198,10 +198,10 @@ def test_transformers_norms_swapped_and_exact(norm_cls, lnclass, shape):
         norm.weight.copy_(center + 0.3 * torch.randn(7))
     original = copy.deepcopy(norm)
     model = nn.Sequential(norm)
-    tracker = lc.convert(model, lnclass=lnclass)
+    monitor = lc.convert(model, lnclass=lnclass)
     assert isinstance(model[0], lc.get_layer_class("RMSNorm", lnclass)) and model[0].weight is norm.weight
     assert (model[0].eps, model[0].weight_offset) == (options["eps"], options["weight_offset"])
-    assert not tracker.unconverted and list(model.state_dict()) == ["0.weight"]
+    assert not monitor.unconverted and list(model.state_dict()) == ["0.weight"]
     x = torch.randn(shape, dtype=dtype, requires_grad=True)
     g = torch.randn(shape, dtype=dtype)
     if lnclass == "fused":
@@ -271,18 +271,18 @@ def test_convert_swaps_conv1d_keeping_its_parameters(linearclass):
     params, keys = list(model.parameters()), list(model.state_dict())
     x = torch.randn(2, 3, 7)
     before = model(x)
-    tracker = lc.convert(model, linearclass=linearclass)
+    monitor = lc.convert(model, linearclass=linearclass)
     assert isinstance(model[0], lc.get_layer_class("Conv1D", linearclass)) and (model[0].nf, model[0].nx) == (9, 7)
     assert all(a is b for a, b in zip(model.parameters(), params, strict=True)) and list(model.state_dict()) == keys
-    assert not tracker.unconverted and [n for n, _, _ in tracker.tracked] == keys
+    assert not monitor.unconverted and [n for n, _, _ in monitor.tracked] == keys
     torch.testing.assert_close(model(x), before)
 
 
 def test_conv1d_under_sogns_is_listed_with_the_reason():
     model = nn.Sequential(Conv1D(4, 3), nn.Linear(4, 2))
     with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
-        tracker = lc.convert(model, linearclass="sogns")
-    assert type(model[0]) is Conv1D and "linearclass='sogns' has no Conv1D layer" in tracker.unconverted["0"]
+        monitor = lc.convert(model, linearclass="sogns")
+    assert type(model[0]) is Conv1D and "linearclass='sogns' has no Conv1D layer" in monitor.unconverted["0"]
 
 
 # -----------------------------------------------------------------------------
@@ -297,8 +297,8 @@ def test_example_logs_every_parameter_and_gns_analysis_reads_it(name, tmp_path, 
     assert len(df) == 3
     vocab_size, _ = example(name).shakespeare_batches(block_size=8, batch_size=1)
     model = example(name).build(vocab_size)
-    tracker = lc.convert(model)
-    for param, _, _ in tracker.tracked:
+    monitor = lc.convert(model)
+    for param, _, _ in monitor.tracked:
         for metric in ("norm", "pegn", "batch_size"):
             column = f"train/gns/{param}/{metric}"
             assert column in df.columns and df[column].notna().all(), column
@@ -310,12 +310,12 @@ def test_fused_gpt2_close_to_brute_force():
     """Conv1D, Linear and LayerNorm fused, float32 (Triton's interpreter on CPU): within float32 rounding of brute
     force. (Llama's fused RMSNorm is checked layer by layer above.)"""
     name = "hf_gpt2"
-    model, tracker = converted(name, torch.float32, ("fused", "gns", "fused"))
-    assert tracked_names(tracker) == parameter_names(model)
+    model, monitor = converted(name, torch.float32, ("fused", "gns", "fused"))
+    assert tracked_names(monitor) == parameter_names(model)
     x = torch.zeros(1)
     assert fused_gns.kernel_unavailable_reason(x) is None  # the kernels, not the fallback
     x, y = torch.randint(0, VOCAB, (2, 3, T), generator=torch.Generator().manual_seed(4))
-    measurements = accumulated_measurements(name, model, tracker, x, y)
+    measurements = accumulated_measurements(name, model, monitor, x, y)
     want = brute_force(name, model, x, y)
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]

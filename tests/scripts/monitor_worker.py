@@ -1,12 +1,12 @@
 """Worker for tests/test_ddp.py: run under torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc_per_node=2 tests/scripts/tracker_worker.py OUT.json ddp|ddp-unequal|fsdp|tp [N_LAYER]
+    torchrun --standalone --nproc_per_node=2 tests/scripts/monitor_worker.py OUT.json ddp|ddp-unequal|fsdp|tp [N_LAYER]
 
 Every rank builds the same tiny GPT with per-example norm layers, takes its share
 of one fixed global batch (two micro-batches per rank), runs one optimizer step's
 backward under DDP, or under FSDP2 (fully_shard on each block and the root), and
-reads the tracker; rank 0 writes the measurements as JSON. Under FSDP2 two
-trackers read the same step: one made before sharding (it must find the new,
+reads the monitor; rank 0 writes the measurements as JSON. Under FSDP2 two
+monitors read the same step: one made before sharding (it must find the new,
 sharded parameters) and one after, written as {"before": ..., "after": ...}.
 Without torchrun (no RANK in the environment) the same global batch runs in one
 process with twice the accumulation steps, which is what the numbers must equal.
@@ -35,7 +35,7 @@ GLOBAL_BATCH, MICRO_BATCH, BLOCK, VOCAB = 8, 2, 12, 29
 
 
 class FakeScaler:
-    """What the tracker asks of a GradScaler: on, scale 1."""
+    """What the monitor asks of a GradScaler: on, scale 1."""
 
     def is_enabled(self):
         return True
@@ -95,7 +95,7 @@ def main(out_path, engine="ddp", n_layer="2"):
         from model import GPT, GPTConfig
         model = GPT(GPTConfig(n_layer=int(n_layer), n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB,
                               dropout=0.0, bias=True))
-    tracker = gnstracking.GNSMonitor(model)
+    monitor = gnstracking.GNSMonitor(model)
     step_model, after = model, None
     if ddp and engine.startswith("ddp"):
         step_model = DDP(model, broadcast_buffers=False)
@@ -121,14 +121,14 @@ def main(out_path, engine="ddp", n_layer="2"):
         ranks = world if ddp and engine != "tp" else 1
         (loss * len(xy) * ranks / GLOBAL_BATCH).backward()
     try:
-        result = columns(tracker.measure(batch_size=GLOBAL_BATCH))
+        result = columns(monitor.measure(batch_size=GLOBAL_BATCH))
     except ValueError as e:
         result = {"error": str(e)}
     if after is not None:
         result = {"before": result, "after": columns(after.measure(batch_size=GLOBAL_BATCH)),
                   "inf_on_rank_1_seen": inf_seen(model)}
     if "error" not in result:
-        result["step_ops"] = step_ops(after or tracker, GLOBAL_BATCH)
+        result["step_ops"] = step_ops(after or monitor, GLOBAL_BATCH)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
