@@ -218,7 +218,15 @@ def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix(
     lm_losses(model, ids, mask).mean().backward()
     with pytest.raises(ValueError, match=r"position_embeddings.weight: this step is not measured.*one row for the "
                                          r"forward's 5 examples.*position_ids=torch.arange\(T\).expand\(B, T\)"):
-        monitor.measure(batch_size=B)
+        monitor.step(batch_size=B)
+    # the refusal belongs to that step: the next one, with positions per example, is measured; a wrong batch_size
+    # is then blamed on the batch size, not on the earlier step's positions
+    model.zero_grad(set_to_none=True)
+    lm_losses(model, ids, mask, True).mean().backward()
+    with pytest.raises(ValueError, match=r"batch_size") as wrong:
+        monitor.measure(batch_size=B + 1)
+    assert "position" not in str(wrong.value)
+    assert len(monitor.measure(batch_size=B)) == len(monitor.tracked)
 
 
 def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
