@@ -38,12 +38,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def train(args, on_step=None):
-    """Train; `on_step(accelerator, model)` (tests) runs after each optimizer step. Returns the AccelerateGNS."""
+def train(args, watch=None):
+    """Train; `watch(model)` (tests) sees the model once it is built. Returns the AccelerateGNS."""
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
     vocab_size, examples = padded_examples(256, BLOCK_SIZE)
     torch.manual_seed(0)
     model = build_model(args.model, vocab_size, block_size=BLOCK_SIZE).to(getattr(torch, args.dtype))
+    if watch is not None:
+        watch(model)
     gns = AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY)  # gns: convert, log here
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
@@ -63,8 +65,6 @@ def train(args, on_step=None):
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 steps += 1
-                if on_step is not None:
-                    on_step(accelerator, model)
                 if steps == args.steps:
                     break
     gns.close()
