@@ -15,6 +15,8 @@ import functools
 import importlib.util
 import math
 import os
+import re
+import subprocess
 import sys
 
 import pandas as pd
@@ -153,3 +155,19 @@ def test_two_processes_exact_before_clipping(name, model_name, tmp_path):
                      f"--out_dir={tmp_path}", nproc=2)
     assert out.returncode == 0, out.stderr[-8000:]
     check_run(tmp_path, name, model_name, token_weighted=name == "hf_trainer", ranks=2)
+
+
+def test_examples_run_as_the_readme_says(tmp_path):
+    """Each example script, started as the README starts it (its default out_dir, in a fresh directory), trains,
+    prints its final running GNS and leaves a log gns-analysis reads: run two at a time (mostly import time)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    scripts = {"hf_trainer": "out-hf-trainer", "lightning_gpt": "out-lightning", "accelerate_gpt": "out-accelerate"}
+    procs = {name: subprocess.Popen([sys.executable, os.path.join(REPO, "examples", f"{name}.py"), "--steps=3",
+                                     "--model=gpt2" if name == "lightning_gpt" else "--model=llama"],
+                                    cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in scripts}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-4000:]
+        assert re.search(rf"{name}: \w+, 3 steps, \d+ parameters tracked: final running GNS \d", stdout), stdout
+        assert gns_analysis().main([str(tmp_path / scripts[name]), "--no-plots"]) == 0
