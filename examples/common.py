@@ -39,3 +39,31 @@ def shakespeare_batches(block_size, batch_size, seed=0):
                    torch.stack([data[s + 1:s + 1 + block_size] for s in starts]))
 
     return len(stoi), batches()
+
+
+def padded_examples(count, block_size, seed=0, min_length=None):
+    """`count` causal-LM examples for the trainers' examples: windows of the bundled Shakespeare of random lengths
+    (min_length..block_size), right-padded to block_size; each a dict of (block_size,) tensors: input_ids,
+    attention_mask, labels (the ids; -100 on padding: no loss there) and position_ids (0..block_size-1, so a
+    batch's are (B, T), one row per example)."""
+    min_length = min_length or block_size // 2
+    vocab_size, windows = shakespeare_batches(block_size, batch_size=1, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    examples = []
+    for _ in range(count):
+        ids = next(windows)[0][0]
+        length = int(torch.randint(min_length, block_size + 1, (), generator=gen))
+        mask = (torch.arange(block_size) < length).long()
+        examples.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100),
+                         "position_ids": torch.arange(block_size)})
+    return vocab_size, examples
+
+
+def build_model(name, vocab_size, **sizes):
+    """A tiny transformers model from a config: 'llama' (examples/hf_llama.py) or 'gpt2' (examples/hf_gpt2.py)."""
+    import hf_gpt2
+    import hf_llama
+    builders = {"llama": hf_llama.build, "gpt2": hf_gpt2.build}
+    if name not in builders:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(builders)}")
+    return builders[name](vocab_size, **sizes)

@@ -1,0 +1,83 @@
+"""
+Accelerate with the GNS (integrations.AccelerateGNS): a tiny transformers Llama or GPT-2 (from a config, nothing
+downloaded) trained with accelerator.accumulate and accelerator.clip_grad_norm_; the GNS is read in the loop
+just before clipping. The loss is the mean over sequences of each one's mean token loss (right-padded
+Shakespeare windows of random lengths).
+
+    python examples/accelerate_gpt.py [--model=llama|gpt2] [--steps=20] [--out_dir=out-accelerate]
+    torchrun --standalone --nproc_per_node=2 examples/accelerate_gpt.py  # DDP (gloo on CPUs); or accelerate launch
+    python gns-analysis.py out-accelerate --no-plots
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
+
+from common import EMA_DECAY, build_model, padded_examples  # noqa: E402
+from integrations import AccelerateGNS, sequence_mean_loss  # noqa: E402
+
+BLOCK_SIZE = 32
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
+    parser.add_argument("--out_dir", default="out-accelerate", help="where log.csv goes (default: out-accelerate)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
+    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="clipping (default: 1.0)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
+    return parser.parse_args(argv)
+
+
+def train(args, watch=None):
+    """Train; `watch(model)` (tests) sees the model once it is built. Returns the AccelerateGNS."""
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=not torch.cuda.is_available())
+    vocab_size, examples = padded_examples(256, BLOCK_SIZE)
+    torch.manual_seed(0)
+    model = build_model(args.model, vocab_size, block_size=BLOCK_SIZE).to(getattr(torch, args.dtype))
+    if watch is not None:
+        watch(model)
+    gns = AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY)  # gns: convert, log here
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    steps = 0
+    while steps < args.steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                labels = batch.pop("labels")
+                loss = sequence_mean_loss(model(**batch).logits, labels)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    gns.step()  # gns: after the step's last backward, before clipping
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                steps += 1
+                if steps == args.steps:
+                    break
+    gns.close()
+    return gns
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    gns = train(args)
+    if gns.accelerator.is_main_process:
+        print(f"accelerate_gpt: {args.model}, {args.steps} steps, {len(gns.monitor.tracked)} parameters tracked: "
+              f"final running GNS {gns.gns:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""
+transformers.Trainer with the GNS: one callback (integrations.TrainerGNSCallback) on a tiny Llama or GPT-2
+(from a config, nothing downloaded), with Trainer's defaults: gradient accumulation, clipping at max_grad_norm,
+its DDP under torchrun. Right-padded Shakespeare windows of random lengths.
+
+    python examples/hf_trainer.py [--model=llama|gpt2] [--steps=20] [--out_dir=out-hf-trainer]
+    torchrun --standalone --nproc_per_node=2 examples/hf_trainer.py      # DDP (gloo on CPUs)
+    python gns-analysis.py out-hf-trainer --no-plots
+
+--loss=tokens (Trainer's default) divides the step's summed token losses by their number: an example's gradient
+then weighs by its label tokens. --loss=sequences takes the mean over sequences of each one's mean token loss
+(DESIGN.md's per-example gradient) by overriding compute_loss.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
+
+from common import EMA_DECAY, build_model, padded_examples  # noqa: E402
+from integrations import TrainerGNSCallback, sequence_mean_loss  # noqa: E402
+
+BLOCK_SIZE = 32
+
+
+class SequenceMeanTrainer(Trainer):
+    """Trainer whose loss is the mean over sequences of each one's mean token loss."""
+
+    loss_is_scaled_for_ga = False  # a micro-batch mean: Trainer divides it by the accumulation steps
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        loss = sequence_mean_loss(outputs.logits, labels)
+        return (loss, outputs) if return_outputs else loss
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
+    parser.add_argument("--out_dir", default="out-hf-trainer", help="Trainer's output_dir, where log.csv goes "
+                        "(default: out-hf-trainer)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
+    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="clipping (default: 1.0)")
+    parser.add_argument("--loss", default="tokens", choices=["tokens", "sequences"], help="default: tokens")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
+    return parser.parse_args(argv)
+
+
+def make_trainer(args, callbacks=()):
+    """The Trainer of this example: a tiny model, its dataset and arguments, with the GNS callback added."""
+    vocab_size, examples = padded_examples(256, BLOCK_SIZE)
+    torch.manual_seed(0)
+    model = build_model(args.model, vocab_size, block_size=BLOCK_SIZE).to(getattr(torch, args.dtype))
+    training_args = TrainingArguments(
+        output_dir=args.out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, max_grad_norm=args.max_grad_norm, learning_rate=1e-3,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True, seed=0)
+    trainer_class = SequenceMeanTrainer if args.loss == "sequences" else Trainer
+    trainer = trainer_class(model=model, args=training_args, train_dataset=examples, callbacks=list(callbacks))
+    trainer.add_callback(TrainerGNSCallback(trainer, ema_decay=EMA_DECAY))  # gns: the one line
+    return trainer
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    trainer = make_trainer(args)
+    trainer.train()
+    gns = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TrainerGNSCallback)).monitor
+    if trainer.is_world_process_zero():
+        print(f"hf_trainer: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
+              f"final running GNS {gns.gns:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""
+Lightning with the GNS: one callback (integrations.LightningGNSCallback) on a LightningModule holding a tiny
+transformers Llama or GPT-2 (from a config, nothing downloaded), with accumulate_grad_batches and
+gradient_clip_val. The loss is the mean over sequences of each one's mean token loss (right-padded Shakespeare
+windows of random lengths).
+
+    python examples/lightning_gpt.py [--model=llama|gpt2] [--steps=20] [--out_dir=out-lightning]
+    torchrun --standalone --nproc_per_node=2 examples/lightning_gpt.py   # DDP (gloo on CPUs)
+    python gns-analysis.py out-lightning --no-plots
+"""
+
+import argparse
+import os
+import sys
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
+
+from common import EMA_DECAY, build_model, padded_examples  # noqa: E402
+from integrations import LightningGNSCallback, sequence_mean_loss  # noqa: E402
+
+BLOCK_SIZE = 32
+
+
+class CausalLM(L.LightningModule):
+    def __init__(self, model, lr=1e-3):
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def training_step(self, batch, batch_idx):
+        labels = batch.pop("labels")
+        loss = sequence_mean_loss(self.model(**batch).logits, labels)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
+    parser.add_argument("--out_dir", default="out-lightning", help="where log.csv goes (default: out-lightning)")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
+    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient_clip_val (default: 1.0)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
+    return parser.parse_args(argv)
+
+
+def make_trainer(args, callbacks=()):
+    """(lightning.Trainer with the GNS callback, the LightningModule, the training DataLoader)."""
+    vocab_size, examples = padded_examples(256, BLOCK_SIZE)
+    torch.manual_seed(0)
+    module = CausalLM(build_model(args.model, vocab_size, block_size=BLOCK_SIZE))
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun Lightning joins the launched ranks
+    trainer = L.Trainer(
+        max_steps=args.steps, accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm,
+        precision="64-true" if args.dtype == "float64" else "32-true", accelerator="cpu", devices=world,
+        strategy="ddp" if world > 1 else "auto", default_root_dir=args.out_dir,
+        logger=CSVLogger(args.out_dir, name="lightning_logs"),  # gets "gns" and "train/loss" every step
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        callbacks=[LightningGNSCallback(ema_decay=EMA_DECAY), *callbacks])  # gns: the one line
+    loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+    return trainer, module, loader
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    trainer, module, loader = make_trainer(args)
+    trainer.fit(module, loader)
+    gns = next(c for c in trainer.callbacks if isinstance(c, LightningGNSCallback)).monitor
+    if trainer.is_global_zero:
+        print(f"lightning_gpt: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
+              f"final running GNS {gns.gns:.4f}")
+
+
+if __name__ == "__main__":
+    main()

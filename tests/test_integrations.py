@@ -1,0 +1,176 @@
+"""
+integrations.py under the trainers themselves: a tiny Llama and a tiny GPT-2 trained for 2 steps by
+transformers.Trainer, Lightning and Accelerate (examples/hf_trainer.py, lightning_gpt.py, accelerate_gpt.py;
+accumulation 2, clipping at 1.0 active, float64), in one process and on 2 CPU processes (torchrun, gloo): every
+logged `norm` and `pegn` equals a brute-force loop over the examples each step used, with the trainer's own
+weighting of them, and gns-analysis reads each run.
+
+    python -m pytest -q tests/test_integrations.py
+
+tests/scripts/integrations_worker.py runs an example and records every training forward's inputs and
+parameters, and the gradient norm each optimizer step used after clipping.
+"""
+
+import functools
+import importlib.util
+import math
+import os
+import re
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import REPO, run_script
+from csv_tools import load_csv
+
+sys.path.insert(0, os.path.join(REPO, "examples"))
+sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
+
+import integrations_worker  # noqa: E402
+from common import build_model  # noqa: E402
+from integrations import sequence_mean_loss  # noqa: E402
+
+FLAGS = ["--steps=2", "--batch_size=2", "--grad_accum=2", "--max_grad_norm=1.0", "--dtype=float64"]
+GA, MAX_NORM = 2, 1.0
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+@functools.cache
+def gns_analysis():
+    spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(REPO, "gns-analysis.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def labels_of(inputs):
+    """The labels of a recorded forward: passed to the model (Trainer), else the example's rule (ids, -100 on pads)."""
+    if "labels" in inputs:
+        return inputs["labels"]
+    return inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+
+
+def brute_force(model_name, params, rows, token_weighted, counts_shifted_labels=True):
+    """{parameter: (||G||^2, mean_i ||h_i||^2)} by one backward per example, h_i = B x example i's part of G.
+
+    rows: [(inputs of one example, its labels)] of one step (all micro-batches and ranks). token_weighted: the
+    step's loss is the sum of its n_i token losses over N (Trainer's default), so example i's part is n_i / N
+    times the gradient of its mean token loss; else the loss is the mean over examples of that. N is the number
+    of labels Trainer counts: the shifted ones (the loss's terms), or, for a model whose config names no
+    loss_type (GPT-2 from a config), every label (one more per sequence whose first label is not -100)."""
+    model = build_model(model_name, vocab_size=params["model.embed_tokens.weight" if model_name == "llama"
+                                                   else "transformer.wte.weight"].shape[0], block_size=32).double()
+    model.load_state_dict(params, strict=False)
+    B = len(rows)
+    tokens = [int(labels[1:].ne(-100).sum()) for _, labels in rows]
+    N = sum(tokens) if counts_shifted_labels else sum(int(labels.ne(-100).sum()) for _, labels in rows)
+    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    pe_sqnorm = {n: 0.0 for n in total}
+    for (inputs, labels), n_i in zip(rows, tokens):
+        model.zero_grad(set_to_none=True)
+        sequence_mean_loss(model(**{k: v[None] for k, v in inputs.items()}).logits, labels[None]).backward()
+        weight = B * n_i / N if token_weighted else 1.0
+        for n, p in model.named_parameters():
+            h = weight * p.grad
+            total[n] += h / B
+            pe_sqnorm[n] += h.pow(2).sum().item() / B
+    return {n: (total[n].pow(2).sum().item(), pe_sqnorm[n]) for n in total}
+
+
+def check_run(out_dir, name, model_name, token_weighted, ranks=1, clipping=True):
+    """Compare out_dir/log.csv with the brute force over the recorded steps; check clipping; run gns-analysis."""
+    records = [torch.load(os.path.join(out_dir, f"records_rank{r}.pt"), weights_only=False) for r in range(ranks)]
+    log = load_csv(str(out_dir))
+    steps = len(records[0]["forwards"]) // GA
+    assert steps == 2 and len(log) == 2, (steps, len(log))
+    for step in range(steps):
+        rows = []
+        for rec in records:
+            for forward in rec["forwards"][GA * step:GA * (step + 1)]:
+                inputs = {k: v for k, v in forward["inputs"].items() if k in ("input_ids", "attention_mask",
+                                                                              "position_ids")}
+                labels = labels_of(forward["inputs"])
+                rows += [({k: v[i] for k, v in inputs.items()}, labels[i]) for i in range(labels.shape[0])]
+        assert len({int(labels.ne(-100).sum()) for _, labels in rows}) > 1  # padded: token weighting matters
+        want = brute_force(model_name, records[0]["forwards"][GA * step]["params"], rows, token_weighted,
+                           records[0].get("counts_shifted_labels", True))
+        logged = [c[len("train/gns/"):-len("/norm")] for c in log.columns
+                  if c.startswith("train/gns/") and c.endswith("/norm")]
+        inner = "model." if name == "lightning_gpt" else ""  # Lightning logs names in the LightningModule
+        assert {n.split("+")[0].removeprefix(inner) for n in logged} == set(want)
+        total_sq = 0.0
+        for n in logged:
+            sq_norm, pe_sqnorm = want[n.split("+")[0].removeprefix(inner)]
+            row = log.iloc[step]
+            assert row[f"train/gns/{n}/batch_size"] == len(rows)
+            assert row[f"train/gns/{n}/norm"] ** 2 == pytest.approx(sq_norm, rel=1e-5), (step, n)
+            assert row[f"train/gns/{n}/pegn"] ** 2 == pytest.approx(pe_sqnorm, rel=1e-5), (step, n)
+            total_sq += row[f"train/gns/{n}/norm"] ** 2
+        # clipping at 1.0 was active: the norms read are the unclipped ones, the optimizer got a gradient of norm 1
+        assert math.sqrt(total_sq) > 1.5 * MAX_NORM
+        for rec in records:
+            assert rec["clipped"][step] == pytest.approx(MAX_NORM if clipping else math.sqrt(total_sq), rel=1e-5)
+    assert math.isfinite(log["gns"].iloc[-1])
+    assert gns_analysis().main([str(out_dir), "--no-plots"]) == 0
+    return records
+
+
+RUNS = [("hf_trainer", "llama"), ("hf_trainer", "gpt2"), ("lightning_gpt", "llama"), ("lightning_gpt", "gpt2"),
+        ("accelerate_gpt", "llama"), ("accelerate_gpt", "gpt2")]
+
+
+@pytest.mark.parametrize("name,model_name", RUNS, ids=["-".join(r) for r in RUNS])
+def test_one_process_exact_before_clipping(name, model_name, tmp_path, capsys):
+    records = integrations_worker.run(name, [*FLAGS, f"--model={model_name}", f"--out_dir={tmp_path}"])
+    check_run(tmp_path, name, model_name, token_weighted=name == "hf_trainer")
+    if name == "hf_trainer":  # the running GNS in Trainer's log, beside its own (unclipped) grad_norm
+        history = records["trainer_log"]
+        assert [e["step"] for e in history if "gns" in e] == [1, 2]
+        grad_norms = [e["grad_norm"] for e in history if "grad_norm" in e]
+        log = load_csv(str(tmp_path))
+        norms = [math.sqrt(sum(log[c].iloc[s] ** 2 for c in log.columns if c.endswith("/norm"))) for s in range(2)]
+        assert grad_norms == pytest.approx(norms, rel=1e-6)
+    if name == "lightning_gpt":  # the running GNS in Lightning's logger
+        metrics = pd.read_csv(tmp_path / "lightning_logs" / "version_0" / "metrics.csv")
+        assert metrics["gns"].notna().sum() == 2
+        assert metrics["gns"].dropna().iloc[-1] == pytest.approx(load_csv(str(tmp_path))["gns"].iloc[-1])
+
+
+def test_trainer_sequence_mean_loss_is_the_per_sequence_definition(tmp_path):
+    """--loss=sequences (compute_loss overridden): each example's gradient is that of its own mean token loss."""
+    integrations_worker.run("hf_trainer", [*FLAGS, "--model=llama", "--loss=sequences", f"--out_dir={tmp_path}"])
+    check_run(tmp_path, "hf_trainer", "llama", token_weighted=False)
+
+
+def test_trainer_without_clipping_reads_the_step_too(tmp_path):
+    """max_grad_norm=0: Trainer calls clip_grad_norm_ with an infinite norm (for its grad_norm log); read there."""
+    flags = [f for f in FLAGS if not f.startswith("--max_grad_norm")]
+    integrations_worker.run("hf_trainer", [*flags, "--max_grad_norm=0", "--model=llama", f"--out_dir={tmp_path}"])
+    check_run(tmp_path, "hf_trainer", "llama", token_weighted=True, clipping=False)
+
+
+DDP_RUNS = [("hf_trainer", "llama"), ("accelerate_gpt", "gpt2"), ("lightning_gpt", "llama")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,model_name", DDP_RUNS, ids=["-".join(r) for r in DDP_RUNS])
+def test_two_processes_exact_before_clipping(name, model_name, tmp_path):
+    out = run_script("tests/scripts/integrations_worker.py", name, *FLAGS, f"--model={model_name}",
+                     f"--out_dir={tmp_path}", nproc=2)
+    assert out.returncode == 0, out.stderr[-8000:]
+    check_run(tmp_path, name, model_name, token_weighted=name == "hf_trainer", ranks=2)
+
+
+def test_examples_run_as_the_readme_says(tmp_path, monkeypatch, capsys):
+    """Each example's main(), as `python examples/<name>.py` runs it (its default out_dir, in a fresh directory):
+    it trains, prints its final running GNS and leaves a log gns-analysis reads. In this process: the scripts'
+    imports are what the runs above load."""
+    monkeypatch.chdir(tmp_path)
+    scripts = {"hf_trainer": "out-hf-trainer", "lightning_gpt": "out-lightning", "accelerate_gpt": "out-accelerate"}
+    for name, out_dir in scripts.items():
+        integrations_worker.example(name).main(["--steps=2", "--batch_size=2"])
+        assert re.search(rf"{name}: llama, 2 steps, 21 parameters tracked: final running GNS \d",
+                         capsys.readouterr().out)
+        assert gns_analysis().main([str(tmp_path / out_dir), "--no-plots"]) == 0
