@@ -47,7 +47,8 @@ parameter counts (an untied wte or lm_head is an ordinary parameter).
 DDP: train.py logs each step's raw cross-rank quantities under ddp/; the DDP
 GNS is formed here from them with the same --alpha (estimator.two_batch_stats).
 It covers every trainable parameter, the per-example GNS only the tracked ones
-(e.g. LayerNorm only): the summary says which each covers.
+(e.g. LayerNorm only): the summary says what each covers (with the tracked
+elements, from the record).
 (A log of the paper's reference code has only its own `ddp/gns`: shown as logged.)
 
 The x-axis is tokens (`tokens_processed`) where the log has them, else examples
@@ -356,7 +357,10 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
     results.attrs["excluded"] = excluded
     results.attrs["approx"] = approx
     results.attrs["x"] = x
-    results.attrs["grouped_by"] = "record" if read_parameter_record(out_dir) is not None else "name"
+    record = read_parameter_record(out_dir)
+    results.attrs["grouped_by"] = "record" if record is not None else "name"
+    numel = [record[p].get("numel") for p in chosen if p in record] if record else []
+    results.attrs["elements"] = sum(numel) if numel and None not in numel and len(numel) == len(chosen) else None
     return results
 
 
@@ -384,7 +388,9 @@ def summary(results):
         lines.append(f"Final DDP GNS: {results['ddp_gns'].dropna().iloc[-1]:.4f}")
         groups = {g: len(m) for g, m in results.attrs.get("groups", {}).items() if m}
         covered = ", ".join(f"{g} {n}" for g, n in groups.items())
-        lines.append(f"  (they cover different parameters: Final GNS the {sum(groups.values())} tracked ones ({covered}), "
+        elements = results.attrs.get("elements")
+        size = f", {elements:,} elements" if elements else ""
+        lines.append(f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}{size}), "
                      "from per-example norms; Final DDP GNS every trainable parameter, from each rank's gradient "
                      "against their average)")
     lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")

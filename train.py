@@ -169,6 +169,8 @@ if ddp:
     if device.startswith('cuda'):
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0 # this process will do logging, checkpointing etc.
+    if not master_process: # gns: the start-up lines (model size, optimizer, ...) once, from rank 0; errors still reach stderr
+        sys.stdout = open(os.devnull, 'w')
     seed_offset = ddp_rank # each process gets a different seed
     # world_size number of processes will be training simultaneously, so we can scale
     # down the desired gradient accumulation iterations per process proportionally

@@ -7,7 +7,9 @@ the number of ranks).
     python -m pytest tests/test_ddp_train.py -q
 """
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -57,8 +59,18 @@ def test_two_ranks_log_ddp_gns_and_match_one_process(tmp_path):
     np.testing.assert_allclose(ddp["grad_norm"].to_numpy(), single["grad_norm"].to_numpy(), rtol=1e-4)
     # rank 0 alone prints the config; torch 2.13's FutureWarning for DDP's broadcast_buffers is not raised
     output = ddp.attrs["output"]
-    assert output.stdout.count("Overriding config with") == 1 and output.stdout.count("tokens per iteration") == 1
+    for line in ("Overriding config with", "tokens per iteration", "number of parameters", "found vocab_size"):
+        assert output.stdout.count(line) == 1, line
     assert "broadcast_buffers" not in output.stderr and "FutureWarning" not in output.stderr
+    # gns-analysis says what each GNS covers: here every parameter is tracked, by per-example norms
+    analysis = run_script("gns-analysis.py", str(tmp_path / "ddp"), "--no-plots")
+    assert analysis.returncode == 0, analysis.stderr
+    n_params = len(cols) // 3
+    record = json.load(open(tmp_path / "ddp" / "gns_parameters.json"))["parameters"]
+    elements = sum(entry["numel"] for entry in record.values())
+    assert re.search(rf"^Final DDP GNS: \S+\n  \(what each covers: Final GNS the {n_params} tracked parameters "
+                     rf"\(LayerNorm \d+, Linear \d+, Embedding \d+, {elements:,} elements\), from per-example norms; "
+                     r"Final DDP GNS every trainable parameter", analysis.stdout, re.MULTILINE), analysis.stdout
 
 
 @pytest.mark.slow

@@ -644,7 +644,7 @@ def test_ddp_gns_is_formed_from_the_raw_columns_with_the_given_alpha(tmp_path, c
         assert printed(out, "Final DDP GNS") == f"{expected.iloc[-1]:.4f}"
         groups = {g: len(m) for g, m in results.attrs["groups"].items() if m}
         covered = ", ".join(f"{g} {n}" for g, n in groups.items())
-        assert (f"(they cover different parameters: Final GNS the {sum(groups.values())} tracked ones ({covered}), from "
+        assert (f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}), from "
                 "per-example norms; Final DDP GNS every trainable parameter") in out
 
 
