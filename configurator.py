@@ -22,7 +22,12 @@ _config_keys = sorted(k for k, v in globals().items()
                       if not k.startswith('_') and k != 'config_keys' and isinstance(v, _config_types))
 
 
-def _fail(message):
+_print = print if int(os.environ.get('RANK', 0)) == 0 else (lambda *args, **kwargs: None)  # under torchrun: rank 0 only
+
+
+def _fail(message):  # every rank exits; rank 0 alone says why (see train.py's fail)
+    if int(os.environ.get('RANK', 0)) != 0:
+        sys.exit(0)
     sys.exit(f"configurator: {message}")
 
 
@@ -47,10 +52,10 @@ for _arg in sys.argv[1:]:
             _fail(f"{_arg!r} is not a config file; overrides are written --{_arg}")
         if not os.path.isfile(_arg):
             _fail(f"config file {_arg!r} not found (relative paths start at {os.getcwd()})")
-        print(f"Overriding config with {_arg}:")
+        _print(f"Overriding config with {_arg}:")
         with open(_arg) as _f:
             _source = _f.read()
-        print(_source)
+        _print(_source)
         _scope = {k: globals()[k] for k in _config_keys}
         exec(_source, _scope)
         for _key, _value in _scope.items():
@@ -67,5 +72,5 @@ for _arg in sys.argv[1:]:
         if isinstance(globals().get(_key), str):
             _value = _text  # string keys take the text as typed, e.g. --wandb_run_name=2024
         _value = _checked(_key, _value, _arg)
-        print(f"Overriding: {_key} = {_value!r}")
+        _print(f"Overriding: {_key} = {_value!r}")
         globals()[_key] = _value

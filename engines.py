@@ -13,6 +13,7 @@ shards by itself (gnstracking.py).
 """
 
 import gc
+import inspect
 import os
 import random
 
@@ -105,8 +106,12 @@ class DataParallel(OneProcess):
 
     def wrap(self, model):
         # gns: no buffer broadcast, or rank 0's per-example norm buffers would overwrite the others'
+        # (at init they are synced: all zero then); torch >= 2.12 names the option forward_sync_buffers and
+        # warns on the old name, torch 2.11 (the GPU images) knows only broadcast_buffers
         device_ids = [self.local_rank] if self.device.startswith('cuda') else None
-        return DDP(model, device_ids=device_ids, broadcast_buffers=False)
+        no_sync = ('forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(DDP.__init__).parameters
+                   else 'broadcast_buffers')
+        return DDP(model, device_ids=device_ids, **{no_sync: False})
 
     def sync_gradients(self, model, sync):
         # what model.no_sync() toggles, without the context manager

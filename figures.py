@@ -18,12 +18,36 @@ matplotlib.use("Agg")  # figures are saved, never shown: works headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 import gns_analysis  # noqa: E402
 from csv_tools import load_csv  # noqa: E402
 
 GROUP_COLUMNS = {"all parameters": "gns", "LayerNorm only": "gns_layernorm",
                  "Linear only": "gns_linear", "Embedding only": "gns_embedding"}
+
+
+def readable_ticks(ax, x=True, y=True):
+    """A few labelled ticks on the chosen axes: linear ones at most 5 (counts as 20k, 1.2M), log ones at
+    1, 2, 5 x 10^k over up to two decades, at powers of ten beyond (4 evenly spaced under one decade); minor
+    ticks unlabelled."""
+    engineering = EngFormatter(sep="")
+    plain = FuncFormatter(lambda value, _: f"{value:g}" if abs(value) < 1e4 else engineering(value))
+    chosen = [(ax.xaxis, ax.get_xscale(), ax.get_xlim())] * x + [(ax.yaxis, ax.get_yscale(), ax.get_ylim())] * y
+    for axis, scale, limits in chosen:
+        if scale == "log":
+            low, high = sorted(limits)
+            decades = np.log10(high / low) if low > 0 else np.inf
+            locator = (MaxNLocator(4) if decades < 1 else
+                       LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2 else (1.0,), numticks=6))
+            axis.set_major_locator(locator)
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(NullFormatter())
+        else:
+            axis.set_major_locator(MaxNLocator(5))
+            if max(abs(v) for v in limits) >= 1e4:  # counts: 20k, not 20000 or an offset label
+                axis.set_major_formatter(engineering)
+    return ax
 
 
 def gns_by_layer_type(out_dir, alpha=0.95):
@@ -35,6 +59,7 @@ def gns_by_layer_type(out_dir, alpha=0.95):
             ax.plot(results[results.attrs["x"]], results[column], label=label, lw=2 if column == "gns" else 1.2)
     ax.set(xlabel=results.attrs["x"].split("_")[0], ylabel="GNS", yscale="log", title=f"GNS by layer type ({os.path.basename(os.path.normpath(out_dir))})")
     ax.legend()
+    readable_ticks(ax)
     fig.tight_layout()
     return fig
 
@@ -45,8 +70,9 @@ def phase_plot(out_dir, alpha=0.95):
     ok = (results["gtg_ema"] > 0) & (results["trsigma_ema"] > 0)
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     points = ax.scatter(results.loc[ok, "gtg_ema"], results.loc[ok, "trsigma_ema"], c=results.loc[ok, results.attrs["x"]], s=8)
-    fig.colorbar(points, ax=ax, label=results.attrs["x"].split("_")[0])
+    fig.colorbar(points, ax=ax, label=results.attrs["x"].split("_")[0], format=EngFormatter(sep=""))
     ax.set(xscale="log", yscale="log", xlabel="|G|² (EMA)", ylabel="tr(Σ) (EMA)", title="phase plot")
+    readable_ticks(ax)
     fig.tight_layout()
     return fig
 
@@ -84,11 +110,13 @@ def per_layer_figure(out_dir, alpha=0.95):
     left.set(xlabel=table.attrs["x"].split("_")[0], ylabel="GNS", yscale="log", title="GNS per block")
     if blocks:
         left.legend(fontsize=8)
+    readable_ticks(left)
     final = table[params].ffill().iloc[-1]
     right.barh(np.arange(len(params)), final.to_numpy(), color=["C1" if table.attrs["groups"][p] == "LayerNorm" else "C0" for p in params])
     right.set_yticks(np.arange(len(params)), params, fontsize=7)
     right.set(xscale="log", xlabel="final GNS", title="per parameter (orange: LayerNorm)")
     right.invert_yaxis()
+    readable_ticks(right, y=False)
     fig.tight_layout()
     return fig
 
@@ -109,5 +137,7 @@ def schedule_comparison(runs, loss_column="train/lossf"):
     by_tokens.set(xlabel="tokens", ylabel=loss_column, title="loss against tokens")
     by_time.set(xlabel="wall time (s)", ylabel=loss_column, title="loss against wall time")
     by_tokens.legend()
+    readable_ticks(by_tokens)
+    readable_ticks(by_time)
     fig.tight_layout()
     return fig

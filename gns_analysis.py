@@ -47,6 +47,9 @@ parameter counts (an untied wte or lm_head is an ordinary parameter).
 
 DDP: train.py logs each step's raw cross-rank quantities under ddp/; the DDP
 GNS is formed here from them with the same --alpha (estimator.two_batch_stats).
+It covers every trainable parameter, the per-example GNS only the tracked ones
+(e.g. LayerNorm only): the summary says what each covers (with the tracked
+elements, from the record).
 (A log of the paper's reference code has only its own `ddp/gns`: shown as logged.)
 
 The x-axis is tokens (`tokens_processed`) where the log has them, else examples
@@ -355,7 +358,10 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
     results.attrs["excluded"] = excluded
     results.attrs["approx"] = approx
     results.attrs["x"] = x
-    results.attrs["grouped_by"] = "record" if read_parameter_record(out_dir) is not None else "name"
+    record = read_parameter_record(out_dir)
+    results.attrs["grouped_by"] = "record" if record is not None else "name"
+    numel = [record[p].get("numel") for p in chosen if p in record] if record else []
+    results.attrs["elements"] = sum(numel) if numel and None not in numel and len(numel) == len(chosen) else None
     return results
 
 
@@ -381,6 +387,13 @@ def summary(results):
                      f"({noun} {verb} the final GNS by {(last['gns'] / without - 1) * 100:+.1f}%)")
     if "ddp_gns" in results and results["ddp_gns"].notna().any():
         lines.append(f"Final DDP GNS: {results['ddp_gns'].dropna().iloc[-1]:.4f}")
+        groups = {g: len(m) for g, m in results.attrs.get("groups", {}).items() if m}
+        covered = ", ".join(f"{g} {n}" for g, n in groups.items())
+        elements = results.attrs.get("elements")
+        size = f", {elements:,} elements" if elements else ""
+        lines.append(f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}{size}), "
+                     "from per-example norms; Final DDP GNS every trainable parameter, from each rank's gradient "
+                     "against their average)")
     lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")
     x = results.attrs.get("x", "tokens_processed")
     lines.append(f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]))}"
@@ -408,13 +421,15 @@ def tradeoff_lines(results):
     t = batch_size_tradeoff(gns, B)
     if not np.isfinite(t["steps_overhead"]):
         return [f"Batch size: the final GNS ({gns:.4f}) is not a positive number yet, so it says nothing about the batch size"]
+    # a GNS below OVERHEAD puts every batch within the steps bound; one below 1 / OVERHEAD, no batch within the other
+    steps = f"B >= {t['steps_within_b']:.0f}" if t["steps_within_b"] >= 1 else "every batch (B >= 1)"
+    examples = (f"B <= {t['examples_within_b']:.1f}" if t["examples_within_b"] >= 1 else
+                f"no batch (it would take B <= {t['examples_within_b']:.2g}: the GNS is that small)")
     return [
         f"Batch size (McCandlish et al. 2018, critical batch ~ GNS = {gns:.1f} examples):",
         f"  at this run's B = {B:.0f}: {t['steps_overhead']:.2f}x the minimum number of optimizer steps "
         f"(S = S_min (1 + GNS/B)) and {t['examples_overhead']:.2f}x the minimum number of examples (E = E_min (1 + B/GNS))",
-        f"  within {OVERHEAD:.0%} of the fewest steps: B >= {t['steps_within_b']:.0f}; "
-        f"within {OVERHEAD:.0%} of the fewest examples: B <= {t['examples_within_b']:.1f}"
-        + (" (no batch of 1 or more: the GNS is that small)" if t["examples_within_b"] < 1 else ""),
+        f"  within {OVERHEAD:.0%} of the fewest steps: {steps}; within {OVERHEAD:.0%} of the fewest examples: {examples}",
     ]
 
 

@@ -132,8 +132,10 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", treat
     Args:
         treat_as: {module class: kind} for classes to probe as one kind only ("RMSNorm", "LayerNorm",
             "Linear", "Conv1D" or "Embedding"), or {class: (kind, options)} to fix options the probe would
-            otherwise search: eps (RMSNorm, LayerNorm), weight_offset (RMSNorm: 1.0 for a (1 + weight) scale).
-            Matched by exact class; the probe still decides.
+            otherwise search: eps (RMSNorm, LayerNorm), weight_offset (RMSNorm: 1.0 for a (1 + weight) scale),
+            and "weight"/"bias": the names of the parameters playing those roles ({MyNorm: ("RMSNorm",
+            {"weight": "scale"})}; a module whose only parameter is not named weight is probed with it as its
+            weight anyway). Matched by exact class; the probe still decides.
         exclude: module paths ("model.layers.3", matching that module and everything under it) or module classes
             to leave as they are; listed as excluded, their parameters not tracked.
         monitor: keyword arguments of the GNSMonitor made of the model (log, scaler, ema_decay, out_dir, ...).

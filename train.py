@@ -19,6 +19,7 @@ $ torchrun --standalone --nproc_per_node=4 train.py --fsdp=True
 """
 
 import os
+import sys
 import time
 import pickle
 from contextlib import nullcontext
@@ -87,7 +88,8 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = True # use PyTorch 2.0 to compile the model to be faster
 gns_ema_decay = 0.95 # decay of the running GNS estimate shown in the status line
 # gns: batch-size schedule (schedules.py); steps count accumulation steps over all ranks
-bs_schedule = 'none' # 'none', 'linear' (out_dir/grad_accum_schedule.txt, re-read every step) or 'gns' (follows the running GNS)
+bs_schedule = 'none' # 'none', 'linear' (out_dir/grad_accum_schedule.txt, re-read every step; written when absent: a ramp
+# from bs_min_accum_steps at 0 tokens to bs_max_accum_steps at max_tokens) or 'gns' (follows the running GNS); both end at max_tokens
 bs_min_accum_steps = 1
 bs_max_accum_steps = 0 # 0 = gradient_accumulation_steps
 bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples
@@ -98,48 +100,67 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator
 config = {k: globals()[k] for k in config_keys} # will be useful for logging
 # -----------------------------------------------------------------------------
 
+# gns: a bad setting ends every rank before any process group starts; rank 0 alone prints why (one line on
+# stderr, above torchrun's report), the other ranks leave quietly so that the report names rank 0's failure
+def fail(message):
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(f"train.py: {message}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    sys.exit(0)
+
 # gns: check the layer choice before anything starts, and say why B = 1 cannot work
 layer_choice = dict(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
 try:
     layer_classes = lc.layer_classes(**layer_choice)
 except ValueError as e:
-    raise SystemExit(f"train.py: {e}")
+    fail(str(e))
 tracked = lc.tracks_per_example_norms(**layer_choice)
 if spectral_c_attn and linearclass != 'nn':
-    raise SystemExit(f"train.py: spectral_c_attn={spectral_c_attn} with linearclass={linearclass!r}: the spectral norm "
-                     "makes c_attn compute with W / sigma(W), so its layer would record the per-example norms of that, "
-                     "not of the trainable W; use --linearclass=nn with spectral_c_attn (the LayerNorm and Embedding "
-                     "norms still give a GNS), or drop spectral_c_attn")
+    fail(f"spectral_c_attn={spectral_c_attn} with linearclass={linearclass!r}: the spectral norm "
+         "makes c_attn compute with W / sigma(W), so its layer would record the per-example norms of that, "
+         "not of the trainable W; use --linearclass=nn with spectral_c_attn (the LayerNorm and Embedding "
+         "norms still give a GNS), or drop spectral_c_attn")
 # gns: check the batch-size schedule
 bs_max_accum_steps = bs_max_accum_steps or gradient_accumulation_steps
 if bs_schedule not in ('none', 'linear', 'gns'):
-    raise SystemExit(f"train.py: unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear' or 'gns'")
+    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear' or 'gns'")
 if bs_schedule == 'gns' and not tracked:
-    raise SystemExit("train.py: bs_schedule='gns' follows the measured GNS: set a layer class other than 'nn' "
-                     "(e.g. --linearclass=gns)")
+    fail("bs_schedule='gns' follows the measured GNS: set a layer class other than 'nn' "
+         "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
-    raise SystemExit(f"train.py: need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
+    fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
 if device.startswith('cuda') and not torch.cuda.is_available():
-    raise SystemExit(f"train.py: device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; run with "
-                     "--device=cpu --dtype=float32 --compile=False, or install a CUDA build of torch on a GPU machine")
+    fail(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; run with "
+         "--device=cpu --dtype=float32 --compile=False, or install a CUDA build of torch on a GPU machine")
+# gns: wandb without a login would fail inside wandb.init, after out_dir is made; say so before anything starts
+if wandb_log and os.environ.get('WANDB_MODE') not in ('offline', 'disabled', 'dryrun'):
+    import wandb
+    if not wandb.login(prompt=False, verify=False):
+        fail("wandb_log=True but wandb has no login (no WANDB_API_KEY, no `wandb login`); log in with "
+             "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log")
 
 # various inits, derived attributes, I/O setup
 ddp = int(os.environ.get('RANK', -1)) != -1 # is this a ddp run?
+if fsdp and not ddp:
+    fail("fsdp=True shards the model over the processes of torchrun: "
+         "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True")
 if fsdp and (compile or dtype == 'float16'):
-    raise SystemExit("train.py: fsdp=True is supported with compile=False and dtype float32 or bfloat16 "
-                     "(fp16's GradScaler is not set up for sharded gradients)")
+    fail("fsdp=True is supported with compile=False and dtype float32 or bfloat16 "
+         "(fp16's GradScaler is not set up for sharded gradients)")
 if ddp and bs_schedule == 'none':
     ddp_world_size = int(os.environ['WORLD_SIZE'])
     if gradient_accumulation_steps % ddp_world_size != 0:
         divisors = [n for n in range(1, gradient_accumulation_steps + 1) if gradient_accumulation_steps % n == 0]
         lower = gradient_accumulation_steps // ddp_world_size * ddp_world_size
-        raise SystemExit(f"train.py: gradient_accumulation_steps={gradient_accumulation_steps} counts micro-batches over "
-                         f"all {ddp_world_size} ranks, so it must be a multiple of the number of ranks (each rank runs "
-                         f"an equal share); use --gradient_accumulation_steps={lower or ddp_world_size} or "
-                         f"{lower + ddp_world_size}, or a number of ranks in {divisors}")
+        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} counts micro-batches over "
+             f"all {ddp_world_size} ranks, so it must be a multiple of the number of ranks (each rank runs "
+             f"an equal share); use --gradient_accumulation_steps={lower or ddp_world_size} or "
+             f"{lower + ddp_world_size}, or a number of ranks in {divisors}")
 engine = engines.start(device, backend, fsdp) # gns: torchrun's processes joined (DDP or FSDP2), or one process
 device, ddp_rank, ddp_world_size = engine.device, engine.rank, engine.world_size
 master_process = engine.master_process # this process will do logging, checkpointing etc.
+if not master_process: # gns: the start-up lines (model size, optimizer, ...) once, from rank 0; errors still reach stderr
+    sys.stdout = open(os.devnull, 'w')
 seed_offset = engine.seed_offset # each process gets a different seed
 # world_size number of processes will be training simultaneously, so we can scale
 # down the desired gradient accumulation iterations per process proportionally
@@ -148,11 +169,17 @@ if bs_schedule != 'none': # gns: a schedule sets these before every step; 'gns' 
     gradient_accumulation_steps = schedules.per_rank_steps(bs_min_accum_steps, ddp_world_size)
 examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
 tokens_per_iter = examples_per_iter * block_size
-print(f"tokens per iteration will be: {tokens_per_iter:,}")
+micro_tokens = ddp_world_size * batch_size * block_size # gns: tokens of one micro-batch on every rank
+if master_process and bs_schedule == 'none':
+    print(f"tokens per iteration will be: {tokens_per_iter:,}")
+elif master_process: # gns: a schedule moves the batch between its bounds (the last step cut to max_tokens)
+    low, high = (schedules.per_rank_steps(n, ddp_world_size) * micro_tokens for n in (bs_min_accum_steps, bs_max_accum_steps))
+    print(f"tokens per iteration will follow the {bs_schedule} batch-size schedule: {low:,} to {high:,} "
+          f"({bs_min_accum_steps} to {bs_max_accum_steps} accumulation steps)")
 if tracked and examples_per_iter < 2: # (a schedule starts at its smallest batch)
-    raise SystemExit("train.py: the GNS needs at least 2 examples per optimizer step (it compares per-example "
-                     "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
-                     "gradient_accumulation_steps, or set all layer classes to 'nn'")
+    fail("the GNS needs at least 2 examples per optimizer step (it compares per-example "
+         "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
+         "gradient_accumulation_steps, or set all layer classes to 'nn'")
 
 # gns: a new run never mixes its log, checkpoint or schedule into another run's out_dir
 run_files = [f for f in ('log.csv', 'log_header.csv.tmp', 'ckpt.pt', schedules.SCHEDULE_FILE)
@@ -410,6 +437,11 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
 
     if bs_schedule != 'none': # gns: the batch-size schedule picks this step's batch
         gradient_accumulation_steps = scheduled_accum_steps()
+        # the last step runs only the micro-batches left in max_tokens (still >= 2 examples with GNS on)
+        left = -(-(max_tokens - tokens_processed) // micro_tokens) # ceil
+        if tracked:
+            left = max(left, -(-2 // (ddp_world_size * batch_size)))
+        gradient_accumulation_steps = min(gradient_accumulation_steps, left)
         examples_per_iter = gradient_accumulation_steps * ddp_world_size * batch_size
         tokens_per_iter = examples_per_iter * block_size
 

@@ -611,6 +611,47 @@ def test_treat_as_names_a_kind_and_its_options():
             lc.convert(nn.Sequential(HiddenEpsRMSNorm(6)), treat_as=bad)
 
 
+class ScaleRMSNorm(nn.Module):
+    """An RMSNorm whose gain is a parameter named `scale` (as in Flax-style or hand-written models)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
+
+
+@pytest.mark.parametrize("treat_as", [None, {ScaleRMSNorm: "RMSNorm"}, {ScaleRMSNorm: ("RMSNorm", {"weight": "scale"})}],
+                         ids=["probed", "kind", "kind-and-parameter"])
+@pytest.mark.parametrize("lnclass", ["gns", "shim"])
+def test_a_norm_whose_parameter_is_named_scale_is_converted_and_exact(treat_as, lnclass):
+    """Matched by what it computes (its only parameter is its gain), or named; its `scale` logged under its own name
+    and equal to the loop over examples, in two micro-batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), ScaleRMSNorm(8), nn.Linear(8, 5)).double()
+    with torch.no_grad():
+        model[1].scale.add_(0.3 * torch.randn(8, dtype=torch.float64))
+    scale = model[1].scale
+    x, g = torch.randn(5, 3, 6, dtype=torch.float64), torch.randn(5, 3, 5, dtype=torch.float64)
+    before = model(x)
+    tracker = lc.convert(model, lnclass=lnclass, treat_as=treat_as)
+    assert not tracker.unconverted and not tracker.untracked
+    assert isinstance(model[1], lc.get_layer_class("RMSNorm", lnclass)) and isinstance(model[1], ScaleRMSNorm)
+    assert model[1].scale is scale and list(dict(model[1].named_parameters())) == ["scale"] and model[1].eps == 1e-6
+    torch.testing.assert_close(model(x), before, rtol=1e-12, atol=1e-12)
+    for part in (slice(0, 2), slice(2, 5)):
+        model(x[part]).backward(g[part])
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in tracker.tracked}
+    assert "1.scale" in recorded
+    zero_sqgradnorm_buffers(model)
+    loop = per_example_sqnorms_by_loop(model, x, g)
+    assert set(recorded) == set(loop)
+    for name, (total, count) in recorded.items():
+        assert count == 5 and total == pytest.approx(loop[name].sum().item(), rel=1e-6), name  # float32 buffers
+
+
 class NormWithBuffer(HandRMSNorm):
     def __init__(self, d):
         super().__init__(d)

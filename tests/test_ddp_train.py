@@ -7,7 +7,9 @@ the number of ranks).
     python -m pytest tests/test_ddp_train.py -q
 """
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -23,7 +25,9 @@ pytestmark = pytest.mark.usefixtures("shakespeare_data")
 def train(out_dir, *args, nproc=None):
     out = run_script("train.py", *FLAGS, *args, f"--out_dir={out_dir}", nproc=nproc)
     assert out.returncode == 0, out.stderr[-8000:]
-    return load_csv(out_dir)
+    df = load_csv(out_dir)
+    df.attrs["output"] = out
+    return df
 
 
 @pytest.mark.slow
@@ -53,6 +57,34 @@ def test_two_ranks_log_ddp_gns_and_match_one_process(tmp_path):
         else:
             np.testing.assert_allclose(ddp[c].to_numpy(), single[c].to_numpy(), rtol=1e-4, err_msg=c)
     np.testing.assert_allclose(ddp["grad_norm"].to_numpy(), single["grad_norm"].to_numpy(), rtol=1e-4)
+    # rank 0 alone prints the config; torch 2.13's FutureWarning for DDP's broadcast_buffers is not raised
+    output = ddp.attrs["output"]
+    for line in ("Overriding config with", "tokens per iteration", "number of parameters", "found vocab_size"):
+        assert output.stdout.count(line) == 1, line
+    assert "broadcast_buffers" not in output.stderr and "FutureWarning" not in output.stderr
+    # gns-analysis says what each GNS covers: here every parameter is tracked, by per-example norms
+    analysis = run_script("gns-analysis.py", str(tmp_path / "ddp"), "--no-plots")
+    assert analysis.returncode == 0, analysis.stderr
+    n_params = len(cols) // 3
+    record = json.load(open(tmp_path / "ddp" / "gns_parameters.json"))["parameters"]
+    elements = sum(entry["numel"] for entry in record.values())
+    assert re.search(rf"^Final DDP GNS: \S+\n  \(what each covers: Final GNS the {n_params} tracked parameters "
+                     rf"\(LayerNorm \d+, Linear \d+, Embedding \d+, {elements:,} elements\), from per-example norms; "
+                     r"Final DDP GNS every trainable parameter", analysis.stdout, re.MULTILINE), analysis.stdout
+
+
+@pytest.mark.slow
+def test_a_bad_setting_under_torchrun_is_one_line_above_the_launchers_report(tmp_path):
+    out = run_script("train.py", *FLAGS, "--backend=gloo", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}",
+                     nproc=2)
+    assert out.returncode != 0
+    lines = out.stderr.splitlines()
+    ours = [i for i, line in enumerate(lines) if line.startswith("train.py: ")]
+    assert len(ours) == 1 and "multiple of the number of ranks" in lines[ours[0]]
+    assert "use --gradient_accumulation_steps=2 or 4" in lines[ours[0]]
+    launcher = [i for i, line in enumerate(lines) if "ChildFailedError" in line or "Traceback" in line]
+    assert all(i > ours[0] for i in launcher)  # torchrun's report comes after our line
+    assert out.stdout.count("Overriding config with") == 1 and not (tmp_path / "log.csv").exists()
 
 
 @pytest.mark.slow

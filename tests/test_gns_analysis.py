@@ -637,7 +637,12 @@ def test_ddp_gns_is_formed_from_the_raw_columns_with_the_given_alpha(tmp_path, c
         results = ga.analyze_gns(str(tmp_path), alpha=alpha)
         np.testing.assert_allclose(results["ddp_gns"], expected, rtol=1e-12)
         assert ga.main([str(tmp_path), "--no-plots", "--alpha", str(alpha)]) == 0
-        assert printed(capsys.readouterr().out, "Final DDP GNS") == f"{expected.iloc[-1]:.4f}"
+        out = capsys.readouterr().out
+        assert printed(out, "Final DDP GNS") == f"{expected.iloc[-1]:.4f}"
+        groups = {g: len(m) for g, m in results.attrs["groups"].items() if m}
+        covered = ", ".join(f"{g} {n}" for g, n in groups.items())
+        assert (f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}), from "
+                "per-example norms; Final DDP GNS every trainable parameter") in out
 
 
 def test_a_log_without_tokens_is_measured_in_examples(tmp_path, capsys):
@@ -671,6 +676,18 @@ def test_what_the_gns_means_for_the_batch_size(tmp_path, capsys):
     assert f"at this run's B = 64: {1 + gns / 64:.2f}x the minimum number of optimizer steps" in out
     assert f"and {1 + 64 / gns:.2f}x the minimum number of examples" in out
     assert f"within 10% of the fewest steps: B >= {gns / 0.1:.0f}; within 10% of the fewest examples: B <= {gns * 0.1:.1f}" in out
+
+
+@pytest.mark.parametrize("gns, steps, examples", [
+    (0.0317, "every batch (B >= 1)", "no batch (it would take B <= 0.0032: the GNS is that small)"),
+    (5.0, "B >= 50", "no batch (it would take B <= 0.5: the GNS is that small)"),
+    (30.0, "B >= 300", "B <= 3.0"),
+])
+def test_the_batch_size_advice_says_something_for_a_small_gns(gns, steps, examples):
+    """A GNS below 0.1 example made the steps bound read "B >= 0", and below 10 the examples bound "B <= 0.x"."""
+    results = pd.DataFrame({"gns": [gns], "batch_size": [16]})
+    line = ga.tradeoff_lines(results)[-1]
+    assert line == f"  within 10% of the fewest steps: {steps}; within 10% of the fewest examples: {examples}"
 
 
 def test_terminal_plot_series_differ_without_colour():

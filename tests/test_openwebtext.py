@@ -63,7 +63,8 @@ def test_prepare_writes_every_document_once_in_nanogpt_format(tmp_path, gpt2_bpe
     pattern = write_corpus(tmp_path, kind)
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "data/openwebtext/prepare.py", "--input", pattern, "--text_column", column,
-                             "--out_dir", str(out), "--num_proc", "2", "--val_fraction", "0.2", "--bpe_file", gpt2_bpe],
+                             "--out_dir", str(out), "--num_proc", "2", "--val_fraction", "0.2", "--bpe_file", gpt2_bpe,
+                             "--block_size", "16"],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     enc = load_prepare().gpt2_encoding(gpt2_bpe)
@@ -88,3 +89,50 @@ def test_prepare_explains_bad_input(tmp_path, gpt2_bpe):
         result = subprocess.run([sys.executable, "data/openwebtext/prepare.py", *args, "--bpe_file", gpt2_bpe,
                                  "--out_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def prepare(*args):
+    return subprocess.run([sys.executable, "data/openwebtext/prepare.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_val_split_holds_at_least_one_block(tmp_path, gpt2_bpe):
+    """7 small documents and the default --val_fraction (0.0005): one document, too short for a batch of 64 + 1."""
+    out = tmp_path / "out"
+    result = prepare("--input", write_corpus(tmp_path, "txt"), "--out_dir", str(out), "--num_proc", "1",
+                     "--bpe_file", gpt2_bpe, "--block_size", "64")
+    assert result.returncode == 0, result.stderr[-2000:]
+    train, val = (np.fromfile(out / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
+    assert len(val) >= 65 and len(train) >= 65
+    tokens = sum(len(ids) + 1 for ids in load_prepare().gpt2_encoding(gpt2_bpe).encode_ordinary_batch(DOCS))
+    assert len(train) + len(val) == tokens  # every document once
+
+
+def test_split_documents_grows_val_to_a_block_and_refuses_a_corpus_too_small():
+    split_documents = load_prepare().split_documents
+    lengths = [10] * 100
+    train, val = split_documents(lengths, 0.0005, 35)
+    assert len(val) == 4 and len(train) == 96 and sorted(np.concatenate([train, val]).tolist()) == list(range(100))
+    train, val = split_documents(lengths, 0.2, 35)
+    assert len(val) == 20
+    with pytest.raises(SystemExit, match="too few for a val split and a train split of at least 501 tokens each"):
+        split_documents(lengths, 0.0005, 501)
+
+
+def test_no_network_and_no_bpe_file_is_one_line_pointing_at_bpe_file(tmp_path):
+    """tiktoken downloads GPT-2's ranks on first use: with no network (a proxy that refuses) and an empty cache."""
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
+               HTTP_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+    env.pop("NO_PROXY", None), env.pop("no_proxy", None)
+    (tmp_path / "a.txt").write_text("hello")
+    result = subprocess.run([sys.executable, "data/openwebtext/prepare.py", "--input", str(tmp_path / "*.txt"),
+                             "--out_dir", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prepare.py: cannot download GPT-2's BPE ranks (")
+    assert "--bpe_file gpt2.tiktoken" in lines[0] and not (tmp_path / "out").exists()
+
+
+def test_num_proc_defaults_to_at_most_the_cpus():
+    assert load_prepare().make_parser().parse_args([]).num_proc == min(8, os.cpu_count())

@@ -110,14 +110,30 @@ def test_linear_schedule_in_train_py_changes_the_batch(tmp_path, shakespeare_dat
     assert (tmp_path / schedules.SCHEDULE_FILE).exists()
     df = load_csv(tmp_path)
     accum = list(df["gradient_accumulation_steps"])
-    assert accum[0] == 1 and accum[-1] >= 3 and accum == sorted(accum)
+    assert accum[0] == 1 and max(accum) >= 3 and accum[:-1] == sorted(accum[:-1])  # the last step may be cut
     assert (df["batch_size"] == df["gradient_accumulation_steps"] * 4).all()
     assert df["tokens_processed"].diff().dropna().tolist() == (df["batch_size"].iloc[1:] * 16).tolist()
     bs_cols = [c for c in df.columns if c.startswith("train/gns/") and c.endswith("/batch_size")]
     assert bs_cols
     for c in bs_cols:
         assert (df[c] == df["batch_size"]).all(), c
-    assert df["tokens_processed"].iloc[-1] >= 1024
+    assert df["tokens_processed"].iloc[-1] == 1024  # the budget: the last step runs only the micro-batches left
+    assert "tokens per iteration will follow the linear batch-size schedule: 64 to 256 (1 to 4 accumulation steps)" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["linear", "gns"])
+def test_a_schedule_ends_at_max_tokens(tmp_path, shakespeare_data, schedule):
+    """61,440 tokens once ended at 73,216 (the last step took 57 micro-batches); here 4 x 16 = 64 tokens per
+    micro-batch and a budget of 1,600 = 25 micro-batches that no step size of the schedule divides."""
+    args = [*TINY, "--max_iters=100", "--max_tokens=1600", "--eval_interval=100", f"--bs_schedule={schedule}",
+            "--bs_min_accum_steps=3", "--bs_max_accum_steps=8", "--lnclass=gns", f"--out_dir={tmp_path}"]
+    out = run_script("train.py", *args)
+    assert out.returncode == 0, out.stderr
+    df = load_csv(tmp_path)
+    assert df["tokens_processed"].iloc[-1] == 1600 and df["batch_size"].sum() * 16 == 1600
+    assert df["tokens_processed"].diff().dropna().tolist() == (df["batch_size"].iloc[1:] * 16).tolist()
+    assert (df["gradient_accumulation_steps"].iloc[:-1] >= 3).all()  # only the last step is cut
 
 
 @pytest.mark.slow

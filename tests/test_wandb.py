@@ -29,3 +29,17 @@ def test_wandb_offline_run_gets_the_logged_metrics(tmp_path, shakespeare_data):
     assert any(k.startswith("train/gns/") for k in keys) and "train/lossf" in keys and "val/loss" in keys
     missing = [k for k in keys if k.encode() not in recorded]
     assert not missing
+
+
+@pytest.mark.slow
+def test_wandb_without_a_login_is_one_line_before_anything_is_made(tmp_path, shakespeare_data):
+    """No API key, no ~/.netrc, not offline: one line naming the fix, and no out_dir left behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "config"), WANDB_DIR=str(tmp_path))
+    out = run_script("train.py", *TINY, "--max_iters=2", "--lnclass=gns", "--wandb_log=True",
+                     f"--out_dir={tmp_path / 'out'}", env=env)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "train.py: wandb_log=True but wandb has no login (no WANDB_API_KEY, no `wandb login`); log in with "
+        "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log"]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "wandb").exists()
