@@ -6,9 +6,11 @@ Does following the GNS pay? The critical batch size measured against the GNS, an
 
 1. Sweep: a small nanoGPT of the quick start's kind (char-level Shakespeare, all-layer `gns` norms) is trained
    at fixed batch sizes B (>= 2 orders of magnitude), each until a fixed validation loss, recording the
-   optimizer steps S and examples E = B S it needed. The learning rate follows one stated rule,
-   lr(B) = min(lr_max, lr_ref * sqrt(B / B_ref)) (Adam's square-root scaling, capped), after a linear
-   warmup of `warmup_steps` steps; no decay, so "steps to the target" does not depend on a planned length.
+   optimizer steps S and examples E = B S it needed. The learning rate is tuned per B on a small grid:
+   lr_grid x rule(B), rule(B) = lr_ref (B / B_ref)^lr_exp, run with the first seed (the middle candidate
+   first; a candidate is stopped once it needs more steps than the best so far); the fastest is kept for the
+   other seeds. A linear warmup of `warmup_steps` steps, then constant (no decay, so "steps to the target"
+   does not depend on a planned length).
    McCandlish et al. 2018 (arXiv 1812.06162, eq. 2.11): (S/S_min - 1)(E/E_min - 1) = 1, i.e.
    S = S_min + E_min / B, fitted by least squares in log S (`fit_tradeoff`); B_crit = E_min / S_min.
    Beside it: the running GNS (all parameters, and LayerNorm only; gnstracking.GNSMonitor with
@@ -49,9 +51,10 @@ class Task:
     n_embd: int = 64
     block_size: int = 32
     target: float = 2.20  # validation loss every run trains to
-    lr_ref: float = 2e-3  # learning rate at B_ref examples
+    lr_ref: float = 4e-3  # rule(B) = lr_ref (B / b_ref)^lr_exp, the centre of each B's grid
     b_ref: int = 32
-    lr_max: float = 1e-2
+    lr_exp: float = 0.25
+    lr_grid: tuple = (1.0, 0.5, 2.0)  # multipliers of rule(B) tried with seeds[0], in this order
     warmup_steps: int = 10
     weight_decay: float = 0.1
     beta2: float = 0.99
@@ -67,15 +70,24 @@ class Task:
 
 
 FULL = Task()
-QUICK = Task(n_layer=1, n_head=2, n_embd=32, block_size=16, target=2.75, lr_ref=4e-3, lr_max=1.6e-2,
+QUICK = Task(n_layer=1, n_head=2, n_embd=32, block_size=16, target=2.75, lr_ref=4e-3, lr_grid=(1.0, 2.0),
              warmup_steps=5, val_windows=64, max_steps=1500, batch_sizes=(4, 16, 64, 256), seeds=(0,),
              schedule_seeds=(0,))
 
 
-def lr_for(task, batch_size, step):
-    """The stated rule: min(lr_max, lr_ref sqrt(B / B_ref)), times a linear warmup over warmup_steps steps."""
-    lr = min(task.lr_max, task.lr_ref * math.sqrt(batch_size / task.b_ref))
-    return lr * min(1.0, (step + 1) / task.warmup_steps)
+def rule_lr(task, batch_size):
+    """The centre of the learning-rate grid at batch size B: lr_ref (B / b_ref)^lr_exp."""
+    return task.lr_ref * (batch_size / task.b_ref) ** task.lr_exp
+
+
+def interpolated_lr(tuned):
+    """lr(B) from {B: tuned lr}: linear in log-log between the tuned batch sizes, constant beyond them."""
+    Bs = sorted(tuned)
+    return lambda B: float(np.exp(np.interp(math.log(B), np.log(Bs), np.log([tuned[b] for b in Bs]))))
+
+
+def warmup(task, step):
+    return min(1.0, (step + 1) / task.warmup_steps)
 
 
 def load_shakespeare():
@@ -112,12 +124,14 @@ def build(task, vocab_size, seed):
     return model, optimizer, monitor, ln_names
 
 
-def train_to_target(task, data, seed, batch_of, label=""):
+def train_to_target(task, data, seed, batch_of, lr_of, label="", max_steps=None):
     """Train until the fixed validation loss reaches task.target (or max_steps).
 
     Args:
         data: load_shakespeare()'s (train, val, vocab).
         batch_of: callable(step, examples so far, running GNS) -> this step's batch size B.
+        lr_of: callable(B) -> learning rate (times the warmup).
+        max_steps: stop there (default task.max_steps).
     Returns a dict: reached, steps S and examples E at the target (interpolated), gns / gns_ln there,
     wall seconds of training, and the curve (step, examples, val loss, gns, B) of every evaluation.
     """
@@ -139,11 +153,12 @@ def train_to_target(task, data, seed, batch_of, label=""):
     curve = []  # (step, examples, val loss, gns, gns_ln, B)
     next_eval = 1
     last = None
-    for step in range(task.max_steps):
+    max_steps = max_steps or task.max_steps
+    for step in range(max_steps):
         t0 = time.perf_counter()
         B = int(batch_of(step, examples, monitor.gns))
         for g in optimizer.param_groups:
-            g["lr"] = lr_for(task, B, step)
+            g["lr"] = lr_of(B) * warmup(task, step)
         x, y = windows(train, rng.integers(len(train) - task.block_size, size=B), task.block_size)
         loss = model(x, y)[1]
         loss.backward()
@@ -177,7 +192,7 @@ def train_to_target(task, data, seed, batch_of, label=""):
                 return dict(reached=True, steps=s, examples=e, tokens=e * task.block_size, gns=monitor.gns,
                             gns_ln=ln_gns.gns, wall=wall, curve=curve, seed=seed)
             last = point
-    print(f"  {label} seed {seed}: target {task.target} not reached in {task.max_steps} steps", flush=True)
+    print(f"  {label} seed {seed}: target {task.target} not reached in {max_steps} steps", flush=True)
     return dict(reached=False, steps=math.nan, examples=math.nan, tokens=math.nan, gns=monitor.gns,
                 gns_ln=ln_gns.gns, wall=wall, curve=curve, seed=seed)
 
@@ -218,15 +233,28 @@ def fit_tradeoff(batch_sizes, steps):
 
 
 def sweep(task, data):
-    """Every fixed batch size (with every seed where asked): a list of result dicts with 'B'."""
-    runs = []
+    """Every fixed batch size: the learning-rate grid with seeds[0], then the other seeds (where asked) at the
+    fastest lr. Returns (runs, grid): result dicts with 'B' and 'lr', the kept ones and every grid trial."""
+    runs, grid = [], []
     seeded = set(task.seeded_batch_sizes or task.batch_sizes)
     for B in task.batch_sizes:
-        for seed in (task.seeds if B in seeded else task.seeds[:1]):
-            r = train_to_target(task, data, seed, lambda step, ex, gns, B=B: B, label=f"B={B}")
-            r["B"] = B
+        fixed = lambda step, ex, gns, B=B: B  # noqa: E731
+        best = None
+        for mult in task.lr_grid:
+            lr = rule_lr(task, B) * mult
+            bound = min(task.max_steps, math.ceil(best["steps"]) + 1) if best else None
+            r = train_to_target(task, data, task.seeds[0], fixed, lambda b, lr=lr: lr, f"B={B} lr={lr:.2e}", bound)
+            r.update(B=B, lr=lr, mult=mult)
+            grid.append(r)
+            if r["reached"] and (best is None or r["steps"] < best["steps"]):
+                best = r
+        best = best or grid[-len(task.lr_grid)]
+        runs.append(best)
+        for seed in (task.seeds[1:] if B in seeded else ()):
+            r = train_to_target(task, data, seed, fixed, lambda b, lr=best["lr"]: lr, f"B={B} lr={best['lr']:.2e}")
+            r.update(B=B, lr=best["lr"], mult=best["mult"])
             runs.append(r)
-    return runs
+    return runs, grid
 
 
 def summarize_sweep(task, runs):
@@ -253,15 +281,17 @@ def summarize_sweep(task, runs):
                           gns=float(np.median(col("gns"))) if reached else math.nan,
                           gns_ln=float(np.median(col("gns_ln"))) if reached else math.nan,
                           wall=float(np.median(col("wall"))) if reached else math.nan,
-                          lr=lr_for(task, B, task.warmup_steps)))
+                          lr=mine[0]["lr"] if mine else math.nan,
+                          lr_edge=bool(mine) and mine[0]["mult"] in (min(task.lr_grid), max(task.lr_grid))))
     return dict(fit=fit, per_seed_B_crit=per_seed, gns=gns, gns_ln=gns_ln, table=table)
 
 
-def run_schedules(task, data, b_fixed, b_linear, b_gns_max, tokens_budget):
+def run_schedules(task, data, lr_of, b_fixed, b_linear, b_gns_max, tokens_budget):
     """The fixed batch b_fixed; the linear schedule (micro .. b_linear examples over tokens_budget tokens, then
     constant, as train.py's --bs_schedule=linear); the GNS-guided one (schedules.gns_steps as --bs_schedule=gns:
     B -> GNS, factor 1, clamped to micro .. b_gns_max, moving one micro-batch per step). Batches are whole
-    micro-batches of task.micro examples. Every schedule seed; {name: [result]}."""
+    micro-batches of task.micro examples; lr_of(B) is the sweep's tuned lr (interpolated_lr). Every schedule
+    seed; {name: [result]}."""
     m = task.micro
     linear_max, gns_max = max(1, b_linear // m), max(1, b_gns_max // m)
     points = schedules.linear_points(1, linear_max, tokens_budget)
@@ -281,7 +311,7 @@ def run_schedules(task, data, b_fixed, b_linear, b_gns_max, tokens_budget):
     for name, make in ((f"fixed B={b_fixed}", lambda: (lambda s, e, g: b_fixed)),
                        (f"linear {m}->{m * linear_max}", lambda: linear),
                        (f"gns (factor 1, {m}..{m * gns_max})", gns_guided)):
-        out[name] = [train_to_target(task, data, seed, make(), label=name) for seed in task.schedule_seeds]
+        out[name] = [train_to_target(task, data, seed, make(), lr_of, label=name) for seed in task.schedule_seeds]
     return out
 
 
@@ -364,12 +394,14 @@ def figures(task, runs, summary, sched, out_dir):
 def report(task, summary, sched_rows):
     """The printed result: the sweep table, the fit, B_crit beside the GNS, the schedule table."""
     fit = summary["fit"]
-    lines = [f"target validation loss {task.target}; lr(B) = min({task.lr_max:g}, {task.lr_ref:g} sqrt(B/{task.b_ref}))"
-             f" after {task.warmup_steps} warmup steps",
+    lines = [f"target validation loss {task.target}; lr tuned per B over {task.lr_grid} x {task.lr_ref:g} "
+             f"(B/{task.b_ref})^{task.lr_exp:g} (seed {task.seeds[0]}), {task.warmup_steps} warmup steps; "
+             f"* = best lr at the grid's edge",
              "     B  runs  reached   S (median [min, max])      E median    GNS all  GNS LN      lr   wall s"]
     for t in summary["table"]:
         lines.append(f"{t['B']:6d} {t['runs']:5d} {t['reached']:8d}   {t['S']:8.1f} [{t['S_lo']:7.1f}, {t['S_hi']:7.1f}]"
-                     f"  {t['E']:11,.0f}  {t['gns']:9.1f} {t['gns_ln']:7.1f} {t['lr']:7.4f} {t['wall']:8.1f}")
+                     f"  {t['E']:11,.0f}  {t['gns']:9.1f} {t['gns_ln']:7.1f} {t['lr']:7.4f}{'*' if t['lr_edge'] else ' '}"
+                     f"{t['wall']:8.1f}")
     seeds = summary["per_seed_B_crit"]
     spread = (f" (per seed: {', '.join(f'{v:.0f}' for v in seeds.values())})" if seeds else "")
     lines += [f"fit (S/S_min - 1)(E/E_min - 1) = 1: S_min = {fit['S_min']:.1f} steps, E_min = {fit['E_min']:,.0f} "
@@ -404,14 +436,15 @@ def main(argv=None):
     data = load_shakespeare()
     print(f"task: {task}", flush=True)
     t0 = time.time()
-    runs = sweep(task, data)
+    runs, grid = sweep(task, data)
     summary = summarize_sweep(task, runs)
     sched, sched_rows = {}, []
     if not args.no_schedules:
         fit = summary["fit"]
         b_fixed = min(task.batch_sizes, key=lambda b: abs(math.log(b / fit["B_crit"])))
         budget = next(t["E"] for t in summary["table"] if t["B"] == b_fixed) * task.block_size
-        sched = run_schedules(task, data, b_fixed, min(4 * b_fixed, max(task.batch_sizes)), max(task.batch_sizes),
+        lr_of = interpolated_lr({t["B"]: t["lr"] for t in summary["table"]})
+        sched = run_schedules(task, data, lr_of, b_fixed, min(4 * b_fixed, max(task.batch_sizes)), max(task.batch_sizes),
                               int(budget))
         sched_rows = summarize_schedules(sched)
     text = report(task, summary, sched_rows)
@@ -419,7 +452,8 @@ def main(argv=None):
     paths = figures(task, runs, summary, sched, out_dir)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(dict(task=dataclasses.asdict(task), summary=summary, schedules=sched_rows,
-                       runs=[{k: v for k, v in r.items() if k != "curve"} for r in runs]), f, indent=1, default=float)
+                       runs=[{k: v for k, v in r.items() if k != "curve"} for r in runs],
+                       lr_grid=[{k: v for k, v in r.items() if k != "curve"} for r in grid]), f, indent=1, default=float)
     print(f"figures: {', '.join(os.path.relpath(q, REPO) for q in paths)}; total {time.time() - t0:.0f}s")
     return dict(summary=summary, schedules=sched_rows, figures=paths, report=text)
 
