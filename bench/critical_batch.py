@@ -8,8 +8,9 @@ Does following the GNS pay? The critical batch size measured against the GNS, an
    at fixed batch sizes B (>= 2 orders of magnitude), each until a fixed validation loss, recording the
    optimizer steps S and examples E = B S it needed. The learning rate is tuned per B on a small grid:
    lr_grid x rule(B), rule(B) = lr_ref (B / B_ref)^lr_exp, run with the first seed (the middle candidate
-   first; a candidate is stopped once it needs more steps than the best so far); the fastest is kept for the
-   other seeds. A linear warmup of `warmup_steps` steps, then constant (no decay, so "steps to the target"
+   first; a candidate is stopped once it needs more steps than the best so far; while the best is at the
+   grid's edge the grid is extended by a halving or doubling, up to lr_extend times); the fastest is kept for
+   the other seeds. A linear warmup of `warmup_steps` steps, then constant (no decay, so "steps to the target"
    does not depend on a planned length).
    McCandlish et al. 2018 (arXiv 1812.06162, eq. 2.11): (S/S_min - 1)(E/E_min - 1) = 1, i.e.
    S = S_min + E_min / B, fitted by least squares in log S (`fit_tradeoff`); B_crit = E_min / S_min.
@@ -55,6 +56,7 @@ class Task:
     b_ref: int = 32
     lr_exp: float = 0.25
     lr_grid: tuple = (1.0, 0.5, 2.0)  # multipliers of rule(B) tried with seeds[0], in this order
+    lr_extend: int = 2  # while the best is at the grid's edge, try up to this many halvings/doublings beyond it
     warmup_steps: int = 10
     weight_decay: float = 0.1
     beta2: float = 0.99
@@ -239,8 +241,8 @@ def sweep(task, data):
     seeded = set(task.seeded_batch_sizes or task.batch_sizes)
     for B in task.batch_sizes:
         fixed = lambda step, ex, gns, B=B: B  # noqa: E731
-        best = None
-        for mult in task.lr_grid:
+        best, tried = None, list(task.lr_grid)
+        for mult in tried:  # grows while the best is at an edge (at most lr_extend more each way)
             lr = rule_lr(task, B) * mult
             bound = min(task.max_steps, math.ceil(best["steps"]) + 1) if best else None
             r = train_to_target(task, data, task.seeds[0], fixed, lambda b, lr=lr: lr, f"B={B} lr={lr:.2e}", bound)
@@ -248,6 +250,12 @@ def sweep(task, data):
             grid.append(r)
             if r["reached"] and (best is None or r["steps"] < best["steps"]):
                 best = r
+            if mult == tried[-1] and best is not None:
+                lo, hi = min(tried), max(tried)
+                if best["mult"] == lo and lo > min(task.lr_grid) / 2 ** task.lr_extend:
+                    tried.append(lo / 2)
+                elif best["mult"] == hi and hi < max(task.lr_grid) * 2 ** task.lr_extend:
+                    tried.append(hi * 2)
         best = best or grid[-len(task.lr_grid)]
         runs.append(best)
         for seed in (task.seeds[1:] if B in seeded else ()):
@@ -282,7 +290,8 @@ def summarize_sweep(task, runs):
                           gns_ln=float(np.median(col("gns_ln"))) if reached else math.nan,
                           wall=float(np.median(col("wall"))) if reached else math.nan,
                           lr=mine[0]["lr"] if mine else math.nan,
-                          lr_edge=bool(mine) and mine[0]["mult"] in (min(task.lr_grid), max(task.lr_grid))))
+                          lr_edge=bool(mine) and not (min(task.lr_grid) / 2 ** task.lr_extend < mine[0]["mult"]
+                                                      < max(task.lr_grid) * 2 ** task.lr_extend)))
     return dict(fit=fit, per_seed_B_crit=per_seed, gns=gns, gns_ln=gns_ln, table=table)
 
 
@@ -396,7 +405,7 @@ def report(task, summary, sched_rows):
     fit = summary["fit"]
     lines = [f"target validation loss {task.target}; lr tuned per B over {task.lr_grid} x {task.lr_ref:g} "
              f"(B/{task.b_ref})^{task.lr_exp:g} (seed {task.seeds[0]}), {task.warmup_steps} warmup steps; "
-             f"* = best lr at the grid's edge",
+             f"* = best lr at the extended grid's edge",
              "     B  runs  reached   S (median [min, max])      E median    GNS all  GNS LN      lr   wall s"]
     for t in summary["table"]:
         lines.append(f"{t['B']:6d} {t['runs']:5d} {t['reached']:8d}   {t['S']:8.1f} [{t['S_lo']:7.1f}, {t['S_hi']:7.1f}]"
