@@ -324,15 +324,30 @@ def run_schedules(task, data, lr_of, b_fixed, b_linear, b_gns_max, tokens_budget
     return out
 
 
-def summarize_schedules(results):
+def fixed_batch_frontier(fit, steps=None, examples=None):
+    """What fixed batches need by the fit: the steps at `examples` examples, S = S_min E / (E - E_min), or the
+    examples at `steps` steps, E = E_min S / (S - S_min) (inf at or below the minimum)."""
+    if examples is not None:
+        return fit["S_min"] * examples / (examples - fit["E_min"]) if examples > fit["E_min"] else math.inf
+    return fit["E_min"] * steps / (steps - fit["S_min"]) if steps > fit["S_min"] else math.inf
+
+
+def summarize_schedules(results, fit=None):
+    """One row per schedule: medians and ranges over seeds; with the sweep's fit, the steps a fixed batch
+    needs for the schedule's examples and the examples it needs for the schedule's steps."""
     rows = []
     for name, runs in results.items():
         ok = [r for r in runs if r["reached"]]
         med = lambda k: float(np.median([r[k] for r in ok])) if ok else math.nan  # noqa: E731
         rng = lambda k: (min(r[k] for r in ok), max(r[k] for r in ok)) if ok else (math.nan, math.nan)  # noqa: E731
-        rows.append(dict(name=name, runs=len(runs), reached=len(ok), steps=med("steps"), steps_range=rng("steps"),
-                         examples=med("examples"), tokens=med("tokens"), tokens_range=rng("tokens"),
-                         wall=med("wall"), wall_range=rng("wall")))
+        row = dict(name=name, runs=len(runs), reached=len(ok), steps=med("steps"), steps_range=rng("steps"),
+                   examples=med("examples"), tokens=med("tokens"), tokens_range=rng("tokens"),
+                   wall=med("wall"), wall_range=rng("wall"),
+                   final_B=float(np.median([r["curve"][-1][5] for r in ok])) if ok else math.nan)
+        if fit is not None and ok:
+            row["fixed_steps_same_examples"] = fixed_batch_frontier(fit, examples=row["examples"])
+            row["fixed_examples_same_steps"] = fixed_batch_frontier(fit, steps=row["steps"])
+        rows.append(row)
     return rows
 
 
@@ -341,6 +356,7 @@ def figures(task, runs, summary, sched, out_dir):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     os.makedirs(out_dir, exist_ok=True)
     fit = summary["fit"]
@@ -358,6 +374,10 @@ def figures(task, runs, summary, sched, out_dir):
     ax.axhline(fit["S_min"], color="gray", ls=":", lw=1)
     ax.axvline(fit["E_min"], color="gray", ls=":", lw=1)
     ax.plot([2 * fit["E_min"]], [2 * fit["S_min"]], "r*", ms=10, label=f"B_crit = {fit['B_crit']:.0f}")
+    for (name, rs), marker in zip(sched.items(), ("s", "^", "D")):
+        pts = [(r["examples"], r["steps"]) for r in rs if r["reached"]]
+        if pts and not name.startswith("fixed"):
+            ax.scatter(*zip(*pts), marker=marker, facecolors="none", edgecolors="k", s=30, label=name, zorder=4)
     ax.set(xscale="log", yscale="log", xlabel="examples E to target", ylabel="optimizer steps S to target",
            title=f"val loss {task.target}: S_min {fit['S_min']:.0f}, E_min {fit['E_min']:,.0f}")
     ax.legend(fontsize=6)
@@ -370,11 +390,17 @@ def figures(task, runs, summary, sched, out_dir):
     ax.scatter([r["B"] for r in ok], [r["gns"] for r in ok], s=16, label="GNS at target, all parameters")
     ax.scatter([r["B"] for r in ok], [r["gns_ln"] for r in ok], s=16, marker="x", label="GNS at target, LayerNorm")
     ax.axhline(fit["B_crit"], color="r", lw=1.5, label=f"measured B_crit = {fit['B_crit']:.0f}")
+    ax.axhline(summary["gns"], color="C0", ls="--", lw=1, label=f"median GNS, all = {summary['gns']:.0f}")
+    ax.axhline(summary["gns_ln"], color="C1", ls="--", lw=1, label=f"median GNS, LayerNorm = {summary['gns_ln']:.0f}")
     seeds = list(summary["per_seed_B_crit"].values())
     if len(seeds) > 1:
         ax.axhspan(min(seeds), max(seeds), color="r", alpha=0.15, label="B_crit range over seeds")
     ax.set(xscale="log", yscale="log", xlabel="the run's batch size B", ylabel="examples",
            title="measured critical batch vs the runs' GNS")
+    lo, hi = ax.get_ylim()
+    ax.set_yticks([t for t in (2, 5, 10, 20, 30, 50, 100, 200, 300, 500, 1000) if lo <= t <= hi])
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=6)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "bcrit_vs_gns.png"))
@@ -382,16 +408,20 @@ def figures(task, runs, summary, sched, out_dir):
     plt.close(fig)
 
     if sched:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), dpi=90)
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), dpi=80)
         for (name, rs), color in zip(sched.items(), ("C0", "C1", "C2")):
             for j, r in enumerate(rs):
-                c = np.array([p[:3] for p in r["curve"]])
+                c = np.array([p for p in r["curve"]], dtype=np.float64)
                 if len(c):
                     axes[0].plot(c[:, 0], c[:, 2], color=color, lw=1, alpha=0.8, label=name if j == 0 else None)
                     axes[1].plot(c[:, 1] * task.block_size, c[:, 2], color=color, lw=1, alpha=0.8)
+                    axes[2].plot(c[:, 1] * task.block_size, c[:, 5], color=color, lw=1, alpha=0.8)
         for ax, xl in zip(axes, ("optimizer steps", "tokens")):
             ax.axhline(task.target, color="k", ls=":", lw=1)
             ax.set(xscale="log", xlabel=xl, ylabel="validation loss", ylim=(task.target - 0.1, None))
+        axes[2].axhline(fit["B_crit"], color="r", lw=1, label=f"measured B_crit = {fit['B_crit']:.0f}")
+        axes[2].set(xscale="log", yscale="log", xlabel="tokens", ylabel="batch size B (at evaluations)")
+        axes[2].legend(fontsize=7)
         axes[0].legend(fontsize=7)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "schedules.png"))
@@ -420,13 +450,18 @@ def report(task, summary, sched_rows):
               f"(B_crit / GNS = {fit['B_crit'] / summary['gns']:.2f}), LayerNorm only {summary['gns_ln']:.1f} "
               f"(B_crit / GNS = {fit['B_crit'] / summary['gns_ln']:.2f})"]
     if sched_rows:
-        lines.append("schedule                          runs  reached   steps [range]          tokens [range]"
-                     "                  wall s [range]")
+        lines.append("schedule (medians over seeds)     runs  reached   steps [range]     tokens [range]"
+                     "                   wall s [range]      final B   fixed batch by the fit: steps at these "
+                     "examples, examples at these steps")
         for r in sched_rows:
-            lines.append(f"{r['name']:32s} {r['runs']:5d} {r['reached']:8d}   {r['steps']:7.1f} "
-                         f"[{r['steps_range'][0]:.0f}, {r['steps_range'][1]:.0f}]   {r['tokens']:11,.0f} "
+            lines.append(f"{r['name']:32s} {r['runs']:5d} {r['reached']:8d}   {r['steps']:6.1f} "
+                         f"[{r['steps_range'][0]:.0f}, {r['steps_range'][1]:.0f}]   {r['tokens']:9,.0f} "
                          f"[{r['tokens_range'][0]:,.0f}, {r['tokens_range'][1]:,.0f}]   {r['wall']:6.1f} "
-                         f"[{r['wall_range'][0]:.1f}, {r['wall_range'][1]:.1f}]")
+                         f"[{r['wall_range'][0]:.1f}, {r['wall_range'][1]:.1f}]   {r['final_B']:6.0f}   "
+                         f"{r.get('fixed_steps_same_examples', math.nan):7.1f} steps "
+                         f"(x{r['steps'] / r.get('fixed_steps_same_examples', math.nan):.2f}), "
+                         f"{r.get('fixed_examples_same_steps', math.nan):8,.0f} examples "
+                         f"(x{r['examples'] / r.get('fixed_examples_same_steps', math.nan):.2f})")
     return "\n".join(lines)
 
 
@@ -455,7 +490,7 @@ def main(argv=None):
         lr_of = interpolated_lr({t["B"]: t["lr"] for t in summary["table"]})
         sched = run_schedules(task, data, lr_of, b_fixed, min(4 * b_fixed, max(task.batch_sizes)), max(task.batch_sizes),
                               int(budget))
-        sched_rows = summarize_schedules(sched)
+        sched_rows = summarize_schedules(sched, fit)
     text = report(task, summary, sched_rows)
     print(text)
     paths = figures(task, runs, summary, sched, out_dir)
