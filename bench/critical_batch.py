@@ -1,8 +1,8 @@
 """
 Does following the GNS pay? The critical batch size measured against the GNS, and batch-size schedules.
 
-    python bench/critical_batch.py                  # the full run (bench/RESULTS.md), ~30+ min on 2 cores
-    python bench/critical_batch.py --quick          # a tiny version (CI: tests/test_critical_batch.py)
+    python bench/critical_batch.py                  # the full run (bench/RESULTS.md): 13-16 min on a shared 2-core machine
+    python bench/critical_batch.py --quick          # a tiny version, ~20 s (CI: tests/test_critical_batch.py)
 
 1. Sweep: a small nanoGPT of the quick start's kind (char-level Shakespeare, all-layer `gns` norms) is trained
    at fixed batch sizes B (>= 2 orders of magnitude), each until a fixed validation loss, recording the
@@ -12,7 +12,7 @@ Does following the GNS pay? The critical batch size measured against the GNS, an
    grid's edge the grid is extended by a halving or doubling, up to lr_extend times); the fastest is kept for
    the other seeds. A linear warmup of `warmup_steps` steps, then constant (no decay, so "steps to the target"
    does not depend on a planned length).
-   McCandlish et al. 2018 (arXiv 1812.06162, eq. 2.11): (S/S_min - 1)(E/E_min - 1) = 1, i.e.
+   McCandlish et al. 2018 (arXiv 1812.06162): (S/S_min - 1)(E/E_min - 1) = 1, i.e.
    S = S_min + E_min / B, fitted by least squares in log S (`fit_tradeoff`); B_crit = E_min / S_min.
    Beside it: the running GNS (all parameters, and LayerNorm only; gnstracking.GNSMonitor with
    estimator.RunningGNS, EMA decay 0.95 per step) each run had when it passed the target.
@@ -135,7 +135,7 @@ def train_to_target(task, data, seed, batch_of, lr_of, label="", max_steps=None)
         lr_of: callable(B) -> learning rate (times the warmup).
         max_steps: stop there (default task.max_steps).
     Returns a dict: reached, steps S and examples E at the target (interpolated), gns / gns_ln there,
-    wall seconds of training, and the curve (step, examples, val loss, gns, B) of every evaluation.
+    wall seconds of training, and the curve (step, examples, val loss, gns, gns_ln, B) of every evaluation.
     """
     train, val, vocab = data
     model, optimizer, monitor, ln_names = build(task, vocab, seed)
