@@ -34,6 +34,7 @@ numbers) and warns once per process per reason. Shapes the kernels cannot take
 raise RuntimeError here, before any kernel is launched.
 """
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -133,12 +134,44 @@ def _check_input(x, features, what):
         raise RuntimeError(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
 
 
+def matmul_allows_tf32():
+    """True when torch's fp32 matmuls may use TF32, read through the API that set it: after
+    torch.backends.fp32_precision or torch.backends.cuda.matmul.fp32_precision was set, reading the legacy
+    torch.backends.cuda.matmul.allow_tf32 raises (torch >= 2.9); fp32_precision reflects both APIs."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is None:  # torch < 2.9: the legacy flag only
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return precision == "tf32"
+
+
+def _device_guard(device):
+    """Triton launches on the current CUDA device: make it the tensors' device (cuda:1 in a one-process run)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel, grid, device, *args, **kwargs):
+    """Every kernel launch of this module: kernel[grid](*args, **kwargs) on `device` (one place for tests to
+    count launches)."""
+    with _device_guard(device):
+        kernel[grid](*args, **kwargs)
+
+
 def _aligned(t):
     """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers. (While
     torch.compile traces there is no data pointer to look at; its buffers are aligned.)"""
     if torch.compiler.is_compiling() or t.data_ptr() % 16 == 0:
         return t
     return t.clone()
+
+
+def _linear_grad_rows(g, width):
+    """(rows, width as the kernel sees it) of the Linear's output gradient: from 16 outputs on, not padded even
+    when width is not a multiple of 16 (a 50257 vocabulary: no 1.2 GB copy per step); the kernel masks the last
+    tile and the compile gate compiles that (unaligned-L) specialisation too. Fewer outputs: zero-padded to 16
+    (Triton would specialise L == 1)."""
+    if not ragged_width(width):
+        return _kernel_rows(g, width)
+    return _aligned(g.reshape(-1, width).contiguous()), width
 
 
 def _kernel_rows(t, width):
@@ -205,7 +238,7 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     block_d, num_warps = norm_launch_config(D)
     if M > 0:
-        normgnorm.layernorm._ln_fwd[(M,)](
+        _launch(normgnorm.layernorm._ln_fwd, (M,), x.device,
             x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
             IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
     ctx.save_for_backward(x2, weight, mean, rstd)
@@ -227,7 +260,7 @@ def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
     db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
     if M > 0:
-        normgnorm.layernorm._ln_bwd_dx_pesq[(N, chunks)](
+        _launch(normgnorm.layernorm._ln_bwd_dx_pesq, (N, chunks), x2.device,
             x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK_D=ctx.block_d,
             num_warps=ctx.num_warps)
@@ -305,10 +338,13 @@ LINEAR_CANDIDATES = {
              LinearConfig(64, 64, 32, 4, 3)),
     "ieee": (LinearConfig(128, 128, 16, 8, 2), LinearConfig(64, 64, 32, 4, 3)),
 }
+# With a ragged output width the output gradient's rows are not 16-byte aligned, its loads are not vectorised
+# and take more registers: these spill then (bench/compile_gate.py, sm_80 or sm_90), so they are not candidates
+RAGGED_L_SPILLS = {("16-bit", LinearConfig(128, 128, 64, 8, 3)), ("ieee", LinearConfig(64, 64, 32, 4, 3))}
 # largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
 _SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
                         (8, 9): 101376, (9, 0): 232448}
-FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram" or "materialise" forces one (tests)
+FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram", "materialise" or a LinearConfig forces one
 _linear_choices = {}  # (N, T buckets, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig
 
 
@@ -323,11 +359,18 @@ def linear_dot_precision(dtype, allow_tf32):
     return "tf32" if allow_tf32 else "ieee"
 
 
-def linear_candidates(dtype, capability, allow_tf32):
+def ragged_width(L):
+    """True when the kernel gets an output width L that is not a multiple of 16 (masked, not padded)."""
+    return L >= 16 and L % 16 != 0
+
+
+def linear_candidates(dtype, capability, allow_tf32, ragged_l=False):
     """The launch configurations the glue may time for `dtype` on a GPU of `capability` (major, minor):
-    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin."""
+    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin;
+    for a ragged output width (ragged_width), without those that then spill (RAGGED_L_SPILLS)."""
     limit = 0.9 * shared_memory_limit(capability)
-    candidates = LINEAR_CANDIDATES[linear_dot_precision(dtype, allow_tf32)]
+    precision = linear_dot_precision(dtype, allow_tf32)
+    candidates = [c for c in LINEAR_CANDIDATES[precision] if not (ragged_l and (precision, c) in RAGGED_L_SPILLS)]
     return [c for c in candidates if c.shared_bytes(dtype.itemsize) <= limit] or [candidates[-1]]
 
 
@@ -341,7 +384,7 @@ def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, a
     largest-tile candidate whose tiles alone give every SM a program (chunks of examples fill the rest)."""
     if allow_gram and simultaneous_uses_gram(T, K, L, 4, "cuda"):  # torch strategies work in float32
         return "gram"
-    candidates = linear_candidates(dtype, capability, allow_tf32)
+    candidates = linear_candidates(dtype, capability, allow_tf32, ragged_width(L))
     return next((c for c in candidates if linear_tiles(L, K, c) >= sm_count), candidates[-1])
 
 
@@ -362,7 +405,7 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     """dW (L, K) fp32 and the per-example squared norms (N,) fp32 of it, from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
-    gs, L_pad = _kernel_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad)
+    gs, L_pad = _linear_grad_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad), L_pad = L from 16 outputs on
     T = xs.shape[0] // N if N else 0
     tiles = linear_tiles(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
@@ -371,9 +414,9 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device)
     w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
-    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and matmul_allows_tf32())
     if launch:
-        normgnorm.linear._linear_bwd_dw_pesq[(tiles, chunks)](
+        _launch(normgnorm.linear._linear_bwd_dw_pesq, (tiles, chunks), x.device,
             xs, gs, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
             INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
             BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
@@ -389,13 +432,45 @@ def _benchmark_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
+# what a candidate may raise while it is timed and still leave the others worth trying
+_CANDIDATE_ERRORS = (torch.OutOfMemoryError, RuntimeError)
+if HAS_TRITON:
+    from triton.runtime.errors import OutOfResources
+
+    _CANDIDATE_ERRORS += (OutOfResources, triton.CompilationError)
+
+
 def _fastest(key, candidates, run):
     """The candidate c for which run(c) is fastest, timed once per key and remembered (as Triton's autotuner
-    does). run must have no side effects: every candidate computes the same exact result."""
+    does). run must have no side effects: every candidate computes the same exact result. A candidate that
+    fails to compile or runs out of memory is skipped with a warning; if all fail, the last error is raised."""
     if key not in _linear_choices:
-        times = {c: _benchmark_ms(lambda: run(c)) for c in candidates}
+        times, error = {}, None
+        for c in candidates:
+            try:
+                times[c] = _benchmark_ms(lambda: run(c))
+            except _CANDIDATE_ERRORS as e:
+                error = e
+                if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                warnings.warn(f"fused Linear {key[:4]}: candidate {c} skipped ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})", RuntimeWarning, stacklevel=2)
+        if not times:
+            raise RuntimeError(f"fused Linear {key[:4]}: every candidate failed") from error
         _linear_choices[key] = min(times, key=times.get)
     return _linear_choices[key]
+
+
+def gram_extra_bytes(N, T, K, L):
+    """Memory the 'gram' strategy allocates beyond its inputs for 16-bit inputs: fp32 copies of x and of the
+    output gradient, and the two (N, T, T) fp32 Gram matrices."""
+    return 4 * N * T * (K + L) + 2 * 4 * N * T * T
+
+
+def _free_bytes(device):
+    """Free memory on a CUDA device (the driver's count plus what torch's cache holds unused)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _linear_choice(x, grad_out):
@@ -404,16 +479,19 @@ def _linear_choice(x, grad_out):
     linear_default_config while torch.compile traces; otherwise the fastest, timed once per shape."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     T = x.numel() // (N * K) if N * K else 0
-    if FUSED_LINEAR_STRATEGY in ("gram", "materialise"):
+    if FUSED_LINEAR_STRATEGY in ("gram", "materialise") or isinstance(FUSED_LINEAR_STRATEGY, LinearConfig):
         return FUSED_LINEAR_STRATEGY
     if x.device.type != "cuda":
         return _interpreter_linear_config(T, L, K)
     capability, sm_count = torch.cuda.get_device_capability(x.device), _sm_count(x.device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = matmul_allows_tf32()
     if FUSED_LINEAR_STRATEGY == "kernel" or torch.compiler.is_compiling():
         return linear_default_config(N, T, K, L, x.dtype, capability, sm_count, tf32,
                                      allow_gram=FUSED_LINEAR_STRATEGY != "kernel")
-    candidates = ["gram", "materialise", *linear_candidates(x.dtype, capability, tf32)]
+    # the Gram trick's fp32 copies (2.5 GB for GPT-2's lm_head at B = 12) are not tried where they would take
+    # more than half the free memory
+    gram = ["gram"] if gram_extra_bytes(N, T, K, L) <= _free_bytes(x.device) // 2 else []
+    candidates = [*gram, "materialise", *linear_candidates(x.dtype, capability, tf32, ragged_width(L))]
     # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
     key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
     return _fastest(key, candidates, lambda c: _linear_weight_grad(x, grad_out, c))

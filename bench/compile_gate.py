@@ -14,7 +14,9 @@ shared memory over the target's per-block limit.
                              norm_launch_config(D) for D = 1 .. MAX_NORM_FEATURES
   _linear_bwd_dw_pesq        fp32 with ieee and with tf32 dots, fp16, bf16 x
                              every autotune candidate linear_candidates returns
-                             for the target's capability
+                             for the target's capability, each with L (the
+                             output width) a multiple of 16 and not: the glue
+                             masks a ragged L (a 50257 vocabulary) in the kernel
 each compiled with the one specialisation the glue ever launches: Triton's
 divisible-by-16 hint on the pointers and on every integer argument a kernel
 does not list in do_not_specialize (row strides and padded widths, which the
@@ -86,11 +88,13 @@ class Job:
     num_warps: int
     num_stages: int  # 0: Triton's default, as the glue launches the norm kernels
     arch: int
+    unaligned: tuple = ()  # integer arguments compiled without the divisible-by-16 hint
 
     def label(self):
         flags = " ".join(f"{k}={v}" for k, v in self.constexprs if k != "DOT_IN_FP32")
         stages = f" s{self.num_stages}" if self.num_stages else ""
-        return f"sm_{self.arch} {self.kernel} {self.dtype} {flags} w{self.num_warps}{stages}"
+        ragged = "".join(f" {a}%16!=0" for a in self.unaligned)
+        return f"sm_{self.arch} {self.kernel} {self.dtype} {flags} w{self.num_warps}{stages}{ragged}"
 
 
 def all_jobs(archs):
@@ -101,10 +105,11 @@ def all_jobs(archs):
         capability = divmod(arch, 10)
         for dtype, name in TYPE_NAMES.items():
             for allow_tf32 in ((False, True) if dtype == torch.float32 else (True,)):
-                for c in fused_gns.linear_candidates(dtype, capability, allow_tf32):
-                    flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
-                             ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
-                    yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch)
+                for unaligned in ((), ("L",)):  # L a multiple of 16, and ragged
+                    for c in fused_gns.linear_candidates(dtype, capability, allow_tf32, ragged_l=bool(unaligned)):
+                        flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
+                                 ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
+                        yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))
                 for kernel in ("_ln_fwd", "_ln_bwd_dx_pesq"):
@@ -122,7 +127,7 @@ def compile_job(job):
     signature.update({k: "constexpr" for k in constexprs})
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in specialised_args(kernel)
-             if signature[a][0] in "*i"}  # pointers and integers
+             if signature[a][0] in "*i" and a not in job.unaligned}  # pointers and integers
     options = {"num_warps": job.num_warps, **({"num_stages": job.num_stages} if job.num_stages else {})}
     log = io.StringIO()
     start = time.perf_counter()

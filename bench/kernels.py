@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+import common  # bench/common.py, beside this script
 import torch
 import torch.nn.functional as F
 
@@ -74,7 +75,7 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     x2, g2 = x.view(-1, K), g.view(-1, L)
     nbytes = (x.numel() + g.numel() + K * L) * x.element_size()
     capability = torch.cuda.get_device_capability()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = fused_gns.matmul_allows_tf32()
     plain_ms, plain_mib = measure(lambda: g2.t() @ x2)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
     for strategy in ("gram", "materialise"):
@@ -97,6 +98,7 @@ def main(argv=None):
     parser.add_argument("--n-embd", type=int, default=768, help="D, default: 768")
     parser.add_argument("--vocab-size", type=int, default=50304, help="V, default: 50304")
     args = parser.parse_args(argv)
+    common.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
                  "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_fused_gns.py")

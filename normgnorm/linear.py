@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 
-# L and K are the padded widths: the glue zero-pads rows to a multiple of 16 features, so every size the
-# kernel masks with is divisible by 16 (Triton's specialisation hint), which lets its loads be 16-byte
-# asynchronous copies that the software pipeline can prefetch; the zero columns add nothing to dW or the
-# norms. N, T and the chunk size are not specialised: one compiled kernel per launch configuration, the
+# K is padded: the glue zero-pads input rows to a multiple of 16 features (Triton's divisibility hint, so
+# loads are 16-byte asynchronous copies the software pipeline can prefetch; zero columns add nothing). L is
+# padded below 16 only: a ragged L (a 50257 vocabulary) is masked here rather than copied into a padded
+# buffer every step, a second specialisation the compile gate also compiles. N, T and the chunk size are not specialised: one compiled kernel per launch configuration, the
 # one bench/compile_gate.py compiles.
 @triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK"])
 def _linear_bwd_dw_pesq(
@@ -39,7 +39,7 @@ def _linear_bwd_dw_pesq(
     W_PESQ_PART,  # pointer to per-(example, dW tile) squared norms, (N, tiles) fp32
     N,  # examples
     T,  # rows per example
-    L,  # output features, padded to a multiple of 16
+    L,  # output features (rows of G are L apart), >= 16
     K,  # input features, padded to a multiple of 16
     EXAMPLES_PER_CHUNK,  # examples handled by one program (grid axis 1 enumerates the chunks)
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs ("ieee" or "tf32")

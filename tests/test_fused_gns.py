@@ -225,7 +225,7 @@ GPU_CANDIDATES = sorted({c for configs in fused_gns.LINEAR_CANDIDATES.values() f
 def test_linear_gpu_candidate_tiles(config, captured, monkeypatch):
     """Each autotune candidate's tiles (run here by the interpreter), on ragged sizes: 2 x 2 tiles of dW
     at least, rows split across row blocks, a last example shorter than one block."""
-    monkeypatch.setattr(fused_gns, "_interpreter_linear_config", lambda T, L, K: config)
+    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", config)  # forced on a GPU too, not only timed
     torch.manual_seed(11)
     K, L = config.block_k + 24, config.block_l + 8
     fused, ref = make_linear(K, L, True, torch.float32)
