@@ -42,10 +42,10 @@ import torch
 
 import layout
 from tied import note_head
-from buffered import accumulate_pe_sqnorm, autocast_inputs
+from buffered import autocast_inputs
 from layers.conv1d import PEGradNormConv1D
 from layers.layernorm import PEGradNormLayerNorm, torch_layer_norm
-from layers.linear import (LinearFunction, PEGradNormLinear, linear_backward, linear_weight_grad_and_pe_sqnorm,
+from layers.linear import (LinearFunction, PEGradNormLinear, bias_pe_grads, linear_weight_grad_and_pe_sqnorm,
                            simultaneous_uses_gram)
 from layers.rmsnorm import PEGradNormRMSNorm, torch_rms_norm
 
@@ -59,6 +59,7 @@ except ImportError:  # the layers still work, through the torch fallback
 
 if HAS_TRITON:
     # kernels are looked up as normgnorm.<module>.<kernel> at each call
+    import normgnorm.finish
     import normgnorm.layernorm
     import normgnorm.linear
 
@@ -188,6 +189,60 @@ def _kernel_rows(t, width):
 
 
 # -----------------------------------------------------------------------------
+# finishing: per-example norms, gradients and buffer updates in one launch
+
+_counters = {}  # device -> int32 counter of normgnorm.finish (0 between launches; launches on one stream)
+
+
+def _counter(device):
+    if device not in _counters:
+        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+FINISH_WARPS = 4  # bench/compile_gate.py compiles _pe_sqnorm_finish with these
+
+
+def finish_block_w(W):
+    """Columns per program of _pe_sqnorm_finish: about 32 programs per parameter, 64 to 512 columns (1024 with 4
+    warps spills on sm_90: bench/compile_gate.py)."""
+    return min(512, max(64, triton.next_power_of_2(triton.cdiv(W, 32))))
+
+
+def _recorded(buffer, pe_sqnorm):
+    """Called with each per-example squared-norm vector (N,) a kernel added to `buffer` (tests observe them)."""
+
+
+def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_squares=False):
+    """_pe_sqnorm_finish on parameter a's and b's partials (None: no gradient): (a's gradient or None, b's
+    gradient or None), each (W,) in grad_dtype; a_squares: a is (N, S) squared norms (no gradient formed)."""
+    a_grad = torch.empty(W, dtype=grad_dtype, device=device) if a is not None and not a_squares else None
+    b_grad = torch.empty(W, dtype=grad_dtype, device=device) if b is not None else None
+    if N == 0:  # no examples: zero gradients, nothing recorded
+        return tuple(t.zero_() if t is not None else None for t in (a_grad, b_grad))
+    if b is None and (a is None or a_squares):
+        W = 0  # no vectors: one program per parameter
+    block_w = finish_block_w(W)
+    blocks = triton.cdiv(W, block_w) if W else 1
+    sq_part = torch.empty(2, N, blocks, dtype=torch.float32, device=device)
+    pesq = torch.empty(2, N, dtype=torch.float32, device=device)
+    any_part = a if a is not None else b
+    grad_any = a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
+    a_buf, b_buf = buffers
+    _launch(normgnorm.finish._pe_sqnorm_finish, (blocks, 2), device,
+            a if a is not None else any_part, b if b is not None else any_part,
+            a_grad if a_grad is not None else grad_any, b_grad if b_grad is not None else grad_any,
+            sq_part, pesq, a_buf if a_buf is not None else pesq, b_buf if b_buf is not None else pesq,
+            _counter(device), N, C, W, stride, a.shape[-1] if a_squares and a is not None else 0, N if counts else 0,
+            int(a is not None), int(b is not None), int(a is not None and a_buf is not None),
+            int(b is not None and b_buf is not None), A_SQUARES=a_squares, BLOCK_W=block_w, num_warps=FINISH_WARPS)
+    for part, buffer, row in ((a, a_buf, pesq[0]), (b, b_buf, pesq[1])):
+        if part is not None and buffer is not None:
+            _recorded(buffer, row)
+    return a_grad, b_grad
+
+
+# -----------------------------------------------------------------------------
 # LayerNorm / RMSNorm
 
 def _sm_count(device):
@@ -264,15 +319,9 @@ def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
             x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
             IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK_D=ctx.block_d,
             num_warps=ctx.num_warps)
-    # per-example gradients (N, D): sum each example's chunks; then square, and sum over examples
-    pe_dw = dw_part[:, :D].view(N, chunks, D).sum(dim=1)
-    accumulate_pe_sqnorm(weight_buffer, pe_dw.pow(2).sum(dim=1))
-    dw = pe_dw.sum(dim=0).to(weight.dtype)
-    db = None
-    if ctx.has_bias:
-        pe_db = db_part[:, :D].view(N, chunks, D).sum(dim=1)
-        accumulate_pe_sqnorm(bias_buffer, pe_db.pow(2).sum(dim=1))
-        db = pe_db.sum(dim=0).to(weight.dtype)
+    # per-example gradients: sum each example's chunks; square; sum over examples; the buffers: one launch
+    dw, db = _finish(dw_part, db_part if ctx.has_bias else None, N, chunks, D, stride, weight.dtype, x2.device,
+                     (weight_buffer, bias_buffer))
     return dx[:, :D].view(grad_out.shape), dw, db
 
 
@@ -402,7 +451,8 @@ def _linear_chunks(N, tiles, sm_count):
 
 
 def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
-    """dW (L, K) fp32 and the per-example squared norms (N,) fp32 of it, from _linear_bwd_dw_pesq."""
+    """dW (L, K) in x's dtype and the squared norms of each example's dW tiles (N, tiles) fp32, from
+    _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
     gs, L_pad = _linear_grad_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad), L_pad = L from 16 outputs on
@@ -411,18 +461,23 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     launch = xs.numel() > 0 and gs.numel() > 0
     chunks, per_chunk = _linear_chunks(N, tiles, sm_count) if launch else (1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
-    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device)
+    # one chunk: each program owns its tile and writes dW in x's dtype; more: fp32 partials per chunk
+    dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device) if chunks == 1 else x.new_empty(0)
+    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device) if chunks > 1 else \
+        torch.empty(0, dtype=torch.float32, device=x.device)
     w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
     tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and matmul_allows_tf32())
     if launch:
         _launch(normgnorm.linear._linear_bwd_dw_pesq, (tiles, chunks), x.device,
-            xs, gs, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
+            xs, gs, dw, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
             INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
             BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             num_warps=config.num_warps, num_stages=config.num_stages)
-    dw = dw_part[0] if chunks == 1 else dw_part.sum(dim=0)
-    return dw[:L, :K], w_pesq_part.sum(dim=1)
+    if chunks > 1:
+        dw = dw_part.sum(dim=0).to(x.dtype)
+    dw = dw[:L, :K]
+    return (dw if K == K_pad else dw.contiguous()), w_pesq_part
 
 
 def _benchmark_ms(fn):
@@ -498,12 +553,35 @@ def _linear_choice(x, grad_out):
 
 
 def _linear_weight_grad(x, grad_out, choice=None):
-    """(dW (L, K) in x's dtype, per-example squared norms (N,) fp32) by `choice` (default: _linear_choice)."""
+    """(dW (L, K) in x's dtype, (N, S) fp32: squared norms of S disjoint pieces of each example's dW) by
+    `choice` (default: _linear_choice): the kernel's tiles, or one piece from a torch strategy."""
     choice = choice or _linear_choice(x, grad_out)
     if isinstance(choice, str):
-        return linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
-    dw, w_pesq = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
-    return dw.to(x.dtype).contiguous(), w_pesq
+        dw, w_sq = linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
+        return dw, w_sq.view(-1, 1)
+    return _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
+
+
+def _fused_linear_backward(ctx, grad_out):
+    """(dx, dW, db) of a fused Linear (x saved with its examples on dim 0): dx a matmul, dW and its per-tile
+    squares from _linear_weight_grad, the bias's per-example sums one reduction, then one finishing launch
+    for the norms, db and both buffers. Only what autograd asks for (frozen parameters: nothing)."""
+    x, weight = ctx.saved_tensors
+    weight_buffer, bias_buffer = ctx.buffers
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    grad_x = grad_out @ weight if needs_x else None
+    N, L = grad_out.shape[0], grad_out.shape[-1]
+    gs = grad_out.reshape(N, -1, L)  # (N, T, L)
+    grad_weight = w_sq = pe_db = None
+    if needs_weight:
+        grad_weight, w_sq = _linear_weight_grad(x.reshape(N, -1, x.shape[-1]), gs)
+    if needs_bias:
+        pe_db = bias_pe_grads(gs)  # (N, L) fp32, rows L apart
+    grad_bias = None
+    if needs_weight or needs_bias:
+        _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, grad_out.dtype, grad_out.device,
+                               (weight_buffer, bias_buffer), a_squares=True)
+    return grad_x, grad_weight, grad_bias
 
 
 class FusedLinearFunction(torch.autograd.Function):
@@ -520,7 +598,7 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return linear_backward(ctx, grad_out, _linear_weight_grad)[:5]
+        return *_fused_linear_backward(ctx, grad_out), None, None
 
 
 fused_linear = FusedLinearFunction.apply

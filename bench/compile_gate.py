@@ -12,6 +12,8 @@ shared memory over the target's per-block limit.
   _ln_fwd, _ln_bwd_dx_pesq   fp32 / fp16 / bf16 x (LayerNorm, LayerNorm without
                              bias, RMSNorm) x every (BLOCK_D, num_warps) of
                              norm_launch_config(D) for D = 1 .. MAX_NORM_FEATURES
+  _pe_sqnorm_finish          fp32 / fp16 / bf16 gradients x every BLOCK_W of
+                             finish_block_w, parameter a as vectors or squares
   _linear_bwd_dw_pesq        fp32 with ieee and with tf32 dots, fp16, bf16 x
                              every autotune candidate linear_candidates returns
                              for the target's capability, each with L (the
@@ -61,9 +63,15 @@ SIGNATURES = {
     "_ln_fwd": dict(X="*T", Y="*T", W="*T", B="*T", MEAN="*fp32", RSTD="*fp32", D="i32", STRIDE="i32", eps="fp32"),
     "_ln_bwd_dx_pesq": dict(X="*T", G="*T", DX="*T", W="*T", MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
                             DB_PART="*fp32", T="i32", D="i32", STRIDE="i32", ROWS_PER_CHUNK="i32"),
-    "_linear_bwd_dw_pesq": dict(X="*T", G="*T", DW_PART="*fp32", W_PESQ_PART="*fp32", N="i32", T="i32", L="i32",
+    "_linear_bwd_dw_pesq": dict(X="*T", G="*T", DW="*T", DW_PART="*fp32", W_PESQ_PART="*fp32", N="i32", T="i32", L="i32",
                                 K="i32", EXAMPLES_PER_CHUNK="i32"),
+    "_pe_sqnorm_finish": dict(A_PART="*fp32", B_PART="*fp32", A_GRAD="*T", B_GRAD="*T", SQ_PART="*fp32",
+                              PESQ="*fp32", A_BUF="*fp32", B_BUF="*fp32", COUNTER="*i32", N="i32", C="i32", W="i32",
+                              STRIDE="i32", S="i32", COUNT="i32", A_ON="i32", B_ON="i32", A_RECORD="i32",
+                              B_RECORD="i32"),
 }
+FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_gns.finish_block_w
+FINISH_WARPS = 4
 
 
 def specialised_args(kernel):
@@ -110,6 +118,9 @@ def all_jobs(archs):
                         flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
                                  ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
                         yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
+            for block_w, squares in itertools.product(FINISH_BLOCK_WS, (False, True)):
+                flags = (("A_SQUARES", squares), ("BLOCK_W", block_w))
+                yield Job("_pe_sqnorm_finish", name, flags, FINISH_WARPS, 0, arch)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))
                 for kernel in ("_ln_fwd", "_ln_bwd_dx_pesq"):

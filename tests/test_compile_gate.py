@@ -49,6 +49,9 @@ def test_gate_covers_every_configuration_the_glue_returns():
             block_d, num_warps = fused_gns.norm_launch_config(D)
             assert block_d >= D and any(j.kernel == "_ln_bwd_dx_pesq" and j.arch == arch and j.num_warps == num_warps
                                         and dict(j.constexprs)["BLOCK_D"] == block_d for j in jobs)
+        for W in [0, 1, 40, 768, 2304, 50257, 10**6]:
+            assert fused_gns.finish_block_w(W) in compile_gate.FINISH_BLOCK_WS
+        assert fused_gns.FINISH_WARPS == compile_gate.FINISH_WARPS
         for dtype in fused_gns.KERNEL_DTYPES:
             for tf32 in (False, True):
                 for N, T, K, L in [(16, 1024, 768, 3072), (4, 64, 40, 72), (1, 1, 8, 8), (64, 256, 768, 50257)]:
@@ -76,9 +79,11 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     multiple of 16, so the kernel that runs is the one the gate compiled."""
     import normgnorm.layernorm
     import normgnorm.linear
+    import normgnorm.finish
 
     launches = []
-    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq)
+    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq,
+               normgnorm.finish._pe_sqnorm_finish)
     for kernel in kernels:
         def record(*args, kernel=kernel, **kwargs):  # the interpreter calls it with each launch's arguments
             launches.append((kernel, dict(zip(kernel.arg_names, args))))
@@ -90,7 +95,8 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     norm = fused_gns.PEGradNormFusedLayerNorm(features)
     linear = fused_gns.PEGradNormFusedLinear(features, 24)
     linear(norm(x)).sum().backward()
-    assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq"}
+    assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq",
+                                                           "_pe_sqnorm_finish"}
     for kernel, args in launches:
         for name in compile_gate.specialised_args(kernel):
             value = args[name]

@@ -72,7 +72,8 @@ def assert_close(actual, expected, tol, what=""):
 @pytest.fixture
 def captured(monkeypatch):
     """Record every per-example norm vector the fused layers add to a buffer, keyed by the buffer's id
-    (the norm layers add in fused_gns, the Linear in layers.linear.linear_backward, which it shares)."""
+    (the kernels report theirs through fused_gns._recorded; layers.linear's torch paths add through
+    accumulate_pe_sqnorm)."""
     record = {}
     original = buffered.accumulate_pe_sqnorm
 
@@ -81,7 +82,10 @@ def captured(monkeypatch):
             record.setdefault(id(buffer), []).append(pe_sqnorm.detach().clone())
         original(buffer, pe_sqnorm, counted)
 
-    monkeypatch.setattr(fused_gns, "accumulate_pe_sqnorm", recording)
+    def kernel_recorded(buffer, pe_sqnorm):  # the fused layers' kernels update the buffers themselves
+        record.setdefault(id(buffer), []).append(pe_sqnorm.detach().clone())
+
+    monkeypatch.setattr(fused_gns, "_recorded", kernel_recorded)
     monkeypatch.setattr(layers.linear, "accumulate_pe_sqnorm", recording)
     return record
 
