@@ -444,10 +444,64 @@ def _interpreter_linear_config(T, L, K):
                         min(64, max(16, triton.next_power_of_2(T))), 4, 1)
 
 
-def _linear_chunks(N, tiles, sm_count):
-    """Examples are split over grid axis 1 when there are too few dW tiles to fill the GPU (about 2 programs
-    per SM); each chunk then writes its own (L, K) dW partial, summed in the glue. (chunks, examples per chunk)."""
-    return _split_for_gpu(N, tiles, 2, sm_count)
+# A cost model of the kernel on a GPU, for choosing how to split examples (H100 SXM spec sheet, per SM: dense
+# tensor-core FLOP/s by dot flavour; HBM bytes/s); only the ratios matter, and A100's are alike
+SM_FLOPS = {"16-bit": 989e12 / 132, "tf32": 494e12 / 132, "ieee": 67e12 / 132}
+MEMORY_BYTES_PER_S = 3.35e12
+_REGISTERS_PER_SM = 65536
+
+
+def linear_blocks_per_sm(config, element_size, capability):
+    """Programs of `config` one SM holds at once, an estimate: its shared memory (pipeline buffers) and its
+    registers (two fp32 accumulator tiles spread over the threads, plus about 64 per thread for the rest,
+    at most 255; 128 x 128 tiles on 8 warps: 192 registers, one program per SM)."""
+    threads = 32 * config.num_warps
+    registers = min(255, 2 * config.block_l * config.block_k // threads + 64)
+    by_registers = _REGISTERS_PER_SM // (registers * threads)
+    by_shared = int(shared_memory_limit(capability) // max(1, config.shared_bytes(element_size)))
+    return max(1, min(by_registers, by_shared))
+
+
+def wave_efficiency(programs, slots):
+    """Share of the GPU's program slots busy over the waves `programs` take (1.0: every wave full)."""
+    return programs / (triton.cdiv(programs, slots) * slots) if programs else 1.0
+
+
+def plan_linear_split(N, tiles, slots, example_tile_s, partial_s):
+    """Chunks of examples (grid axis 1) for `tiles` dW tiles on `slots` program slots (SMs x programs per SM)
+    minimising the modelled time: waves x examples per chunk x example_tile_s (one program's work on one
+    example), plus, when split, chunks x partial_s (an fp32 dW partial written and read back). Ties go to
+    fewer chunks. Returns (chunks, examples per chunk)."""
+    best = None
+    for per_chunk in sorted({triton.cdiv(N, c) for c in range(1, N + 1)}, reverse=True):
+        chunks = triton.cdiv(N, per_chunk)
+        waves = triton.cdiv(tiles * chunks, slots)
+        time = waves * per_chunk * example_tile_s + (chunks * partial_s if chunks > 1 else 0.0)
+        if best is None or time < best[0] * (1 - 1e-9):
+            best = (time, chunks, per_chunk)
+    return best[1], best[2]
+
+
+def linear_split(N, T, K, L, config, dtype, allow_tf32, capability, sm_count):
+    """(chunks, examples per chunk) of _linear_bwd_dw_pesq on a GPU of sm_count SMs (plan_linear_split with
+    the cost model above); one chunk on the CPU (sm_count None)."""
+    if sm_count is None or N == 0:
+        return 1, N
+    tiles = linear_tiles(L, K, config)
+    slots = sm_count * linear_blocks_per_sm(config, dtype.itemsize, capability)
+    example_tile_s = 2 * T * config.block_l * config.block_k / SM_FLOPS[linear_dot_precision(dtype, allow_tf32)]
+    partial_s = 2 * 4 * L * K / MEMORY_BYTES_PER_S  # fp32 written by the kernel, read by the sum
+    return plan_linear_split(N, tiles, slots, example_tile_s, partial_s)
+
+
+def _linear_chunks(N, T, K, L, config, dtype, device):
+    """Examples split over grid axis 1 (linear_split for this GPU); each chunk then writes its own fp32 (L, K)
+    dW partial, summed in the glue. (chunks, examples per chunk)."""
+    sm_count = _sm_count(device)
+    if sm_count is None:
+        return 1, N
+    capability = torch.cuda.get_device_capability(device)
+    return linear_split(N, T, K, L, config, dtype, matmul_allows_tf32(), capability, sm_count)
 
 
 def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
@@ -459,7 +513,7 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     T = xs.shape[0] // N if N else 0
     tiles = linear_tiles(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
-    chunks, per_chunk = _linear_chunks(N, tiles, sm_count) if launch else (1, N)
+    chunks, per_chunk = _linear_chunks(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else (1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
     # one chunk: each program owns its tile and writes dW in x's dtype; more: fp32 partials per chunk
     dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device) if chunks == 1 else x.new_empty(0)

@@ -295,7 +295,7 @@ def test_linear_wide(K, L, bias, dtype, shape, captured):
 def test_linear_split_examples_small_tiles_and_accumulation(bias, captured, monkeypatch):
     """Examples split over programs (2 chunks for N = 3), 16-wide tiles (5 x 3 of them, ragged),
     two T blocks per example, and two backward passes adding up."""
-    monkeypatch.setattr(fused_gns, "_linear_chunks", lambda N, tiles, sm_count: (2, math.ceil(N / 2)))
+    monkeypatch.setattr(fused_gns, "_linear_chunks", lambda N, *shape: (2, math.ceil(N / 2)))
     monkeypatch.setattr(fused_gns, "_interpreter_linear_config",
                         lambda T, L, K: fused_gns.LinearConfig(16, 16, 16, 4, 1))
     torch.manual_seed(7)
