@@ -19,14 +19,22 @@ capability and SM count (`norm_launch_config`, `linear_candidates`,
 them for sm_80 and sm_90 without a GPU and check registers, spills and shared
 memory. The fused Linear picks, once per shape on a GPU, the fastest of the
 kernel's candidate tile configurations and the two torch strategies of
-buffered.py (all exact) by timing each, as Triton's autotuner does; while
-torch.compile traces it, or on the CPU, the choice is `linear_default_config`.
+buffered.py (all exact) by timing each, as Triton's autotuner does (a
+candidate that fails or runs out of memory is skipped); on the CPU the choice
+is `_interpreter_linear_config`. Examples are split over programs by
+`linear_split`, a cost model of waves on the GPU's SMs.
+
+The kernels' glue runs inside torch custom ops (nanogns::norm_fwd, norm_bwd,
+linear_dw_db, linear_dw): torch.compile keeps each as one node of its graph and
+runs it eagerly, so the timed choice and Triton's interpreter work under
+torch.compile too. A backward launches two kernels (norms) or a matmul, the
+weight-gradient kernel, a bias reduction and one finishing kernel (Linear):
+normgnorm/finish.py does the per-example sums, squares and buffer updates.
 
 Where the kernel can run is decided per call (`kernel_unavailable_reason`):
 a CUDA tensor with Triton installed on a GPU it supports, or a CPU tensor while
 Triton's interpreter is active (TRITON_INTERPRET=1 set before triton is first
-imported; this is how the tests run the kernels on CPU) and torch.compile is not
-tracing (Dynamo cannot trace the interpreter). Which of the two Triton
+imported; this is how the tests run the kernels on CPU). Which of the two Triton
 chose is read from Triton itself: its jitted functions are then interpreter
 functions.
 Anywhere else a layer falls back to the buffered.py torch computation (the same
@@ -37,6 +45,7 @@ raise RuntimeError here, before any kernel is launched.
 import contextlib
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -97,9 +106,7 @@ def kernel_unavailable_reason(x):
     if ours != triton_own:
         return ("TRITON_INTERPRET changed between importing triton and importing fused_gns, so Triton's "
                 "interpreter is half active; set it (or not) before anything imports triton")
-    if ours:
-        if torch.compiler.is_compiling():  # Dynamo would trace into the interpreter's numpy code and fail
-            return "Triton's interpreter (TRITON_INTERPRET=1) cannot run inside torch.compile"
+    if ours:  # (under torch.compile too: the kernels run inside custom ops, which Dynamo does not trace)
         if x.device.type == "cpu":
             return None
         return (f"Triton's interpreter is active (TRITON_INTERPRET=1) and runs the kernels on CPU tensors only, "
@@ -276,6 +283,76 @@ def norm_launch_config(D):
     return block_d, max(min(block_d // 256, 8), block_d // 512)
 
 
+# The kernels' glue runs as torch custom ops (nanogns::*): torch.compile keeps each as one opaque node of its
+# graph, run eagerly (so Triton's interpreter works under torch.compile too, and the timed choice still times);
+# the autograd Functions around them are traced. Each op has a fake implementation giving its outputs' shapes.
+CUSTOM_OPS = {}  # "nanogns::<name>" -> its Python implementation (bench/launch_counts.py counts inside them)
+
+
+def _custom_op(name, mutates_args=()):
+    def register(fn):
+        CUSTOM_OPS[name] = fn
+        return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+    return register
+
+
+@_custom_op("nanogns::norm_fwd", mutates_args=())
+def _norm_fwd_op(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                 is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (M, stride) in x2's dtype, mean (M,), rstd (M,) fp32) of the rows x2 (M, stride), D = weight.numel()."""
+    x2 = _aligned(x2.contiguous())
+    M, stride = x2.shape
+    D = weight.numel()
+    weight = _aligned(weight.contiguous())
+    bias = _aligned(bias.contiguous()) if bias is not None else None
+    y = torch.empty(M, stride, dtype=x2.dtype, device=x2.device)
+    mean = torch.empty(M, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
+    block_d, num_warps = norm_launch_config(D)
+    if M > 0:
+        _launch(normgnorm.layernorm._ln_fwd, (M,), x2.device,
+                x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
+                IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
+    return y, mean, rstd
+
+
+@_norm_fwd_op.register_fake
+def _(x2, weight, bias, eps, is_rms):
+    M = x2.shape[0]
+    return x2.new_empty(x2.shape), x2.new_empty(M, dtype=torch.float32), x2.new_empty(M, dtype=torch.float32)
+
+
+@_custom_op("nanogns::norm_bwd", mutates_args=("weight_buffer", "bias_buffer"))
+def _norm_bwd_op(x2: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                 N: int, is_rms: bool, has_bias: bool, weight_buffer: Optional[torch.Tensor],
+                 bias_buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (M, stride), dw (D,), db (D,), or (0,) without a bias); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
+    x2, g = _aligned(x2.contiguous()), _aligned(g.contiguous())
+    M, stride = x2.shape
+    D = weight.numel()
+    T = M // N if N else 0
+    block_d, num_warps = norm_launch_config(D)
+    dx = torch.empty_like(x2)
+    chunks, rows = _norm_chunks(N, T, _sm_count(x2.device)) if M > 0 else (1, 0)
+    alloc = torch.empty if M > 0 else torch.zeros  # the kernel writes every row of the partials
+    dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
+    db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if has_bias else dw_part
+    if M > 0:
+        _launch(normgnorm.layernorm._ln_bwd_dx_pesq, (N, chunks), x2.device,
+                x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
+                IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_D=block_d, num_warps=num_warps)
+    # per-example gradients: sum each example's chunks; square; sum over examples; the buffers: one launch
+    dw, db = _finish(dw_part, db_part if has_bias else None, N, chunks, D, stride, weight.dtype, x2.device,
+                     (weight_buffer, bias_buffer))
+    return dx, dw, db if db is not None else weight.new_empty(0)
+
+
+@_norm_bwd_op.register_fake
+def _(x2, g, weight, mean, rstd, N, is_rms, has_bias, weight_buffer, bias_buffer):
+    D = weight.numel()
+    return torch.empty_like(x2), weight.new_empty(D), weight.new_empty(D if has_bias else 0)
+
+
 def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     what = "fused RMSNorm" if is_rms else "fused LayerNorm"
     D = weight.numel()
@@ -285,44 +362,19 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
                            f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
                            f"use lnclass='gns' for it")
     x2, stride = _kernel_rows(x, D)  # (N * T, D) rows, stride apart
-    M = x2.shape[0]
-    weight = _aligned(weight.contiguous())
-    bias = _aligned(bias.contiguous()) if bias is not None else None
-    y = torch.empty(M, stride, dtype=x.dtype, device=x.device)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    block_d, num_warps = norm_launch_config(D)
-    if M > 0:
-        _launch(normgnorm.layernorm._ln_fwd, (M,), x.device,
-            x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
-            IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
+    y, mean, rstd = torch.ops.nanogns.norm_fwd(x2, weight, bias, eps, is_rms)
     ctx.save_for_backward(x2, weight, mean, rstd)
     ctx.N, ctx.D, ctx.is_rms, ctx.has_bias = x.shape[0], D, is_rms, bias is not None
-    ctx.block_d, ctx.num_warps = block_d, num_warps
     return y[:, :D].view(x.shape)
 
 
 def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
-    M, stride = x2.shape
-    N, D = ctx.N, ctx.D
-    T = M // N if N else 0
-    g, _ = _kernel_rows(grad_out, D)
-    dx = torch.empty_like(x2)
-    chunks, rows = _norm_chunks(N, T, _sm_count(x2.device)) if M > 0 else (1, 0)
-    alloc = torch.empty if M > 0 else torch.zeros  # the kernel writes every row of the partials
-    dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
-    db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
-    if M > 0:
-        _launch(normgnorm.layernorm._ln_bwd_dx_pesq, (N, chunks), x2.device,
-            x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
-            IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK_D=ctx.block_d,
-            num_warps=ctx.num_warps)
-    # per-example gradients: sum each example's chunks; square; sum over examples; the buffers: one launch
-    dw, db = _finish(dw_part, db_part if ctx.has_bias else None, N, chunks, D, stride, weight.dtype, x2.device,
-                     (weight_buffer, bias_buffer))
-    return dx[:, :D].view(grad_out.shape), dw, db
+    g, _ = _kernel_rows(grad_out, ctx.D)
+    dx, dw, db = torch.ops.nanogns.norm_bwd(x2, g, weight, mean, rstd, ctx.N, ctx.is_rms, ctx.has_bias,
+                                            weight_buffer, bias_buffer)
+    return dx[:, :ctx.D].view(grad_out.shape), dw, db if ctx.has_bias else None
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
@@ -616,25 +668,58 @@ def _linear_weight_grad(x, grad_out, choice=None):
     return _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
 
 
+@_custom_op("nanogns::linear_dw_db", mutates_args=("weight_buffer", "bias_buffer"))
+def _linear_dw_db_op(x: Optional[torch.Tensor], g: torch.Tensor, weight_buffer: Optional[torch.Tensor],
+                     bias_buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW (L, K) in x's dtype, or (0,) when x is None (a frozen weight); db (L,) in g's dtype) for x (N, T, K),
+    g (N, T, L): dW and its per-tile squares from _linear_weight_grad, the bias's per-example sums one
+    reduction, then one finishing launch for the norms, db and both buffers."""
+    N, L = g.shape[0], g.shape[-1]
+    grad_weight = w_sq = None
+    if x is not None:
+        grad_weight, w_sq = _linear_weight_grad(x, g)
+    pe_db = bias_pe_grads(g)  # (N, L) fp32, rows L apart
+    _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, (weight_buffer, bias_buffer), a_squares=True)
+    return grad_weight if grad_weight is not None else g.new_empty(0), grad_bias
+
+
+@_custom_op("nanogns::linear_dw", mutates_args=("weight_buffer",))
+def _linear_dw_op(x: torch.Tensor, g: torch.Tensor, weight_buffer: Optional[torch.Tensor]) -> torch.Tensor:
+    """dW (L, K) in x's dtype of a Linear without a bias to differentiate (as linear_dw_db)."""
+    grad_weight, w_sq = _linear_weight_grad(x, g)
+    _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (weight_buffer, None),
+            a_squares=True)
+    return grad_weight
+
+
+@_linear_dw_db_op.register_fake
+def _(x, g, weight_buffer, bias_buffer):
+    L = g.shape[-1]
+    return (x.new_empty(L, x.shape[-1]) if x is not None else g.new_empty(0)), g.new_empty(L)
+
+
+@_linear_dw_op.register_fake
+def _(x, g, weight_buffer):
+    return x.new_empty(g.shape[-1], x.shape[-1])
+
+
 def _fused_linear_backward(ctx, grad_out):
-    """(dx, dW, db) of a fused Linear (x saved with its examples on dim 0): dx a matmul, dW and its per-tile
-    squares from _linear_weight_grad, the bias's per-example sums one reduction, then one finishing launch
-    for the norms, db and both buffers. Only what autograd asks for (frozen parameters: nothing)."""
+    """(dx, dW, db) of a fused Linear (x saved with its examples on dim 0): dx a matmul, the rest one custom op.
+    Only what autograd asks for (frozen parameters: no gradient, no norms)."""
     x, weight = ctx.saved_tensors
     weight_buffer, bias_buffer = ctx.buffers
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
     grad_x = grad_out @ weight if needs_x else None
     N, L = grad_out.shape[0], grad_out.shape[-1]
     gs = grad_out.reshape(N, -1, L)  # (N, T, L)
-    grad_weight = w_sq = pe_db = None
-    if needs_weight:
-        grad_weight, w_sq = _linear_weight_grad(x.reshape(N, -1, x.shape[-1]), gs)
+    xs = x.reshape(N, -1, x.shape[-1]) if needs_weight else None
+    grad_weight = grad_bias = None
     if needs_bias:
-        pe_db = bias_pe_grads(gs)  # (N, L) fp32, rows L apart
-    grad_bias = None
-    if needs_weight or needs_bias:
-        _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, grad_out.dtype, grad_out.device,
-                               (weight_buffer, bias_buffer), a_squares=True)
+        grad_weight, grad_bias = torch.ops.nanogns.linear_dw_db(xs, gs, weight_buffer if needs_weight else None,
+                                                                bias_buffer)
+        grad_weight = grad_weight if needs_weight else None
+    elif needs_weight:
+        grad_weight = torch.ops.nanogns.linear_dw(xs, gs, weight_buffer)
     return grad_x, grad_weight, grad_bias
 
 

@@ -6,7 +6,8 @@ not a time (each launch costs a few microseconds of GPU time however small).
     python bench/launch_counts.py --device=cuda
 
 Counted: the aten ops the backward dispatches (seen by a TorchDispatchMode)
-that launch work on a GPU, plus each Triton kernel launch (fused_gns._launch,
+that launch work on a GPU, those inside the fused layers' custom ops
+(nanogns::*) included, plus each Triton kernel launch (fused_gns._launch,
 wrapped here; ops the interpreter issues inside a launch are not counted).
 Views, detach and allocations (empty*) launch nothing and are not counted.
 tests/test_launches.py holds the fused counts at torch's + 2 (LayerNorm) and
@@ -41,6 +42,9 @@ class LaunchCounter(TorchDispatchMode):
         self._inside_kernel = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "nanogns":  # the fused layers' custom ops: count what they run, not the op
+            with self:
+                return fused_gns.CUSTOM_OPS[func.name()](*args, **(kwargs or {}))
         if not self._inside_kernel and not func.is_view and str(func) not in NO_LAUNCH:
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
