@@ -21,8 +21,9 @@ import torch.nn as nn
 
 import fused_gns
 
-pytestmark = pytest.mark.skipif(not fused_gns.kernels_interpreted(),
-                                reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
+DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 (kernels on CPU) or a CUDA GPU")
 
 
 class Block(nn.Module):
@@ -67,16 +68,16 @@ def ops_in(graph_modules):
 def test_compiled_fused_layers_equal_eager_with_kernels_as_custom_ops(backend):
     torch.manual_seed(0)
     D = 32
-    eager = Block(D)
-    model = Block(D)
+    eager = Block(D).to(DEVICE)
+    model = Block(D).to(DEVICE)
     model.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     graphs = {}
     compiled = torch.compile(model, backend=capturing_backend(graphs) if backend == "capture" else "inductor",
                              fullgraph=True)  # fullgraph: a graph break would raise
     for step in range(2):  # buffers accumulate over two backward passes
-        x = torch.randn(3, 5, D)
-        g = torch.randn(3, 5, D)
+        x = torch.randn(3, 5, D, device=DEVICE)
+        g = torch.randn(3, 5, D, device=DEVICE)
         outs = []
         for m in (eager, compiled):
             xk = x.clone().requires_grad_(True)

@@ -19,8 +19,9 @@ import fused_gns
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import launch_counts  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not fused_gns.kernels_interpreted(),
-                                reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
+DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 (kernels on CPU) or a CUDA GPU")
 EXTRA = {"LayerNorm": 2, "LayerNorm no bias": 2, "RMSNorm": 2, "Linear": 3, "Linear no bias": 3}
 
 
@@ -31,8 +32,8 @@ def test_fused_backward_launches_at_most_torch_plus_a_few(dtype, split, monkeypa
         monkeypatch.setattr(fused_gns, "_norm_chunks", lambda N, T, sm_count: (2, math.ceil(T / 2)))
         monkeypatch.setattr(fused_gns, "_linear_chunks", lambda N, *shape: (2, math.ceil(N / 2)))
     torch.manual_seed(0)
-    x = torch.randn(3, 5, 48, dtype=dtype)
-    for label, plain, fused in launch_counts.layer_pairs(48, 40, "cpu", dtype):  # 40 outputs: a ragged width
+    x = torch.randn(3, 5, 48, dtype=dtype, device=DEVICE)
+    for label, plain, fused in launch_counts.layer_pairs(48, 40, DEVICE, dtype):  # 40 outputs: a ragged width
         launch_counts.count_backward(fused, x)  # the finishing kernel's counter is made once per device
         plain_count = launch_counts.count_backward(plain, x)
         fused_count = launch_counts.count_backward(fused, x)
