@@ -220,9 +220,13 @@ def _recorded(buffer, pe_sqnorm):
     """Called with each per-example squared-norm vector (N,) a kernel added to `buffer` (tests observe them)."""
 
 
-def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_squares=False):
+FINISH_SUM_BLOCK = 1024  # elements of a split gradient one program of _pe_sqnorm_finish sums
+
+
+def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_squares=False, split=None):
     """_pe_sqnorm_finish on parameter a's and b's partials (None: no gradient): (a's gradient or None, b's
-    gradient or None), each (W,) in grad_dtype; a_squares: a is (N, S) squared norms (no gradient formed)."""
+    gradient or None), each (W,) in grad_dtype; a_squares: a is (N, S) squared norms (no gradient formed).
+    split: (fp32 partials (chunks, ...), out in grad_dtype): the same launch writes out = partials.sum(0)."""
     a_grad = torch.empty(W, dtype=grad_dtype, device=device) if a is not None and not a_squares else None
     b_grad = torch.empty(W, dtype=grad_dtype, device=device) if b is not None else None
     if N == 0:  # no examples: zero gradients, nothing recorded
@@ -231,18 +235,22 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
         W = 0  # no vectors: one program per parameter
     block_w = finish_block_w(W)
     blocks = triton.cdiv(W, block_w) if W else 1
+    parts, out = split if split is not None else (torch.empty(0, dtype=torch.float32, device=device),
+                                                  torch.empty(0, dtype=grad_dtype, device=device))
+    sum_programs = triton.cdiv(out.numel(), FINISH_SUM_BLOCK) if split is not None else 0
     sq_part = torch.empty(2, N, blocks, dtype=torch.float32, device=device)
     pesq = torch.empty(2, N, dtype=torch.float32, device=device)
     any_part = a if a is not None else b
     grad_any = a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
     a_buf, b_buf = buffers
-    _launch(normgnorm.finish._pe_sqnorm_finish, (blocks, 2), device,
+    _launch(normgnorm.finish._pe_sqnorm_finish, (blocks, 2 + triton.cdiv(sum_programs, blocks)), device,
             a if a is not None else any_part, b if b is not None else any_part,
             a_grad if a_grad is not None else grad_any, b_grad if b_grad is not None else grad_any,
             sq_part, pesq, a_buf if a_buf is not None else pesq, b_buf if b_buf is not None else pesq,
             _counter(device), N, C, W, stride, a.shape[-1] if a_squares and a is not None else 0, N if counts else 0,
             int(a is not None), int(b is not None), int(a is not None and a_buf is not None),
-            int(b is not None and b_buf is not None), A_SQUARES=a_squares, BLOCK_W=block_w, num_warps=FINISH_WARPS)
+            int(b is not None and b_buf is not None), parts, out, out.numel(), parts.shape[0] if split else 0,
+            A_SQUARES=a_squares, BLOCK_W=block_w, SUM_BLOCK=FINISH_SUM_BLOCK, num_warps=FINISH_WARPS)
     for part, buffer, row in ((a, a_buf, pesq[0]), (b, b_buf, pesq[1])):
         if part is not None and buffer is not None:
             _recorded(buffer, row)
@@ -557,8 +565,9 @@ def _linear_chunks(N, T, K, L, config, dtype, device):
 
 
 def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
-    """dW (L, K) in x's dtype and the squared norms of each example's dW tiles (N, tiles) fp32, from
-    _linear_bwd_dw_pesq."""
+    """(dW (L_pad, K_pad) in x's dtype, the squared norms of each example's dW tiles (N, tiles) fp32, and None;
+    or, when examples were split over programs, dW still to be formed as the sum of the third, the (chunks,
+    L_pad, K_pad) fp32 partials) from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
     gs, L_pad = _linear_grad_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad), L_pad = L from 16 outputs on
@@ -568,7 +577,7 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     chunks, per_chunk = _linear_chunks(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else (1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
     # one chunk: each program owns its tile and writes dW in x's dtype; more: fp32 partials per chunk
-    dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device) if chunks == 1 else x.new_empty(0)
+    dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)
     dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device) if chunks > 1 else \
         torch.empty(0, dtype=torch.float32, device=x.device)
     w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
@@ -580,10 +589,12 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
             INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
             BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             num_warps=config.num_warps, num_stages=config.num_stages)
-    if chunks > 1:
-        dw = dw_part.sum(dim=0).to(x.dtype)
-    dw = dw[:L, :K]
-    return (dw if K == K_pad else dw.contiguous()), w_pesq_part
+    return dw, w_pesq_part, dw_part if chunks > 1 else None
+
+
+def _trimmed(dw, L, K):
+    """dW (L, K) from the kernel's (L_pad, K_pad) one."""
+    return dw if dw.shape == (L, K) else dw[:L, :K].contiguous()
 
 
 def _benchmark_ms(fn):
@@ -655,17 +666,33 @@ def _linear_choice(x, grad_out):
     candidates = [*gram, "materialise", *linear_candidates(x.dtype, capability, tf32, ragged_width(L))]
     # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
     key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
-    return _fastest(key, candidates, lambda c: _linear_weight_grad(x, grad_out, c))
+    return _fastest(key, candidates, lambda c: linear_weight_grad_finished(x, grad_out, c))
 
 
-def _linear_weight_grad(x, grad_out, choice=None):
+def _linear_weight_grad(x, grad_out, choice=None, defer_sum=False):
     """(dW (L, K) in x's dtype, (N, S) fp32: squared norms of S disjoint pieces of each example's dW) by
-    `choice` (default: _linear_choice): the kernel's tiles, or one piece from a torch strategy."""
+    `choice` (default: _linear_choice): the kernel's tiles, or one piece from a torch strategy. defer_sum:
+    (dW as the kernel holds it, (L_pad, K_pad), the squares, fp32 partials that dW is the sum of or None):
+    the finishing kernel then sums them into dW (see _trimmed)."""
     choice = choice or _linear_choice(x, grad_out)
     if isinstance(choice, str):
         dw, w_sq = linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
-        return dw, w_sq.view(-1, 1)
-    return _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
+        return (dw, w_sq.view(-1, 1), None) if defer_sum else (dw, w_sq.view(-1, 1))
+    dw, w_sq, dw_part = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
+    if defer_sum:
+        return dw, w_sq, dw_part
+    if dw_part is not None:
+        dw = dw_part.sum(dim=0).to(x.dtype)
+    return _trimmed(dw, grad_out.shape[-1], x.shape[-1]), w_sq
+
+
+def linear_weight_grad_finished(x, g, choice):
+    """What a fused Linear's backward runs for dW (returned, (L_pad, K_pad)) and its norms by `choice`, the
+    finishing launch included but no buffer updated (the timed choice, bench/kernels.py)."""
+    dw, w_sq, dw_part = _linear_weight_grad(x, g, choice, defer_sum=True)
+    _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (None, None), a_squares=True,
+            split=(dw_part, dw) if dw_part is not None else None)
+    return dw
 
 
 @_custom_op("nanogns::linear_dw_db", mutates_args=("weight_buffer", "bias_buffer"))
@@ -675,21 +702,23 @@ def _linear_dw_db_op(x: Optional[torch.Tensor], g: torch.Tensor, weight_buffer: 
     g (N, T, L): dW and its per-tile squares from _linear_weight_grad, the bias's per-example sums one
     reduction, then one finishing launch for the norms, db and both buffers."""
     N, L = g.shape[0], g.shape[-1]
-    grad_weight = w_sq = None
+    grad_weight = w_sq = split = None
     if x is not None:
-        grad_weight, w_sq = _linear_weight_grad(x, g)
+        grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, defer_sum=True)
+        split = (dw_part, grad_weight) if dw_part is not None else None
     pe_db = bias_pe_grads(g)  # (N, L) fp32, rows L apart
-    _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, (weight_buffer, bias_buffer), a_squares=True)
-    return grad_weight if grad_weight is not None else g.new_empty(0), grad_bias
+    _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, (weight_buffer, bias_buffer), a_squares=True,
+                           split=split)
+    return _trimmed(grad_weight, L, x.shape[-1]) if x is not None else g.new_empty(0), grad_bias
 
 
 @_custom_op("nanogns::linear_dw", mutates_args=("weight_buffer",))
 def _linear_dw_op(x: torch.Tensor, g: torch.Tensor, weight_buffer: Optional[torch.Tensor]) -> torch.Tensor:
     """dW (L, K) in x's dtype of a Linear without a bias to differentiate (as linear_dw_db)."""
-    grad_weight, w_sq = _linear_weight_grad(x, g)
+    grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, defer_sum=True)
     _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (weight_buffer, None),
-            a_squares=True)
-    return grad_weight
+            a_squares=True, split=(dw_part, grad_weight) if dw_part is not None else None)
+    return _trimmed(grad_weight, g.shape[-1], x.shape[-1])
 
 
 @_linear_dw_db_op.register_fake

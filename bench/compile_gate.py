@@ -68,7 +68,7 @@ SIGNATURES = {
     "_pe_sqnorm_finish": dict(A_PART="*fp32", B_PART="*fp32", A_GRAD="*T", B_GRAD="*T", SQ_PART="*fp32",
                               PESQ="*fp32", A_BUF="*fp32", B_BUF="*fp32", COUNTER="*i32", N="i32", C="i32", W="i32",
                               STRIDE="i32", S="i32", COUNT="i32", A_ON="i32", B_ON="i32", A_RECORD="i32",
-                              B_RECORD="i32"),
+                              B_RECORD="i32", SUM_PART="*fp32", SUM_OUT="*T", SUM_N="i32", SUM_CHUNKS="i32"),
 }
 FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_gns.finish_block_w
 FINISH_WARPS = 4
@@ -119,7 +119,7 @@ def all_jobs(archs):
                                  ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
                         yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
             for block_w, squares in itertools.product(FINISH_BLOCK_WS, (False, True)):
-                flags = (("A_SQUARES", squares), ("BLOCK_W", block_w))
+                flags = (("A_SQUARES", squares), ("BLOCK_W", block_w), ("SUM_BLOCK", fused_gns.FINISH_SUM_BLOCK))
                 yield Job("_pe_sqnorm_finish", name, flags, FINISH_WARPS, 0, arch)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))

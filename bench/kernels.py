@@ -81,14 +81,9 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     for strategy in ("gram", "materialise"):
         ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
-    buffer = torch.zeros(2, device="cuda")
-
-    def kernel_and_finish(config):  # what the fused Linear's backward launches for dW and its norms
-        _, w_sq = fused_gns._linear_weight_grad(x, g, config)
-        fused_gns._finish(w_sq, None, B, 1, L, L, dtype, x.device, (buffer, None), a_squares=True)
-
     for config in fused_gns.linear_candidates(dtype, capability, tf32, fused_gns.ragged_width(L)):
-        ms, mib = measure(lambda: kernel_and_finish(config))
+        # what the fused Linear's backward launches for dW and its norms: the kernel and the finishing kernel
+        ms, mib = measure(lambda: fused_gns.linear_weight_grad_finished(x, g, config))
         report(f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
                ms, plain_ms, nbytes, mib)
     choice = fused_gns._linear_choice(x, g)  # the fused Linear's own timed choice

@@ -13,7 +13,9 @@ bias) it takes, per parameter, either
               kernel's per-tile ||dW_i tile||^2): ||g_i||^2 = sum_s piece_(i,s),
 
 and writes ||g_i||^2 (N,) per parameter and adds [sum_i ||g_i||^2, N] to the
-parameter's `_upegsqnorm` buffer. Grid: (column blocks of W, 2 parameters).
+parameter's `_upegsqnorm` buffer. Grid: (column blocks of W, 2 parameters + R):
+rows 2 .. 2 + R - 1 sum a Linear weight gradient's fp32 partials over chunks of
+examples into the gradient's dtype, when the Linear kernel split examples.
 A squared norm spans every column block, so each program stores its blocks'
 part and the last program to finish (an atomic counter, reset by that program)
 sums the parts and updates the buffers: one launch, no atomics on the numbers,
@@ -63,7 +65,8 @@ def _param_norms(SQ, width, PESQ, BUF, N, COUNT, RECORD):
         tl.store(BUF + 1, tl.load(BUF + 1) + COUNT)
 
 
-@triton.jit(do_not_specialize=["N", "C", "W", "STRIDE", "S", "COUNT", "A_ON", "B_ON", "A_RECORD", "B_RECORD"])
+@triton.jit(do_not_specialize=["N", "C", "W", "STRIDE", "S", "COUNT", "A_ON", "B_ON", "A_RECORD", "B_RECORD", "SUM_N",
+                               "SUM_CHUNKS"])
 def _pe_sqnorm_finish(
     A_PART,  # pointer to parameter a's partials: (N * C, W) fp32 rows STRIDE apart, or (N, S) squares if A_SQUARES
     B_PART,  # pointer to parameter b's partials, (N * C, W) fp32 rows STRIDE apart (unused unless B_ON)
@@ -82,12 +85,34 @@ def _pe_sqnorm_finish(
     COUNT,  # examples to add to the buffers' counts
     A_ON, B_ON,  # 1 when parameter a / b has a gradient to finish
     A_RECORD, B_RECORD,  # 1 when its buffer is to be updated
+    SUM_PART,  # pointer to fp32 partials of a gradient split over example chunks, (SUM_CHUNKS, SUM_N)
+    SUM_OUT,  # pointer to their sum, (SUM_N,), same dtype as A_GRAD (the Linear's dW)
+    SUM_N,  # elements of that gradient (0: none)
+    SUM_CHUNKS,  # its partials
     A_SQUARES: tl.constexpr,  # a's partials are (N, S) squares
     BLOCK_W: tl.constexpr,  # columns per program
+    SUM_BLOCK: tl.constexpr,  # elements of the split gradient per program
 ):
     blk = tl.program_id(0)
     param = tl.program_id(1)
     blocks = tl.num_programs(0)
+    if param >= 2:  # grid rows 2, 3, ...: sum the split gradient's partials, SUM_BLOCK elements per program
+        offs = ((param - 2) * blocks + blk).to(tl.int64) * SUM_BLOCK + tl.arange(0, SUM_BLOCK)
+        mask = offs < SUM_N
+        acc = tl.zeros((SUM_BLOCK,), dtype=tl.float32)
+        for c in range(0, SUM_CHUNKS):
+            acc += tl.load(SUM_PART + c * SUM_N + offs, mask=mask, other=0.0)
+        tl.store(SUM_OUT + offs, acc.to(SUM_OUT.dtype.element_ty), mask=mask)
+    else:
+        _norms_and_gradients(A_PART, B_PART, A_GRAD, B_GRAD, SQ_PART, PESQ, A_BUF, B_BUF, COUNTER, blk, param,
+                             blocks, N, C, W, STRIDE, S, COUNT, A_ON, B_ON, A_RECORD, B_RECORD, A_SQUARES, BLOCK_W)
+
+
+@triton.jit
+def _norms_and_gradients(A_PART, B_PART, A_GRAD, B_GRAD, SQ_PART, PESQ, A_BUF, B_BUF, COUNTER, blk, param, blocks,
+                         N, C, W, STRIDE, S, COUNT, A_ON, B_ON, A_RECORD, B_RECORD, A_SQUARES: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+    """Grid rows 0 (parameter a) and 1 (b): the column work, then the last of these programs the norms."""
     if param == 0:
         if not A_SQUARES:
             if A_ON != 0:
