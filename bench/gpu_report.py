@@ -231,9 +231,9 @@ def check_candidates(device, out=sys.stdout):
         for c in fused_gns.LINEAR_CANDIDATES[precision]:
             cases.append((f"kernel {precision} {c.block_l}x{c.block_k}x{c.block_t} w{c.num_warps} s{c.num_stages}",
                           c, dtype, tf32, (3, c.block_t + 5, c.block_k + 24, c.block_l + 9)))
-    if on_gpu:  # 2 x 21504 x 50304 = 2.16e9 elements of the output gradient (4.3 GB in bf16)
+    if on_gpu:  # 2 x 21504 x 50257 = 2.16e9 elements of the output gradient (4.3 GB in bf16), GPT-2's ragged vocabulary
         c = fused_gns.linear_candidates(torch.bfloat16, torch.cuda.get_device_capability(), True, True)[0]
-        cases.append(("kernel past 2**31 elements, bf16", c, torch.bfloat16, True, (2, 21504, 64, 50304)))
+        cases.append(("kernel past 2**31 elements, bf16", c, torch.bfloat16, True, (2, 21504, 64, 50257)))
     else:
         print("skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)", file=out)
     for label, config, dtype, tf32, shape in cases:
