@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-import common  # bench/common.py, beside this script
+import train_settings  # bench/train_settings.py, beside this script
 import torch
 import torch.nn.functional as F
 
@@ -99,7 +99,7 @@ def main(argv=None):
     parser.add_argument("--n-embd", type=int, default=768, help="D, default: 768")
     parser.add_argument("--vocab-size", type=int, default=50304, help="V, default: 50304")
     args = parser.parse_args(argv)
-    common.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
+    train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
                  "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_fused_gns.py")

@@ -23,7 +23,7 @@ import fused_gns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import common  # noqa: E402
+import train_settings  # noqa: E402
 
 needs_interpreter = pytest.mark.skipif(not fused_gns.kernels_interpreted(),
                                        reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
@@ -159,19 +159,19 @@ def test_ragged_output_width_masked_not_copied(monkeypatch):
 
 
 def test_benchmarks_set_tf32_as_train_py():
-    """bench/common.py sets exactly the TF32 flags train.py sets, and every timing benchmark calls it."""
+    """bench/train_settings.py sets exactly the TF32 flags train.py sets, and every timing benchmark calls it."""
     with open(os.path.join(ROOT, "train.py")) as f:
         train_flags = set(re.findall(r"^(torch\.backends\.[\w.]+) = (\w+)", f.read(), re.M))
-    with open(os.path.join(ROOT, "bench", "common.py")) as f:
+    with open(os.path.join(ROOT, "bench", "train_settings.py")) as f:
         bench_flags = set(re.findall(r"^\s+(torch\.backends\.[\w.]+) = (\w+)", f.read(), re.M))
     assert train_flags and bench_flags == train_flags
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        common.set_training_precision()
+        train_settings.set_training_precision()
         assert fused_gns.matmul_allows_tf32() and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     for script in ("kernels.py", "linear_strategies.py", "step_overhead.py", "moe_block.py"):
         with open(os.path.join(ROOT, "bench", script)) as f:
-            assert "common.set_training_precision()" in f.read(), script
+            assert "train_settings.set_training_precision()" in f.read(), script

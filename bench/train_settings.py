@@ -2,7 +2,7 @@
 What every benchmark sets up the way train.py does, so a benchmark measures
 what training runs (the fused Linear's timed choice included).
 
-    import common; common.set_training_precision()
+    import train_settings; train_settings.set_training_precision()
 """
 
 import torch
