@@ -216,6 +216,16 @@ def finish_block_w(W):
     return min(512, max(64, triton.next_power_of_2(triton.cdiv(W, 32))))
 
 
+def _aligned_at(buffer):
+    """(a view of buffer's storage starting at the 16-byte aligned address at or before it, buffer's offset in
+    it): a buffer re-homed as a view of one flat tensor (gnstracking.BufferTable) may start 8 bytes past one,
+    and the kernel is compiled for aligned pointers."""
+    at = buffer.data_ptr() % 16 // buffer.element_size()
+    if at == 0:
+        return buffer, 0
+    return buffer.as_strided((at + buffer.numel(),), (1,), buffer.storage_offset() - at), at
+
+
 def _recorded(buffer, pe_sqnorm):
     """Called with each per-example squared-norm vector (N,) a kernel added to `buffer` (tests observe them)."""
 
@@ -243,13 +253,14 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
     any_part = a if a is not None else b
     grad_any = a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
     a_buf, b_buf = buffers
+    (a_base, a_at), (b_base, b_at) = (_aligned_at(buf) if buf is not None else (pesq, 0) for buf in buffers)
     _launch(normgnorm.finish._pe_sqnorm_finish, (blocks, 2 + triton.cdiv(sum_programs, blocks)), device,
             a if a is not None else any_part, b if b is not None else any_part,
             a_grad if a_grad is not None else grad_any, b_grad if b_grad is not None else grad_any,
-            sq_part, pesq, a_buf if a_buf is not None else pesq, b_buf if b_buf is not None else pesq,
+            sq_part, pesq, a_base, b_base,
             _counter(device), N, C, W, stride, a.shape[-1] if a_squares and a is not None else 0, N if counts else 0,
             int(a is not None), int(b is not None), int(a is not None and a_buf is not None),
-            int(b is not None and b_buf is not None), parts, out, out.numel(), parts.shape[0] if split else 0,
+            int(b is not None and b_buf is not None), a_at, b_at, parts, out, out.numel(), parts.shape[0] if split else 0,
             A_SQUARES=a_squares, BLOCK_W=block_w, SUM_BLOCK=FINISH_SUM_BLOCK, num_warps=FINISH_WARPS)
     for part, buffer, row in ((a, a_buf, pesq[0]), (b, b_buf, pesq[1])):
         if part is not None and buffer is not None:

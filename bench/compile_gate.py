@@ -68,7 +68,8 @@ SIGNATURES = {
     "_pe_sqnorm_finish": dict(A_PART="*fp32", B_PART="*fp32", A_GRAD="*T", B_GRAD="*T", SQ_PART="*fp32",
                               PESQ="*fp32", A_BUF="*fp32", B_BUF="*fp32", COUNTER="*i32", N="i32", C="i32", W="i32",
                               STRIDE="i32", S="i32", COUNT="i32", A_ON="i32", B_ON="i32", A_RECORD="i32",
-                              B_RECORD="i32", SUM_PART="*fp32", SUM_OUT="*T", SUM_N="i32", SUM_CHUNKS="i32"),
+                              B_RECORD="i32", A_BUF_AT="i32", B_BUF_AT="i32", SUM_PART="*fp32", SUM_OUT="*T",
+                              SUM_N="i32", SUM_CHUNKS="i32"),
 }
 FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_gns.finish_block_w
 FINISH_WARPS = 4

@@ -158,6 +158,39 @@ def test_ragged_output_width_masked_not_copied(monkeypatch):
     torch.testing.assert_close(linear.weight_upegsqnorm[0], expected, rtol=1e-5, atol=1e-5)
 
 
+@needs_interpreter
+def test_buffers_viewed_in_one_flat_tensor(monkeypatch):
+    """GNSMonitor re-homes the buffers as views of one flat tensor, 8 bytes apart from 16-byte alignment every
+    other one: the finishing kernel still gets only aligned pointers (the compiled specialisation) and updates
+    the right elements."""
+    import compile_gate
+    import normgnorm
+
+    kernel = normgnorm.finish._pe_sqnorm_finish
+    launches = []
+    monkeypatch.setattr(kernel, "pre_run_hooks", [lambda *args, **kw: launches.append(dict(zip(kernel.arg_names, args)))])
+    torch.manual_seed(0)
+    layers = [fused_gns.PEGradNormFusedLayerNorm(32), fused_gns.PEGradNormFusedLinear(32, 24)]
+    reference = [fused_gns.PEGradNormFusedLayerNorm(32), fused_gns.PEGradNormFusedLinear(32, 24)]
+    flat = torch.zeros(2 + 4 * 2)
+    for i, (layer, twin) in enumerate(zip(layers, reference)):
+        twin.load_state_dict(layer.state_dict())
+        for j, name in enumerate(("weight_upegsqnorm", "bias_upegsqnorm")):
+            start = 2 + 4 * i + 2 * j  # odd pairs: 8 bytes past an aligned address
+            layer._buffers[name] = flat[start:start + 2]
+    x = torch.randn(3, 5, 32)
+    for model in (layers, reference):
+        model[1](model[0](x)).sum().backward()
+    assert flat[:2].tolist() == [0.0, 0.0]
+    for layer, twin in zip(layers, reference):
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(layer.pe_buffer(name), twin.pe_buffer(name))
+    for args in launches:
+        for name in compile_gate.specialised_args(kernel):
+            if isinstance(args[name], torch.Tensor):
+                assert args[name].data_ptr() % 16 == 0, name
+
+
 def test_benchmarks_set_tf32_as_train_py():
     """bench/train_settings.py sets exactly the TF32 flags train.py sets, and every timing benchmark calls it."""
     with open(os.path.join(ROOT, "train.py")) as f:
