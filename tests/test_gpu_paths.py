@@ -208,3 +208,32 @@ def test_benchmarks_set_tf32_as_train_py():
     for script in ("kernels.py", "linear_strategies.py", "step_overhead.py", "moe_block.py"):
         with open(os.path.join(ROOT, "bench", script)) as f:
             assert "train_settings.set_training_precision()" in f.read(), script
+
+
+@needs_interpreter
+def test_fused_gpt_under_the_monitor_equals_gns():
+    """A GPT with fused Linear and LayerNorm read by GNSMonitor (its buffers re-homed in one flat tensor, which
+    the finishing kernel updates) measures what the gns layers measure, over two accumulated steps."""
+    import gnstracking
+    import layer_config as lc
+    from buffered import zero_sqgradnorm_buffers
+
+    measured = {}
+    for kind in ("gns", "fused"):
+        torch.manual_seed(0)
+        with lc.set_contextual_config(**lc.layer_classes(kind, "gns", kind)):
+            from model import GPT, GPTConfig
+            model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=67, dropout=0.0))
+        monitor = gnstracking.GNSMonitor(model)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            for _ in range(2):
+                x, y = torch.randint(0, 67, (2, 3, 8), generator=generator)
+                (model(x, y)[1] / 2).backward()
+            measured[kind] = monitor.measure(batch_size=6)
+            zero_sqgradnorm_buffers(model)
+            model.zero_grad(set_to_none=True)
+    assert [m.metadata["name"] for m in measured["fused"]] == [m.metadata["name"] for m in measured["gns"]]
+    for fused, gns in zip(measured["fused"], measured["gns"]):
+        assert fused.small_batch_norm == pytest.approx(gns.small_batch_norm, rel=1e-5), fused.metadata["name"]
+        assert fused.big_batch_norm == pytest.approx(gns.big_batch_norm, rel=1e-5), fused.metadata["name"]
