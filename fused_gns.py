@@ -230,7 +230,7 @@ def _recorded(buffer, pe_sqnorm):
     """Called with each per-example squared-norm vector (N,) a kernel added to `buffer` (tests observe them)."""
 
 
-FINISH_SUM_BLOCK = 1024  # elements of a split gradient one program of _pe_sqnorm_finish sums
+FINISH_SUM_BLOCK = 512  # elements of a split gradient one program of _pe_sqnorm_finish sums (1024 spills, Triton 3.6)
 
 
 def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_squares=False, split=None):
