@@ -19,14 +19,22 @@ capability and SM count (`norm_launch_config`, `linear_candidates`,
 them for sm_80 and sm_90 without a GPU and check registers, spills and shared
 memory. The fused Linear picks, once per shape on a GPU, the fastest of the
 kernel's candidate tile configurations and the two torch strategies of
-buffered.py (all exact) by timing each, as Triton's autotuner does; while
-torch.compile traces it, or on the CPU, the choice is `linear_default_config`.
+buffered.py (all exact) by timing each, as Triton's autotuner does (a
+candidate that fails or runs out of memory is skipped); on the CPU the choice
+is `_interpreter_linear_config`. Examples are split over programs by
+`linear_split`, a cost model of waves on the GPU's SMs.
+
+The kernels' glue runs inside torch custom ops (nanogns::norm_fwd, norm_bwd,
+linear_dw_db, linear_dw): torch.compile keeps each as one node of its graph and
+runs it eagerly, so the timed choice and Triton's interpreter work under
+torch.compile too. A backward launches two kernels (norms) or a matmul, the
+weight-gradient kernel, a bias reduction and one finishing kernel (Linear):
+normgnorm/finish.py does the per-example sums, squares and buffer updates.
 
 Where the kernel can run is decided per call (`kernel_unavailable_reason`):
 a CUDA tensor with Triton installed on a GPU it supports, or a CPU tensor while
 Triton's interpreter is active (TRITON_INTERPRET=1 set before triton is first
-imported; this is how the tests run the kernels on CPU) and torch.compile is not
-tracing (Dynamo cannot trace the interpreter). Which of the two Triton
+imported; this is how the tests run the kernels on CPU). Which of the two Triton
 chose is read from Triton itself: its jitted functions are then interpreter
 functions.
 Anywhere else a layer falls back to the buffered.py torch computation (the same
@@ -34,17 +42,19 @@ numbers) and warns once per process per reason. Shapes the kernels cannot take
 raise RuntimeError here, before any kernel is launched.
 """
 
+import contextlib
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 import layout
 from tied import note_head
-from buffered import accumulate_pe_sqnorm, autocast_inputs
+from buffered import autocast_inputs
 from layers.conv1d import PEGradNormConv1D
 from layers.layernorm import PEGradNormLayerNorm, torch_layer_norm
-from layers.linear import (LinearFunction, PEGradNormLinear, linear_backward, linear_weight_grad_and_pe_sqnorm,
+from layers.linear import (LinearFunction, PEGradNormLinear, bias_pe_grads, linear_weight_grad_and_pe_sqnorm,
                            simultaneous_uses_gram)
 from layers.rmsnorm import PEGradNormRMSNorm, torch_rms_norm
 
@@ -58,6 +68,7 @@ except ImportError:  # the layers still work, through the torch fallback
 
 if HAS_TRITON:
     # kernels are looked up as normgnorm.<module>.<kernel> at each call
+    import normgnorm.finish
     import normgnorm.layernorm
     import normgnorm.linear
 
@@ -95,9 +106,7 @@ def kernel_unavailable_reason(x):
     if ours != triton_own:
         return ("TRITON_INTERPRET changed between importing triton and importing fused_gns, so Triton's "
                 "interpreter is half active; set it (or not) before anything imports triton")
-    if ours:
-        if torch.compiler.is_compiling():  # Dynamo would trace into the interpreter's numpy code and fail
-            return "Triton's interpreter (TRITON_INTERPRET=1) cannot run inside torch.compile"
+    if ours:  # (under torch.compile too: the kernels run inside custom ops, which Dynamo does not trace)
         if x.device.type == "cpu":
             return None
         return (f"Triton's interpreter is active (TRITON_INTERPRET=1) and runs the kernels on CPU tensors only, "
@@ -133,12 +142,44 @@ def _check_input(x, features, what):
         raise RuntimeError(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
 
 
+def matmul_allows_tf32():
+    """True when torch's fp32 matmuls may use TF32, read through the API that set it: after
+    torch.backends.fp32_precision or torch.backends.cuda.matmul.fp32_precision was set, reading the legacy
+    torch.backends.cuda.matmul.allow_tf32 raises (torch >= 2.9); fp32_precision reflects both APIs."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is None:  # torch < 2.9: the legacy flag only
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    return precision == "tf32"
+
+
+def _device_guard(device):
+    """Triton launches on the current CUDA device: make it the tensors' device (cuda:1 in a one-process run)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel, grid, device, *args, **kwargs):
+    """Every kernel launch of this module: kernel[grid](*args, **kwargs) on `device` (one place for tests to
+    count launches)."""
+    with _device_guard(device):
+        kernel[grid](*args, **kwargs)
+
+
 def _aligned(t):
     """t, copied if its data is not 16-byte aligned: the kernels are compiled for aligned pointers. (While
     torch.compile traces there is no data pointer to look at; its buffers are aligned.)"""
     if torch.compiler.is_compiling() or t.data_ptr() % 16 == 0:
         return t
     return t.clone()
+
+
+def _linear_grad_rows(g, width):
+    """(rows, width as the kernel sees it) of the Linear's output gradient: from 16 outputs on, not padded even
+    when width is not a multiple of 16 (a 50257 vocabulary: no 1.2 GB copy per step); the kernel masks the last
+    tile and the compile gate compiles that (unaligned-L) specialisation too. Fewer outputs: zero-padded to 16
+    (Triton would specialise L == 1)."""
+    if not ragged_width(width):
+        return _kernel_rows(g, width)
+    return _aligned(g.reshape(-1, width).contiguous()), width
 
 
 def _kernel_rows(t, width):
@@ -152,6 +193,79 @@ def _kernel_rows(t, width):
     padded = torch.zeros(rows.shape[0], stride, dtype=t.dtype, device=t.device)
     padded[:, :width] = rows
     return padded, stride
+
+
+# -----------------------------------------------------------------------------
+# finishing: per-example norms, gradients and buffer updates in one launch
+
+_counters = {}  # device -> int32 counter of normgnorm.finish (0 between launches; launches on one stream)
+
+
+def _counter(device):
+    if device not in _counters:
+        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+FINISH_WARPS = 4  # bench/compile_gate.py compiles _pe_sqnorm_finish with these
+
+
+def finish_block_w(W):
+    """Columns per program of _pe_sqnorm_finish: about 32 programs per parameter, 64 to 512 columns (1024 with 4
+    warps spills on sm_90: bench/compile_gate.py)."""
+    return min(512, max(64, triton.next_power_of_2(triton.cdiv(W, 32))))
+
+
+def _aligned_at(buffer):
+    """(a view of buffer's storage starting at the 16-byte aligned address at or before it, buffer's offset in
+    it): a buffer re-homed as a view of one flat tensor (gnstracking.BufferTable) may start 8 bytes past one,
+    and the kernel is compiled for aligned pointers."""
+    at = buffer.data_ptr() % 16 // buffer.element_size()
+    if at == 0:
+        return buffer, 0
+    return buffer.as_strided((at + buffer.numel(),), (1,), buffer.storage_offset() - at), at
+
+
+def _recorded(buffer, pe_sqnorm):
+    """Called with each per-example squared-norm vector (N,) a kernel added to `buffer` (tests observe them)."""
+
+
+FINISH_SUM_BLOCK = 512  # elements of a split gradient one program of _pe_sqnorm_finish sums (1024 spills, Triton 3.6)
+
+
+def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_squares=False, split=None):
+    """_pe_sqnorm_finish on parameter a's and b's partials (None: no gradient): (a's gradient or None, b's
+    gradient or None), each (W,) in grad_dtype; a_squares: a is (N, S) squared norms (no gradient formed).
+    split: (fp32 partials (chunks, ...), out in grad_dtype): the same launch writes out = partials.sum(0)."""
+    a_grad = torch.empty(W, dtype=grad_dtype, device=device) if a is not None and not a_squares else None
+    b_grad = torch.empty(W, dtype=grad_dtype, device=device) if b is not None else None
+    if N == 0:  # no examples: zero gradients, nothing recorded
+        return tuple(t.zero_() if t is not None else None for t in (a_grad, b_grad))
+    if b is None and (a is None or a_squares):
+        W = 0  # no vectors: one program per parameter
+    block_w = finish_block_w(W)
+    blocks = triton.cdiv(W, block_w) if W else 1
+    parts, out = split if split is not None else (torch.empty(0, dtype=torch.float32, device=device),
+                                                  torch.empty(0, dtype=grad_dtype, device=device))
+    sum_programs = triton.cdiv(out.numel(), FINISH_SUM_BLOCK) if split is not None else 0
+    sq_part = torch.empty(2, N, blocks, dtype=torch.float32, device=device)
+    pesq = torch.empty(2, N, dtype=torch.float32, device=device)
+    any_part = a if a is not None else b
+    grad_any = a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
+    a_buf, b_buf = buffers
+    (a_base, a_at), (b_base, b_at) = (_aligned_at(buf) if buf is not None else (pesq, 0) for buf in buffers)
+    _launch(normgnorm.finish._pe_sqnorm_finish, (blocks, 2 + triton.cdiv(sum_programs, blocks)), device,
+            a if a is not None else any_part, b if b is not None else any_part,
+            a_grad if a_grad is not None else grad_any, b_grad if b_grad is not None else grad_any,
+            sq_part, pesq, a_base, b_base,
+            _counter(device), N, C, W, stride, a.shape[-1] if a_squares and a is not None else 0, N if counts else 0,
+            int(a is not None), int(b is not None), int(a is not None and a_buf is not None),
+            int(b is not None and b_buf is not None), a_at, b_at, parts, out, out.numel(), parts.shape[0] if split else 0,
+            A_SQUARES=a_squares, BLOCK_W=block_w, SUM_BLOCK=FINISH_SUM_BLOCK, num_warps=FINISH_WARPS)
+    for part, buffer, row in ((a, a_buf, pesq[0]), (b, b_buf, pesq[1])):
+        if part is not None and buffer is not None:
+            _recorded(buffer, row)
+    return a_grad, b_grad
 
 
 # -----------------------------------------------------------------------------
@@ -188,6 +302,76 @@ def norm_launch_config(D):
     return block_d, max(min(block_d // 256, 8), block_d // 512)
 
 
+# The kernels' glue runs as torch custom ops (nanogns::*): torch.compile keeps each as one opaque node of its
+# graph, run eagerly (so Triton's interpreter works under torch.compile too, and the timed choice still times);
+# the autograd Functions around them are traced. Each op has a fake implementation giving its outputs' shapes.
+CUSTOM_OPS = {}  # "nanogns::<name>" -> its Python implementation (bench/launch_counts.py counts inside them)
+
+
+def _custom_op(name, mutates_args=()):
+    def register(fn):
+        CUSTOM_OPS[name] = fn
+        return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+    return register
+
+
+@_custom_op("nanogns::norm_fwd", mutates_args=())
+def _norm_fwd_op(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                 is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (M, stride) in x2's dtype, mean (M,), rstd (M,) fp32) of the rows x2 (M, stride), D = weight.numel()."""
+    x2 = _aligned(x2.contiguous())
+    M, stride = x2.shape
+    D = weight.numel()
+    weight = _aligned(weight.contiguous())
+    bias = _aligned(bias.contiguous()) if bias is not None else None
+    y = torch.empty(M, stride, dtype=x2.dtype, device=x2.device)
+    mean = torch.empty(M, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
+    block_d, num_warps = norm_launch_config(D)
+    if M > 0:
+        _launch(normgnorm.layernorm._ln_fwd, (M,), x2.device,
+                x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
+                IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
+    return y, mean, rstd
+
+
+@_norm_fwd_op.register_fake
+def _(x2, weight, bias, eps, is_rms):
+    M = x2.shape[0]
+    return x2.new_empty(x2.shape), x2.new_empty(M, dtype=torch.float32), x2.new_empty(M, dtype=torch.float32)
+
+
+@_custom_op("nanogns::norm_bwd", mutates_args=("weight_buffer", "bias_buffer"))
+def _norm_bwd_op(x2: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                 N: int, is_rms: bool, has_bias: bool, weight_buffer: Optional[torch.Tensor],
+                 bias_buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx (M, stride), dw (D,), db (D,), or (0,) without a bias); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
+    x2, g = _aligned(x2.contiguous()), _aligned(g.contiguous())
+    M, stride = x2.shape
+    D = weight.numel()
+    T = M // N if N else 0
+    block_d, num_warps = norm_launch_config(D)
+    dx = torch.empty_like(x2)
+    chunks, rows = _norm_chunks(N, T, _sm_count(x2.device)) if M > 0 else (1, 0)
+    alloc = torch.empty if M > 0 else torch.zeros  # the kernel writes every row of the partials
+    dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
+    db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if has_bias else dw_part
+    if M > 0:
+        _launch(normgnorm.layernorm._ln_bwd_dx_pesq, (N, chunks), x2.device,
+                x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
+                IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_D=block_d, num_warps=num_warps)
+    # per-example gradients: sum each example's chunks; square; sum over examples; the buffers: one launch
+    dw, db = _finish(dw_part, db_part if has_bias else None, N, chunks, D, stride, weight.dtype, x2.device,
+                     (weight_buffer, bias_buffer))
+    return dx, dw, db if db is not None else weight.new_empty(0)
+
+
+@_norm_bwd_op.register_fake
+def _(x2, g, weight, mean, rstd, N, is_rms, has_bias, weight_buffer, bias_buffer):
+    D = weight.numel()
+    return torch.empty_like(x2), weight.new_empty(D), weight.new_empty(D if has_bias else 0)
+
+
 def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     what = "fused RMSNorm" if is_rms else "fused LayerNorm"
     D = weight.numel()
@@ -197,50 +381,19 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
                            f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
                            f"use lnclass='gns' for it")
     x2, stride = _kernel_rows(x, D)  # (N * T, D) rows, stride apart
-    M = x2.shape[0]
-    weight = _aligned(weight.contiguous())
-    bias = _aligned(bias.contiguous()) if bias is not None else None
-    y = torch.empty(M, stride, dtype=x.dtype, device=x.device)
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    block_d, num_warps = norm_launch_config(D)
-    if M > 0:
-        normgnorm.layernorm._ln_fwd[(M,)](
-            x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
-            IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
+    y, mean, rstd = torch.ops.nanogns.norm_fwd(x2, weight, bias, eps, is_rms)
     ctx.save_for_backward(x2, weight, mean, rstd)
     ctx.N, ctx.D, ctx.is_rms, ctx.has_bias = x.shape[0], D, is_rms, bias is not None
-    ctx.block_d, ctx.num_warps = block_d, num_warps
     return y[:, :D].view(x.shape)
 
 
 def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
-    M, stride = x2.shape
-    N, D = ctx.N, ctx.D
-    T = M // N if N else 0
-    g, _ = _kernel_rows(grad_out, D)
-    dx = torch.empty_like(x2)
-    chunks, rows = _norm_chunks(N, T, _sm_count(x2.device)) if M > 0 else (1, 0)
-    alloc = torch.empty if M > 0 else torch.zeros  # the kernel writes every row of the partials
-    dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
-    db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if ctx.has_bias else dw_part
-    if M > 0:
-        normgnorm.layernorm._ln_bwd_dx_pesq[(N, chunks)](
-            x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
-            IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, BLOCK_D=ctx.block_d,
-            num_warps=ctx.num_warps)
-    # per-example gradients (N, D): sum each example's chunks; then square, and sum over examples
-    pe_dw = dw_part[:, :D].view(N, chunks, D).sum(dim=1)
-    accumulate_pe_sqnorm(weight_buffer, pe_dw.pow(2).sum(dim=1))
-    dw = pe_dw.sum(dim=0).to(weight.dtype)
-    db = None
-    if ctx.has_bias:
-        pe_db = db_part[:, :D].view(N, chunks, D).sum(dim=1)
-        accumulate_pe_sqnorm(bias_buffer, pe_db.pow(2).sum(dim=1))
-        db = pe_db.sum(dim=0).to(weight.dtype)
-    return dx[:, :D].view(grad_out.shape), dw, db
+    g, _ = _kernel_rows(grad_out, ctx.D)
+    dx, dw, db = torch.ops.nanogns.norm_bwd(x2, g, weight, mean, rstd, ctx.N, ctx.is_rms, ctx.has_bias,
+                                            weight_buffer, bias_buffer)
+    return dx[:, :ctx.D].view(grad_out.shape), dw, db if ctx.has_bias else None
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
@@ -305,10 +458,13 @@ LINEAR_CANDIDATES = {
              LinearConfig(64, 64, 32, 4, 3)),
     "ieee": (LinearConfig(128, 128, 16, 8, 2), LinearConfig(64, 64, 32, 4, 3)),
 }
+# With a ragged output width the output gradient's rows are not 16-byte aligned, its loads are not vectorised
+# and take more registers: these spill then (bench/compile_gate.py, sm_80 or sm_90), so they are not candidates
+RAGGED_L_SPILLS = {("16-bit", LinearConfig(128, 128, 64, 8, 3)), ("ieee", LinearConfig(64, 64, 32, 4, 3))}
 # largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
 _SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
                         (8, 9): 101376, (9, 0): 232448}
-FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram" or "materialise" forces one (tests)
+FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram", "materialise" or a LinearConfig forces one
 _linear_choices = {}  # (N, T buckets, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig
 
 
@@ -323,11 +479,18 @@ def linear_dot_precision(dtype, allow_tf32):
     return "tf32" if allow_tf32 else "ieee"
 
 
-def linear_candidates(dtype, capability, allow_tf32):
+def ragged_width(L):
+    """True when the kernel gets an output width L that is not a multiple of 16 (masked, not padded)."""
+    return L >= 16 and L % 16 != 0
+
+
+def linear_candidates(dtype, capability, allow_tf32, ragged_l=False):
     """The launch configurations the glue may time for `dtype` on a GPU of `capability` (major, minor):
-    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin."""
+    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin;
+    for a ragged output width (ragged_width), without those that then spill (RAGGED_L_SPILLS)."""
     limit = 0.9 * shared_memory_limit(capability)
-    candidates = LINEAR_CANDIDATES[linear_dot_precision(dtype, allow_tf32)]
+    precision = linear_dot_precision(dtype, allow_tf32)
+    candidates = [c for c in LINEAR_CANDIDATES[precision] if not (ragged_l and (precision, c) in RAGGED_L_SPILLS)]
     return [c for c in candidates if c.shared_bytes(dtype.itemsize) <= limit] or [candidates[-1]]
 
 
@@ -341,7 +504,7 @@ def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, a
     largest-tile candidate whose tiles alone give every SM a program (chunks of examples fill the rest)."""
     if allow_gram and simultaneous_uses_gram(T, K, L, 4, "cuda"):  # torch strategies work in float32
         return "gram"
-    candidates = linear_candidates(dtype, capability, allow_tf32)
+    candidates = linear_candidates(dtype, capability, allow_tf32, ragged_width(L))
     return next((c for c in candidates if linear_tiles(L, K, c) >= sm_count), candidates[-1])
 
 
@@ -352,34 +515,97 @@ def _interpreter_linear_config(T, L, K):
                         min(64, max(16, triton.next_power_of_2(T))), 4, 1)
 
 
-def _linear_chunks(N, tiles, sm_count):
-    """Examples are split over grid axis 1 when there are too few dW tiles to fill the GPU (about 2 programs
-    per SM); each chunk then writes its own (L, K) dW partial, summed in the glue. (chunks, examples per chunk)."""
-    return _split_for_gpu(N, tiles, 2, sm_count)
+# A cost model of the kernel on a GPU, for choosing how to split examples (H100 SXM spec sheet, per SM: dense
+# tensor-core FLOP/s by dot flavour; HBM bytes/s); only the ratios matter, and A100's are alike
+SM_FLOPS = {"16-bit": 989e12 / 132, "tf32": 494e12 / 132, "ieee": 67e12 / 132}
+MEMORY_BYTES_PER_S = 3.35e12
+_REGISTERS_PER_SM = 65536
+
+
+def linear_blocks_per_sm(config, element_size, capability):
+    """Programs of `config` one SM holds at once, an estimate: its shared memory (pipeline buffers) and its
+    registers (two fp32 accumulator tiles spread over the threads, plus about 64 per thread for the rest,
+    at most 255; 128 x 128 tiles on 8 warps: 192 registers, one program per SM)."""
+    threads = 32 * config.num_warps
+    registers = min(255, 2 * config.block_l * config.block_k // threads + 64)
+    by_registers = _REGISTERS_PER_SM // (registers * threads)
+    by_shared = int(shared_memory_limit(capability) // max(1, config.shared_bytes(element_size)))
+    return max(1, min(by_registers, by_shared))
+
+
+def wave_efficiency(programs, slots):
+    """Share of the GPU's program slots busy over the waves `programs` take (1.0: every wave full)."""
+    return programs / (triton.cdiv(programs, slots) * slots) if programs else 1.0
+
+
+def plan_linear_split(N, tiles, slots, example_tile_s, partial_s):
+    """Chunks of examples (grid axis 1) for `tiles` dW tiles on `slots` program slots (SMs x programs per SM)
+    minimising the modelled time: waves x examples per chunk x example_tile_s (one program's work on one
+    example), plus, when split, chunks x partial_s (an fp32 dW partial written and read back). Ties go to
+    fewer chunks. Returns (chunks, examples per chunk)."""
+    best = None
+    for per_chunk in sorted({triton.cdiv(N, c) for c in range(1, N + 1)}, reverse=True):
+        chunks = triton.cdiv(N, per_chunk)
+        waves = triton.cdiv(tiles * chunks, slots)
+        time = waves * per_chunk * example_tile_s + (chunks * partial_s if chunks > 1 else 0.0)
+        if best is None or time < best[0] * (1 - 1e-9):
+            best = (time, chunks, per_chunk)
+    return best[1], best[2]
+
+
+def linear_split(N, T, K, L, config, dtype, allow_tf32, capability, sm_count):
+    """(chunks, examples per chunk) of _linear_bwd_dw_pesq on a GPU of sm_count SMs (plan_linear_split with
+    the cost model above); one chunk on the CPU (sm_count None)."""
+    if sm_count is None or N == 0:
+        return 1, N
+    tiles = linear_tiles(L, K, config)
+    slots = sm_count * linear_blocks_per_sm(config, dtype.itemsize, capability)
+    example_tile_s = 2 * T * config.block_l * config.block_k / SM_FLOPS[linear_dot_precision(dtype, allow_tf32)]
+    partial_s = 2 * 4 * L * K / MEMORY_BYTES_PER_S  # fp32 written by the kernel, read by the sum
+    return plan_linear_split(N, tiles, slots, example_tile_s, partial_s)
+
+
+def _linear_chunks(N, T, K, L, config, dtype, device):
+    """Examples split over grid axis 1 (linear_split for this GPU); each chunk then writes its own fp32 (L, K)
+    dW partial, summed in the glue. (chunks, examples per chunk)."""
+    sm_count = _sm_count(device)
+    if sm_count is None:
+        return 1, N
+    capability = torch.cuda.get_device_capability(device)
+    return linear_split(N, T, K, L, config, dtype, matmul_allows_tf32(), capability, sm_count)
 
 
 def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
-    """dW (L, K) fp32 and the per-example squared norms (N,) fp32 of it, from _linear_bwd_dw_pesq."""
+    """(dW (L_pad, K_pad) in x's dtype, the squared norms of each example's dW tiles (N, tiles) fp32, and None;
+    or, when examples were split over programs, dW still to be formed as the sum of the third, the (chunks,
+    L_pad, K_pad) fp32 partials) from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
-    gs, L_pad = _kernel_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad)
+    gs, L_pad = _linear_grad_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad), L_pad = L from 16 outputs on
     T = xs.shape[0] // N if N else 0
     tiles = linear_tiles(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
-    chunks, per_chunk = _linear_chunks(N, tiles, sm_count) if launch else (1, N)
+    chunks, per_chunk = _linear_chunks(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else (1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
-    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device)
+    # one chunk: each program owns its tile and writes dW in x's dtype; more: fp32 partials per chunk
+    dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)
+    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device) if chunks > 1 else \
+        torch.empty(0, dtype=torch.float32, device=x.device)
     w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
-    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32)
+    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and matmul_allows_tf32())
     if launch:
-        normgnorm.linear._linear_bwd_dw_pesq[(tiles, chunks)](
-            xs, gs, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
+        _launch(normgnorm.linear._linear_bwd_dw_pesq, (tiles, chunks), x.device,
+            xs, gs, dw, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
             INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
             BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             num_warps=config.num_warps, num_stages=config.num_stages)
-    dw = dw_part[0] if chunks == 1 else dw_part.sum(dim=0)
-    return dw[:L, :K], w_pesq_part.sum(dim=1)
+    return dw, w_pesq_part, dw_part if chunks > 1 else None
+
+
+def _trimmed(dw, L, K):
+    """dW (L, K) from the kernel's (L_pad, K_pad) one."""
+    return dw if dw.shape == (L, K) else dw[:L, :K].contiguous()
 
 
 def _benchmark_ms(fn):
@@ -389,13 +615,45 @@ def _benchmark_ms(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
+# what a candidate may raise while it is timed and still leave the others worth trying
+_CANDIDATE_ERRORS = (torch.OutOfMemoryError, RuntimeError)
+if HAS_TRITON:
+    from triton.runtime.errors import OutOfResources
+
+    _CANDIDATE_ERRORS += (OutOfResources, triton.CompilationError)
+
+
 def _fastest(key, candidates, run):
     """The candidate c for which run(c) is fastest, timed once per key and remembered (as Triton's autotuner
-    does). run must have no side effects: every candidate computes the same exact result."""
+    does). run must have no side effects: every candidate computes the same exact result. A candidate that
+    fails to compile or runs out of memory is skipped with a warning; if all fail, the last error is raised."""
     if key not in _linear_choices:
-        times = {c: _benchmark_ms(lambda: run(c)) for c in candidates}
+        times, error = {}, None
+        for c in candidates:
+            try:
+                times[c] = _benchmark_ms(lambda: run(c))
+            except _CANDIDATE_ERRORS as e:
+                error = e
+                if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                warnings.warn(f"fused Linear {key[:4]}: candidate {c} skipped ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})", RuntimeWarning, stacklevel=2)
+        if not times:
+            raise RuntimeError(f"fused Linear {key[:4]}: every candidate failed") from error
         _linear_choices[key] = min(times, key=times.get)
     return _linear_choices[key]
+
+
+def gram_extra_bytes(N, T, K, L):
+    """Memory the 'gram' strategy allocates beyond its inputs for 16-bit inputs: fp32 copies of x and of the
+    output gradient, and the two (N, T, T) fp32 Gram matrices."""
+    return 4 * N * T * (K + L) + 2 * 4 * N * T * T
+
+
+def _free_bytes(device):
+    """Free memory on a CUDA device (the driver's count plus what torch's cache holds unused)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _linear_choice(x, grad_out):
@@ -404,28 +662,105 @@ def _linear_choice(x, grad_out):
     linear_default_config while torch.compile traces; otherwise the fastest, timed once per shape."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     T = x.numel() // (N * K) if N * K else 0
-    if FUSED_LINEAR_STRATEGY in ("gram", "materialise"):
+    if FUSED_LINEAR_STRATEGY in ("gram", "materialise") or isinstance(FUSED_LINEAR_STRATEGY, LinearConfig):
         return FUSED_LINEAR_STRATEGY
     if x.device.type != "cuda":
         return _interpreter_linear_config(T, L, K)
     capability, sm_count = torch.cuda.get_device_capability(x.device), _sm_count(x.device)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = matmul_allows_tf32()
     if FUSED_LINEAR_STRATEGY == "kernel" or torch.compiler.is_compiling():
         return linear_default_config(N, T, K, L, x.dtype, capability, sm_count, tf32,
                                      allow_gram=FUSED_LINEAR_STRATEGY != "kernel")
-    candidates = ["gram", "materialise", *linear_candidates(x.dtype, capability, tf32)]
+    # the Gram trick's fp32 copies (2.5 GB for GPT-2's lm_head at B = 12) are not tried where they would take
+    # more than half the free memory
+    gram = ["gram"] if gram_extra_bytes(N, T, K, L) <= _free_bytes(x.device) // 2 else []
+    candidates = [*gram, "materialise", *linear_candidates(x.dtype, capability, tf32, ragged_width(L))]
     # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
     key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
-    return _fastest(key, candidates, lambda c: _linear_weight_grad(x, grad_out, c))
+    return _fastest(key, candidates, lambda c: linear_weight_grad_finished(x, grad_out, c))
 
 
-def _linear_weight_grad(x, grad_out, choice=None):
-    """(dW (L, K) in x's dtype, per-example squared norms (N,) fp32) by `choice` (default: _linear_choice)."""
+def _linear_weight_grad(x, grad_out, choice=None, defer_sum=False):
+    """(dW (L, K) in x's dtype, (N, S) fp32: squared norms of S disjoint pieces of each example's dW) by
+    `choice` (default: _linear_choice): the kernel's tiles, or one piece from a torch strategy. defer_sum:
+    (dW as the kernel holds it, (L_pad, K_pad), the squares, fp32 partials that dW is the sum of or None):
+    the finishing kernel then sums them into dW (see _trimmed)."""
     choice = choice or _linear_choice(x, grad_out)
     if isinstance(choice, str):
-        return linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
-    dw, w_pesq = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
-    return dw.to(x.dtype).contiguous(), w_pesq
+        dw, w_sq = linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
+        return (dw, w_sq.view(-1, 1), None) if defer_sum else (dw, w_sq.view(-1, 1))
+    dw, w_sq, dw_part = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
+    if defer_sum:
+        return dw, w_sq, dw_part
+    if dw_part is not None:
+        dw = dw_part.sum(dim=0).to(x.dtype)
+    return _trimmed(dw, grad_out.shape[-1], x.shape[-1]), w_sq
+
+
+def linear_weight_grad_finished(x, g, choice):
+    """What a fused Linear's backward runs for dW (returned, (L_pad, K_pad)) and its norms by `choice`, the
+    finishing launch included but no buffer updated (the timed choice, bench/kernels.py)."""
+    dw, w_sq, dw_part = _linear_weight_grad(x, g, choice, defer_sum=True)
+    _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (None, None), a_squares=True,
+            split=(dw_part, dw) if dw_part is not None else None)
+    return dw
+
+
+@_custom_op("nanogns::linear_dw_db", mutates_args=("weight_buffer", "bias_buffer"))
+def _linear_dw_db_op(x: Optional[torch.Tensor], g: torch.Tensor, weight_buffer: Optional[torch.Tensor],
+                     bias_buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW (L, K) in x's dtype, or (0,) when x is None (a frozen weight); db (L,) in g's dtype) for x (N, T, K),
+    g (N, T, L): dW and its per-tile squares from _linear_weight_grad, the bias's per-example sums one
+    reduction, then one finishing launch for the norms, db and both buffers."""
+    N, L = g.shape[0], g.shape[-1]
+    grad_weight = w_sq = split = None
+    if x is not None:
+        grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, defer_sum=True)
+        split = (dw_part, grad_weight) if dw_part is not None else None
+    pe_db = bias_pe_grads(g)  # (N, L) fp32, rows L apart
+    _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, (weight_buffer, bias_buffer), a_squares=True,
+                           split=split)
+    return _trimmed(grad_weight, L, x.shape[-1]) if x is not None else g.new_empty(0), grad_bias
+
+
+@_custom_op("nanogns::linear_dw", mutates_args=("weight_buffer",))
+def _linear_dw_op(x: torch.Tensor, g: torch.Tensor, weight_buffer: Optional[torch.Tensor]) -> torch.Tensor:
+    """dW (L, K) in x's dtype of a Linear without a bias to differentiate (as linear_dw_db)."""
+    grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, defer_sum=True)
+    _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (weight_buffer, None),
+            a_squares=True, split=(dw_part, grad_weight) if dw_part is not None else None)
+    return _trimmed(grad_weight, g.shape[-1], x.shape[-1])
+
+
+@_linear_dw_db_op.register_fake
+def _(x, g, weight_buffer, bias_buffer):
+    L = g.shape[-1]
+    return (x.new_empty(L, x.shape[-1]) if x is not None else g.new_empty(0)), g.new_empty(L)
+
+
+@_linear_dw_op.register_fake
+def _(x, g, weight_buffer):
+    return x.new_empty(g.shape[-1], x.shape[-1])
+
+
+def _fused_linear_backward(ctx, grad_out):
+    """(dx, dW, db) of a fused Linear (x saved with its examples on dim 0): dx a matmul, the rest one custom op.
+    Only what autograd asks for (frozen parameters: no gradient, no norms)."""
+    x, weight = ctx.saved_tensors
+    weight_buffer, bias_buffer = ctx.buffers
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    grad_x = grad_out @ weight if needs_x else None
+    N, L = grad_out.shape[0], grad_out.shape[-1]
+    gs = grad_out.reshape(N, -1, L)  # (N, T, L)
+    xs = x.reshape(N, -1, x.shape[-1]) if needs_weight else None
+    grad_weight = grad_bias = None
+    if needs_bias:
+        grad_weight, grad_bias = torch.ops.nanogns.linear_dw_db(xs, gs, weight_buffer if needs_weight else None,
+                                                                bias_buffer)
+        grad_weight = grad_weight if needs_weight else None
+    elif needs_weight:
+        grad_weight = torch.ops.nanogns.linear_dw(xs, gs, weight_buffer)
+    return grad_x, grad_weight, grad_bias
 
 
 class FusedLinearFunction(torch.autograd.Function):
@@ -442,7 +777,7 @@ class FusedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return linear_backward(ctx, grad_out, _linear_weight_grad)[:5]
+        return *_fused_linear_backward(ctx, grad_out), None, None
 
 
 fused_linear = FusedLinearFunction.apply

@@ -162,7 +162,8 @@ def current():
     recomputed by activation checkpointing) the last root forward's; None outside both."""
     if _active:
         return _active[-1]
-    if _last is not None and torch._C._current_graph_task_id() != -1:
+    # Dynamo cannot trace the graph-task query; a traced forward outside any root forward is no recompute
+    if _last is not None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
         return _last
     return None
 

@@ -12,9 +12,13 @@ shared memory over the target's per-block limit.
   _ln_fwd, _ln_bwd_dx_pesq   fp32 / fp16 / bf16 x (LayerNorm, LayerNorm without
                              bias, RMSNorm) x every (BLOCK_D, num_warps) of
                              norm_launch_config(D) for D = 1 .. MAX_NORM_FEATURES
+  _pe_sqnorm_finish          fp32 / fp16 / bf16 gradients x every BLOCK_W of
+                             finish_block_w, parameter a as vectors or squares
   _linear_bwd_dw_pesq        fp32 with ieee and with tf32 dots, fp16, bf16 x
                              every autotune candidate linear_candidates returns
-                             for the target's capability
+                             for the target's capability, each with L (the
+                             output width) a multiple of 16 and not: the glue
+                             masks a ragged L (a 50257 vocabulary) in the kernel
 each compiled with the one specialisation the glue ever launches: Triton's
 divisible-by-16 hint on the pointers and on every integer argument a kernel
 does not list in do_not_specialize (row strides and padded widths, which the
@@ -59,9 +63,16 @@ SIGNATURES = {
     "_ln_fwd": dict(X="*T", Y="*T", W="*T", B="*T", MEAN="*fp32", RSTD="*fp32", D="i32", STRIDE="i32", eps="fp32"),
     "_ln_bwd_dx_pesq": dict(X="*T", G="*T", DX="*T", W="*T", MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
                             DB_PART="*fp32", T="i32", D="i32", STRIDE="i32", ROWS_PER_CHUNK="i32"),
-    "_linear_bwd_dw_pesq": dict(X="*T", G="*T", DW_PART="*fp32", W_PESQ_PART="*fp32", N="i32", T="i32", L="i32",
+    "_linear_bwd_dw_pesq": dict(X="*T", G="*T", DW="*T", DW_PART="*fp32", W_PESQ_PART="*fp32", N="i32", T="i32", L="i32",
                                 K="i32", EXAMPLES_PER_CHUNK="i32"),
+    "_pe_sqnorm_finish": dict(A_PART="*fp32", B_PART="*fp32", A_GRAD="*T", B_GRAD="*T", SQ_PART="*fp32",
+                              PESQ="*fp32", A_BUF="*fp32", B_BUF="*fp32", COUNTER="*i32", N="i32", C="i32", W="i32",
+                              STRIDE="i32", S="i32", COUNT="i32", A_ON="i32", B_ON="i32", A_RECORD="i32",
+                              B_RECORD="i32", A_BUF_AT="i32", B_BUF_AT="i32", SUM_PART="*fp32", SUM_OUT="*T",
+                              SUM_N="i32", SUM_CHUNKS="i32"),
 }
+FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_gns.finish_block_w
+FINISH_WARPS = 4
 
 
 def specialised_args(kernel):
@@ -86,11 +97,13 @@ class Job:
     num_warps: int
     num_stages: int  # 0: Triton's default, as the glue launches the norm kernels
     arch: int
+    unaligned: tuple = ()  # integer arguments compiled without the divisible-by-16 hint
 
     def label(self):
         flags = " ".join(f"{k}={v}" for k, v in self.constexprs if k != "DOT_IN_FP32")
         stages = f" s{self.num_stages}" if self.num_stages else ""
-        return f"sm_{self.arch} {self.kernel} {self.dtype} {flags} w{self.num_warps}{stages}"
+        ragged = "".join(f" {a}%16!=0" for a in self.unaligned)
+        return f"sm_{self.arch} {self.kernel} {self.dtype} {flags} w{self.num_warps}{stages}{ragged}"
 
 
 def all_jobs(archs):
@@ -101,10 +114,14 @@ def all_jobs(archs):
         capability = divmod(arch, 10)
         for dtype, name in TYPE_NAMES.items():
             for allow_tf32 in ((False, True) if dtype == torch.float32 else (True,)):
-                for c in fused_gns.linear_candidates(dtype, capability, allow_tf32):
-                    flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
-                             ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
-                    yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch)
+                for unaligned in ((), ("L",)):  # L a multiple of 16, and ragged
+                    for c in fused_gns.linear_candidates(dtype, capability, allow_tf32, ragged_l=bool(unaligned)):
+                        flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
+                                 ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
+                        yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
+            for block_w, squares in itertools.product(FINISH_BLOCK_WS, (False, True)):
+                flags = (("A_SQUARES", squares), ("BLOCK_W", block_w), ("SUM_BLOCK", fused_gns.FINISH_SUM_BLOCK))
+                yield Job("_pe_sqnorm_finish", name, flags, FINISH_WARPS, 0, arch)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))
                 for kernel in ("_ln_fwd", "_ln_bwd_dx_pesq"):
@@ -122,7 +139,7 @@ def compile_job(job):
     signature.update({k: "constexpr" for k in constexprs})
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in specialised_args(kernel)
-             if signature[a][0] in "*i"}  # pointers and integers
+             if signature[a][0] in "*i" and a not in job.unaligned}  # pointers and integers
     options = {"num_warps": job.num_warps, **({"num_stages": job.num_stages} if job.num_stages else {})}
     log = io.StringIO()
     start = time.perf_counter()

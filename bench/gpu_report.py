@@ -1,27 +1,33 @@
 """
-One command for whoever has a CUDA GPU: check every per-example norm layer
-against the brute-force oracle on the GPU, then measure what exact norms cost on
-GPT-2 124M in bf16, and print tables ready for bench/RESULTS.md.
+One command for whoever has a CUDA GPU (written for one H100, torch 2.11,
+Triton 3.6, no network, under 10 minutes; not yet run on one): check the fused
+layers on the GPU, then measure what exact norms cost on GPT-2 124M in bf16,
+and print tables ready for bench/RESULTS.md.
 
-    python bench/gpu_report.py                        # checks, kernel and per-Linear tables, GPT-2 step table
-    python bench/gpu_report.py --check-only           # the checks alone
+    python bench/gpu_report.py                        # checks, launch counts, kernel, per-Linear and step tables
+    python bench/gpu_report.py --check-only           # the checks and launch counts alone
     TRITON_INTERPRET=1 python bench/gpu_report.py --check-only   # the same checks on the CPU, kernels interpreted
 
-The checks: every Linear (shim; gns under each strategy; fused under the timed
-choice, the kernel and each torch strategy), Embedding (shim, gns), LayerNorm
-(shim, gns, fused; with and without bias) and RMSNorm (gns, fused) class, in
-float32 and bfloat16, on 2-D and 3-D inputs with odd sizes, against
-tests/oracle.py's one-example-at-a-time loop in float64: the per-example norm
-buffers (sum and count), the parameter gradients and the input gradient. On the
-CPU the shapes are small (Triton's interpreter is slow); tests/test_gpu_report.py
-runs that in CI, so this script cannot rot.
+The checks: (GPU only) the fused layers' test files under pytest
+(FUSED_TEST_FILES); every Linear (shim; gns under each strategy; fused under
+the timed choice, the kernel and each torch strategy), Embedding (shim, gns),
+LayerNorm (shim, gns, fused; with and without bias) and RMSNorm (gns, fused)
+class, in float32 and bfloat16, on 2-D and 3-D inputs with odd sizes, against
+tests/oracle.py's one-example-at-a-time loop in float64 (buffers, parameter and
+input gradients); every candidate tile of the Linear kernel, forced, against
+per-example matmuls in float64, and on a GPU one case past 2**31 elements; the
+fused layers under torch.compile (inductor, one graph) against eager. Then the
+launches of one backward beside torch's (bench/launch_counts.py). On the CPU
+the shapes are small and the test files are left to CI; tests/test_gpu_report.py
+runs this mode, so the GPU command cannot rot.
 
-The tables (GPU only): bench/kernels.py's kernel timings at GPT-2 shapes,
-bench/linear_strategies.py at GPT-2's Linear shapes, and bench/step_overhead.py's
-whole training step of GPT-2 124M (12 layers, 768 wide, T = 1024, vocabulary
-50304, batch 16, bf16 autocast, eager) for nn, LayerNorm-only fused, all-layer
-gns and all-layer fused, interleaved, followed by the strategy the fused Linear
-timed fastest for each of GPT-2's Linear shapes.
+The tables (GPU only): bench/kernels.py's kernel timings at GPT-2 shapes against
+cuBLAS's plain weight gradient, bench/linear_strategies.py at GPT-2's Linear
+shapes, and bench/step_overhead.py's whole training step of GPT-2 124M (12
+layers, 768 wide, T = 1024, vocabulary 50304, batch 12, bf16 autocast, eager,
+peak memory not measured: its subprocesses take minutes) for nn, LayerNorm-only
+fused, all-layer gns and all-layer fused, interleaved, followed by the strategy
+the fused Linear timed fastest for each of GPT-2's Linear shapes.
 """
 
 import argparse
@@ -41,7 +47,7 @@ import fused_gns  # noqa: E402
 from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest reference value
-GPT2 = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--block_size=1024", "--batch_size=16", "--vocab_size=50304",
+GPT2 = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--block_size=1024", "--batch_size=12", "--vocab_size=50304",
         "--bias=True"]
 
 
@@ -168,19 +174,134 @@ def check_layers(device, dtypes=None, shapes=None, out=sys.stdout):
     return failed
 
 
+FUSED_TEST_FILES = ["tests/test_fused_gns.py", "tests/test_gpu_paths.py", "tests/test_launches.py",
+                    "tests/test_linear_schedule.py", "tests/test_compile_fused.py"]
+
+
+def run_test_files(out=sys.stdout):
+    """The fused layers' test files under pytest, in a fresh process on the GPU (no TRITON_INTERPRET)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FUSED_TEST_FILES],
+                          cwd=REPO, env=env, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    print(f"{'ok  ' if done.returncode == 0 else 'FAIL'} pytest {' '.join(FUSED_TEST_FILES)}: "
+          f"{lines[-1] if lines else done.stderr[-500:]}", file=out)
+    if done.returncode != 0:
+        print("\n".join(lines[-40:]), file=out)
+    return [] if done.returncode == 0 else ["test files"]
+
+
+def _candidate_error(config, dtype, tf32, device, N, T, K, L):
+    """Worst relative error of one forced kernel configuration against per-example matmuls in float64 (weight
+    gradient, its per-example norms through the buffer, the bias's); returns (error, tolerance)."""
+    torch.manual_seed(0)
+    layer = fused_gns.PEGradNormFusedLinear(K, L).to(device, dtype)
+    x = torch.randn(N, T, K, device=device).to(dtype)
+    g = torch.randn(N, T, L, device=device).to(dtype)
+    old_tf32 = fused_gns.matmul_allows_tf32()
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        with _with(fused_gns, "FUSED_LINEAR_STRATEGY", config):
+            layer(x).backward(g)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    dw = torch.zeros(L, K, dtype=torch.float64, device=device)
+    sq = 0.0
+    for i in range(N):  # the oracle one example at a time (a Linear's dW_i = g_i^T x_i exactly)
+        dw_i = g[i].double().t() @ x[i].double()
+        dw += dw_i
+        sq += dw_i.pow(2).sum().item()
+    errors = [_rel_error(layer.weight.grad, dw), abs(layer.weight_upegsqnorm[0].item() - sq) / sq]
+    tol = {"16-bit": TOL[torch.bfloat16], "tf32": 5e-3, "ieee": TOL[torch.float32]}[
+        fused_gns.linear_dot_precision(dtype, tf32)]
+    return max(errors), tol
+
+
+def check_candidates(device, out=sys.stdout):
+    """Every candidate tile configuration of the kernel, forced, against the oracle on ragged shapes (two
+    tiles each way, a partial row block, a ragged output width); on a GPU also one case past 2**31 elements
+    of the output gradient (int64 offsets). Returns the failed cases."""
+    on_gpu = device.startswith("cuda")
+    flavours = [("16-bit", torch.bfloat16, True), ("tf32", torch.float32, True), ("ieee", torch.float32, False)]
+    failed = []
+    cases = []
+    for precision, dtype, tf32 in flavours:
+        for c in fused_gns.LINEAR_CANDIDATES[precision]:
+            cases.append((f"kernel {precision} {c.block_l}x{c.block_k}x{c.block_t} w{c.num_warps} s{c.num_stages}",
+                          c, dtype, tf32, (3, c.block_t + 5, c.block_k + 24, c.block_l + 9)))
+    if on_gpu:  # 2 x 21504 x 50257 = 2.16e9 elements of the output gradient (4.3 GB in bf16), GPT-2's ragged vocabulary
+        c = fused_gns.linear_candidates(torch.bfloat16, torch.cuda.get_device_capability(), True, True)[0]
+        cases.append(("kernel past 2**31 elements, bf16", c, torch.bfloat16, True, (2, 21504, 64, 50257)))
+    else:
+        print("skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)", file=out)
+    for label, config, dtype, tf32, shape in cases:
+        try:
+            error, tol = _candidate_error(config, dtype, tf32, device, *shape)
+            ok, detail = error <= tol, f"max relative error {error:.1e} (tolerance {tol:.0e})"
+        except Exception as e:  # a crash is a failed check, reported with its case
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        print(f"{'ok  ' if ok else 'FAIL'} {label}, (N, T, K, L) = {shape}: {detail}", file=out)
+        if not ok:
+            failed.append(label)
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return failed
+
+
+def check_compiled(device, out=sys.stdout):
+    """Fused LayerNorm + Linear + RMSNorm under torch.compile (inductor, one graph) against eager."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from test_compile_fused import Block
+
+    failed = []
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        eager = Block(64).to(device, dtype)
+        model = Block(64).to(device, dtype)
+        model.load_state_dict(eager.state_dict())
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        x, g = (torch.randn(3, 17, 64, device=device).to(dtype) for _ in range(2))
+        try:
+            results = []
+            for m in (eager, compiled):
+                xk = x.clone().requires_grad_(True)
+                m(xk).backward(g)
+                results.append([xk.grad] + [p.grad for p in m.parameters()] + list(m.buffers()))
+            error = max(_rel_error(a, b) for a, b in zip(results[1], results[0]))
+            tol = TOL[dtype]
+            ok, detail = error <= tol, f"max relative error {error:.1e} (tolerance {tol:.0e})"
+        except Exception as e:  # a crash is a failed check, reported with its case
+            ok, detail = False, f"{type(e).__name__}: {str(e)[:500]}"
+        label = f"torch.compile fused layers vs eager, {str(dtype).replace('torch.', '')}"
+        print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}", file=out)
+        if not ok:
+            failed.append(label)
+    return failed
+
+
+def launch_table(device):
+    import launch_counts
+
+    launch_counts.main([f"--device={device}", "--dtype=bfloat16" if device == "cuda" else "--dtype=float32"])
+
+
 def gpu_tables(args):
     import kernels
     import linear_strategies
     import step_overhead
 
     print(f"\n## {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
-    print("### Kernels at GPT-2 shapes: `python bench/kernels.py`\n")
+    print("### Kernels at GPT-2 shapes against cuBLAS: `python bench/kernels.py`\n")
     kernels.main([])
     print("\n### Per-Linear: `python bench/linear_strategies.py --device=cuda --dtype=bfloat16 "
-          "--shapes=16,1024,768,2304;16,1024,768,768;16,1024,768,3072;16,1024,3072,768`\n")
+          "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768`\n")
     linear_strategies.main(["--device=cuda", "--dtype=bfloat16",
-                            "--shapes=16,1024,768,2304;16,1024,768,768;16,1024,768,3072;16,1024,3072,768"])
-    step_args = ["--device=cuda", "--dtype=bfloat16", f"--steps={args.steps}",
+                            "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768"])
+    # peak memory needs a subprocess per choice (minutes): left to step_overhead.py itself
+    step_args = ["--device=cuda", "--dtype=bfloat16", f"--steps={args.steps}", "--memory=False",
                  "--choices=nn,LayerNorm-only fused,all-layer gns,all-layer fused", *GPT2]
     print(f"\n### GPT-2 124M step: `python bench/step_overhead.py {' '.join(step_args)}`\n")
     step_overhead.main(step_args)
@@ -189,17 +310,33 @@ def gpu_tables(args):
         for key, choice in fused_gns._linear_choices.items()))
 
 
+def run_checks(device, out=sys.stdout):
+    """Every check of this report for `device`; returns the failed cases."""
+    on_gpu = device.startswith("cuda")
+    print(f"# checks on {device}" + ("" if on_gpu else " (Triton's interpreter; the test files run in CI itself)"),
+          file=out)
+    failed = run_test_files(out) if on_gpu else []
+    print("## per-example norm layers against the brute-force oracle", file=out)
+    failed += check_layers(device, out=out)
+    print("## every candidate tile of the Linear kernel against the oracle", file=out)
+    failed += check_candidates(device, out=out)
+    print("## fused layers under torch.compile against eager", file=out)
+    failed += check_compiled(device, out=out)
+    return failed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check-only", action="store_true", help="run the oracle checks only")
+    parser.add_argument("--check-only", action="store_true", help="run the checks only")
     parser.add_argument("--steps", type=int, default=10, help="interleaved GPT-2 steps per choice (default: 10)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not fused_gns.kernels_interpreted() else "cpu"
-    print(f"# per-example norm layers against the brute-force oracle, on {device}")
-    failed = check_layers(device)
+    failed = run_checks(device)
     print(f"{'all checks passed' if not failed else f'{len(failed)} checks FAILED'}")
     if failed:
         sys.exit(1)
+    print("\n## launches of one backward")
+    launch_table(device)
     if args.check_only:
         return
     if device != "cuda":

@@ -1,6 +1,6 @@
 """
 GPU benchmark of the fused Triton kernels against plain PyTorch at GPT-2 124M
-shapes (B=16, T=1024, D=768, MLP 4*D, vocabulary 50304), measured in the same run.
+shapes (B=12, T=1024, D=768, MLP 4*D, vocabulary 50304), measured in the same run.
 
     python bench/kernels.py                  # bfloat16
     python bench/kernels.py --dtype float16 --batch-size 8
@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 
+import train_settings  # bench/train_settings.py, beside this script
 import torch
 import torch.nn.functional as F
 
@@ -74,14 +75,15 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     x2, g2 = x.view(-1, K), g.view(-1, L)
     nbytes = (x.numel() + g.numel() + K * L) * x.element_size()
     capability = torch.cuda.get_device_capability()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = fused_gns.matmul_allows_tf32()
     plain_ms, plain_mib = measure(lambda: g2.t() @ x2)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
     for strategy in ("gram", "materialise"):
         ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
-    for config in fused_gns.linear_candidates(dtype, capability, tf32):
-        ms, mib = measure(lambda: fused_gns._linear_weight_grad(x, g, config))
+    for config in fused_gns.linear_candidates(dtype, capability, tf32, fused_gns.ragged_width(L)):
+        # what the fused Linear's backward launches for dW and its norms: the kernel and the finishing kernel
+        ms, mib = measure(lambda: fused_gns.linear_weight_grad_finished(x, g, config))
         report(f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
                ms, plain_ms, nbytes, mib)
     choice = fused_gns._linear_choice(x, g)  # the fused Linear's own timed choice
@@ -92,11 +94,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="default: bfloat16")
-    parser.add_argument("--batch-size", type=int, default=16, help="B, default: 16")
+    parser.add_argument("--batch-size", type=int, default=12, help="B, default: 12")
     parser.add_argument("--block-size", type=int, default=1024, help="T, default: 1024")
     parser.add_argument("--n-embd", type=int, default=768, help="D, default: 768")
     parser.add_argument("--vocab-size", type=int, default=50304, help="V, default: 50304")
     args = parser.parse_args(argv)
+    train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
                  "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_fused_gns.py")

@@ -32,6 +32,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import train_settings  # noqa: E402  (bench/train_settings.py)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
@@ -184,6 +185,7 @@ def _status_mb(key):
 
 def main(argv=None):
     args = parse_args(argv)
+    train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return

@@ -26,6 +26,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import train_settings  # noqa: E402  (bench/train_settings.py)
 
 # name -> (linearclass, embeddingclass, lnclass)
 CHOICES = {
@@ -145,6 +148,7 @@ def interleaved_times(args, names):
 
 def main(argv=None):
     args = parse_args(argv)
+    train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return

@@ -23,8 +23,14 @@ input i, every leading dim after the first flattened into t):
 `_ln_bwd_dx_pesq` runs one program per (example, chunk of that example's rows).
 It writes dx, and keeps dw_i / db_i restricted to its rows in fp32 registers,
 storing them once as a row of the (N * chunks, D) partial buffers. No (N, T, D)
-tensor of per-example partials exists; the glue sums the chunks of each example
-(N * chunks * D numbers), squares, and sums over examples for dw and db.
+tensor of per-example partials exists; normgnorm/finish.py then sums the chunks
+of each example (N * chunks * D numbers), squares, sums over examples for dw and
+db, and updates the buffers, in one more launch.
+
+Rows are STRIDE apart, the width padded to a multiple of 16: a ragged width (not
+a multiple of 16, rare for norms) costs a padded copy of x and of dL/dy; the
+Linear kernel masks its ragged output width instead (a second specialisation
+the compile gate compiles), which the norm kernels could do the same way.
 """
 
 import triton

@@ -18,28 +18,30 @@ sequences. Two fp32 accumulators live in registers: dw_i, the tile of the
 current example's gradient, and dw, the tile of the sum. When an example's
 last row block is in, its tile's squared Frobenius norm is stored to a
 per-(example, tile) partial, dw_i is added to dw and cleared; dW_i never
-reaches memory. The glue sums the (N, tiles) partials over tiles and, when
-examples were split across programs, the (chunks, L, K) dW partials over chunks.
+reaches memory. With one chunk of examples a program owns its tile and writes
+dW in the layer's dtype; with more, each chunk writes an fp32 (L, K) partial
+that the glue sums. normgnorm/finish.py sums the (N, tiles) squares per example.
 """
 
 import triton
 import triton.language as tl
 
 
-# L and K are the padded widths: the glue zero-pads rows to a multiple of 16 features, so every size the
-# kernel masks with is divisible by 16 (Triton's specialisation hint), which lets its loads be 16-byte
-# asynchronous copies that the software pipeline can prefetch; the zero columns add nothing to dW or the
-# norms. N, T and the chunk size are not specialised: one compiled kernel per launch configuration, the
+# K is padded: the glue zero-pads input rows to a multiple of 16 features (Triton's divisibility hint, so
+# loads are 16-byte asynchronous copies the software pipeline can prefetch; zero columns add nothing). L is
+# padded below 16 only: a ragged L (a 50257 vocabulary) is masked here rather than copied into a padded
+# buffer every step, a second specialisation the compile gate also compiles. N, T and the chunk size are not specialised: one compiled kernel per launch configuration, the
 # one bench/compile_gate.py compiles.
 @triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK"])
 def _linear_bwd_dw_pesq(
     X,  # pointer to the layer input, (N * T, K) rows, contiguous, zero-padded to K columns
     G,  # pointer to the upstream gradient dL/dy, (N * T, L) rows, likewise, same dtype as X
-    DW_PART,  # pointer to per-chunk weight-grad partials, (chunks, L, K) fp32
+    DW,  # pointer to the weight gradient, (L, K) in X's dtype, written when one chunk (program) owns a tile
+    DW_PART,  # pointer to per-chunk weight-grad partials, (chunks, L, K) fp32, written when there are more
     W_PESQ_PART,  # pointer to per-(example, dW tile) squared norms, (N, tiles) fp32
     N,  # examples
     T,  # rows per example
-    L,  # output features, padded to a multiple of 16
+    L,  # output features (rows of G are L apart), >= 16
     K,  # input features, padded to a multiple of 16
     EXAMPLES_PER_CHUNK,  # examples handled by one program (grid axis 1 enumerates the chunks)
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs ("ieee" or "tf32")
@@ -81,5 +83,9 @@ def _linear_bwd_dw_pesq(
             tl.store(W_PESQ_PART + n.to(tl.int64) * tl.num_programs(0) + tile, tl.sum(dw_i * dw_i))
             dw += dw_i
             dw_i = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
-    out = (chunk.to(tl.int64) * L + offs_l[:, None]) * K + offs_k[None, :]
-    tl.store(DW_PART + out, dw, mask=mask_l[:, None] & mask_k[None, :])
+    if tl.num_programs(1) == 1:  # this program owns its tile: dW in its dtype, no fp32 round trip
+        tl.store(DW + offs_l[:, None].to(tl.int64) * K + offs_k[None, :], dw.to(DW.dtype.element_ty),
+                 mask=mask_l[:, None] & mask_k[None, :])
+    else:
+        out = (chunk.to(tl.int64) * L + offs_l[:, None]) * K + offs_k[None, :]
+        tl.store(DW_PART + out, dw, mask=mask_l[:, None] & mask_k[None, :])

@@ -8,10 +8,9 @@ eager model's, over two optimizer steps of two accumulated micro-batches.
 Dynamo traces the autograd Functions of buffered.py, buffer updates in backward
 included; the Embedding's torch.unique (a data-dependent shape) graph-breaks and
 that Function runs eagerly, as does the tied wte/lm_head cross term's
-backward (tied.py hands a tensor from one node to the other). Triton's interpreter cannot run inside torch.compile,
-so on CPU the compiled 'fused' model takes its torch fallback (fused_gns.py
-reports the kernel unavailable while compiling) and is compared with the eager
-model's interpreted kernels; the compiled kernels themselves need a GPU.
+backward (tied.py hands a tensor from one node to the other). The fused layers'
+kernels are custom ops that the compiled graph runs eagerly, on CPU in Triton's
+interpreter (tests/test_compile_fused.py checks they are in the graph).
 """
 
 import copy

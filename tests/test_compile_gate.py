@@ -49,22 +49,27 @@ def test_gate_covers_every_configuration_the_glue_returns():
             block_d, num_warps = fused_gns.norm_launch_config(D)
             assert block_d >= D and any(j.kernel == "_ln_bwd_dx_pesq" and j.arch == arch and j.num_warps == num_warps
                                         and dict(j.constexprs)["BLOCK_D"] == block_d for j in jobs)
+        for W in [0, 1, 40, 768, 2304, 50257, 10**6]:
+            assert fused_gns.finish_block_w(W) in compile_gate.FINISH_BLOCK_WS
+        assert fused_gns.FINISH_WARPS == compile_gate.FINISH_WARPS
         for dtype in fused_gns.KERNEL_DTYPES:
             for tf32 in (False, True):
                 for N, T, K, L in [(16, 1024, 768, 3072), (4, 64, 40, 72), (1, 1, 8, 8), (64, 256, 768, 50257)]:
                     choice = fused_gns.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
-                    assert choice == "gram" or choice in fused_gns.linear_candidates(dtype, capability, tf32)
+                    assert choice == "gram" or choice in fused_gns.linear_candidates(
+                        dtype, capability, tf32, fused_gns.ragged_width(L))
                 precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
-                compiled = set()
-                for j in jobs:
-                    flags = dict(j.constexprs)
-                    if (j.kernel == "_linear_bwd_dw_pesq" and j.arch == arch and flags["INPUT_PRECISION"] == precision
-                            and j.dtype == compile_gate.TYPE_NAMES[dtype]):
-                        compiled.add((flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages))
-                for c in fused_gns.linear_candidates(dtype, capability, tf32):
-                    assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
-                    assert c.shared_bytes(dtype.itemsize) <= \
-                        fused_gns.shared_memory_limit(capability)
+                for ragged in (False, True):
+                    compiled = set()
+                    for j in jobs:
+                        flags = dict(j.constexprs)
+                        if (j.kernel == "_linear_bwd_dw_pesq" and j.arch == arch and flags["INPUT_PRECISION"] == precision
+                                and j.dtype == compile_gate.TYPE_NAMES[dtype] and bool(j.unaligned) == ragged):
+                            compiled.add((flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages))
+                    for c in fused_gns.linear_candidates(dtype, capability, tf32, ragged_l=ragged):
+                        assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
+                        assert c.shared_bytes(dtype.itemsize) <= \
+                            fused_gns.shared_memory_limit(capability)
 
 
 @pytest.mark.skipif(not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
@@ -74,9 +79,11 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     multiple of 16, so the kernel that runs is the one the gate compiled."""
     import normgnorm.layernorm
     import normgnorm.linear
+    import normgnorm.finish
 
     launches = []
-    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq)
+    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq,
+               normgnorm.finish._pe_sqnorm_finish)
     for kernel in kernels:
         def record(*args, kernel=kernel, **kwargs):  # the interpreter calls it with each launch's arguments
             launches.append((kernel, dict(zip(kernel.arg_names, args))))
@@ -88,14 +95,17 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     norm = fused_gns.PEGradNormFusedLayerNorm(features)
     linear = fused_gns.PEGradNormFusedLinear(features, 24)
     linear(norm(x)).sum().backward()
-    assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq"}
+    assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq",
+                                                           "_pe_sqnorm_finish"}
     for kernel, args in launches:
         for name in compile_gate.specialised_args(kernel):
             value = args[name]
             if isinstance(value, torch.Tensor):
                 assert value.data_ptr() % 16 == 0, f"{kernel.__name__}: {name} not 16-byte aligned"
-            elif isinstance(value, int):
+            elif isinstance(value, int) and not (kernel.__name__ == "_linear_bwd_dw_pesq" and name == "L"):
                 assert value % 16 == 0, f"{kernel.__name__}: {name} = {value} not a multiple of 16"
+            elif isinstance(value, int):  # a ragged output width is masked in the kernel; the gate compiles both
+                assert value >= 16 and any(j.unaligned == ("L",) for j in compile_gate.all_jobs((90,)))
     # and the numbers are still right: the zero padding added nothing
     reference = PEGradNormLinear(features, 24)
     reference.load_state_dict(linear.state_dict())

@@ -1,7 +1,9 @@
 """
-bench/gpu_report.py's correctness half, run on the CPU with the Triton kernels in
-Triton's interpreter: every per-example norm layer class (each Linear strategy
-included) against the brute-force oracle, so the GPU command cannot rot.
+bench/gpu_report.py's checks, run on the CPU with the Triton kernels in Triton's
+interpreter: every per-example norm layer class (each Linear strategy included)
+and every candidate tile of the Linear kernel against the brute-force oracle,
+the fused layers under torch.compile against eager, and the launch table, so
+the GPU command cannot rot.
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_report.py
 """
@@ -19,10 +21,17 @@ import gpu_report  # noqa: E402
 
 
 @pytest.mark.skipif(not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (kernels on CPU tensors)")
-def test_every_layer_class_matches_the_oracle():
+def test_report_checks_pass_on_the_cpu(capsys):
     out = io.StringIO()
-    failed = gpu_report.check_layers("cpu", out=out)
+    failed = gpu_report.run_checks("cpu", out=out)
     lines = out.getvalue().splitlines()
     assert not failed, "\n".join(line for line in lines if line.startswith("FAIL"))
-    assert len(lines) == 2 * 2 * len(gpu_report.layer_cases())  # float32 and bfloat16, two shapes each
-    assert all(line.startswith("ok") for line in lines)
+    checks = [line for line in lines if line.startswith(("ok", "FAIL", "skip"))]
+    candidates = sum(len(c) for c in fused_gns.LINEAR_CANDIDATES.values())
+    # layers: float32 and bfloat16, two shapes each; every candidate; compiled in two dtypes; one stated skip
+    assert len(checks) == 2 * 2 * len(gpu_report.layer_cases()) + candidates + 2 + 1
+    assert [line for line in checks if not line.startswith("ok")] == \
+        ["skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)"]
+    gpu_report.launch_table("cpu")
+    table = capsys.readouterr().out
+    assert "| LayerNorm | 1 | 2 |" in table and "| Linear | 3 | 4 |" in table
