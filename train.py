@@ -386,6 +386,12 @@ def get_lr(tokens, step_tokens):
     decay_ratio = (tokens - warmup_tokens) / (lr_decay_tokens - warmup_tokens)
     assert 0 <= decay_ratio <= 1
     return min_lr + (1.0 - decay_ratio) * (learning_rate - min_lr)
+# gns: the schedule counts tokens, not nanoGPT's iterations: say when --max_iters ends the run before it decays
+last_tokens = max_iters * tokens_per_iter
+if decay_lr and bs_schedule == 'none' and init_from != 'resume' and last_tokens < min(max_tokens, lr_decay_tokens):
+    print(f"note: max_iters={max_iters} ends the run at {last_tokens:,} tokens, before lr_decay_tokens={lr_decay_tokens:,}: "
+          f"the learning rate ends at {get_lr(last_tokens - tokens_per_iter, tokens_per_iter):.3g}, not min_lr={min_lr:g}; "
+          f"to decay over this run as nanoGPT's lr_decay_iters = max_iters does, add --lr_decay_tokens={last_tokens}")
 
 def save_checkpoint():
     # gns: every rank takes part (FSDP2 gathers the full state; every rank gives its random state and batch)

@@ -5,7 +5,7 @@ and reference-style ones), LayerNorm-only against all parameters, approximate
 (SOGNS) against exact norms, non-finite and skipped steps, logs in the paper's
 reference format, error messages and the files written.
 
-    cd /work/main && python -m pytest -q tests/test_gns_analysis.py
+    python -m pytest -q tests/test_gns_analysis.py
 """
 
 import math

@@ -35,7 +35,7 @@ def test_every_added_and_context_line_of_the_readme_diff_is_in_train_py():
 def test_ci_runs_the_readme_test_command():
     with open(os.path.join(REPO, ".ci", "run")) as f:
         ci = f.read()
-    command = "python -m pytest -q -rs tests/"
+    command = "python -m pytest -q -rs -n 2 tests/"
     assert command in readme() and command in ci.splitlines()[-1]
 
 

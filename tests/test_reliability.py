@@ -3,7 +3,7 @@ Reliability (issue 8): resumes continue the run and its log exactly, SIGKILLs at
 any point lose nothing, bad input ends with a clear one-line error, and
 non-finite steps are logged as such but kept out of the GNS.
 
-    cd /work/main && python -m pytest -q tests/test_reliability.py
+    python -m pytest -q tests/test_reliability.py
 
 train.py runs in subprocesses with a tiny CPU model (as in tests/test_train.py).
 """

@@ -86,6 +86,9 @@ def test_plain_run_writes_no_gns_columns(tmp_path):
     assert not [c for c in df.columns if "gns" in c]
     assert "GNS" not in out.stderr and "gns=" not in out.stdout
     assert df["grad_norm"].notna().sum() == 4 and len(df) == 4
+    # the config's token schedule outlasts --max_iters=4 (4 x 128 tokens): the start-up says so and how to decay
+    assert ("note: max_iters=4 ends the run at 512 tokens, before lr_decay_tokens=81,920,000" in out.stdout
+            and "add --lr_decay_tokens=512" in out.stdout), out.stdout
     assert not os.path.exists(tmp_path / PARAMETERS_JSON)
 
 
