@@ -44,3 +44,10 @@ def test_every_script_the_readme_runs_exists():
     assert {"train.py", "gns-analysis.py", "data/shakespeare_char/prepare.py", "examples/hf_llama.py"} <= scripts
     missing = [s for s in scripts if not os.path.exists(os.path.join(REPO, s))]
     assert not missing
+
+
+def test_quick_start_installs_torch_as_ci_does():
+    """The quick start's torch install line is .ci/run's (same pin, index and retries), less --quiet."""
+    with open(os.path.join(REPO, ".ci", "run")) as f:
+        ci_install = next(line for line in f if "torch==" in line and line.startswith("pip install"))
+    assert ci_install.replace("--quiet ", "").strip() in readme()
