@@ -664,6 +664,22 @@ class GNSMonitor:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)
         return row
 
+    def replay(self, frame):
+        """Rebuild the running GNS from logged rows (a load_csv DataFrame of this model's earlier steps, oldest
+        first) as step() built it, each row's exact norms or else its approximate ones: for a resumed run whose
+        checkpoint does not hold state_dict() (a trainer's). Returns the running GNS."""
+        columns = {prefix: [c[:-len("/norm")] for c in frame.columns if c.startswith(prefix) and c.endswith("/norm")]
+                   for prefix in (self.prefix, APPROX_PREFIX)}
+        for _, row in frame.iterrows():
+            for prefix in (self.prefix, APPROX_PREFIX):
+                measured = [name for name in columns[prefix] if not math.isnan(row[name + "/norm"])]
+                if measured:
+                    self.running.update(sum(row[name + "/norm"] ** 2 for name in measured),
+                                        sum(row[name + "/pegn"] ** 2 for name in measured),
+                                        row[measured[0] + "/batch_size"])
+                    break
+        return self.gns
+
     def state_dict(self):
         return {"running": self.running.state_dict(), "step_count": self.step_count,
                 "scaler_skipped_steps": self.scaler_skipped_steps, "nonfinite_steps": self.nonfinite_steps,

@@ -20,13 +20,16 @@ README.md ("Trainers") says how to get the per-sequence mean.
 """
 
 
+import os
+
 import torch
 
 import gnstracking
 import layer_config
 import layout
 from buffered import BUFFER_SUFFIX
-from tracker import LogWrapper
+from csv_tools import load_csv
+from tracker import HEADER_TMP, LOG_CSV, LogWrapper
 
 
 def _monitor(model, log, ema_decay, scaler=None, out_dir=None, convert_options=None):
@@ -40,9 +43,27 @@ def _monitor(model, log, ema_decay, scaler=None, out_dir=None, convert_options=N
     return layer_config.convert(model, **(convert_options or {}), **options)
 
 
-def _row_log(out_dir, main_process):
-    """The CSV log (main process only; other ranks measure and all-reduce, and log nothing)."""
-    return LogWrapper(out_dir=out_dir) if main_process else None
+def _open_log(out_dir, main_process, monitor, resume_step):
+    """The run's CSV log, opened as training starts at optimizer step `resume_step` (main process only; the other
+    ranks measure and all-reduce, and log nothing). A new run (step 0) never replaces another run's log. A resumed
+    run continues its log, rows written after the checkpoint set aside (as train.py does), and replays the rows
+    kept into the running GNS, which a trainer's checkpoint does not hold."""
+    if not main_process:
+        return None
+    existing = [f for f in (LOG_CSV, HEADER_TMP) if os.path.exists(os.path.join(out_dir, f))]
+    if resume_step == 0 and existing:
+        raise ValueError(f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}) and a "
+                         "new run would replace it: give this run's GNS log another out_dir, move the old log away, "
+                         "or resume that run from its checkpoint to continue its log")
+    log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
+    monitor.record_path = gnstracking.write_parameter_record(out_dir, monitor.describe())
+    if resume_step > 0 and existing:
+        try:
+            monitor.replay(load_csv(out_dir))
+        except ValueError:  # no row was written before the checkpoint
+            pass
+    monitor.log = log
+    return log
 
 
 # -----------------------------------------------------------------------------
@@ -67,7 +88,9 @@ class TrainerGNSCallback(TrainerCallback):
 
     Args:
         trainer: the transformers.Trainer; its model is converted here (before train() wraps it for DDP).
-        out_dir: where log.csv and gns_parameters.json go (default: args.output_dir).
+        out_dir: where log.csv and gns_parameters.json go (default: args.output_dir). A new run refuses a
+            directory holding another run's log; train(resume_from_checkpoint=...) continues that log from the
+            checkpoint's step, its earlier rows rebuilding the running GNS.
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         convert_options: keyword arguments of layer_config.convert (linearclass, exclude, ...).
     The running GNS goes to Trainer's log (`gns`) at every logging step.
@@ -78,9 +101,9 @@ class TrainerGNSCallback(TrainerCallback):
             raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
         self.trainer = trainer
         self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
-        self.log = _row_log(self.out_dir, trainer.is_world_process_zero())
+        self.log = None  # opened at on_train_begin, when Trainer knows whether it resumes
         scaler = getattr(trainer.accelerator, "scaler", None)
-        self.monitor = _monitor(trainer.model, self.log, ema_decay, scaler, convert_options=convert_options)
+        self.monitor = _monitor(trainer.model, None, ema_decay, scaler, convert_options=convert_options)
         self.measured = False  # this optimizer step has been read
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -89,6 +112,8 @@ class TrainerGNSCallback(TrainerCallback):
         if "DEEPSPEED" in kind or ("FSDP" in kind and not getattr(accelerator, "is_fsdp2", False)):
             raise ValueError(f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
                              "and clips them itself; the GNS is read under one process, DDP and FSDP2")
+        # state.global_step: 0, or the checkpoint's step under train(resume_from_checkpoint=...)
+        self.log = _open_log(self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step)
         if getattr(accelerator.clip_grad_norm_, "_gns_reads", False):
             return  # wrapped already (train() called again)
         clip = accelerator.clip_grad_norm_
@@ -120,6 +145,7 @@ class TrainerGNSCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.log is not None:
             self.log.close()
+            self.log = None
 
 
 # -----------------------------------------------------------------------------
@@ -142,7 +168,9 @@ class LightningGNSCallback(LightningCallback):
     parameters (a `self.model` called with input_ids) sets which example each row belongs to.
 
     Args:
-        out_dir: where log.csv and gns_parameters.json go (default: the trainer's default_root_dir).
+        out_dir: where log.csv and gns_parameters.json go (default: the trainer's default_root_dir). A new run
+            refuses a directory holding another run's log; fit(ckpt_path=...) continues that log from the
+            checkpoint's step, its earlier rows rebuilding the running GNS.
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         convert_options: keyword arguments of layer_config.convert.
     The running GNS is logged with `pl_module.log("gns", ...)` every step.
@@ -157,13 +185,16 @@ class LightningGNSCallback(LightningCallback):
     def setup(self, trainer, pl_module, stage):
         if stage != "fit" or self.monitor is not None:
             return
-        out_dir = self.out_dir if self.out_dir is not None else trainer.default_root_dir
-        self.log = _row_log(out_dir, trainer.is_global_zero)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.monitor = _monitor(pl_module, self.log, self.ema_decay, scaler, convert_options=self.convert_options)
+        self.monitor = _monitor(pl_module, None, self.ema_decay, scaler, convert_options=self.convert_options)
         for child in pl_module.children():
             if any(True for _ in child.parameters()):
                 layout.install(child)
+
+    def on_train_start(self, trainer, pl_module):
+        # trainer.global_step: 0, or the checkpoint's step under fit(ckpt_path=...), restored by now
+        out_dir = self.out_dir if self.out_dir is not None else trainer.default_root_dir
+        self.log = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         row = self.monitor.step(gradients_unscaled=True)  # Lightning unscaled a GradScaler's gradients already
@@ -175,6 +206,7 @@ class LightningGNSCallback(LightningCallback):
     def teardown(self, trainer, pl_module, stage):
         if self.log is not None:
             self.log.close()
+            self.log = None
 
 
 # -----------------------------------------------------------------------------
@@ -197,16 +229,18 @@ class AccelerateGNS:
         model: the model, prepared or not; its layers are converted.
         out_dir: where log.csv and gns_parameters.json go (main process only).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
+        resume_step: the optimizer step a resumed loop starts at (after accelerator.load_state): the log in
+            out_dir is continued from there and its earlier rows rebuild the running GNS; 0 starts a new log.
         convert_options: keyword arguments of layer_config.convert.
     `step` sends the running GNS to `accelerator.log` (the trackers of accelerator.init_trackers, if any).
     """
 
-    def __init__(self, accelerator, model, out_dir="out-accelerate", ema_decay=0.95, **convert_options):
+    def __init__(self, accelerator, model, out_dir="out-accelerate", ema_decay=0.95, resume_step=0, **convert_options):
         self.accelerator = accelerator
-        self.log = _row_log(out_dir, accelerator.is_main_process)
-        self.monitor = _monitor(accelerator.unwrap_model(model), self.log, ema_decay, accelerator.scaler,
+        self.monitor = _monitor(accelerator.unwrap_model(model), None, ema_decay, accelerator.scaler,
                                 convert_options=convert_options)
-        self.steps = 0
+        self.log = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
+        self.steps = resume_step
 
     @property
     def gns(self):

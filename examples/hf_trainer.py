@@ -51,6 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="clipping (default: 1.0)")
     parser.add_argument("--loss", default="tokens", choices=["tokens", "sequences"], help="default: tokens")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
+    parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir, "
+                        "and its GNS log with it")
     return parser.parse_args(argv)
 
 
@@ -62,7 +65,8 @@ def make_trainer(args, callbacks=()):
     training_args = TrainingArguments(
         output_dir=args.out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_grad_norm=args.max_grad_norm, learning_rate=1e-3,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=not torch.cuda.is_available(),
+        logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        report_to="none", use_cpu=not torch.cuda.is_available(),
         disable_tqdm=True, seed=0)
     trainer_class = SequenceMeanTrainer if args.loss == "sequences" else Trainer
     trainer = trainer_class(model=model, args=training_args, train_dataset=examples, callbacks=list(callbacks))
@@ -73,7 +77,7 @@ def make_trainer(args, callbacks=()):
 def main(argv=None):
     args = parse_args(argv)
     trainer = make_trainer(args)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume or None)
     gns = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TrainerGNSCallback)).monitor
     if trainer.is_world_process_zero():
         print(f"hf_trainer: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "

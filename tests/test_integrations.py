@@ -16,6 +16,7 @@ import importlib.util
 import math
 import os
 import re
+import shutil
 import sys
 
 import pandas as pd
@@ -174,3 +175,48 @@ def test_examples_run_as_the_readme_says(tmp_path, monkeypatch, capsys):
         assert re.search(rf"{name}: llama, 2 steps, 21 parameters tracked: final running GNS \d",
                          capsys.readouterr().out)
         assert gns_analysis().main([str(tmp_path / out_dir), "--no-plots"]) == 0
+
+
+def test_trainer_resume_continues_the_log_and_the_running_gns(tmp_path):
+    """A Trainer run checkpointed every 2 steps, killed after step 4 before its second checkpoint (removed here),
+    resumed from step 2: its log holds steps 0-3 once, equal to the uninterrupted run's, rows 2-3 of the killed
+    run set aside, and the running GNS rebuilt from the rows kept (the logged gns of step 3 is the uninterrupted
+    one's). A new run into the same directory is refused and the log kept."""
+    trainer_example = integrations_worker.example("hf_trainer")
+    flags = ["--steps=4", "--batch_size=2", "--dtype=float64", "--save_steps=2", f"--out_dir={tmp_path}"]
+    trainer_example.main(flags)
+    whole = load_csv(str(tmp_path))
+    shutil.rmtree(tmp_path / "checkpoint-4")
+    trainer_example.main([*flags, "--resume"])
+    resumed = load_csv(str(tmp_path))
+    measured = [c for c in whole.columns if c.endswith(("/norm", "/pegn", "/batch_size")) or c == "gns"]
+    assert list(resumed["step"]) == [0, 1, 2, 3] and len(measured) > 3
+    pd.testing.assert_frame_equal(resumed[measured], whole[measured], rtol=1e-9, atol=0)
+    set_aside = pd.read_csv(tmp_path / "log_after_step_2.csv")
+    assert list(set_aside["step"]) == [2, 3]
+    with pytest.raises(ValueError, match="already holds the GNS log of another run"):
+        trainer_example.main(flags)
+    pd.testing.assert_frame_equal(load_csv(str(tmp_path)), resumed)
+
+
+def test_lightning_and_accelerate_keep_another_runs_log_and_accelerate_resumes(tmp_path):
+    """Lightning and Accelerate refuse to start a new run over another run's log (kept as it was); Accelerate's
+    resume_step continues the log from that step and rebuilds the running GNS from the rows before it."""
+    from accelerate import Accelerator
+
+    from integrations import AccelerateGNS
+
+    for name in ("lightning_gpt", "accelerate_gpt"):
+        out_dir = tmp_path / name
+        flags = ["--steps=2", "--batch_size=2", "--dtype=float64", f"--out_dir={out_dir}"]
+        integrations_worker.example(name).main(flags)
+        before = load_csv(str(out_dir))
+        with pytest.raises(ValueError, match="already holds the GNS log of another run"):
+            integrations_worker.example(name).main(flags)
+        pd.testing.assert_frame_equal(load_csv(str(out_dir)), before)
+    model = build_model("llama", vocab_size=256, block_size=32).double()
+    gns = AccelerateGNS(Accelerator(cpu=True), model, out_dir=str(out_dir), resume_step=1)
+    assert gns.steps == 1 and gns.gns == pytest.approx(before["gns"].iloc[0], rel=1e-12)
+    gns.close()
+    assert list(load_csv(str(out_dir))["step"]) == [0]
+    assert list(pd.read_csv(out_dir / "log_after_step_1.csv")["step"]) == [1]
