@@ -150,6 +150,19 @@ def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, featur
     return max(errors)
 
 
+def _check(case, measure, failed, out):
+    """One ok/FAIL line for `case` from measure() -> (max relative error, tolerance); a crash is a failure,
+    reported with its case. A failed case is added to `failed`."""
+    try:
+        error, tol = measure()
+        ok, detail = error <= tol, f"max relative error {error:.1e} (tolerance {tol:.0e})"
+    except Exception as e:
+        ok, detail = False, f"{type(e).__name__}: {str(e)[:500]}"
+    print(f"{'ok  ' if ok else 'FAIL'} {case}: {detail}", file=out)
+    if not ok:
+        failed.append(case)
+
+
 def check_layers(device, dtypes=None, shapes=None, out=sys.stdout):
     """Run every case; print one line each; return the labels that failed."""
     on_gpu = device.startswith("cuda")
@@ -161,16 +174,9 @@ def check_layers(device, dtypes=None, shapes=None, out=sys.stdout):
     for label, kind, make, twin_of, strategy in layer_cases():
         for dtype in dtypes:
             for lead, features in shapes:
-                try:
-                    error = check_case(label, kind, make, twin_of, strategy, device, dtype, lead, features)
-                    ok = error <= TOL[dtype]
-                    detail = f"max relative error {error:.1e} (tolerance {TOL[dtype]:.0e})"
-                except Exception as e:  # a crash is a failed check, reported with its case
-                    ok, detail = False, f"{type(e).__name__}: {e}"
                 case = f"{label}, {str(dtype).replace('torch.', '')}, input {(*lead, features)}"
-                print(f"{'ok  ' if ok else 'FAIL'} {case}: {detail}", file=out)
-                if not ok:
-                    failed.append(case)
+                _check(case, lambda: (check_case(label, kind, make, twin_of, strategy, device, dtype, lead, features),
+                                      TOL[dtype]), failed, out)
     return failed
 
 
@@ -237,14 +243,8 @@ def check_candidates(device, out=sys.stdout):
     else:
         print("skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)", file=out)
     for label, config, dtype, tf32, shape in cases:
-        try:
-            error, tol = _candidate_error(config, dtype, tf32, device, *shape)
-            ok, detail = error <= tol, f"max relative error {error:.1e} (tolerance {tol:.0e})"
-        except Exception as e:  # a crash is a failed check, reported with its case
-            ok, detail = False, f"{type(e).__name__}: {e}"
-        print(f"{'ok  ' if ok else 'FAIL'} {label}, (N, T, K, L) = {shape}: {detail}", file=out)
-        if not ok:
-            failed.append(label)
+        _check(f"{label}, (N, T, K, L) = {shape}", lambda: _candidate_error(config, dtype, tf32, device, *shape),
+               failed, out)
         if on_gpu:
             torch.cuda.empty_cache()
     return failed
@@ -264,21 +264,15 @@ def check_compiled(device, out=sys.stdout):
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
         x, g = (torch.randn(3, 17, 64, device=device).to(dtype) for _ in range(2))
-        try:
+
+        def error():
             results = []
             for m in (eager, compiled):
                 xk = x.clone().requires_grad_(True)
                 m(xk).backward(g)
                 results.append([xk.grad] + [p.grad for p in m.parameters()] + list(m.buffers()))
-            error = max(_rel_error(a, b) for a, b in zip(results[1], results[0]))
-            tol = TOL[dtype]
-            ok, detail = error <= tol, f"max relative error {error:.1e} (tolerance {tol:.0e})"
-        except Exception as e:  # a crash is a failed check, reported with its case
-            ok, detail = False, f"{type(e).__name__}: {str(e)[:500]}"
-        label = f"torch.compile fused layers vs eager, {str(dtype).replace('torch.', '')}"
-        print(f"{'ok  ' if ok else 'FAIL'} {label}: {detail}", file=out)
-        if not ok:
-            failed.append(label)
+            return max(_rel_error(a, b) for a, b in zip(results[1], results[0])), TOL[dtype]
+        _check(f"torch.compile fused layers vs eager, {str(dtype).replace('torch.', '')}", error, failed, out)
     return failed
 
 
