@@ -220,3 +220,23 @@ def test_lightning_and_accelerate_keep_another_runs_log_and_accelerate_resumes(t
     gns.close()
     assert list(load_csv(str(out_dir))["step"]) == [0]
     assert list(pd.read_csv(out_dir / "log_after_step_1.csv")["step"]) == [1]
+
+
+def test_lightning_resume_continues_the_log_and_the_running_gns(tmp_path):
+    """A Lightning run checkpointed every 2 steps, resumed from its step-2 checkpoint after step 4: its log holds
+    steps 0-3 once, rows 2-3 of the first run set aside, and the running GNS of the resumed steps continues the
+    one before the checkpoint (the last logged gns is gns-analysis's EMA over all four rows; without the replay
+    it would start afresh at step 2)."""
+    lightning_example = integrations_worker.example("lightning_gpt")
+    flags = ["--steps=4", "--batch_size=2", "--dtype=float64", "--save_steps=2", f"--out_dir={tmp_path}"]
+    lightning_example.main(flags)
+    first = load_csv(str(tmp_path))
+    lightning_example.main([*flags, f"--ckpt_path={tmp_path / 'checkpoints' / 'step=2.ckpt'}"])
+    resumed = load_csv(str(tmp_path))
+    assert list(resumed["step"]) == [0, 1, 2, 3]
+    pd.testing.assert_frame_equal(resumed.iloc[:2], first.iloc[:2])
+    assert list(pd.read_csv(tmp_path / "log_after_step_2.csv")["step"]) == [2, 3]
+    from gns_analysis import analyze_gns
+
+    results = analyze_gns(str(tmp_path), alpha=0.95)
+    assert resumed["gns"].iloc[-1] == pytest.approx(results["gns"].iloc[-1], rel=1e-9)
