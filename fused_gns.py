@@ -76,6 +76,7 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # a norm row is held in registers by one program, as in Triton's layer-norm tutorial; past 8192 features the
 # backward kernel spills (bench/compile_gate.py), so wider rows are refused
 MAX_NORM_FEATURES = 8192
+NORM_RAGGED_MAX = 4096  # a ragged norm width up to this is masked in the kernels, unpadded (_norm_rows)
 _warned_reasons = set()
 
 
@@ -180,6 +181,16 @@ def _linear_grad_rows(g, width):
     if not ragged_width(width):
         return _kernel_rows(g, width)
     return _aligned(g.reshape(-1, width).contiguous()), width
+
+
+def _norm_rows(t, width):
+    """(rows, stride) of a norm's input or output gradient: a ragged width (not a multiple of 16) of 16 to
+    NORM_RAGGED_MAX features is left unpadded, rows `width` apart, and the norm kernels mask it (the compile gate
+    compiles that unaligned-STRIDE specialisation too); fewer features are zero-padded to 16 (Triton would
+    specialise 1), and more too (unaligned, the 8192-wide backward spills at 16 warps)."""
+    if width % 16 == 0 or not 16 <= width <= NORM_RAGGED_MAX:
+        return _kernel_rows(t, width)
+    return _aligned(t.reshape(-1, width).contiguous()), width
 
 
 def _kernel_rows(t, width):
@@ -380,7 +391,7 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
         raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
                            f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
                            f"use lnclass='gns' for it")
-    x2, stride = _kernel_rows(x, D)  # (N * T, D) rows, stride apart
+    x2, stride = _norm_rows(x, D)  # (N * T, D) rows, stride apart
     y, mean, rstd = torch.ops.nanogns.norm_fwd(x2, weight, bias, eps, is_rms)
     ctx.save_for_backward(x2, weight, mean, rstd)
     ctx.N, ctx.D, ctx.is_rms, ctx.has_bias = x.shape[0], D, is_rms, bias is not None
@@ -390,7 +401,7 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
 def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
-    g, _ = _kernel_rows(grad_out, ctx.D)
+    g, _ = _norm_rows(grad_out, ctx.D)
     dx, dw, db = torch.ops.nanogns.norm_bwd(x2, g, weight, mean, rstd, ctx.N, ctx.is_rms, ctx.has_bias,
                                             weight_buffer, bias_buffer)
     return dx[:, :ctx.D].view(grad_out.shape), dw, db if ctx.has_bias else None

@@ -11,7 +11,10 @@ shared memory over the target's per-block limit.
 "Every launch configuration" is what the glue's pure functions can return:
   _ln_fwd, _ln_bwd_dx_pesq   fp32 / fp16 / bf16 x (LayerNorm, LayerNorm without
                              bias, RMSNorm) x every (BLOCK_D, num_warps) of
-                             norm_launch_config(D) for D = 1 .. MAX_NORM_FEATURES
+                             norm_launch_config(D) for D = 1 .. MAX_NORM_FEATURES,
+                             each with the row stride a multiple of 16 and, up
+                             to NORM_RAGGED_MAX, not: the glue masks a ragged D
+                             (16 to 4096 features) in the kernel
   _pe_sqnorm_finish          fp32 / fp16 / bf16 gradients x every BLOCK_W of
                              finish_block_w, parameter a as vectors or squares
   _linear_bwd_dw_pesq        fp32 with ieee and with tf32 dots, fp16, bf16 x
@@ -19,10 +22,11 @@ shared memory over the target's per-block limit.
                              for the target's capability, each with L (the
                              output width) a multiple of 16 and not: the glue
                              masks a ragged L (a 50257 vocabulary) in the kernel
-each compiled with the one specialisation the glue ever launches: Triton's
+each compiled with the specialisation the glue launches: Triton's
 divisible-by-16 hint on the pointers and on every integer argument a kernel
 does not list in do_not_specialize (row strides and padded widths, which the
-glue keeps multiples of 16; tests/test_compile_gate.py checks that it does).
+glue keeps multiples of 16 except the ragged L and D above, compiled without
+the hint; tests/test_compile_gate.py checks that it does).
 Registers, spills and stack come from ptxas's own -v report for the cubin
 Triton builds; shared memory from Triton's metadata, against the target's
 per-block limit (fused_gns.shared_memory_limit). Triton must not be in
@@ -124,8 +128,9 @@ def all_jobs(archs):
                 yield Job("_pe_sqnorm_finish", name, flags, FINISH_WARPS, 0, arch)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))
-                for kernel in ("_ln_fwd", "_ln_bwd_dx_pesq"):
-                    yield Job(kernel, name, flags, num_warps, 0, arch)
+                ragged = ((), ("STRIDE",)) if block_d <= fused_gns.NORM_RAGGED_MAX else ((),)  # wider: padded
+                for kernel, unaligned in itertools.product(("_ln_fwd", "_ln_bwd_dx_pesq"), ragged):
+                    yield Job(kernel, name, flags, num_warps, 0, arch, unaligned)  # D a multiple of 16, and ragged
 
 
 def compile_job(job):
@@ -180,11 +185,13 @@ def run_gate(archs=(80, 90), jobs=None, verbose=False, out=sys.stdout):
         raise RuntimeError("compile_gate: Triton's interpreter is active (TRITON_INTERPRET=1 when triton was "
                            "imported); run `python bench/compile_gate.py`, which compiles for GPU targets")
     # a fresh cache: every kernel really goes through ptxas (whose report we read), none comes from an old run
-    os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir = tempfile.mkdtemp(prefix="compile_gate_")
+    # (removed afterwards: a few MB of cubins per run)
+    cache = tempfile.TemporaryDirectory(prefix="compile_gate_")
+    os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir = cache.name
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
     todo = sorted(set(all_jobs(archs)), key=lambda j: (j.kernel != "_linear_bwd_dw_pesq", -j.num_warps))  # slow first
     start = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
+    with cache, ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
         results = list(pool.map(compile_job, todo, chunksize=1))
     failures = []
     for job, result in results:

@@ -27,20 +27,20 @@ tensor of per-example partials exists; normgnorm/finish.py then sums the chunks
 of each example (N * chunks * D numbers), squares, sums over examples for dw and
 db, and updates the buffers, in one more launch.
 
-Rows are STRIDE apart, the width padded to a multiple of 16: a ragged width (not
-a multiple of 16, rare for norms) costs a padded copy of x and of dL/dy; the
-Linear kernel masks its ragged output width instead (a second specialisation
-the compile gate compiles), which the norm kernels could do the same way.
+Rows are STRIDE apart. A width that is a multiple of 16 gives STRIDE = D, which
+Triton knows is divisible by 16 (16-byte accesses); a ragged width from 16 on is
+not padded either: STRIDE = D again, masked, in a second specialisation that the
+compile gate compiles too; below 16 features the glue zero-pads rows to 16.
 """
 
 import triton
 import triton.language as tl
 
 
-# Rows are STRIDE apart, STRIDE a multiple of 16 (the glue zero-pads rows when D is not): rows are loaded and
-# stored whole, masked by STRIDE, which Triton knows is divisible by 16 and so turns into 16-byte accesses;
-# the maths masks by D. Only pointers and STRIDE are specialised: one compiled kernel per launch
-# configuration, the one bench/compile_gate.py compiles.
+# Rows are STRIDE apart, STRIDE >= D: either a multiple of 16 (rows loaded and stored whole, masked by STRIDE,
+# which Triton knows is divisible by 16 and so turns into 16-byte accesses) or a ragged D itself (the same code,
+# compiled without that hint); the maths masks by D. Only pointers and STRIDE are specialised: two compiled
+# kernels per launch configuration, both of which bench/compile_gate.py compiles.
 @triton.jit(do_not_specialize=["D"])
 def _ln_fwd(
     X,  # pointer to the input, (M, D) rows STRIDE apart
@@ -50,7 +50,7 @@ def _ln_fwd(
     MEAN,  # pointer to the saved row means, (M,) fp32 (unused for RMSNorm)
     RSTD,  # pointer to the saved row 1/std, (M,) fp32
     D,  # number of features per row
-    STRIDE,  # elements between rows, a multiple of 16, >= D
+    STRIDE,  # elements between rows, >= D: a multiple of 16, or D
     eps,  # added to the variance
     IS_RMS: tl.constexpr,  # RMSNorm: no mean subtraction, no bias
     HAS_BIAS: tl.constexpr,
@@ -58,7 +58,7 @@ def _ln_fwd(
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    in_row = cols < STRIDE  # the whole (zero-padded) row
+    in_row = cols < STRIDE  # the whole row (zero-padded to STRIDE when it is)
     mask = cols < D  # the layer's features
     # load one row, compute its statistics in fp32 (padding columns are zeros)
     x = tl.load(X + row * STRIDE + cols, mask=in_row, other=0.0).to(tl.float32)
@@ -91,7 +91,7 @@ def _ln_bwd_dx_pesq(
     DB_PART,  # pointer to per-(example, chunk) bias-grad partials, like DW_PART (unused unless HAS_BIAS)
     T,  # rows per example
     D,  # features per row
-    STRIDE,  # elements between rows, a multiple of 16, >= D
+    STRIDE,  # elements between rows, >= D: a multiple of 16, or D
     ROWS_PER_CHUNK,  # rows of one example handled by one program
     IS_RMS: tl.constexpr,  # RMSNorm: no mean, c2 = 0
     HAS_BIAS: tl.constexpr,
@@ -100,7 +100,7 @@ def _ln_bwd_dx_pesq(
     example = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)  # grid axis 1: chunks of one example's rows
     cols = tl.arange(0, BLOCK_D)
-    in_row = cols < STRIDE  # the whole (zero-padded) row
+    in_row = cols < STRIDE  # the whole row (zero-padded to STRIDE when it is)
     mask = cols < D  # the layer's features
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw_i = tl.zeros((BLOCK_D,), dtype=tl.float32)

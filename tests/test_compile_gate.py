@@ -47,8 +47,10 @@ def test_gate_covers_every_configuration_the_glue_returns():
         capability = divmod(arch, 10)
         for D in range(1, fused_gns.MAX_NORM_FEATURES + 1, 37):
             block_d, num_warps = fused_gns.norm_launch_config(D)
+            unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_gns.NORM_RAGGED_MAX else ()  # as _norm_rows
             assert block_d >= D and any(j.kernel == "_ln_bwd_dx_pesq" and j.arch == arch and j.num_warps == num_warps
-                                        and dict(j.constexprs)["BLOCK_D"] == block_d for j in jobs)
+                                        and dict(j.constexprs)["BLOCK_D"] == block_d and j.unaligned == unaligned
+                                        for j in jobs)
         for W in [0, 1, 40, 768, 2304, 50257, 10**6]:
             assert fused_gns.finish_block_w(W) in compile_gate.FINISH_BLOCK_WS
         assert fused_gns.FINISH_WARPS == compile_gate.FINISH_WARPS
@@ -72,11 +74,17 @@ def test_gate_covers_every_configuration_the_glue_returns():
                             fused_gns.shared_memory_limit(capability)
 
 
+# (kernel, argument) pairs the glue may pass ragged (not a multiple of 16): the Linear's output width, the norms' row
+# stride (a ragged feature count from 16 on, unpadded)
+RAGGED = {("_linear_bwd_dw_pesq", "L"), ("_ln_fwd", "STRIDE"), ("_ln_bwd_dx_pesq", "STRIDE")}
+
+
 @pytest.mark.skipif(not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
-@pytest.mark.parametrize("features", [40, 48, 1000])
+@pytest.mark.parametrize("features", [40, 48, 1000, 4100])
 def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
-    """Odd widths and unaligned views: every argument Triton specialises is a 16-byte aligned tensor or a
-    multiple of 16, so the kernel that runs is the one the gate compiled."""
+    """Odd widths and unaligned views: every argument Triton specialises is a 16-byte aligned tensor and a
+    multiple of 16, or a ragged width the gate compiles unaligned too, so the kernel that runs is one the gate
+    compiled; a ragged norm width's rows go to the kernels unpadded (no copy)."""
     import normgnorm.layernorm
     import normgnorm.linear
     import normgnorm.finish
@@ -97,15 +105,20 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     linear(norm(x)).sum().backward()
     assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq",
                                                            "_pe_sqnorm_finish"}
+    ragged_launches = []  # kernels given a ragged width unpadded (the norms' rows, the Linear's 24 outputs)
     for kernel, args in launches:
         for name in compile_gate.specialised_args(kernel):
             value = args[name]
             if isinstance(value, torch.Tensor):
                 assert value.data_ptr() % 16 == 0, f"{kernel.__name__}: {name} not 16-byte aligned"
-            elif isinstance(value, int) and not (kernel.__name__ == "_linear_bwd_dw_pesq" and name == "L"):
+            elif isinstance(value, int) and (kernel.__name__, name) not in RAGGED:
                 assert value % 16 == 0, f"{kernel.__name__}: {name} = {value} not a multiple of 16"
-            elif isinstance(value, int):  # a ragged output width is masked in the kernel; the gate compiles both
-                assert value >= 16 and any(j.unaligned == ("L",) for j in compile_gate.all_jobs((90,)))
+            elif isinstance(value, int) and value % 16:  # a ragged width is masked in the kernel; the gate compiles both
+                assert value >= 16 and any(j.kernel == kernel.__name__ and j.unaligned == (name,)
+                                           for j in compile_gate.all_jobs((90,)))
+                ragged_launches.append(kernel.__name__)
+    norms_unpadded = features % 16 and features <= fused_gns.NORM_RAGGED_MAX
+    assert bool(norms_unpadded) == ({"_ln_fwd", "_ln_bwd_dx_pesq"} <= set(ragged_launches)), ragged_launches
     # and the numbers are still right: the zero padding added nothing
     reference = PEGradNormLinear(features, 24)
     reference.load_state_dict(linear.state_dict())

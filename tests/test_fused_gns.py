@@ -173,6 +173,16 @@ def test_norm_wide(kind, D, dtype, shape, captured):
     check_against_oracle(fused, ref, x, g, dtype, captured)
 
 
+@pytest.mark.parametrize("D", [7, 4100])
+@pytest.mark.parametrize("kind", NORM_KINDS)
+def test_norm_widths_the_glue_pads(kind, D, captured):
+    """Ragged widths the kernels get zero-padded (below 16, above NORM_RAGGED_MAX) beside the unpadded ones above."""
+    torch.manual_seed(3)
+    fused, ref = make_norm(kind, D, torch.float32)
+    x, g = inputs((3, 5), D, torch.float32)
+    check_against_oracle(fused, ref, x, g, torch.float32, captured)
+
+
 @pytest.mark.parametrize("kind", NORM_KINDS)
 def test_norm_split_rows_and_accumulation(kind, captured, monkeypatch):
     """Several programs per example (as on a GPU), and two backward passes adding up."""
