@@ -29,8 +29,10 @@ db, and updates the buffers, in one more launch.
 
 Rows are STRIDE apart. A width that is a multiple of 16 gives STRIDE = D, which
 Triton knows is divisible by 16 (16-byte accesses); a ragged width from 16 on is
-not padded either: STRIDE = D again, masked, in a second specialisation that the
-compile gate compiles too; below 16 features the glue zero-pads rows to 16.
+not padded either up to 4096 features: STRIDE = D again, masked, in a second
+specialisation that the compile gate compiles too. Below 16 features, and for a
+ragged width above 4096 (its unaligned backward spills), the glue zero-pads rows
+to a multiple of 16.
 """
 
 import triton
