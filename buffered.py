@@ -47,6 +47,9 @@ except ImportError:  # a torch built without distributed
 
 BUFFER_SUFFIX = "_upegsqnorm"
 refused = {}  # {buffer's data_ptr: why its step was refused (rows not mapped to examples)}, cleared with the buffers
+# why tensor-parallel layers are refused, wherever that is found (a sharded parameter in a forward, sharded buffers)
+TENSOR_PARALLEL = ("each rank would record the norms of its shard of the examples' gradients, which the monitor "
+                   "does not combine; measure with data parallelism only (DDP, FSDP2, HSDP)")
 
 
 # -----------------------------------------------------------------------------
@@ -133,10 +136,9 @@ class PESqNormBuffersMixin:
 def rows_or_refuse(shape, buffers, params=()):
     """(Rows of an input of `shape`, buffers), or (None, Nones) after refusing the step when they cannot be
     mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism."""
-    if any(_is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
-        refuse_step("its parameters are sharded by tensor parallelism (a DTensor in the forward): each rank would "
-                    "record the norms of its shard of the examples' gradients, which the monitor does not combine; "
-                    "measure with data parallelism only (DDP, FSDP2, HSDP)", buffers)
+    if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
+        refuse_step(f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}",
+                    buffers)
         return None, tuple(None for _ in buffers)
     rows = layout.rows_for(shape)
     if isinstance(rows, str):
@@ -164,7 +166,7 @@ def refused_addresses(buffer):
     return [address for address in refused if start <= address < end]
 
 
-def _is_dtensor(t):
+def is_dtensor(t):
     return DTensor is not None and isinstance(t, DTensor)
 
 

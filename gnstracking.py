@@ -38,14 +38,9 @@ import torch
 import torch.nn as nn
 
 import layout
-from buffered import BUFFER_SUFFIX, refused, refused_addresses
+from buffered import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor, refused, refused_addresses
 from estimator import RunningGNS
 from tied import link_tied_parameters
-
-try:
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed
-    DTensor = Shard = None
 
 PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv: what each tracked parameter is (describe_tracked)
 APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
@@ -243,10 +238,6 @@ def read_parameter_record(out_dir):
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters
 
-def _is_dtensor(t):
-    return DTensor is not None and isinstance(t, DTensor)
-
-
 def _world_size():
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -256,7 +247,7 @@ def grad_piece(grad):
     """(this rank's part of a gradient, how many ranks hold that same part): a plain gradient is whole on every
     rank (DDP averaged it); a DTensor's local shard is its part, repeated over the mesh dims it is Replicate on
     (HSDP's replicas). Partial placements (sums not yet reduced) are refused."""
-    if not _is_dtensor(grad):
+    if not is_dtensor(grad):
         return grad, None
     return grad._local_tensor, _copies(grad.device_mesh, grad.placements)  # the attribute: no op per parameter
 
@@ -302,10 +293,9 @@ class BufferTable:
     def build(self):
         entries = [(m, n, b) for m in _unique_modules(self.model) for n, b in m._buffers.items()
                    if b is not None and n.endswith(BUFFER_SUFFIX)]
-        if any(_is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
+        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
             raise ValueError("GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
-                             "each rank would record the norms of its shard of the examples' gradients, which the "
-                             "monitor does not combine; measure with data parallelism only (DDP, FSDP2, HSDP)")
+                             + TENSOR_PARALLEL)
         sizes = {}
         for _, _, b in entries:
             sizes[b.device] = sizes.get(b.device, 0) + b.numel()
@@ -524,8 +514,13 @@ class GNSMonitor:
         self.measurements = []  # the last step's exact Measurements (e.g. for a GNS over some of the parameters)
         self.approx_measurements = []  # and its SOGNS ones
         self.step_count = self.scaler_skipped_steps = self.nonfinite_steps = 0
-        out_dir = out_dir if out_dir is not None else getattr(log, "out_dir", None)
-        self.record_path = write_parameter_record(out_dir, self.describe()) if out_dir else None
+        self.record_path = None
+        self.write_record(out_dir if out_dir is not None else getattr(log, "out_dir", None))
+
+    def write_record(self, out_dir):
+        """Write out_dir/PARAMETERS_JSON, what each tracked parameter is (nothing when out_dir is None)."""
+        if out_dir:
+            self.record_path = write_parameter_record(out_dir, self.describe())
 
     def _warn_once(self, reasons):
         """Warn about each parameter once per model, however many monitors are made of it."""
