@@ -32,9 +32,10 @@ from csv_tools import load_csv
 from tracker import HEADER_TMP, LOG_CSV, LogWrapper
 
 
-def _monitor(model, log, ema_decay, scaler=None, out_dir=None, convert_options=None):
-    """The model's GNSMonitor: its layers converted first unless some already record per-example norms."""
-    options = dict(log=log, ema_decay=ema_decay, scaler=scaler, out_dir=out_dir)
+def _monitor(model, ema_decay, scaler, convert_options):
+    """The model's GNSMonitor, without a log yet (_open_log gives it one): its layers converted first unless some
+    already record per-example norms."""
+    options = dict(ema_decay=ema_decay, scaler=scaler)
     if any(name.endswith(BUFFER_SUFFIX) for name, _ in model.named_buffers()):
         if convert_options:
             raise ValueError(f"GNS: the model's layers are converted already; convert options {convert_options} "
@@ -56,12 +57,14 @@ def _open_log(out_dir, main_process, monitor, resume_step):
                          "new run would replace it: give this run's GNS log another out_dir, move the old log away, "
                          "or resume that run from its checkpoint to continue its log")
     log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
-    monitor.record_path = gnstracking.write_parameter_record(out_dir, monitor.describe())
+    monitor.write_record(out_dir)
     if resume_step > 0 and existing:
         try:
-            monitor.replay(load_csv(out_dir))
+            kept = load_csv(out_dir)
         except ValueError:  # no row was written before the checkpoint
-            pass
+            kept = None
+        if kept is not None:
+            monitor.replay(kept)
     monitor.log = log
     return log
 
@@ -103,7 +106,7 @@ class TrainerGNSCallback(TrainerCallback):
         self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
         self.log = None  # opened at on_train_begin, when Trainer knows whether it resumes
         scaler = getattr(trainer.accelerator, "scaler", None)
-        self.monitor = _monitor(trainer.model, None, ema_decay, scaler, convert_options=convert_options)
+        self.monitor = _monitor(trainer.model, ema_decay, scaler, convert_options)
         self.measured = False  # this optimizer step has been read
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -186,7 +189,7 @@ class LightningGNSCallback(LightningCallback):
         if stage != "fit" or self.monitor is not None:
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.monitor = _monitor(pl_module, None, self.ema_decay, scaler, convert_options=self.convert_options)
+        self.monitor = _monitor(pl_module, self.ema_decay, scaler, self.convert_options)
         for child in pl_module.children():
             if any(True for _ in child.parameters()):
                 layout.install(child)
@@ -237,8 +240,7 @@ class AccelerateGNS:
 
     def __init__(self, accelerator, model, out_dir="out-accelerate", ema_decay=0.95, resume_step=0, **convert_options):
         self.accelerator = accelerator
-        self.monitor = _monitor(accelerator.unwrap_model(model), None, ema_decay, accelerator.scaler,
-                                convert_options=convert_options)
+        self.monitor = _monitor(accelerator.unwrap_model(model), ema_decay, accelerator.scaler, convert_options)
         self.log = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
         self.steps = resume_step
 
