@@ -180,12 +180,9 @@ class FullyShardedDataParallel(DataParallel):
 
 
 def start(device, backend, fsdp):
-    """The engine of this process: under torchrun (RANK set) DDP, or FSDP2 with fsdp; else one process."""
-    under_torchrun = int(os.environ.get('RANK', -1)) != -1
-    if fsdp and not under_torchrun:
-        raise SystemExit("train.py: fsdp=True shards the model over the processes of torchrun: "
-                         "torchrun --standalone --nproc_per_node=N train.py ... --fsdp=True")
-    if not under_torchrun:
+    """The engine of this process: under torchrun (RANK set) DDP, or FSDP2 with fsdp; else one process (train.py
+    has refused fsdp without torchrun before this)."""
+    if int(os.environ.get('RANK', -1)) == -1:
         return OneProcess(device)
     return FullyShardedDataParallel(device, backend) if fsdp else DataParallel(device, backend)
 
