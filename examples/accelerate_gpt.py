@@ -9,7 +9,6 @@ Shakespeare windows of random lengths).
     python gns-analysis.py out-accelerate --no-plots
 """
 
-import argparse
 import os
 import sys
 
@@ -20,22 +19,14 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-from common import EMA_DECAY, build_model, padded_examples  # noqa: E402
+from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
 from integrations import AccelerateGNS, sequence_mean_loss  # noqa: E402
 
 BLOCK_SIZE = 32
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
-    parser.add_argument("--out_dir", default="out-accelerate", help="where log.csv goes (default: out-accelerate)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
-    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="clipping (default: 1.0)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
-    return parser.parse_args(argv)
+    return trainer_parser(__doc__, "out-accelerate").parse_args(argv)
 
 
 def train(args, watch=None):

@@ -1,5 +1,5 @@
 """
-What the examples share that is not the point of any of them: the command line
+What the examples share that is not the point of any of them: the command lines
 and a stream of Shakespeare character batches. Each example's model and
 training loop are written out in full in its own file, since they are what it
 shows.
@@ -22,6 +22,20 @@ def parse_args(doc, argv=None, name=None):
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
     parser.add_argument("--batch_size", type=int, default=8, help="examples (sequences) per step (default: 8)")
     return parser.parse_args(argv)
+
+
+def trainer_parser(doc, out_dir, out_dir_help="where log.csv goes", clip_help="clipping"):
+    """The trainers' examples' shared flags (hf_trainer.py, lightning_gpt.py, accelerate_gpt.py): --model, --out_dir,
+    --steps, --batch_size, --grad_accum, --max_grad_norm, --dtype; each adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
+    parser.add_argument("--out_dir", default=out_dir, help=f"{out_dir_help} (default: {out_dir})")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
+    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
+    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
+    parser.add_argument("--max_grad_norm", type=float, default=1.0, help=f"{clip_help} (default: 1.0)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
+    return parser
 
 
 def shakespeare_batches(block_size, batch_size, seed=0):

@@ -12,7 +12,6 @@ then weighs by its label tokens. --loss=sequences takes the mean over sequences 
 (DESIGN.md's per-example gradient) by overriding compute_loss.
 """
 
-import argparse
 import os
 import sys
 
@@ -22,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-from common import EMA_DECAY, build_model, padded_examples  # noqa: E402
+from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
 from integrations import TrainerGNSCallback, sequence_mean_loss  # noqa: E402
 
 BLOCK_SIZE = 32
@@ -41,16 +40,8 @@ class SequenceMeanTrainer(Trainer):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
-    parser.add_argument("--out_dir", default="out-hf-trainer", help="Trainer's output_dir, where log.csv goes "
-                        "(default: out-hf-trainer)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
-    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="clipping (default: 1.0)")
+    parser = trainer_parser(__doc__, "out-hf-trainer", out_dir_help="Trainer's output_dir, where log.csv goes")
     parser.add_argument("--loss", default="tokens", choices=["tokens", "sequences"], help="default: tokens")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir, "
                         "and its GNS log with it")

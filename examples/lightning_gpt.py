@@ -10,7 +10,6 @@ windows of random lengths).
     python gns-analysis.py out-lightning --no-plots
 """
 
-import argparse
 import os
 import sys
 
@@ -23,7 +22,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-from common import EMA_DECAY, build_model, padded_examples  # noqa: E402
+from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
 from integrations import LightningGNSCallback, sequence_mean_loss  # noqa: E402
 
 BLOCK_SIZE = 32
@@ -45,14 +44,7 @@ class CausalLM(L.LightningModule):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama", choices=["llama", "gpt2"], help="default: llama")
-    parser.add_argument("--out_dir", default="out-lightning", help="where log.csv goes (default: out-lightning)")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
-    parser.add_argument("--batch_size", type=int, default=4, help="examples per micro-batch per rank (default: 4)")
-    parser.add_argument("--grad_accum", type=int, default=2, help="micro-batches per step (default: 2)")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient_clip_val (default: 1.0)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="default: float32")
+    parser = trainer_parser(__doc__, "out-lightning", clip_help="gradient_clip_val")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps into "
                         "OUT_DIR/checkpoints (default: 0, none)")
     parser.add_argument("--ckpt_path", default=None, help="resume from this checkpoint, and the GNS log with it")
