@@ -76,7 +76,7 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # a norm row is held in registers by one program, as in Triton's layer-norm tutorial; past 8192 features the
 # backward kernel spills (bench/compile_gate.py), so wider rows are refused
 MAX_NORM_FEATURES = 8192
-NORM_RAGGED_MAX = 4096  # a ragged norm width up to this is masked in the kernels, unpadded (_norm_rows)
+NORM_RAGGED_MAX = 4096  # a ragged norm width up to this is masked in the kernels, unpadded (_masked_rows)
 _warned_reasons = set()
 
 
@@ -173,22 +173,12 @@ def _aligned(t):
     return t.clone()
 
 
-def _linear_grad_rows(g, width):
-    """(rows, width as the kernel sees it) of the Linear's output gradient: from 16 outputs on, not padded even
-    when width is not a multiple of 16 (a 50257 vocabulary: no 1.2 GB copy per step); the kernel masks the last
-    tile and the compile gate compiles that (unaligned-L) specialisation too. Fewer outputs: zero-padded to 16
-    (Triton would specialise L == 1)."""
-    if not ragged_width(width):
-        return _kernel_rows(g, width)
-    return _aligned(g.reshape(-1, width).contiguous()), width
-
-
-def _norm_rows(t, width):
-    """(rows, stride) of a norm's input or output gradient: a ragged width (not a multiple of 16) of 16 to
-    NORM_RAGGED_MAX features is left unpadded, rows `width` apart, and the norm kernels mask it (the compile gate
-    compiles that unaligned-STRIDE specialisation too); fewer features are zero-padded to 16 (Triton would
-    specialise 1), and more too (unaligned, the 8192-wide backward spills at 16 warps)."""
-    if width % 16 == 0 or not 16 <= width <= NORM_RAGGED_MAX:
+def _masked_rows(t, width, widest):
+    """(rows, stride) of t as (M, width) rows for a kernel that masks a ragged width (not a multiple of 16): from 16
+    to `widest` such a width goes unpadded, rows `width` apart (a 50257 vocabulary: no 1.2 GB copy per step), in the
+    unaligned specialisation the compile gate compiles too. Otherwise _kernel_rows' zero-padded rows: below 16
+    Triton would specialise a width of 1; above `widest` the unaligned kernel spills."""
+    if width % 16 == 0 or not 16 <= width <= widest:
         return _kernel_rows(t, width)
     return _aligned(t.reshape(-1, width).contiguous()), width
 
@@ -391,7 +381,7 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
         raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
                            f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
                            f"use lnclass='gns' for it")
-    x2, stride = _norm_rows(x, D)  # (N * T, D) rows, stride apart
+    x2, stride = _masked_rows(x, D, NORM_RAGGED_MAX)  # (N * T, D) rows, stride apart
     y, mean, rstd = torch.ops.nanogns.norm_fwd(x2, weight, bias, eps, is_rms)
     ctx.save_for_backward(x2, weight, mean, rstd)
     ctx.N, ctx.D, ctx.is_rms, ctx.has_bias = x.shape[0], D, is_rms, bias is not None
@@ -401,7 +391,7 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
 def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
-    g, _ = _norm_rows(grad_out, ctx.D)
+    g, _ = _masked_rows(grad_out, ctx.D, NORM_RAGGED_MAX)
     dx, dw, db = torch.ops.nanogns.norm_bwd(x2, g, weight, mean, rstd, ctx.N, ctx.is_rms, ctx.has_bias,
                                             weight_buffer, bias_buffer)
     return dx[:, :ctx.D].view(grad_out.shape), dw, db if ctx.has_bias else None
@@ -592,7 +582,7 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     L_pad, K_pad) fp32 partials) from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
-    gs, L_pad = _linear_grad_rows(grad_out.to(x.dtype), L)  # (N * T, L_pad), L_pad = L from 16 outputs on
+    gs, L_pad = _masked_rows(grad_out.to(x.dtype), L, float("inf"))  # (N * T, L_pad), L_pad = L from 16 outputs on
     T = xs.shape[0] // N if N else 0
     tiles = linear_tiles(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
@@ -708,13 +698,23 @@ def _linear_weight_grad(x, grad_out, choice=None, defer_sum=False):
     return _trimmed(dw, grad_out.shape[-1], x.shape[-1]), w_sq
 
 
+def _linear_finished(x, g, buffers, pe_db=None, choice=None):
+    """(dW as the kernel holds it, (L_pad, K_pad), or None when x is None (a frozen weight); db (L,) in g's dtype or
+    None without pe_db): dW and its per-tile squares by `choice` (default: _linear_choice), then one finishing
+    launch for the norms, the sum of a split dW, db and the buffers (weight's, bias's; None: not recorded)."""
+    N, L = g.shape[0], g.shape[-1]
+    grad_weight = w_sq = split = None
+    if x is not None:
+        grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, choice, defer_sum=True)
+        split = (dw_part, grad_weight) if dw_part is not None else None
+    _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, buffers, a_squares=True, split=split)
+    return grad_weight, grad_bias
+
+
 def linear_weight_grad_finished(x, g, choice):
     """What a fused Linear's backward runs for dW (returned, (L_pad, K_pad)) and its norms by `choice`, the
     finishing launch included but no buffer updated (the timed choice, bench/kernels.py)."""
-    dw, w_sq, dw_part = _linear_weight_grad(x, g, choice, defer_sum=True)
-    _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (None, None), a_squares=True,
-            split=(dw_part, dw) if dw_part is not None else None)
-    return dw
+    return _linear_finished(x, g, (None, None), choice=choice)[0]
 
 
 @_custom_op("nanogns::linear_dw_db", mutates_args=("weight_buffer", "bias_buffer"))
@@ -723,23 +723,15 @@ def _linear_dw_db_op(x: Optional[torch.Tensor], g: torch.Tensor, weight_buffer: 
     """(dW (L, K) in x's dtype, or (0,) when x is None (a frozen weight); db (L,) in g's dtype) for x (N, T, K),
     g (N, T, L): dW and its per-tile squares from _linear_weight_grad, the bias's per-example sums one
     reduction, then one finishing launch for the norms, db and both buffers."""
-    N, L = g.shape[0], g.shape[-1]
-    grad_weight = w_sq = split = None
-    if x is not None:
-        grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, defer_sum=True)
-        split = (dw_part, grad_weight) if dw_part is not None else None
     pe_db = bias_pe_grads(g)  # (N, L) fp32, rows L apart
-    _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, (weight_buffer, bias_buffer), a_squares=True,
-                           split=split)
-    return _trimmed(grad_weight, L, x.shape[-1]) if x is not None else g.new_empty(0), grad_bias
+    grad_weight, grad_bias = _linear_finished(x, g, (weight_buffer, bias_buffer), pe_db)
+    return _trimmed(grad_weight, g.shape[-1], x.shape[-1]) if x is not None else g.new_empty(0), grad_bias
 
 
 @_custom_op("nanogns::linear_dw", mutates_args=("weight_buffer",))
 def _linear_dw_op(x: torch.Tensor, g: torch.Tensor, weight_buffer: Optional[torch.Tensor]) -> torch.Tensor:
     """dW (L, K) in x's dtype of a Linear without a bias to differentiate (as linear_dw_db)."""
-    grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, defer_sum=True)
-    _finish(w_sq, None, g.shape[0], 1, g.shape[-1], g.shape[-1], g.dtype, g.device, (weight_buffer, None),
-            a_squares=True, split=(dw_part, grad_weight) if dw_part is not None else None)
+    grad_weight, _ = _linear_finished(x, g, (weight_buffer, None))
     return _trimmed(grad_weight, g.shape[-1], x.shape[-1])
 
 

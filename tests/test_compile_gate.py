@@ -47,7 +47,7 @@ def test_gate_covers_every_configuration_the_glue_returns():
         capability = divmod(arch, 10)
         for D in range(1, fused_gns.MAX_NORM_FEATURES + 1, 37):
             block_d, num_warps = fused_gns.norm_launch_config(D)
-            unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_gns.NORM_RAGGED_MAX else ()  # as _norm_rows
+            unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_gns.NORM_RAGGED_MAX else ()  # as _masked_rows
             assert block_d >= D and any(j.kernel == "_ln_bwd_dx_pesq" and j.arch == arch and j.num_warps == num_warps
                                         and dict(j.constexprs)["BLOCK_D"] == block_d and j.unaligned == unaligned
                                         for j in jobs)
