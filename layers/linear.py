@@ -192,10 +192,10 @@ def record_linear_norms(x, rows, weight_buffer, bias_buffer):
 # -----------------------------------------------------------------------------
 # gns: parameter gradients and norms from the same per-example work
 
-def linear_backward(ctx, grad_out, weight_grad_fn=linear_weight_grad_and_pe_sqnorm):
+def linear_backward(ctx, grad_out):
     """Backward of a Linear Function whose forward saved (x or None, weight or None), ctx.rows and ctx.buffers:
     the gradients autograd asks for (ctx.needs_input_grad; a frozen weight or bias gets no gradient and no
-    norms), the weight's from weight_grad_fn(x per example, g per example) -> (dW, per-example squared norms)."""
+    norms), the weight's and its per-example squared norms from linear_weight_grad_and_pe_sqnorm."""
     x, weight = ctx.saved_tensors
     weight_buffer, bias_buffer = ctx.buffers
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
@@ -210,7 +210,7 @@ def linear_backward(ctx, grad_out, weight_grad_fn=linear_weight_grad_and_pe_sqno
         return grad_x, grad_weight, grad_bias, None, None, None
     gs = ctx.rows.per_example(grad_out) if needs_weight or needs_bias else None  # (N, T, L)
     if needs_weight:
-        grad_weight, weight_sq = weight_grad_fn(ctx.rows.per_example(x), gs)
+        grad_weight, weight_sq = linear_weight_grad_and_pe_sqnorm(ctx.rows.per_example(x), gs)
         accumulate_pe_sqnorm(weight_buffer, weight_sq, ctx.rows.counted)
     if needs_bias:
         pe_grad_bias = bias_pe_grads(gs)  # (N, L)

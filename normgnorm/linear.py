@@ -30,8 +30,9 @@ import triton.language as tl
 # K is padded: the glue zero-pads input rows to a multiple of 16 features (Triton's divisibility hint, so
 # loads are 16-byte asynchronous copies the software pipeline can prefetch; zero columns add nothing). L is
 # padded below 16 only: a ragged L (a 50257 vocabulary) is masked here rather than copied into a padded
-# buffer every step, a second specialisation the compile gate also compiles. N, T and the chunk size are not specialised: one compiled kernel per launch configuration, the
-# one bench/compile_gate.py compiles.
+# buffer every step, a second specialisation the compile gate also compiles. N, T and the chunk size are not
+# specialised: one compiled kernel per launch configuration (and L alignment), the ones bench/compile_gate.py
+# compiles.
 @triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK"])
 def _linear_bwd_dw_pesq(
     X,  # pointer to the layer input, (N * T, K) rows, contiguous, zero-padded to K columns
