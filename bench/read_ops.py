@@ -28,6 +28,8 @@ CHOICES = {"nn": ("nn", "nn", "nn"), "LayerNorm-only gns": ("nn", "nn", "gns"), 
 
 
 class OpCounter(TorchDispatchMode):
+    """Ops dispatched while active, by name (tests/scripts/monitor_worker.py counts a step's read with it too)."""
+
     def __init__(self):
         super().__init__()
         self.ops = collections.Counter()

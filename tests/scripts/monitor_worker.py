@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
 import gnstracking  # noqa: E402
 import layer_config as lc  # noqa: E402
+from read_ops import OpCounter  # noqa: E402  (bench/read_ops.py: ops by name)
 
 GLOBAL_BATCH, MICRO_BATCH, BLOCK, VOCAB = 8, 2, 12, 29
 
@@ -67,15 +68,7 @@ def step_ops(monitor, batch_size):
     counter = OpCounter()
     with counter:
         monitor.step(batch_size=batch_size)
-    return counter.count
-
-
-class OpCounter(TorchDispatchMode):
-    count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+    return sum(counter.ops.values())
 
 
 def shares(rank, world, engine):
