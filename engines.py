@@ -16,6 +16,8 @@ import gc
 import inspect
 import os
 import random
+import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -100,6 +102,7 @@ class DataParallel(OneProcess):
         dist.init_process_group(backend=backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ['LOCAL_RANK'])
+        self.holder = None  # a weak reference to the wrapped or sharded model, checked at close()
         self.device = f'cuda:{self.local_rank}' if device.startswith('cuda') else device
         if self.device.startswith('cuda'):
             torch.cuda.set_device(self.device)
@@ -111,7 +114,9 @@ class DataParallel(OneProcess):
         device_ids = [self.local_rank] if self.device.startswith('cuda') else None
         no_sync = ('forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(DDP.__init__).parameters
                    else 'broadcast_buffers')
-        return DDP(model, device_ids=device_ids, **{no_sync: False})
+        model = DDP(model, device_ids=device_ids, **{no_sync: False})
+        self.holder = weakref.ref(model)
+        return model
 
     def sync_gradients(self, model, sync):
         # what model.no_sync() toggles, without the context manager
@@ -131,8 +136,12 @@ class DataParallel(OneProcess):
         return found[0]
 
     def close(self):
-        # free DDP before its process group: left alive until exit, a gloo rank can abort at teardown
+        # the caller frees the model first: a DDP or FSDP2 module that outlives its process group until the
+        # interpreter exits can abort a gloo rank at teardown ("terminate called without an active exception")
         gc.collect()
+        if self.holder is not None and self.holder() is not None:
+            warnings.warn(f"{self.name}: the model is still referenced when its process group is destroyed; drop "
+                          "every reference to it (model, optimizer, GNS monitor, the last loss) before close()")
         dist.destroy_process_group()
 
 
@@ -149,6 +158,7 @@ class FullyShardedDataParallel(DataParallel):
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
+        self.holder = weakref.ref(model)
         return model
 
     def wrap(self, model):

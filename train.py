@@ -528,5 +528,6 @@ tracker.close()
 if gns is not None and master_process and (gns.scaler_skipped_steps or gns.nonfinite_steps):
     print(f"GNS: {gns.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
           f"{gns.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
-model = raw_model = ddp_grad_stats = None # gns: DDP freed before its process group (gloo can abort at teardown)
+# gns: whatever holds the model is freed before its process group (gloo can abort at teardown otherwise)
+model = raw_model = optimizer = gns = ddp_grad_stats = logits = loss = None
 engine.close()
