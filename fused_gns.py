@@ -459,9 +459,18 @@ LINEAR_CANDIDATES = {
              LinearConfig(64, 64, 32, 4, 3)),
     "ieee": (LinearConfig(128, 128, 16, 8, 2), LinearConfig(64, 64, 32, 4, 3)),
 }
-# With a ragged output width the output gradient's rows are not 16-byte aligned, its loads are not vectorised
-# and take more registers: these spill then (bench/compile_gate.py, sm_80 or sm_90), so they are not candidates
-RAGGED_L_SPILLS = {("16-bit", LinearConfig(128, 128, 64, 8, 3)), ("ieee", LinearConfig(64, 64, 32, 4, 3))}
+# With a ragged width (not a multiple of 16) given unmasked, the rows of the output gradient (L) or of the input
+# (K) are not 16-byte aligned, their loads are not vectorised and take more registers: these configurations then
+# spill (bench/compile_gate.py, sm_80 or sm_90), so they are not candidates
+_RAGGED_ONE_SPILLS = {("16-bit", LinearConfig(128, 128, 64, 8, 3)), ("ieee", LinearConfig(64, 64, 32, 4, 3))}
+RAGGED_SPILLS = {
+    ("L",): _RAGGED_ONE_SPILLS,
+    ("K",): _RAGGED_ONE_SPILLS,
+    ("L", "K"): _RAGGED_ONE_SPILLS | {("16-bit", LinearConfig(128, 128, 32, 8, 4)),
+                                      ("16-bit", LinearConfig(64, 64, 64, 4, 4)),
+                                      ("tf32", LinearConfig(128, 128, 32, 8, 3)),
+                                      ("ieee", LinearConfig(128, 128, 16, 8, 2))},
+}
 # largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
 _SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
                         (8, 9): 101376, (9, 0): 232448}
@@ -480,18 +489,28 @@ def linear_dot_precision(dtype, allow_tf32):
     return "tf32" if allow_tf32 else "ieee"
 
 
-def ragged_width(L):
-    """True when the kernel gets an output width L that is not a multiple of 16 (masked, not padded)."""
-    return L >= 16 and L % 16 != 0
+def _unspilled(precision, ragged):
+    """LINEAR_CANDIDATES of a dot flavour that compile without spills with the widths `ragged` masked."""
+    return [c for c in LINEAR_CANDIDATES[precision] if (precision, c) not in RAGGED_SPILLS.get(ragged, ())]
 
 
-def linear_candidates(dtype, capability, allow_tf32, ragged_l=False):
+def linear_ragged(L, K, dtype, allow_tf32):
+    """The Linear kernel's widths given to it unpadded, masked in the kernel: ("L",), ("K",), ("L", "K") or ().
+    A width is ragged when it is not a multiple of 16 (from 16 on: a 50257 vocabulary, no 1.2 GB padded copy per
+    step); below 16 it is zero-padded, as is a ragged K where both masked leave no spill-free candidate (fp32
+    with ieee dots)."""
+    ragged = tuple(name for name, width in (("L", L), ("K", K)) if width >= 16 and width % 16)
+    if ragged == ("L", "K") and not _unspilled(linear_dot_precision(dtype, allow_tf32), ragged):
+        return ("L",)
+    return ragged
+
+
+def linear_candidates(dtype, capability, allow_tf32, ragged=()):
     """The launch configurations the glue may time for `dtype` on a GPU of `capability` (major, minor):
-    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin;
-    for a ragged output width (ragged_width), without those that then spill (RAGGED_L_SPILLS)."""
+    LINEAR_CANDIDATES of its dot flavour whose pipeline buffers fit the GPU's shared memory with a 10% margin,
+    without those that spill with the widths `ragged` (linear_ragged) masked (RAGGED_SPILLS)."""
     limit = 0.9 * shared_memory_limit(capability)
-    precision = linear_dot_precision(dtype, allow_tf32)
-    candidates = [c for c in LINEAR_CANDIDATES[precision] if not (ragged_l and (precision, c) in RAGGED_L_SPILLS)]
+    candidates = _unspilled(linear_dot_precision(dtype, allow_tf32), tuple(ragged))
     return [c for c in candidates if c.shared_bytes(dtype.itemsize) <= limit] or [candidates[-1]]
 
 
@@ -505,7 +524,7 @@ def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, a
     largest-tile candidate whose tiles alone give every SM a program (chunks of examples fill the rest)."""
     if allow_gram and simultaneous_uses_gram(T, K, L, 4, "cuda"):  # torch strategies work in float32
         return "gram"
-    candidates = linear_candidates(dtype, capability, allow_tf32, ragged_width(L))
+    candidates = linear_candidates(dtype, capability, allow_tf32, linear_ragged(L, K, dtype, allow_tf32))
     return next((c for c in candidates if linear_tiles(L, K, c) >= sm_count), candidates[-1])
 
 
@@ -581,7 +600,10 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     or, when examples were split over programs, dW still to be formed as the sum of the third, the (chunks,
     L_pad, K_pad) fp32 partials) from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
-    xs, K_pad = _kernel_rows(x, K)  # (N * T, K_pad), zero columns past K
+    # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
+    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and matmul_allows_tf32())
+    ragged = linear_ragged(L, K, x.dtype, tf32)  # widths masked in the kernel; the others zero-padded to 16
+    xs, K_pad = _masked_rows(x, K, float("inf")) if "K" in ragged else _kernel_rows(x, K)  # (N * T, K_pad)
     gs, L_pad = _masked_rows(grad_out.to(x.dtype), L, float("inf"))  # (N * T, L_pad), L_pad = L from 16 outputs on
     T = xs.shape[0] // N if N else 0
     tiles = linear_tiles(L_pad, K_pad, config)
@@ -593,8 +615,6 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device) if chunks > 1 else \
         torch.empty(0, dtype=torch.float32, device=x.device)
     w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
-    # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
-    tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and matmul_allows_tf32())
     if launch:
         _launch(normgnorm.linear._linear_bwd_dw_pesq, (tiles, chunks), x.device,
             xs, gs, dw, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
@@ -675,7 +695,7 @@ def _linear_choice(x, grad_out):
     # the Gram trick's fp32 copies (2.5 GB for GPT-2's lm_head at B = 12) are not tried where they would take
     # more than half the free memory
     gram = ["gram"] if gram_extra_bytes(N, T, K, L) <= _free_bytes(x.device) // 2 else []
-    candidates = [*gram, "materialise", *linear_candidates(x.dtype, capability, tf32, ragged_width(L))]
+    candidates = [*gram, "materialise", *linear_candidates(x.dtype, capability, tf32, linear_ragged(L, K, x.dtype, tf32))]
     # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
     key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
     return _fastest(key, candidates, lambda c: linear_weight_grad_finished(x, grad_out, c))

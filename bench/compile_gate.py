@@ -20,12 +20,14 @@ shared memory over the target's per-block limit.
   _linear_bwd_dw_pesq        fp32 with ieee and with tf32 dots, fp16, bf16 x
                              every autotune candidate linear_candidates returns
                              for the target's capability, each with L (the
-                             output width) a multiple of 16 and not: the glue
-                             masks a ragged L (a 50257 vocabulary) in the kernel
+                             output width) and K (the input width) multiples of
+                             16 and not, as linear_ragged passes them: the glue
+                             masks a ragged L (a 50257 vocabulary) or K in the
+                             kernel
 each compiled with the specialisation the glue launches: Triton's
 divisible-by-16 hint on the pointers and on every integer argument a kernel
 does not list in do_not_specialize (row strides and padded widths, which the
-glue keeps multiples of 16 except the ragged L and D above, compiled without
+glue keeps multiples of 16 except the ragged L, K and D above, compiled without
 the hint; tests/test_compile_gate.py checks that it does).
 Registers, spills and stack come from ptxas's own -v report for the cubin
 Triton builds; shared memory from Triton's metadata, against the target's
@@ -118,8 +120,11 @@ def all_jobs(archs):
         capability = divmod(arch, 10)
         for dtype, name in TYPE_NAMES.items():
             for allow_tf32 in ((False, True) if dtype == torch.float32 else (True,)):
-                for unaligned in ((), ("L",)):  # L a multiple of 16, and ragged
-                    for c in fused_gns.linear_candidates(dtype, capability, allow_tf32, ragged_l=bool(unaligned)):
+                # L and K multiples of 16 or ragged, as fused_gns.linear_ragged passes them for each (dtype, dots)
+                unaligned_sets = sorted({fused_gns.linear_ragged(L, K, dtype, allow_tf32)
+                                         for L, K in itertools.product((32, 40), repeat=2)})
+                for unaligned in unaligned_sets:
+                    for c in fused_gns.linear_candidates(dtype, capability, allow_tf32, unaligned):
                         flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
                                  ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
                         yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)

@@ -81,7 +81,8 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     for strategy in ("gram", "materialise"):
         ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
-    for config in fused_gns.linear_candidates(dtype, capability, tf32, fused_gns.ragged_width(L)):
+    for config in fused_gns.linear_candidates(dtype, capability, tf32,
+                                                 fused_gns.linear_ragged(L, K, dtype, tf32)):
         # what the fused Linear's backward launches for dW and its norms: the kernel and the finishing kernel
         ms, mib = measure(lambda: fused_gns.linear_weight_grad_finished(x, g, config))
         report(f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",

@@ -27,15 +27,16 @@ import triton
 import triton.language as tl
 
 
-# K is padded: the glue zero-pads input rows to a multiple of 16 features (Triton's divisibility hint, so
-# loads are 16-byte asynchronous copies the software pipeline can prefetch; zero columns add nothing). L is
-# padded below 16 only: a ragged L (a 50257 vocabulary) is masked here rather than copied into a padded
-# buffer every step, a second specialisation the compile gate also compiles. N, T and the chunk size are not
-# specialised: one compiled kernel per launch configuration (and L alignment), the ones bench/compile_gate.py
+# A width that is a multiple of 16 carries Triton's divisibility hint, so loads are 16-byte asynchronous copies
+# the software pipeline can prefetch. A ragged one (not a multiple of 16: a 50257 vocabulary as L, an odd input
+# width as K) is masked here rather than copied into a zero-padded buffer every step: a second specialisation
+# per ragged width, which the compile gate also compiles (fused_gns.linear_ragged says which the glue passes
+# unpadded; widths below 16, and K where both masked would spill, are zero-padded). N, T and the chunk size are
+# not specialised: one compiled kernel per launch configuration (and alignment), the ones bench/compile_gate.py
 # compiles.
 @triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK"])
 def _linear_bwd_dw_pesq(
-    X,  # pointer to the layer input, (N * T, K) rows, contiguous, zero-padded to K columns
+    X,  # pointer to the layer input, (N * T, K) rows, contiguous (zero columns where the glue padded K)
     G,  # pointer to the upstream gradient dL/dy, (N * T, L) rows, likewise, same dtype as X
     DW,  # pointer to the weight gradient, (L, K) in X's dtype, written when one chunk (program) owns a tile
     DW_PART,  # pointer to per-chunk weight-grad partials, (chunks, L, K) fp32, written when there are more
@@ -43,7 +44,7 @@ def _linear_bwd_dw_pesq(
     N,  # examples
     T,  # rows per example
     L,  # output features (rows of G are L apart), >= 16
-    K,  # input features, padded to a multiple of 16
+    K,  # input features (rows of X are K apart), >= 16
     EXAMPLES_PER_CHUNK,  # examples handled by one program (grid axis 1 enumerates the chunks)
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs ("ieee" or "tf32")
     DOT_IN_FP32: tl.constexpr,  # upcast 16-bit operands before tl.dot (Triton 3.9's interpreter misreads bf16 in dot)

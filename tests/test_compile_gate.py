@@ -59,32 +59,37 @@ def test_gate_covers_every_configuration_the_glue_returns():
                 for N, T, K, L in [(16, 1024, 768, 3072), (4, 64, 40, 72), (1, 1, 8, 8), (64, 256, 768, 50257)]:
                     choice = fused_gns.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
                     assert choice == "gram" or choice in fused_gns.linear_candidates(
-                        dtype, capability, tf32, fused_gns.ragged_width(L))
+                        dtype, capability, tf32, fused_gns.linear_ragged(L, K, dtype, tf32))
                 precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
-                for ragged in (False, True):
+                for L, K in [(32, 32), (40, 32), (32, 40), (40, 40), (50257, 768), (8, 40), (40, 1)]:
+                    ragged = fused_gns.linear_ragged(L, K, dtype, tf32)
+                    assert ragged == tuple(n for n, w in (("L", L), ("K", K)) if w >= 16 and w % 16) or \
+                        (precision == "ieee" and (L, K) == (40, 40) and ragged == ("L",))  # no spill-free candidate
                     compiled = set()
                     for j in jobs:
                         flags = dict(j.constexprs)
                         if (j.kernel == "_linear_bwd_dw_pesq" and j.arch == arch and flags["INPUT_PRECISION"] == precision
-                                and j.dtype == compile_gate.TYPE_NAMES[dtype] and bool(j.unaligned) == ragged):
+                                and j.dtype == compile_gate.TYPE_NAMES[dtype] and j.unaligned == ragged):
                             compiled.add((flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages))
-                    for c in fused_gns.linear_candidates(dtype, capability, tf32, ragged_l=ragged):
+                    for c in fused_gns.linear_candidates(dtype, capability, tf32, ragged):
                         assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
                         assert c.shared_bytes(dtype.itemsize) <= \
                             fused_gns.shared_memory_limit(capability)
 
 
-# (kernel, argument) pairs the glue may pass ragged (not a multiple of 16): the Linear's output width, the norms' row
-# stride (a ragged feature count from 16 on, unpadded)
-RAGGED = {("_linear_bwd_dw_pesq", "L"), ("_ln_fwd", "STRIDE"), ("_ln_bwd_dx_pesq", "STRIDE")}
+# (kernel, argument) pairs the glue may pass ragged (not a multiple of 16): the Linear's output and input widths, the
+# norms' row stride (a ragged feature count from 16 on, unpadded)
+RAGGED = {("_linear_bwd_dw_pesq", "L"), ("_linear_bwd_dw_pesq", "K"), ("_ln_fwd", "STRIDE"),
+          ("_ln_bwd_dx_pesq", "STRIDE")}
 
 
 @pytest.mark.skipif(not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
-@pytest.mark.parametrize("features", [40, 48, 1000, 4100])
-def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
+@pytest.mark.parametrize("features, outputs", [(40, 24), (48, 24), (1000, 32), (4100, 24), (40, 32)])
+def test_glue_launches_only_the_compiled_specialisation(features, outputs, monkeypatch):
     """Odd widths and unaligned views: every argument Triton specialises is a 16-byte aligned tensor and a
-    multiple of 16, or a ragged width the gate compiles unaligned too, so the kernel that runs is one the gate
-    compiled; a ragged norm width's rows go to the kernels unpadded (no copy)."""
+    multiple of 16, or ragged widths the gate compiles unaligned too, so the kernel that runs is one the gate
+    compiled; a ragged norm width's rows and a ragged Linear input go to the kernels unpadded (no copy), except
+    an fp32 input with a ragged output too (linear_ragged: no spill-free candidate, so K is padded)."""
     import normgnorm.layernorm
     import normgnorm.linear
     import normgnorm.finish
@@ -101,26 +106,33 @@ def test_glue_launches_only_the_compiled_specialisation(features, monkeypatch):
     base = torch.randn(3 * 5 * features + 1)
     x = base[1:].view(3, 5, features).requires_grad_(True)  # a view 4 bytes past an aligned address
     norm = fused_gns.PEGradNormFusedLayerNorm(features)
-    linear = fused_gns.PEGradNormFusedLinear(features, 24)
+    linear = fused_gns.PEGradNormFusedLinear(features, outputs)
     linear(norm(x)).sum().backward()
     assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq",
                                                            "_pe_sqnorm_finish"}
-    ragged_launches = []  # kernels given a ragged width unpadded (the norms' rows, the Linear's 24 outputs)
+    gate = compile_gate.all_jobs((90,))
+    compiled = {(j.kernel, j.unaligned) for j in gate}
+    unpadded = {}  # kernel -> the ragged widths it was given unpadded
     for kernel, args in launches:
+        ragged = []
         for name in compile_gate.specialised_args(kernel):
             value = args[name]
             if isinstance(value, torch.Tensor):
                 assert value.data_ptr() % 16 == 0, f"{kernel.__name__}: {name} not 16-byte aligned"
             elif isinstance(value, int) and (kernel.__name__, name) not in RAGGED:
                 assert value % 16 == 0, f"{kernel.__name__}: {name} = {value} not a multiple of 16"
-            elif isinstance(value, int) and value % 16:  # a ragged width is masked in the kernel; the gate compiles both
-                assert value >= 16 and any(j.kernel == kernel.__name__ and j.unaligned == (name,)
-                                           for j in compile_gate.all_jobs((90,)))
-                ragged_launches.append(kernel.__name__)
+            elif isinstance(value, int) and value % 16:  # a ragged width is masked in the kernel
+                assert value >= 16, f"{kernel.__name__}: {name} = {value} should have been padded"
+                ragged.append(name)
+        assert (kernel.__name__, tuple(ragged)) in compiled, (kernel.__name__, ragged)  # the gate compiled this one
+        unpadded[kernel.__name__] = tuple(ragged)
     norms_unpadded = features % 16 and features <= fused_gns.NORM_RAGGED_MAX
-    assert bool(norms_unpadded) == ({"_ln_fwd", "_ln_bwd_dx_pesq"} <= set(ragged_launches)), ragged_launches
+    assert bool(norms_unpadded) == (unpadded["_ln_fwd"] == unpadded["_ln_bwd_dx_pesq"] == ("STRIDE",)), unpadded
+    assert unpadded["_linear_bwd_dw_pesq"] == fused_gns.linear_ragged(outputs, features, torch.float32, False)
+    if (features, outputs) in [(1000, 32), (40, 32)]:
+        assert unpadded["_linear_bwd_dw_pesq"] == ("K",)  # a ragged input width, masked
     # and the numbers are still right: the zero padding added nothing
-    reference = PEGradNormLinear(features, 24)
+    reference = PEGradNormLinear(features, outputs)
     reference.load_state_dict(linear.state_dict())
     xr = x.detach().clone().requires_grad_(True)
     ln = PEGradNormLayerNorm(features)

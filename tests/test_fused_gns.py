@@ -301,6 +301,32 @@ def test_linear_wide(K, L, bias, dtype, shape, captured):
     check_against_oracle(fused, ref, x, g, dtype, captured)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K, L", [(40, 48), (40, 72), (48, 72), (8, 20)])
+def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatch):
+    """Each way the glue passes the widths (fused_gns.linear_ragged): a ragged input width alone, masked; ragged
+    input and output widths, both masked (bf16) or K padded (fp32, ieee dots); a ragged output alone; widths
+    below 16 padded. The kernel sees K unpadded exactly when linear_ragged says so, and the numbers agree."""
+    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", "kernel")  # on a GPU too, not the timed choice
+    seen, launch = [], fused_gns._launch
+
+    def record(kernel, grid, device, *args, **kwargs):
+        seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, dict(zip(kernel.arg_names, args))))
+        launch(kernel, grid, device, *args, **kwargs)
+
+    monkeypatch.setattr(fused_gns, "_launch", record)
+    torch.manual_seed(13)
+    fused, ref = make_linear(K, L, True, dtype)
+    x, g = inputs((3, 17), K, dtype, out_features=L)
+    check_against_oracle(fused, ref, x, g, dtype, captured, passes=2)
+    linear = [args for name, args in seen if name == "_linear_bwd_dw_pesq"]
+    ieee = dtype == torch.float32 and not (DEVICE == "cuda" and fused_gns.matmul_allows_tf32())
+    ragged = fused_gns.linear_ragged(L, K, dtype, not ieee)
+    assert len(linear) == 2 and all(a["K"] == (K if "K" in ragged else -(-K // 16) * 16) for a in linear)
+    assert all(a["L"] == (L if "L" in ragged else -(-L // 16) * 16) for a in linear)
+    assert ("K" in ragged) == (K % 16 != 0 and K >= 16 and not (ieee and L % 16 != 0))
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_split_examples_small_tiles_and_accumulation(bias, captured, monkeypatch):
     """Examples split over programs (2 chunks for N = 3), 16-wide tiles (5 x 3 of them, ragged),
