@@ -21,8 +21,9 @@ memory. The fused Linear picks, once per shape on a GPU, the fastest of the
 kernel's candidate tile configurations and the two torch strategies of
 buffered.py (all exact) by timing each, as Triton's autotuner does (a
 candidate that fails or runs out of memory is skipped); on the CPU the choice
-is `_interpreter_linear_config`. Examples are split over programs by
-`linear_split`, a cost model of waves on the GPU's SMs.
+is `_interpreter_linear_config`. Which tiles one program owns and which are
+split into chunks of examples is `linear_split`, a cost model of the GPU's
+waves (whole rows of tiles owned up to a full wave, the rest split).
 
 The kernels' glue runs inside torch custom ops (nanogns::norm_fwd, norm_bwd,
 linear_dw_db, linear_dw): torch.compile keeps each as one node of its graph and
@@ -43,9 +44,10 @@ raise RuntimeError here, before any kernel is launched.
 """
 
 import contextlib
+import functools
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -468,8 +470,7 @@ RAGGED_SPILLS = {
     ("K",): _RAGGED_ONE_SPILLS,
     ("L", "K"): _RAGGED_ONE_SPILLS | {("16-bit", LinearConfig(128, 128, 32, 8, 4)),
                                       ("16-bit", LinearConfig(64, 64, 64, 4, 4)),
-                                      ("tf32", LinearConfig(128, 128, 32, 8, 3)),
-                                      ("ieee", LinearConfig(128, 128, 16, 8, 2))},
+                                      ("tf32", LinearConfig(128, 128, 32, 8, 3))},
 }
 # largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
 _SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
@@ -497,8 +498,8 @@ def _unspilled(precision, ragged):
 def linear_ragged(L, K, dtype, allow_tf32):
     """The Linear kernel's widths given to it unpadded, masked in the kernel: ("L",), ("K",), ("L", "K") or ().
     A width is ragged when it is not a multiple of 16 (from 16 on: a 50257 vocabulary, no 1.2 GB padded copy per
-    step); below 16 it is zero-padded, as is a ragged K where both masked leave no spill-free candidate (fp32
-    with ieee dots)."""
+    step); below 16 it is zero-padded, as is a ragged K should RAGGED_SPILLS leave no candidate with both
+    masked."""
     ragged = tuple(name for name, width in (("L", L), ("K", K)) if width >= 16 and width % 16)
     if ragged == ("L", "K") and not _unspilled(linear_dot_precision(dtype, allow_tf32), ragged):
         return ("L",)
@@ -515,7 +516,7 @@ def linear_candidates(dtype, capability, allow_tf32, ragged=()):
 
 
 def linear_tiles(L, K, config):
-    """Programs along grid axis 0: (L, K) tiles of dW, L and K padded to multiples of 16 as the kernel sees them."""
+    """(L, K) tiles of dW, L and K padded to multiples of 16 as the kernel sees them."""
     return triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l) * triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
 
 
@@ -558,47 +559,86 @@ def wave_efficiency(programs, slots):
     return programs / (triton.cdiv(programs, slots) * slots) if programs else 1.0
 
 
-def plan_linear_split(N, tiles, slots, example_tile_s, partial_s):
-    """Chunks of examples (grid axis 1) for `tiles` dW tiles on `slots` program slots (SMs x programs per SM)
-    minimising the modelled time: waves x examples per chunk x example_tile_s (one program's work on one
-    example), plus, when split, chunks x partial_s (an fp32 dW partial written and read back). Ties go to
-    fewer chunks. Returns (chunks, examples per chunk)."""
+class LinearSplit(NamedTuple):
+    """How _linear_bwd_dw_pesq's programs share dW: the first `front_rows` rows of tiles each owned by one program
+    (all examples; dW written in its dtype), every tile after them split over `chunks` programs of `per_chunk`
+    examples, each writing an fp32 partial that the finishing kernel sums."""
+    front_rows: int
+    chunks: int
+    per_chunk: int
+
+
+def makespan(programs, slots):
+    """Time for `slots` program slots to run `programs`, [(count, duration), ...] in launch order, each slot
+    taking the next program when it frees (the GPU's block scheduler as a list schedule)."""
+    free = {0.0: slots}  # time -> slots free from then on
+    for count, duration in programs:
+        while count:
+            t = min(free)
+            taken = min(free[t], count)
+            free[t] -= taken
+            if not free[t]:
+                del free[t]
+            free[t + duration] = free.get(t + duration, 0) + taken
+            count -= taken
+    return max(free)
+
+
+def plan_linear_split(N, tiles_l, tiles_k, slots, example_tile_s, row_partial_s):
+    """The LinearSplit of N examples over tiles_l x tiles_k dW tiles on `slots` program slots minimising the
+    modelled time: the makespan of the programs (an owned tile takes N x example_tile_s, one program's work on
+    one example; a split one per_chunk x example_tile_s), plus, per chunk, the fp32 partials of the split rows
+    written and read back (row_partial_s per row of tiles). Owned rows are tried up to each full wave
+    (w x slots tiles); ties go to fewer chunks, then to more owned rows."""
+    tiles = tiles_l * tiles_k
+    fronts = {0} | {min(tiles_l, w * slots // tiles_k) for w in range(1, tiles // slots + 1)}
     best = None
     for per_chunk in sorted({triton.cdiv(N, c) for c in range(1, N + 1)}, reverse=True):
         chunks = triton.cdiv(N, per_chunk)
-        waves = triton.cdiv(tiles * chunks, slots)
-        time = waves * per_chunk * example_tile_s + (chunks * partial_s if chunks > 1 else 0.0)
-        if best is None or time < best[0] * (1 - 1e-9):
-            best = (time, chunks, per_chunk)
-    return best[1], best[2]
+        for front in sorted(f for f in fronts if f < tiles_l) if chunks > 1 else [tiles_l]:
+            split_tiles = (tiles_l - front) * tiles_k
+            time = makespan([(front * tiles_k, N * example_tile_s), (split_tiles * chunks, per_chunk * example_tile_s)],
+                            slots)
+            time += chunks * (tiles_l - front) * row_partial_s if chunks > 1 else 0.0
+            if best is None or time < best[0] * (1 - 1e-9) or (time <= best[0] * (1 + 1e-9) and
+                                                                best[1].chunks == chunks and front > best[1].front_rows):
+                best = (time, LinearSplit(front, chunks, per_chunk))
+    return best[1]
 
 
+def split_busy_share(N, tiles_l, tiles_k, slots, split):
+    """Share of the slots' time busy with work under `split` (1.0: every wave full; partials not counted)."""
+    front, chunks, per_chunk = split
+    programs = [(front * tiles_k, N), ((tiles_l - front) * tiles_k * chunks, per_chunk)]
+    return N * tiles_l * tiles_k / (makespan(programs, slots) * slots) if N and tiles_l * tiles_k else 1.0
+
+
+@functools.lru_cache(maxsize=1024)
 def linear_split(N, T, K, L, config, dtype, allow_tf32, capability, sm_count):
-    """(chunks, examples per chunk) of _linear_bwd_dw_pesq on a GPU of sm_count SMs (plan_linear_split with
-    the cost model above); one chunk on the CPU (sm_count None)."""
+    """The LinearSplit of _linear_bwd_dw_pesq on a GPU of sm_count SMs (plan_linear_split with the cost model
+    above); every tile owned on the CPU (sm_count None)."""
+    tiles_l = triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l)
+    tiles_k = triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
     if sm_count is None or N == 0:
-        return 1, N
-    tiles = linear_tiles(L, K, config)
+        return LinearSplit(tiles_l, 1, N)
     slots = sm_count * linear_blocks_per_sm(config, dtype.itemsize, capability)
     example_tile_s = 2 * T * config.block_l * config.block_k / SM_FLOPS[linear_dot_precision(dtype, allow_tf32)]
-    partial_s = 2 * 4 * L * K / MEMORY_BYTES_PER_S  # fp32 written by the kernel, read by the sum
-    return plan_linear_split(N, tiles, slots, example_tile_s, partial_s)
+    row_partial_s = 2 * 4 * config.block_l * K / MEMORY_BYTES_PER_S  # fp32 written by the kernel, read by the sum
+    return plan_linear_split(N, tiles_l, tiles_k, slots, example_tile_s, row_partial_s)
 
 
-def _linear_chunks(N, T, K, L, config, dtype, device):
-    """Examples split over grid axis 1 (linear_split for this GPU); each chunk then writes its own fp32 (L, K)
-    dW partial, summed in the glue. (chunks, examples per chunk)."""
+def _linear_plan(N, T, K, L, config, dtype, device):
+    """The LinearSplit for this GPU (linear_split); every tile owned on the CPU."""
     sm_count = _sm_count(device)
-    if sm_count is None:
-        return 1, N
-    capability = torch.cuda.get_device_capability(device)
-    return linear_split(N, T, K, L, config, dtype, matmul_allows_tf32(), capability, sm_count)
+    capability = torch.cuda.get_device_capability(device) if sm_count is not None else None
+    tf32 = matmul_allows_tf32() if sm_count is not None else False
+    return linear_split(N, T, K, L, config, dtype, tf32, capability, sm_count)
 
 
 def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     """(dW (L_pad, K_pad) in x's dtype, the squared norms of each example's dW tiles (N, tiles) fp32, and None;
-    or, when examples were split over programs, dW still to be formed as the sum of the third, the (chunks,
-    L_pad, K_pad) fp32 partials) from _linear_bwd_dw_pesq."""
+    or, when examples of some rows of tiles were split over programs, (fp32 partials (chunks, rows, K_pad), the
+    rows of dW they sum to) from _linear_bwd_dw_pesq."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
     tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and matmul_allows_tf32())
@@ -606,22 +646,28 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     xs, K_pad = _masked_rows(x, K, float("inf")) if "K" in ragged else _kernel_rows(x, K)  # (N * T, K_pad)
     gs, L_pad = _masked_rows(grad_out.to(x.dtype), L, float("inf"))  # (N * T, L_pad), L_pad = L from 16 outputs on
     T = xs.shape[0] // N if N else 0
-    tiles = linear_tiles(L_pad, K_pad, config)
+    tiles_l, tiles_k = triton.cdiv(L_pad, config.block_l), triton.cdiv(K_pad, config.block_k)
     launch = xs.numel() > 0 and gs.numel() > 0
-    chunks, per_chunk = _linear_chunks(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else (1, N)
-    alloc = torch.empty if launch else torch.zeros  # the kernel writes every element of the partials
-    # one chunk: each program owns its tile and writes dW in x's dtype; more: fp32 partials per chunk
-    dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)
-    dw_part = alloc(chunks, L_pad, K_pad, dtype=torch.float32, device=x.device) if chunks > 1 else \
+    front, chunks, per_chunk = _linear_plan(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else \
+        LinearSplit(tiles_l, 1, N)
+    if chunks == 1:
+        front = tiles_l
+    alloc = torch.empty if launch else torch.zeros  # the kernel writes every element it owns
+    dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)  # owned tiles: written in x's dtype
+    split_rows = L_pad - min(L_pad, front * config.block_l)  # rows of dW summed from fp32 partials per chunk
+    dw_part = alloc(chunks, split_rows, K_pad, dtype=torch.float32, device=x.device) if split_rows else \
         torch.empty(0, dtype=torch.float32, device=x.device)
-    w_pesq_part = alloc(N, tiles, dtype=torch.float32, device=x.device)
+    w_pesq_part = alloc(N, tiles_l * tiles_k, dtype=torch.float32, device=x.device)
     if launch:
-        _launch(normgnorm.linear._linear_bwd_dw_pesq, (tiles, chunks), x.device,
-            xs, gs, dw, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk,
+        programs = front * tiles_k + (tiles_l - front) * tiles_k * chunks
+        _launch(normgnorm.linear._linear_bwd_dw_pesq, (programs,), x.device,
+            xs, gs, dw, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk, front, chunks,
             INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
             BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
             num_warps=config.num_warps, num_stages=config.num_stages)
-    return dw, w_pesq_part, dw_part if chunks > 1 else None
+    if split_rows:
+        return dw, w_pesq_part, (dw_part, dw[L_pad - split_rows:])
+    return dw, w_pesq_part, None
 
 
 def _trimmed(dw, L, K):
@@ -704,17 +750,18 @@ def _linear_choice(x, grad_out):
 def _linear_weight_grad(x, grad_out, choice=None, defer_sum=False):
     """(dW (L, K) in x's dtype, (N, S) fp32: squared norms of S disjoint pieces of each example's dW) by
     `choice` (default: _linear_choice): the kernel's tiles, or one piece from a torch strategy. defer_sum:
-    (dW as the kernel holds it, (L_pad, K_pad), the squares, fp32 partials that dW is the sum of or None):
-    the finishing kernel then sums them into dW (see _trimmed)."""
+    (dW as the kernel holds it, (L_pad, K_pad), the squares, and None or (fp32 partials, the rows of dW they sum
+    to) when examples were split): the finishing kernel then sums them into those rows (see _trimmed)."""
     choice = choice or _linear_choice(x, grad_out)
     if isinstance(choice, str):
         dw, w_sq = linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
         return (dw, w_sq.view(-1, 1), None) if defer_sum else (dw, w_sq.view(-1, 1))
-    dw, w_sq, dw_part = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
+    dw, w_sq, split = _linear_kernel_dw_pesq(x, grad_out, choice, _sm_count(x.device))
     if defer_sum:
-        return dw, w_sq, dw_part
-    if dw_part is not None:
-        dw = dw_part.sum(dim=0).to(x.dtype)
+        return dw, w_sq, split
+    if split is not None:
+        parts, rows = split
+        rows.copy_(parts.sum(dim=0))
     return _trimmed(dw, grad_out.shape[-1], x.shape[-1]), w_sq
 
 
@@ -725,8 +772,7 @@ def _linear_finished(x, g, buffers, pe_db=None, choice=None):
     N, L = g.shape[0], g.shape[-1]
     grad_weight = w_sq = split = None
     if x is not None:
-        grad_weight, w_sq, dw_part = _linear_weight_grad(x, g, choice, defer_sum=True)
-        split = (dw_part, grad_weight) if dw_part is not None else None
+        grad_weight, w_sq, split = _linear_weight_grad(x, g, choice, defer_sum=True)
     _, grad_bias = _finish(w_sq, pe_db, N, 1, L, L, g.dtype, g.device, buffers, a_squares=True, split=split)
     return grad_weight, grad_bias
 

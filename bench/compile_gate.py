@@ -70,7 +70,7 @@ SIGNATURES = {
     "_ln_bwd_dx_pesq": dict(X="*T", G="*T", DX="*T", W="*T", MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
                             DB_PART="*fp32", T="i32", D="i32", STRIDE="i32", ROWS_PER_CHUNK="i32"),
     "_linear_bwd_dw_pesq": dict(X="*T", G="*T", DW="*T", DW_PART="*fp32", W_PESQ_PART="*fp32", N="i32", T="i32", L="i32",
-                                K="i32", EXAMPLES_PER_CHUNK="i32"),
+                                K="i32", EXAMPLES_PER_CHUNK="i32", FRONT_ROWS="i32", CHUNKS="i32"),
     "_pe_sqnorm_finish": dict(A_PART="*fp32", B_PART="*fp32", A_GRAD="*T", B_GRAD="*T", SQ_PART="*fp32",
                               PESQ="*fp32", A_BUF="*fp32", B_BUF="*fp32", COUNTER="*i32", N="i32", C="i32", W="i32",
                               STRIDE="i32", S="i32", COUNT="i32", A_ON="i32", B_ON="i32", A_RECORD="i32",

@@ -18,9 +18,11 @@ sequences. Two fp32 accumulators live in registers: dw_i, the tile of the
 current example's gradient, and dw, the tile of the sum. When an example's
 last row block is in, its tile's squared Frobenius norm is stored to a
 per-(example, tile) partial, dw_i is added to dw and cleared; dW_i never
-reaches memory. With one chunk of examples a program owns its tile and writes
-dW in the layer's dtype; with more, each chunk writes an fp32 (L, K) partial
-that the glue sums. normgnorm/finish.py sums the (N, tiles) squares per example.
+reaches memory. A program that owns its tile (all N examples) writes dW in the
+layer's dtype; where a tile's examples are split over programs, each chunk writes
+an fp32 partial of that tile, summed by normgnorm/finish.py, which also sums the
+(N, tiles) squares per example. The glue owns whole rows of tiles up to a full
+last wave of the GPU and splits only the rows after them (fused_gns.linear_split).
 """
 
 import triton
@@ -34,36 +36,53 @@ import triton.language as tl
 # unpadded; widths below 16, and K where both masked would spill, are zero-padded). N, T and the chunk size are
 # not specialised: one compiled kernel per launch configuration (and alignment), the ones bench/compile_gate.py
 # compiles.
-@triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK"])
+@triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK", "FRONT_ROWS", "CHUNKS"])
 def _linear_bwd_dw_pesq(
     X,  # pointer to the layer input, (N * T, K) rows, contiguous (zero columns where the glue padded K)
     G,  # pointer to the upstream gradient dL/dy, (N * T, L) rows, likewise, same dtype as X
-    DW,  # pointer to the weight gradient, (L, K) in X's dtype, written when one chunk (program) owns a tile
-    DW_PART,  # pointer to per-chunk weight-grad partials, (chunks, L, K) fp32, written when there are more
+    DW,  # pointer to the weight gradient, (L, K) in X's dtype, written for the tiles one program owns
+    DW_PART,  # pointer to per-chunk weight-grad partials of the split rows, (CHUNKS, L - FRONT_ROWS * BLOCK_L, K) fp32
     W_PESQ_PART,  # pointer to per-(example, dW tile) squared norms, (N, tiles) fp32
     N,  # examples
     T,  # rows per example
     L,  # output features (rows of G are L apart), >= 16
     K,  # input features (rows of X are K apart), >= 16
-    EXAMPLES_PER_CHUNK,  # examples handled by one program (grid axis 1 enumerates the chunks)
+    EXAMPLES_PER_CHUNK,  # examples handled by one program of a split row (CHUNKS programs per tile)
+    FRONT_ROWS,  # rows of tiles (BLOCK_L rows of dW each) whose tiles one program owns, over all N examples
+    CHUNKS,  # programs per tile in the rows after them: chunks of examples, each writing an fp32 partial
     INPUT_PRECISION: tl.constexpr,  # tl.dot precision for fp32 inputs ("ieee" or "tf32")
     DOT_IN_FP32: tl.constexpr,  # upcast 16-bit operands before tl.dot (Triton 3.9's interpreter misreads bf16 in dot)
     BLOCK_L: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    tile = tl.program_id(0)  # grid axis 0 enumerates (L tile, K tile) pairs, K tiles fastest
-    chunk = tl.program_id(1)
+    # Grid: one axis, the owned tiles first (FRONT_ROWS * tiles_k programs), then CHUNKS programs per tile of the
+    # remaining rows. The glue picks FRONT_ROWS and CHUNKS so the programs fill whole waves of the GPU: the owned
+    # tiles give full waves, and splitting only the rest keeps the fp32 partials to those rows.
+    pid = tl.program_id(0)
     tiles_k = tl.cdiv(K, BLOCK_K)
-    tile_l = tile // tiles_k
+    tiles = tl.cdiv(L, BLOCK_L) * tiles_k
+    front = FRONT_ROWS * tiles_k
+    owned = pid < front
+    if owned:
+        tile = pid
+        chunk = 0
+    else:
+        tile = front + (pid - front) // CHUNKS
+        chunk = (pid - front) % CHUNKS
+    tile_l = tile // tiles_k  # tiles enumerate (L tile, K tile) pairs, K tiles fastest
     tile_k = tile % tiles_k
     offs_l = tile_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_k = tile_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_t = tl.arange(0, BLOCK_T)
     mask_l = offs_l < L
     mask_k = offs_k < K
-    n_start = chunk * EXAMPLES_PER_CHUNK
-    n_count = tl.minimum(EXAMPLES_PER_CHUNK, N - n_start)
+    if owned:
+        n_start = 0
+        n_count = N
+    else:
+        n_start = chunk * EXAMPLES_PER_CHUNK
+        n_count = tl.minimum(EXAMPLES_PER_CHUNK, N - n_start)
     t_blocks = tl.cdiv(T, BLOCK_T)
     dw = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
     dw_i = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
@@ -82,12 +101,13 @@ def _linear_bwd_dw_pesq(
         dw_i = tl.dot(g_t, x, dw_i, input_precision=INPUT_PRECISION)
         if t0 + BLOCK_T >= T:
             # example n's last rows: its tile is complete; record its squared norm, fold it into dW
-            tl.store(W_PESQ_PART + n.to(tl.int64) * tl.num_programs(0) + tile, tl.sum(dw_i * dw_i))
+            tl.store(W_PESQ_PART + n.to(tl.int64) * tiles + tile, tl.sum(dw_i * dw_i))
             dw += dw_i
             dw_i = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
-    if tl.num_programs(1) == 1:  # this program owns its tile: dW in its dtype, no fp32 round trip
+    if owned:  # this program owns its tile: dW in its dtype, no fp32 round trip
         tl.store(DW + offs_l[:, None].to(tl.int64) * K + offs_k[None, :], dw.to(DW.dtype.element_ty),
                  mask=mask_l[:, None] & mask_k[None, :])
     else:
-        out = (chunk.to(tl.int64) * L + offs_l[:, None]) * K + offs_k[None, :]
+        split_rows = L - FRONT_ROWS * BLOCK_L
+        out = (chunk.to(tl.int64) * split_rows + (offs_l[:, None] - FRONT_ROWS * BLOCK_L)) * K + offs_k[None, :]
         tl.store(DW_PART + out, dw, mask=mask_l[:, None] & mask_k[None, :])

@@ -63,8 +63,7 @@ def test_gate_covers_every_configuration_the_glue_returns():
                 precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
                 for L, K in [(32, 32), (40, 32), (32, 40), (40, 40), (50257, 768), (8, 40), (40, 1)]:
                     ragged = fused_gns.linear_ragged(L, K, dtype, tf32)
-                    assert ragged == tuple(n for n, w in (("L", L), ("K", K)) if w >= 16 and w % 16) or \
-                        (precision == "ieee" and (L, K) == (40, 40) and ragged == ("L",))  # no spill-free candidate
+                    assert ragged == tuple(n for n, w in (("L", L), ("K", K)) if w >= 16 and w % 16)
                     compiled = set()
                     for j in jobs:
                         flags = dict(j.constexprs)
@@ -88,8 +87,7 @@ RAGGED = {("_linear_bwd_dw_pesq", "L"), ("_linear_bwd_dw_pesq", "K"), ("_ln_fwd"
 def test_glue_launches_only_the_compiled_specialisation(features, outputs, monkeypatch):
     """Odd widths and unaligned views: every argument Triton specialises is a 16-byte aligned tensor and a
     multiple of 16, or ragged widths the gate compiles unaligned too, so the kernel that runs is one the gate
-    compiled; a ragged norm width's rows and a ragged Linear input go to the kernels unpadded (no copy), except
-    an fp32 input with a ragged output too (linear_ragged: no spill-free candidate, so K is padded)."""
+    compiled; a ragged norm width's rows and ragged Linear widths go to the kernels unpadded (no copy)."""
     import normgnorm.layernorm
     import normgnorm.linear
     import normgnorm.finish
@@ -129,8 +127,8 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     norms_unpadded = features % 16 and features <= fused_gns.NORM_RAGGED_MAX
     assert bool(norms_unpadded) == (unpadded["_ln_fwd"] == unpadded["_ln_bwd_dx_pesq"] == ("STRIDE",)), unpadded
     assert unpadded["_linear_bwd_dw_pesq"] == fused_gns.linear_ragged(outputs, features, torch.float32, False)
-    if (features, outputs) in [(1000, 32), (40, 32)]:
-        assert unpadded["_linear_bwd_dw_pesq"] == ("K",)  # a ragged input width, masked
+    if features % 16:  # a ragged input width, masked (and a ragged output width with it)
+        assert unpadded["_linear_bwd_dw_pesq"] == (("L", "K") if outputs % 16 else ("K",))
     # and the numbers are still right: the zero padding added nothing
     reference = PEGradNormLinear(features, outputs)
     reference.load_state_dict(linear.state_dict())
@@ -142,3 +140,14 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     for name in ("weight", "bias"):
         torch.testing.assert_close(linear.pe_buffer(name), reference.pe_buffer(name), rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(norm.pe_buffer(name), ln.pe_buffer(name), rtol=1e-4, atol=1e-6)
+
+
+def test_a_ragged_input_width_is_padded_where_no_candidate_is_left(monkeypatch):
+    """Should the spill table (RAGGED_SPILLS) leave no candidate with both widths masked, K is zero-padded
+    and L alone masked, so the glue never launches a specialisation the gate does not compile."""
+    every_ieee = {("ieee", c) for c in fused_gns.LINEAR_CANDIDATES["ieee"]}
+    monkeypatch.setitem(fused_gns.RAGGED_SPILLS, ("L", "K"), every_ieee)
+    assert fused_gns.linear_ragged(40, 40, torch.float32, False) == ("L",)
+    assert fused_gns.linear_ragged(40, 40, torch.bfloat16, False) == ("L", "K")
+    assert fused_gns.linear_ragged(32, 40, torch.float32, False) == ("K",)
+

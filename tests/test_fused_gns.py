@@ -305,8 +305,8 @@ def test_linear_wide(K, L, bias, dtype, shape, captured):
 @pytest.mark.parametrize("K, L", [(40, 48), (40, 72), (48, 72), (8, 20)])
 def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatch):
     """Each way the glue passes the widths (fused_gns.linear_ragged): a ragged input width alone, masked; ragged
-    input and output widths, both masked (bf16) or K padded (fp32, ieee dots); a ragged output alone; widths
-    below 16 padded. The kernel sees K unpadded exactly when linear_ragged says so, and the numbers agree."""
+    input and output widths, both masked; a ragged output alone; widths below 16 padded. The kernel sees each
+    width unpadded exactly when linear_ragged says so, and the numbers agree."""
     monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", "kernel")  # on a GPU too, not the timed choice
     seen, launch = [], fused_gns._launch
 
@@ -324,14 +324,16 @@ def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatc
     ragged = fused_gns.linear_ragged(L, K, dtype, not ieee)
     assert len(linear) == 2 and all(a["K"] == (K if "K" in ragged else -(-K // 16) * 16) for a in linear)
     assert all(a["L"] == (L if "L" in ragged else -(-L // 16) * 16) for a in linear)
-    assert ("K" in ragged) == (K % 16 != 0 and K >= 16 and not (ieee and L % 16 != 0))
+    assert ragged == tuple(n for n, w in (("L", L), ("K", K)) if w >= 16 and w % 16)
 
 
+@pytest.mark.parametrize("split", [(0, 2, 2), (2, 2, 2), (4, 3, 1), (1, 2, 2)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_split_examples_small_tiles_and_accumulation(bias, captured, monkeypatch):
-    """Examples split over programs (2 chunks for N = 3), 16-wide tiles (5 x 3 of them, ragged),
-    two T blocks per example, and two backward passes adding up."""
-    monkeypatch.setattr(fused_gns, "_linear_chunks", lambda N, *shape: (2, math.ceil(N / 2)))
+def test_linear_split_examples_small_tiles_and_accumulation(bias, split, captured, monkeypatch):
+    """Examples split over programs as on a GPU (fused_gns.LinearSplit: the first rows of tiles owned whole,
+    the rest in chunks of examples: 2 chunks of 2 for N = 3, or 3 of 1), 16-wide tiles (5 x 3 of them,
+    ragged), two T blocks per example, and two backward passes adding up."""
+    monkeypatch.setattr(fused_gns, "_linear_plan", lambda N, *shape: fused_gns.LinearSplit(*split))
     monkeypatch.setattr(fused_gns, "_interpreter_linear_config",
                         lambda T, L, K: fused_gns.LinearConfig(16, 16, 16, 4, 1))
     torch.manual_seed(7)
