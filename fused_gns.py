@@ -515,9 +515,16 @@ def linear_candidates(dtype, capability, allow_tf32, ragged=()):
     return [c for c in candidates if c.shared_bytes(dtype.itemsize) <= limit] or [candidates[-1]]
 
 
+def linear_tile_grid(L, K, config):
+    """(rows, columns) of dW tiles, L and K padded to multiples of 16 as the kernel sees them (a masked ragged
+    width gives the same count)."""
+    return triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l), triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
+
+
 def linear_tiles(L, K, config):
-    """(L, K) tiles of dW, L and K padded to multiples of 16 as the kernel sees them."""
-    return triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l) * triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
+    """dW tiles of a (L, K) weight (linear_tile_grid's rows x columns)."""
+    tiles_l, tiles_k = linear_tile_grid(L, K, config)
+    return tiles_l * tiles_k
 
 
 def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, allow_gram=True):
@@ -617,8 +624,7 @@ def split_busy_share(N, tiles_l, tiles_k, slots, split):
 def linear_split(N, T, K, L, config, dtype, allow_tf32, capability, sm_count):
     """The LinearSplit of _linear_bwd_dw_pesq on a GPU of sm_count SMs (plan_linear_split with the cost model
     above); every tile owned on the CPU (sm_count None)."""
-    tiles_l = triton.cdiv(triton.cdiv(L, 16) * 16, config.block_l)
-    tiles_k = triton.cdiv(triton.cdiv(K, 16) * 16, config.block_k)
+    tiles_l, tiles_k = linear_tile_grid(L, K, config)
     if sm_count is None or N == 0:
         return LinearSplit(tiles_l, 1, N)
     slots = sm_count * linear_blocks_per_sm(config, dtype.itemsize, capability)
@@ -646,12 +652,10 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     xs, K_pad = _masked_rows(x, K, float("inf")) if "K" in ragged else _kernel_rows(x, K)  # (N * T, K_pad)
     gs, L_pad = _masked_rows(grad_out.to(x.dtype), L, float("inf"))  # (N * T, L_pad), L_pad = L from 16 outputs on
     T = xs.shape[0] // N if N else 0
-    tiles_l, tiles_k = triton.cdiv(L_pad, config.block_l), triton.cdiv(K_pad, config.block_k)
+    tiles_l, tiles_k = linear_tile_grid(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
     front, chunks, per_chunk = _linear_plan(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else \
         LinearSplit(tiles_l, 1, N)
-    if chunks == 1:
-        front = tiles_l
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element it owns
     dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)  # owned tiles: written in x's dtype
     split_rows = L_pad - min(L_pad, front * config.block_l)  # rows of dW summed from fp32 partials per chunk
