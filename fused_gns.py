@@ -633,11 +633,10 @@ def linear_split(N, T, K, L, config, dtype, allow_tf32, capability, sm_count):
     return plan_linear_split(N, tiles_l, tiles_k, slots, example_tile_s, row_partial_s)
 
 
-def _linear_plan(N, T, K, L, config, dtype, device):
-    """The LinearSplit for this GPU (linear_split); every tile owned on the CPU."""
+def _linear_plan(N, T, K, L, config, dtype, tf32, device):
+    """The LinearSplit for this GPU (linear_split, tf32 as the kernel's dots); every tile owned on the CPU."""
     sm_count = _sm_count(device)
     capability = torch.cuda.get_device_capability(device) if sm_count is not None else None
-    tf32 = matmul_allows_tf32() if sm_count is not None else False
     return linear_split(N, T, K, L, config, dtype, tf32, capability, sm_count)
 
 
@@ -654,7 +653,7 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     T = xs.shape[0] // N if N else 0
     tiles_l, tiles_k = linear_tile_grid(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
-    front, chunks, per_chunk = _linear_plan(N, T, K_pad, L_pad, config, x.dtype, x.device) if launch else \
+    front, chunks, per_chunk = _linear_plan(N, T, K_pad, L_pad, config, x.dtype, tf32, x.device) if launch else \
         LinearSplit(tiles_l, 1, N)
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element it owns
     dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)  # owned tiles: written in x's dtype
