@@ -31,8 +31,8 @@ import torch
 import layer_config as lc
 import gnstracking
 from tracker import LogWrapper
-import schedules
-import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
+from nanogns import schedules
+from nanogns import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText

@@ -59,8 +59,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import fused_gns  # noqa: E402
-import normgnorm  # noqa: E402
+from nanogns.layers import fused as fused_gns  # noqa: E402
+from nanogns import kernels as normgnorm  # noqa: E402
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 NORM_FLAVOURS = ((False, True), (False, False), (True, False))  # (IS_RMS, HAS_BIAS): LayerNorm, no bias, RMSNorm

@@ -39,10 +39,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import gnstracking  # noqa: E402
-import layer_config as lc  # noqa: E402
-import schedules  # noqa: E402
-from estimator import RunningGNS  # noqa: E402
+from nanogns.monitor import monitor as gnstracking  # noqa: E402
+import nanogns as lc  # noqa: E402
+from nanogns import schedules  # noqa: E402
+from nanogns.estimator import RunningGNS  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import layers  # noqa: E402
-import fused_gns  # noqa: E402
+from nanogns import layers  # noqa: E402
+from nanogns.layers import fused as fused_gns  # noqa: E402
 from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest reference value

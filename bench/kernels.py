@@ -45,7 +45,7 @@ def report(name, ms, plain_ms, nbytes, peak_mib):
 
 
 def bench_layernorm(B, T, D, dtype):
-    import fused_gns
+    from nanogns.layers import fused as fused_gns
 
     x = torch.randn(B, T, D, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
@@ -67,8 +67,8 @@ def bench_layernorm(B, T, D, dtype):
 
 
 def bench_linear_weight_grad(B, T, K, L, dtype):
-    import layers
-    import fused_gns
+    from nanogns import layers
+    from nanogns.layers import fused as fused_gns
 
     x = torch.randn(B, T, K, device="cuda", dtype=dtype)
     g = torch.randn(B, T, L, device="cuda", dtype=dtype)
@@ -104,7 +104,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
                  "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_fused_gns.py")
-    import fused_gns
+    from nanogns.layers import fused as fused_gns
 
     dtype = getattr(torch, args.dtype)
     reason = fused_gns.kernel_unavailable_reason(torch.empty(1, device="cuda", dtype=dtype))

@@ -25,7 +25,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import fused_gns  # noqa: E402
+from nanogns.layers import fused as fused_gns  # noqa: E402
 
 # ops that allocate or describe memory and launch no kernel
 NO_LAUNCH = {"aten.detach.default", "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",

@@ -70,7 +70,7 @@ def _plain(fn):
 
 def layer_factories(device):
     """{name: (make(K, L) -> module, wrap(fn) -> result, norms(module) -> per-example weight norms)}."""
-    import layers
+    from nanogns import layers
 
     def buffer_norm(m):
         return m.weight_upegsqnorm
@@ -85,7 +85,7 @@ def layer_factories(device):
         "shim": (lambda K, L: layers.linear.PEGradNormShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
-        import fused_gns
+        from nanogns.layers import fused as fused_gns
 
         layers["fused"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L), _plain, buffer_norm)
         layers["fused kernel"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L),
@@ -189,7 +189,7 @@ def main(argv=None):
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
-    import layers
+    from nanogns import layers
 
     dtype = getattr(torch, args.dtype)
     available = list(layer_factories(args.device))

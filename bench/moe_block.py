@@ -65,8 +65,8 @@ def build(args, name):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    import layer_config as lc
-    from buffered import zero_sqgradnorm_buffers
+    import nanogns as lc
+    from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
     torch.manual_seed(0)
     config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_local_experts=args.experts,

@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gnstracking  # noqa: E402
-import layer_config as lc  # noqa: E402
+from nanogns.monitor import monitor as gnstracking  # noqa: E402
+import nanogns as lc  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 CHOICES = {"nn": ("nn", "nn", "nn"), "LayerNorm-only gns": ("nn", "nn", "gns"), "all-layer gns": ("gns", "gns", "gns")}

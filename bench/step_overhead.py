@@ -66,9 +66,9 @@ def parse_args(argv=None):
 def build(args, name):
     """Model, optimizer, scaler and a `step()` closure for one layer choice."""
     import torch
-    import layer_config as lc
-    from buffered import zero_sqgradnorm_buffers
-    import gnstracking
+    import nanogns as lc
+    from nanogns.layers.buffers import zero_sqgradnorm_buffers
+    from nanogns.monitor import monitor as gnstracking
 
     linearclass, embeddingclass, lnclass = CHOICES[name]
     torch.manual_seed(0)

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-import gnstracking  # noqa: E402
-import layer_config  # noqa: E402
+from nanogns.monitor import monitor as gnstracking  # noqa: E402
+import nanogns as layer_config  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from tracker import LogWrapper  # noqa: E402
+from nanogns.runlog.writer import LogWrapper  # noqa: E402
 
 
 # %% the model: layer classes read from layer_config.config at construction (torch's by default)

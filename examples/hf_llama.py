@@ -27,11 +27,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-import estimator  # noqa: E402
-import gnstracking  # noqa: E402
-import layer_config  # noqa: E402
+from nanogns import estimator  # noqa: E402
+from nanogns.monitor import monitor as gnstracking  # noqa: E402
+import nanogns as layer_config  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from tracker import LogWrapper  # noqa: E402
+from nanogns.runlog.writer import LogWrapper  # noqa: E402
 
 BLOCK_SIZE = 32
 

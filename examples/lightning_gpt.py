@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
-from integrations import LightningGNSCallback, sequence_mean_loss  # noqa: E402
+from nanogns.integrations import LightningGNSCallback, sequence_mean_loss  # noqa: E402
 
 BLOCK_SIZE = 32
 

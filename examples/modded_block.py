@@ -30,11 +30,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
-import functional  # noqa: E402
-import gnstracking  # noqa: E402
-from buffered import PESqNormBuffersMixin  # noqa: E402
+from nanogns.layers import functional  # noqa: E402
+from nanogns.monitor import monitor as gnstracking  # noqa: E402
+from nanogns.layers.buffers import PESqNormBuffersMixin  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from tracker import LogWrapper  # noqa: E402
+from nanogns.runlog.writer import LogWrapper  # noqa: E402
 
 
 class CastedLinear(PESqNormBuffersMixin, nn.Module):

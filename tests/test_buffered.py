@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import layout
-from buffered import BUFFER_SUFFIX, zero_sqgradnorm_buffers
-from layers import embedding, linear
-from layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
-from layers.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
-from layers.linear import PEGradNormLinear, PEGradNormShimLinear
-from layers.rmsnorm import PEGradNormRMSNorm
+from nanogns.layers import layout
+from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
+from nanogns.layers import embedding, linear
+from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
+from nanogns.layers.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
+from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
+from nanogns.layers.rmsnorm import PEGradNormRMSNorm
 from oracle import per_example_sqnorms_by_loop
 
 LINEARS = [PEGradNormShimLinear, PEGradNormLinear]
@@ -188,7 +188,7 @@ def test_linear_shim_records_only_buffers_it_gets():
 
 def test_functional_linear_frozen_transposed_weight():
     """functional.linear with a transposed view of a frozen parameter: input gradient only, no norms."""
-    import functional
+    from nanogns.layers import functional
 
     torch.manual_seed(4)
     weight = nn.Parameter(torch.randn(6, 5, dtype=torch.float64), requires_grad=False)  # stored (in, out)

@@ -18,9 +18,9 @@ import copy
 import pytest
 import torch
 
-import buffered
-import tied
-import layer_config as lc
+from nanogns.layers import buffers as buffered
+from nanogns.layers import tied
+import nanogns as lc
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=67, dropout=0.0, bias=True)
 BATCH, STEPS, MICRO_STEPS = 4, 2, 2

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fused_gns
+from nanogns.layers import fused as fused_gns
 
 DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -101,7 +101,7 @@ def test_compile_after_a_monitored_forward_traces_in_one_graph(monkeypatch):
     """A monitored model's forward leaves layout._last set (what activation checkpointing recomputes under);
     layout.current() then asks autograd for its graph task, a call Dynamo cannot trace. Under compile it
     is skipped, so a later fullgraph compile of fused layers outside a root forward still traces."""
-    import layout
+    from nanogns.layers import layout
 
     monkeypatch.setattr(layout, "_last", layout.Layout(3, frozenset({5})))
     torch.manual_seed(0)

@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-from layers.layernorm import PEGradNormLayerNorm
-from layers.linear import PEGradNormLinear
-import fused_gns
+from nanogns.layers.layernorm import PEGradNormLayerNorm
+from nanogns.layers.linear import PEGradNormLinear
+from nanogns.layers import fused as fused_gns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -88,9 +88,7 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     """Odd widths and unaligned views: every argument Triton specialises is a 16-byte aligned tensor and a
     multiple of 16, or ragged widths the gate compiles unaligned too, so the kernel that runs is one the gate
     compiled; a ragged norm width's rows and ragged Linear widths go to the kernels unpadded (no copy)."""
-    import normgnorm.layernorm
-    import normgnorm.linear
-    import normgnorm.finish
+    from nanogns import kernels as normgnorm
 
     launches = []
     kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq,

@@ -11,13 +11,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import functional
-import gnstracking
-import layer_config as lc
-import swapcheck
-from buffered import PESqNormBuffersMixin, zero_sqgradnorm_buffers
-from layers.embedding import PEGradNormEmbedding
-from layers.linear import PEGradNormLinear
+from nanogns.layers import functional
+from nanogns.monitor import monitor as gnstracking
+import nanogns as lc
+from nanogns.conversion import probe as swapcheck
+from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from nanogns.layers.embedding import PEGradNormEmbedding
+from nanogns.layers.linear import PEGradNormLinear
 from oracle import per_example_sqnorms_by_loop
 
 

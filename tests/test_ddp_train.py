@@ -16,9 +16,9 @@ import socket
 import numpy as np
 import pytest
 
-from estimator import two_batch_stats, unbiased_stats
+from nanogns.estimator import two_batch_stats, unbiased_stats
 from conftest import GNS_LAYERS, REPO, TINY, run_script
-from csv_tools import load_csv
+from nanogns.runlog.reader import load_csv
 
 FLAGS = [*TINY, *GNS_LAYERS, "--max_iters=3", "--eval_interval=100", "--gradient_accumulation_steps=4", "--data_seed=7"]
 pytestmark = pytest.mark.usefixtures("shakespeare_data")
@@ -145,7 +145,7 @@ def test_closing_a_process_group_while_the_model_lives_warns(tmp_path):
     abort ("terminate called without an active exception"); close() says so, and is quiet once the model is freed."""
     script = tmp_path / "close.py"
     script.write_text(
-        "import sys, warnings, torch, engines\n"
+        "import sys, warnings, torch\nfrom nanogns import engines\n"
         "engine = engines.start('cpu', 'gloo', fsdp=False)\n"
         "model = engine.wrap(torch.nn.Linear(3, 2))\n"
         "if sys.argv[1] == 'free':\n"

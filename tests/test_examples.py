@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from buffered import zero_sqgradnorm_buffers
-from csv_tools import load_csv
-import gnstracking
-from gnstracking import GNSMonitor
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.runlog.reader import load_csv
+from nanogns.monitor import monitor as gnstracking
+from nanogns.monitor.monitor import GNSMonitor
 from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from nbclient import NotebookClient
 
-import figures
+from nanogns.analysis import figures
 from conftest import GNS_LAYERS, REPO, TINY, run_script
 
 FIGURES = ["gns_by_layer_type.png", "per_layer_gns.png", "phase_plot.png", "schedule_comparison.png"]

@@ -13,11 +13,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import functional
-import gnstracking
-import layer_config as lc
-from buffered import PESqNormBuffersMixin, zero_sqgradnorm_buffers
-from layers.embedding import PEGradNormEmbedding
+from nanogns.layers import functional
+from nanogns.monitor import monitor as gnstracking
+import nanogns as lc
+from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from nanogns.layers.embedding import PEGradNormEmbedding
 from oracle import per_example_loss_sqnorms_by_loop
 
 VOCAB, D = 11, 6
@@ -217,7 +217,7 @@ def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
 
 def test_a_frozen_tied_matrix_costs_nothing_and_is_listed_frozen():
     """A tied wte/lm_head frozen for fine-tuning: no cross-term hooks (their backward is O(B T^2 D)), listed frozen."""
-    import tied
+    from nanogns.layers import tied
 
     class Tied(nn.Module):
         def __init__(self):

@@ -28,10 +28,10 @@ import warnings
 import pytest
 import torch.nn as nn
 
-import buffered
-import layers.linear
-from layers.linear import PEGradNormLinear
-import fused_gns
+from nanogns.layers import buffers as buffered
+from nanogns import layers
+from nanogns.layers.linear import PEGradNormLinear
+from nanogns.layers import fused as fused_gns
 from oracle import per_example_sqnorms_by_loop
 
 if fused_gns.kernels_interpreted():
@@ -429,7 +429,7 @@ def test_functions_without_buffers():
 
 
 def test_registered_in_layer_config():
-    import layer_config
+    import nanogns as layer_config
 
     classes = layer_config.layer_classes(linearclass="fused", lnclass="fused")
     assert classes["Linear"] is fused_gns.PEGradNormFusedLinear

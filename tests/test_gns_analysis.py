@@ -21,11 +21,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from estimator import RunningGNS, unbiased_stats  # noqa: E402
-from gnstracking import write_parameter_record  # noqa: E402
-from tracker import LogWrapper  # noqa: E402
+from nanogns.estimator import RunningGNS, unbiased_stats  # noqa: E402
+from nanogns.monitor.monitor import write_parameter_record  # noqa: E402
+from nanogns.runlog.writer import LogWrapper  # noqa: E402
 
-import gns_analysis as ga
+from nanogns.analysis import analyze as ga
 
 PARAMS = [
     "transformer.wte.weight",
@@ -692,7 +692,7 @@ def test_the_batch_size_advice_says_something_for_a_small_gns(gns, steps, exampl
 
 def test_terminal_plot_series_differ_without_colour():
     """In a log file or a black-and-white terminal only glyphs tell the lines apart."""
-    from plot import terminal_plot
+    from nanogns.analysis.plots import terminal_plot
 
     x = np.arange(20.0)
     text = terminal_plot([("a", x, x), ("b", x, 2 * x), ("c", x, 3 * x)])

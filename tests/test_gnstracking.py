@@ -15,12 +15,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import estimator
-import gnstracking
-from buffered import zero_sqgradnorm_buffers
-from layers.embedding import PEGradNormShimEmbedding
-from layers.layernorm import PEGradNormLayerNorm
-from layers.linear import PEGradNormLinear
+from nanogns import estimator
+from nanogns.monitor import monitor as gnstracking
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.layers.embedding import PEGradNormShimEmbedding
+from nanogns.layers.layernorm import PEGradNormLayerNorm
+from nanogns.layers.linear import PEGradNormLinear
 
 
 def test_unbiased_stats_formula_and_batch_of_one():
@@ -210,7 +210,7 @@ def test_record_says_each_parameters_kind_and_block_from_the_model_not_its_name(
 
 
 def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
-    from tracker import LogWrapper
+    from nanogns.runlog.writer import LogWrapper
 
     torch.manual_seed(0)
     model = Blocks()
@@ -254,7 +254,7 @@ def test_monitor_refuses_a_model_without_per_example_layers():
 def test_a_parametrized_weight_is_skipped_with_the_reason():
     """spectral_norm makes c_attn compute with W / sigma(W): its buffer holds the norms of that, not of the
     trainable W (train.py refuses the combination; a tracker made anyway says why it skips the tensor)."""
-    import layer_config as lc
+    import nanogns as lc
 
     with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
         from model import GPT, GPTConfig
@@ -268,7 +268,7 @@ def test_a_parametrized_weight_is_skipped_with_the_reason():
 def test_a_wrong_batch_size_is_an_error_not_a_dropped_parameter():
     """Two micro-batches of 4 read with batch_size=4 (the micro-batch, not the step): every buffer counted 8.
     That is no module used twice (nothing counted 4), so the tracker raises instead of dropping them all."""
-    import layer_config as lc
+    import nanogns as lc
 
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 2))
     gns = gnstracking.GNSMonitor(lc.convert(model).model)

@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-import fused_gns
+from nanogns.layers import fused as fused_gns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -33,7 +33,8 @@ def test_tf32_flag_read_through_either_api():
     """After torch.backends.fp32_precision (or the matmul's) is set, reading the legacy allow_tf32 raises
     (torch 2.13); the glue's reader gives the effective setting. A fresh process: these flags are sticky."""
     script = textwrap.dedent("""
-        import torch, fused_gns
+        import torch
+        from nanogns.layers import fused as fused_gns
         m = torch.backends.cuda.matmul
         seen = [fused_gns.matmul_allows_tf32()]
         torch.backends.fp32_precision = "tf32"  # the new API, global: the matmul inherits it
@@ -74,7 +75,7 @@ def test_every_launch_is_on_its_tensors_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", fake_cuda_device)
     monkeypatch.setattr(fused_gns, "_device_guard", lambda device: torch.cuda.device(device))
     seen = []
-    import normgnorm
+    from nanogns import kernels as normgnorm
 
     for kernel in [getattr(normgnorm, name) for name in normgnorm.__all__]:
         def check(*args, kernel=kernel, **kwargs):
@@ -140,7 +141,7 @@ def test_gram_candidate_not_tried_when_too_large(monkeypatch):
 @needs_interpreter
 def test_ragged_output_width_masked_not_copied(monkeypatch):
     """L = 40 (not a multiple of 16): the kernel reads the output gradient itself, not a padded copy."""
-    import normgnorm
+    from nanogns import kernels as normgnorm
 
     pointers = []
     monkeypatch.setattr(normgnorm.linear._linear_bwd_dw_pesq, "pre_run_hooks",
@@ -164,7 +165,7 @@ def test_buffers_viewed_in_one_flat_tensor(monkeypatch):
     other one: the finishing kernel still gets only aligned pointers (the compiled specialisation) and updates
     the right elements."""
     import compile_gate
-    import normgnorm
+    from nanogns import kernels as normgnorm
 
     kernel = normgnorm.finish._pe_sqnorm_finish
     launches = []
@@ -214,9 +215,9 @@ def test_benchmarks_set_tf32_as_train_py():
 def test_fused_gpt_under_the_monitor_equals_gns():
     """A GPT with fused Linear and LayerNorm read by GNSMonitor (its buffers re-homed in one flat tensor, which
     the finishing kernel updates) measures what the gns layers measure, over two accumulated steps."""
-    import gnstracking
-    import layer_config as lc
-    from buffered import zero_sqgradnorm_buffers
+    from nanogns.monitor import monitor as gnstracking
+    import nanogns as lc
+    from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
     measured = {}
     for kind in ("gns", "fused"):

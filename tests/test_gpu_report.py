@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-import fused_gns
+from nanogns.layers import fused as fused_gns
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import gpu_report  # noqa: E402

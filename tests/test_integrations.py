@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from conftest import REPO, run_script
-from csv_tools import load_csv
+from nanogns.runlog.reader import load_csv
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
 sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
 
 import integrations_worker  # noqa: E402
 from common import build_model  # noqa: E402
-from integrations import sequence_mean_loss  # noqa: E402
+from nanogns.integrations import sequence_mean_loss  # noqa: E402
 
 FLAGS = ["--steps=2", "--batch_size=2", "--grad_accum=2", "--max_grad_norm=1.0", "--dtype=float64"]
 GA, MAX_NORM = 2, 1.0
@@ -204,7 +204,7 @@ def test_lightning_and_accelerate_keep_another_runs_log_and_accelerate_resumes(t
     resume_step continues the log from that step and rebuilds the running GNS from the rows before it."""
     from accelerate import Accelerator
 
-    from integrations import AccelerateGNS
+    from nanogns.integrations import AccelerateGNS
 
     for name in ("lightning_gpt", "accelerate_gpt"):
         out_dir = tmp_path / name
@@ -236,7 +236,7 @@ def test_lightning_resume_continues_the_log_and_the_running_gns(tmp_path):
     assert list(resumed["step"]) == [0, 1, 2, 3]
     pd.testing.assert_frame_equal(resumed.iloc[:2], first.iloc[:2])
     assert list(pd.read_csv(tmp_path / "log_after_step_2.csv")["step"]) == [2, 3]
-    from gns_analysis import analyze_gns
+    from nanogns.analysis.analyze import analyze_gns
 
     results = analyze_gns(str(tmp_path), alpha=0.95)
     assert resumed["gns"].iloc[-1] == pytest.approx(results["gns"].iloc[-1], rel=1e-9)

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-import fused_gns
+from nanogns.layers import fused as fused_gns
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import launch_counts  # noqa: E402

@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-import buffered
-import layer_config as lc
-import layers
-import layout
-from layers.registry import adopt
-from layers.layernorm import PEGradNormSeparatedLayerNorm
-from layers.linear import PEGradNormLinear
+from nanogns.layers import buffers as buffered
+import nanogns as lc
+from nanogns import layers
+from nanogns.layers import layout
+from nanogns.layers.registry import adopt
+from nanogns.layers.layernorm import PEGradNormSeparatedLayerNorm
+from nanogns.layers.linear import PEGradNormLinear
 
 
 def mixtral_experts():

@@ -11,7 +11,7 @@ for GPT-2 124M's Linear shapes on an H100 (132 SMs).
 import pytest
 import torch
 
-import fused_gns
+from nanogns.layers import fused as fused_gns
 
 GPT2 = {"c_attn": (768, 2304), "attn.c_proj": (768, 768), "c_fc": (768, 3072), "mlp.c_proj": (3072, 768),
         "lm_head": (768, 50304)}

@@ -22,7 +22,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import layer_config as lc  # noqa: E402
+import nanogns as lc  # noqa: E402
 from model import GPT, GPTConfig, PEAK_FLOPS  # noqa: E402
 
 NAMES = ["nn", "shim", "gns"]

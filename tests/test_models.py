@@ -19,8 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
-import layer_config as lc
-from buffered import zero_sqgradnorm_buffers
+import nanogns as lc
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
 V, B, T = 31, 5, 7
 SPLIT = 2  # micro-batches: examples [0, 2) and [2, 5)

@@ -2,7 +2,7 @@
 
 import pandas as pd
 
-import plot
+from nanogns.analysis import plots as plot
 
 
 def write_run(tmp_path, n_params=30):

@@ -26,15 +26,15 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import estimator  # noqa: E402
-import gnstracking  # noqa: E402
-import layer_config as lc  # noqa: E402
-from buffered import zero_sqgradnorm_buffers  # noqa: E402
+from nanogns import estimator  # noqa: E402
+from nanogns.monitor import monitor as gnstracking  # noqa: E402
+import nanogns as lc  # noqa: E402
+from nanogns.layers.buffers import zero_sqgradnorm_buffers  # noqa: E402
 from conftest import GNS_LAYERS, TINY as TINY_BASE, run_script  # noqa: E402
-from csv_tools import load_csv  # noqa: E402
-from tracker import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
+from nanogns.runlog.reader import load_csv  # noqa: E402
+from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
-import gns_analysis as ga
+from nanogns.analysis import analyze as ga
 
 TINY = [*TINY_BASE, *GNS_LAYERS]
 TOKENS_PER_ITER = 4 * 2 * 16

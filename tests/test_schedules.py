@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 
-import schedules
+from nanogns import schedules
 from conftest import TINY, run_script
-from csv_tools import load_csv
+from nanogns.runlog.reader import load_csv
 
 
 def write(path, text):

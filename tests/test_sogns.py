@@ -9,13 +9,13 @@ class keeps the exact numbers, and train.py logs both under their own prefixes.
 import pytest
 import torch
 
-import gnstracking
-from buffered import zero_sqgradnorm_buffers
-from layers.linear import PEGradNormLinear
+from nanogns.monitor import monitor as gnstracking
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.layers.linear import PEGradNormLinear
 from conftest import TINY, run_script
-from csv_tools import load_csv
+from nanogns.runlog.reader import load_csv
 from oracle import per_example_sqnorms_by_loop
-from sogns import ExactAndSOGNSLinear, SOGNSLinear
+from nanogns.layers.sogns import ExactAndSOGNSLinear, SOGNSLinear
 
 
 def defining_formula(x, g):

@@ -11,12 +11,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import gnstracking
-import layer_config as lc
-import tied
-from buffered import zero_sqgradnorm_buffers
-from layers.embedding import PEGradNormEmbedding
-from layers.linear import PEGradNormLinear
+from nanogns.monitor import monitor as gnstracking
+import nanogns as lc
+from nanogns.layers import tied
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.layers.embedding import PEGradNormEmbedding
+from nanogns.layers.linear import PEGradNormLinear
 from model import GPT, GPTConfig
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab_size=67, dropout=0.0)

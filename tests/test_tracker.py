@@ -19,8 +19,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from csv_tools import load_csv  # noqa: E402
-from tracker import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
+from nanogns.runlog.reader import load_csv  # noqa: E402
+from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
 
 def _write_three_steps(out_dir):
@@ -175,7 +175,7 @@ WRITER = textwrap.dedent(
     """
     import os, sys
     sys.path.insert(0, {root!r})
-    from tracker import LogWrapper
+    from nanogns.runlog.writer import LogWrapper
     t = LogWrapper(config={{"n": 1}}, out_dir={out!r})
     step = 0
     while True:

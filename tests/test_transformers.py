@@ -25,11 +25,11 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 from transformers.pytorch_utils import Conv1D
 
-import fused_gns
-import gns_analysis
-import layer_config as lc
-from buffered import zero_sqgradnorm_buffers
-from csv_tools import load_csv
+from nanogns.layers import fused as fused_gns
+from nanogns.analysis import analyze as gns_analysis
+import nanogns as lc
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.runlog.reader import load_csv
 from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

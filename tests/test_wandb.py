@@ -10,7 +10,7 @@ import os
 import pytest
 
 from conftest import TINY, run_script
-from csv_tools import load_csv
+from nanogns.runlog.reader import load_csv
 
 
 @pytest.mark.slow

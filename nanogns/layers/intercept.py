@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-import functional
-from buffered import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.layers import functional
+from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
 _FOLLOWED = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
@@ -117,7 +117,7 @@ class _ParameterUses(TorchFunctionMode):
     def broadcast(self, param, target_shape):
         """The parameter as one copy per example of the forward, (N, ...), when an op broadcasts it over a target
         whose dim 0 holds the N examples (the op then gives each example's gradient to its own copy); else None."""
-        import layout
+        from nanogns.layers import layout
 
         if target_shape is None or len(target_shape) < param.dim() or not len(target_shape):
             return None

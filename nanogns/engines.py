@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import ddpgns
+from nanogns.monitor import ddp as ddpgns
 
 
 class OneProcess:

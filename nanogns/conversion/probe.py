@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-import intercept
-import layers
-from buffered import refused, refused_addresses
-from layers.registry import adopt
+from nanogns.layers import intercept
+from nanogns import layers
+from nanogns.layers.buffers import refused, refused_addresses
+from nanogns.layers.registry import adopt
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
 # enough for TF32 matmuls on a GPU, ~1e-3)

@@ -35,10 +35,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import layout
-from buffered import (BUFFER_SUFFIX, PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype,
+from nanogns.layers import layout
+from nanogns.layers.buffers import (BUFFER_SUFFIX, PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype,
                       on_output_grad, refuse_step)
-from layers.linear import PEGradNormLinear
+from nanogns.layers.linear import PEGradNormLinear
+from nanogns.layers.registry import add_variant
 
 # ends in BUFFER_SUFFIX: zeroed by zero_sqgradnorm_buffers and kept float32 like the exact buffers,
 # but never mistaken for them (the exact GNS monitor looks for `<param>_upegsqnorm` exactly)
@@ -124,3 +125,7 @@ class ExactAndSOGNSLinear(PEGradNormLinear):
 
     def forward(self, x):
         return _record_sogns(self, x, super().forward(x))
+
+
+add_variant("Linear", "sogns", SOGNSLinear)  # approximate norms only, logged under train/sogns/
+add_variant("Linear", "gns+sogns", ExactAndSOGNSLinear)  # exact and approximate on the same steps

@@ -32,7 +32,7 @@ under all its names joined by "+" (e.g. `transformer.wte.weight+lm_head.weight`)
 import torch
 import torch.nn as nn
 
-from buffered import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, on_output_grad, refuse_step
+from nanogns.layers.buffers import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, on_output_grad, refuse_step
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_upegsqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest

@@ -1,7 +1,7 @@
 """
 The paper's figures from run directories (the plotting behind "Replicating Figures.ipynb").
 
-    import figures
+    from nanogns.analysis import figures
     fig = figures.gns_by_layer_type("out-cgpt-openwebtext")
     fig.savefig("gns_by_layer_type.png")
 
@@ -20,8 +20,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
-import gns_analysis  # noqa: E402
-from csv_tools import load_csv  # noqa: E402
+from nanogns.analysis import analyze as gns_analysis  # noqa: E402
+from nanogns.runlog.reader import load_csv  # noqa: E402
 
 GROUP_COLUMNS = {"all parameters": "gns", "LayerNorm only": "gns_layernorm",
                  "Linear only": "gns_linear", "Embedding only": "gns_embedding"}

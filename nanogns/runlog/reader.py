@@ -16,7 +16,7 @@ import os
 
 import pandas as pd
 
-from tracker import DATA_TMP, HEADER_TMP, LOG_CSV
+from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
 
 def load_csv(out_dir):

@@ -31,11 +31,12 @@ module computes (outputs and every gradient).
 import math
 
 import torch
+import torch.nn as nn
 
-import functional
-import layout
-from buffered import PESqNormBuffersMixin, refuse_step
-from layers.registry import LayerKind, adopt, register
+from nanogns.layers import functional
+from nanogns.layers import layout
+from nanogns.layers.buffers import PESqNormBuffersMixin, refuse_step
+from nanogns.layers.registry import LayerKind, adopt, register
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 TOKENS, TOP_K = 12, 2  # the probe: 3 examples of 4 tokens, each routed to 2 experts
@@ -176,9 +177,9 @@ def _probe(module, variant_cls, dtype, tolerance):
 
 KIND = register(LayerKind(
     name="Experts", config_key="linearclass", group="Linear",
-    variants={"nn": "torch.nn:Module",  # transformers' experts classes are the model's own: nothing to name here
-              "shim": "layers.experts:PEGradNormExperts",
-              "gns": "layers.experts:PEGradNormExperts", "fused": "layers.experts:PEGradNormExperts"},
+    variants={"nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
+              "shim": PEGradNormExperts,
+              "gns": PEGradNormExperts, "fused": PEGradNormExperts},
     params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
     convertible=convertible,
     matches=matches,

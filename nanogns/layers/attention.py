@@ -27,10 +27,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import functional
-import layout
-from buffered import PESqNormBuffersMixin, refuse_step
-from layers.registry import LayerKind, adopt, register
+from nanogns.layers import functional
+from nanogns.layers import layout
+from nanogns.layers.buffers import PESqNormBuffersMixin, refuse_step
+from nanogns.layers.registry import LayerKind, adopt, register
 
 PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 
@@ -198,10 +198,10 @@ def verify(module, variant_cls):
 
 KIND = register(LayerKind(
     name="MultiheadAttention", config_key="linearclass", group="Linear",
-    variants={"nn": "torch.nn:MultiheadAttention", "shim": "layers.attention:PEGradNormMultiheadAttention",
-              "gns": "layers.attention:PEGradNormMultiheadAttention",
-              "fused": "layers.attention:PEGradNormMultiheadAttention"},
-    replaces=("torch.nn:MultiheadAttention",),
+    variants={"nn": nn.MultiheadAttention, "shim": PEGradNormMultiheadAttention,
+              "gns": PEGradNormMultiheadAttention,
+              "fused": PEGradNormMultiheadAttention},
+    replaces=(nn.MultiheadAttention,),
     params=PROJECTIONS,
     convertible=convertible,
     verify=verify,

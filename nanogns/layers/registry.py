@@ -9,14 +9,17 @@ kind of each tracked parameter, for the record beside the log) and
 gns-analysis.py (the group each kind is summed in).
 
 A kind module builds one LayerKind and calls `register` at import; layers/__init__.py
-imports every kind module, one line each. Classes are named by "module:Class"
-strings and resolved on first use, so that importing the registry imports
-neither Triton nor transformers.
+imports every kind module, one line each. A module that adds a variant to kinds
+registered before it (layers/fused.py, layers/sogns.py) calls `add_variant`. Only a
+third-party class that is not always installed (transformers' Conv1D) is named by a
+"module:Class" string, looked up among the modules already imported (a model that
+holds such a class has imported it), so that importing the layers never imports
+transformers.
 """
 
 import importlib
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 VARIANTS = ("nn", "shim", "gns", "fused")  # the layer choices every kind offers ('nn' = the plain torch layer)
@@ -50,11 +53,11 @@ class LayerKind:
         name: "Linear", "Embedding", "LayerNorm", ...
         config_key: the user choice that picks this kind's variant ("linearclass", "embeddingclass", "lnclass").
         group: the parameter group gns-analysis.py sums this kind in ("Linear", "Embedding", "LayerNorm").
-        variants: {variant name: "module:Class"} for "nn" (the plain layer) and the per-example norm layers
-            ("shim", "gns", "fused", and any extra ones such as "sogns"). A variant's class records the
-            per-example norms of the parameters in `params`.
-        replaces: "module:Class" of the classes convert() swaps by their exact class ("torch.nn:Linear").
-            A module is only looked up in sys.modules: a model holding such a class has imported it.
+        variants: {variant name: class} for "nn" (the plain layer) and the per-example norm layers ("shim",
+            "gns", "fused", and any extra ones such as "sogns"). A variant's class records the per-example norms
+            of the parameters in `params`. A third-party class may be given as "module:Class" (see above).
+        replaces: the classes convert() swaps by their exact class (nn.Linear, or "module:Class" for a
+            third-party class, found only when its module is imported).
         params: the parameter names (roles) a layer of this kind may hold, in order.
         convertible: convertible(module) -> None, or why a module of a replaced class cannot be swapped.
         options: options(module) -> {constructor option: value} of a module of a replaced class (eps, ...).
@@ -78,32 +81,31 @@ class LayerKind:
     in_parent: Callable = lambda parent, name, module: None  # why a module is not converted where its parent uses it
     matches: Optional[Callable] = None  # matches(module) -> True for modules of this kind known by structure
     verify: Optional[Callable] = None  # verify(module, variant class) -> None, or why the swap would not be faithful
-    _classes: dict = field(default_factory=dict, repr=False)
 
     def layer_class(self, variant):
         """The class of `variant` ('nn', 'shim', 'gns', 'fused', ...); ValueError naming the choices otherwise."""
         if variant not in self.variants:
             raise ValueError(f"unknown {self.config_key} {variant!r}; choose from {sorted(self.variants)}")
-        if variant not in self._classes:
-            self._classes[variant] = resolve(self.variants[variant])
-        return self._classes[variant]
+        found = self.variants[variant]
+        return resolve(found) if isinstance(found, str) else found
 
     def replaced_classes(self):
         """The classes of `replaces` whose modules are loaded (a model can only hold a loaded class)."""
-        found = []
-        for path in self.replaces:
-            module_name, class_name = path.split(":")
-            cls = getattr(sys.modules.get(module_name), class_name, None)
-            if cls is not None:
-                found.append(cls)
-        return found
+        found = [loaded(c) if isinstance(c, str) else c for c in self.replaces]
+        return [c for c in found if c is not None]
 
 
 KINDS = {}  # name -> LayerKind, in registration order
 
 
+def loaded(path):
+    """The class named by "module:Class" when its module is imported already, else None."""
+    module_name, attribute = path.split(":")
+    return getattr(sys.modules.get(module_name), attribute, None)
+
+
 def resolve(path):
-    """The object named by "module:attribute"."""
+    """The class named by "module:Class", importing its module (a third-party package the user chose)."""
     module_name, attribute = path.split(":")
     return getattr(importlib.import_module(module_name), attribute)
 
@@ -115,6 +117,14 @@ def register(kind):
     assert "nn" in kind.variants, f"{kind.name}: a kind names its plain torch layer as variant 'nn'"
     KINDS[kind.name] = kind
     return kind
+
+
+def add_variant(kind_name, variant, cls):
+    """Add variant `variant` (a class) to a registered kind: for a module whose layers build on the kinds'
+    (layers/fused.py's kernels, layers/sogns.py's approximate norms)."""
+    kind = get(kind_name)
+    assert variant not in kind.variants, f"{kind_name}: variant {variant!r} registered twice"
+    kind.variants[variant] = cls
 
 
 def get(name):

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import PESqNormBuffersMixin, autocast_inputs, on_output_grad
-from layers.linear import LINEAR_OPTIONS, PEGradNormLinear, linear, record_linear_norms
-from layers.registry import LayerKind, Probe, register
+from nanogns.layers.buffers import PESqNormBuffersMixin, autocast_inputs, on_output_grad
+from nanogns.layers.linear import LINEAR_OPTIONS, PEGradNormLinear, linear, record_linear_norms
+from nanogns.layers.registry import LayerKind, Probe, register
 
 
 class _PEGradNormConv1DBase(PESqNormBuffersMixin, nn.Module):
@@ -72,8 +72,8 @@ def probe_data(module, generator, weight, bias):
 
 KIND = register(LayerKind(
     name="Conv1D", config_key="linearclass", group="Linear",
-    variants={"nn": "transformers.pytorch_utils:Conv1D", "shim": "layers.conv1d:PEGradNormShimConv1D",
-              "gns": "layers.conv1d:PEGradNormConv1D", "fused": "fused_gns:PEGradNormFusedConv1D"},
+    variants={"nn": "transformers.pytorch_utils:Conv1D", "shim": PEGradNormShimConv1D,
+              "gns": PEGradNormConv1D},  # "fused": layers/fused.py
     replaces=("transformers.pytorch_utils:Conv1D",),
     probe=Probe(fits=lambda weight, bias: weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:]),
                 data=probe_data, options=("autocast_promotes",),

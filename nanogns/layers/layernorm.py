@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_result_dtype, norm_dtype, on_output_grad
-from layers.registry import LayerKind, Probe, register
+from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_result_dtype, norm_dtype, on_output_grad
+from nanogns.layers.registry import LayerKind, Probe, register
 
 EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps",
                   "norm_eps")
@@ -257,9 +257,9 @@ def convertible(module):
 
 KIND = register(LayerKind(
     name="LayerNorm", config_key="lnclass", group="LayerNorm",
-    variants={"nn": "torch.nn:LayerNorm", "shim": "layers.layernorm:PEGradNormSeparatedLayerNorm",
-              "gns": "layers.layernorm:PEGradNormLayerNorm", "fused": "fused_gns:PEGradNormFusedLayerNorm"},
-    replaces=("torch.nn:LayerNorm",),
+    variants={"nn": nn.LayerNorm, "shim": PEGradNormSeparatedLayerNorm,
+              "gns": PEGradNormLayerNorm},  # "fused": layers/fused.py
+    replaces=(nn.LayerNorm,),
     convertible=convertible,
     options=lambda module: dict(eps=module.eps),
     probe=Probe(fits=lambda weight, bias: weight.dim() == 1 and (bias is None or bias.shape == weight.shape),

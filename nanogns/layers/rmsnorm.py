@@ -10,12 +10,13 @@ A weightless RMSNorm has no parameters and nothing to record.
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import on_output_grad
-from layers.layernorm import (OUTPUT_DTYPES, _PEGradNormLayerNormBase, affine, eps_values, norm_probe_data,
+from nanogns.layers.buffers import on_output_grad
+from nanogns.layers.layernorm import (OUTPUT_DTYPES, _PEGradNormLayerNormBase, affine, eps_values, norm_probe_data,
                               record_affine_norms)
-from layers.registry import LayerKind, Probe, register
+from nanogns.layers.registry import LayerKind, Probe, register
 
 RMS_OFFSETS = (0.0, 1.0)  # y = xhat * (offset + weight): 1 is Gemma's RMSNorm
 
@@ -100,9 +101,9 @@ def options(module):
 
 KIND = register(LayerKind(
     name="RMSNorm", config_key="lnclass", group="LayerNorm",
-    variants={"nn": "torch.nn:RMSNorm", "shim": "layers.rmsnorm:PEGradNormShimRMSNorm",
-              "gns": "layers.rmsnorm:PEGradNormRMSNorm", "fused": "fused_gns:PEGradNormFusedRMSNorm"},
-    replaces=("torch.nn:RMSNorm",),
+    variants={"nn": nn.RMSNorm, "shim": PEGradNormShimRMSNorm,
+              "gns": PEGradNormRMSNorm},  # "fused": layers/fused.py
+    replaces=(nn.RMSNorm,),
     params=("weight",),
     convertible=lambda module: (None if len(module.normalized_shape) == 1 else
                                 f"RMSNorm over {len(module.normalized_shape)} dims (per-example norm layers "

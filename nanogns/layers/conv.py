@@ -16,11 +16,12 @@ forward's examples). Conv3d is not converted (F.unfold takes 4-D inputs only).
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, on_output_grad, refuse_step
-from layers.linear import bias_pe_grads, linear_pe_sqnorm, linear_weight_grad_and_pe_sqnorm
-from layers.registry import LayerKind, register
+from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, on_output_grad, refuse_step
+from nanogns.layers.linear import bias_pe_grads, linear_pe_sqnorm, linear_weight_grad_and_pe_sqnorm
+from nanogns.layers.registry import LayerKind, register
 
 
 def _as_2d(module):
@@ -145,7 +146,7 @@ class PEGradNormShimConv(_ConvBase):
 
 KIND = register(LayerKind(
     name="Conv", config_key="linearclass", group="Linear",
-    variants={"nn": "torch.nn:Conv2d", "shim": "layers.conv:PEGradNormShimConv", "gns": "layers.conv:PEGradNormConv",
-              "fused": "layers.conv:PEGradNormConv"},  # no kernel
-    replaces=("torch.nn:Conv1d", "torch.nn:Conv2d"),
+    variants={"nn": nn.Conv2d, "shim": PEGradNormShimConv, "gns": PEGradNormConv,
+              "fused": PEGradNormConv},  # no kernel
+    replaces=(nn.Conv1d, nn.Conv2d),
 ))

@@ -89,11 +89,11 @@ import sys
 import numpy as np
 import pandas as pd
 
-import layers
-from csv_tools import load_csv
-from estimator import gns_from_emas, two_batch_stats, unbiased_stats
-from gnstracking import read_parameter_record
-from plot import save_png, terminal_plot
+from nanogns import layers
+from nanogns.runlog.reader import load_csv
+from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
+from nanogns.monitor.monitor import read_parameter_record
+from nanogns.analysis.plots import save_png, terminal_plot
 
 GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
 OVERHEAD = 0.10  # the batch-size trade-off reports the batches that keep each overhead under this

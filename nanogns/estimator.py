@@ -95,7 +95,11 @@ class RunningGNS:
         self.trsigma = EMA(decay)
 
     def update(self, sq_norm, pe_sqnorm, batch_size):
-        gtg, trsigma = unbiased_stats(sq_norm, pe_sqnorm, batch_size)
+        """Add one step of per-example norms: sum of norm^2, sum of pegn^2, B."""
+        return self.add(*unbiased_stats(sq_norm, pe_sqnorm, batch_size))
+
+    def add(self, gtg, trsigma):
+        """Add one step's unbiased |G|^2 and tr(Sigma) (a step where either is not finite is skipped)."""
         if math.isfinite(gtg) and math.isfinite(trsigma):
             self.gtg.update(gtg)
             self.trsigma.update(trsigma)

@@ -24,12 +24,12 @@ import os
 
 import torch
 
-import gnstracking
-import layer_config
-import layout
-from buffered import BUFFER_SUFFIX
-from csv_tools import load_csv
-from tracker import HEADER_TMP, LOG_CSV, LogWrapper
+from nanogns.monitor import monitor as gnstracking
+from nanogns.conversion import convert as layer_config
+from nanogns.layers import layout
+from nanogns.layers.buffers import BUFFER_SUFFIX
+from nanogns.runlog.reader import load_csv
+from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
 
 
 def _monitor(model, ema_decay, scaler, convert_options):

@@ -37,9 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype, on_output_grad
-from layers.registry import LayerKind, Probe, register
-from tied import note_head
+from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype, on_output_grad
+from nanogns.layers.registry import LayerKind, Probe, register
+from nanogns.layers.tied import note_head
 
 SIMULTANEOUS_CHUNK_ELEMENTS = 2**22  # per-example weight-gradient elements held at once (16 MB in fp32)
 # Machine balance for the strategy rule: how many FLOPs take as long as moving one byte. "cpu": the crossover
@@ -323,11 +323,9 @@ def probe_data(module, generator, weight, bias):
 
 KIND = register(LayerKind(
     name="Linear", config_key="linearclass", group="Linear",
-    variants={"nn": "torch.nn:Linear", "shim": "layers.linear:PEGradNormShimLinear",
-              "gns": "layers.linear:PEGradNormLinear", "fused": "fused_gns:PEGradNormFusedLinear",
-              "sogns": "sogns:SOGNSLinear",  # approximate norms only (sogns.py), logged under train/sogns/
-              "gns+sogns": "sogns:ExactAndSOGNSLinear"},  # exact and approximate on the same steps
-    replaces=("torch.nn:Linear",),
+    variants={"nn": nn.Linear, "shim": PEGradNormShimLinear,
+              "gns": PEGradNormLinear},  # "fused": layers/fused.py; "sogns", "gns+sogns": layers/sogns.py
+    replaces=(nn.Linear,),
     probe=Probe(fits=fits, data=probe_data, options=("cast_weight", "autocast_promotes"),
                 candidates=lambda module, options: [dict(options)] if options else LINEAR_OPTIONS),
 ))

@@ -38,11 +38,14 @@ with a warning (the norm of a sum of uses needs cross terms), as for any layer.
 import torch
 import torch.nn.functional as F
 
-import layers
-from buffered import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
-from layers.layernorm import torch_layer_norm
-from layers.rmsnorm import torch_rms_norm
-from tied import note_embedding, note_head
+from nanogns.layers import embedding as embedding_kind
+from nanogns.layers import layernorm as layernorm_kind
+from nanogns.layers import linear as linear_kind
+from nanogns.layers import registry
+from nanogns.layers.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
+from nanogns.layers.layernorm import torch_layer_norm
+from nanogns.layers.rmsnorm import torch_rms_norm
+from nanogns.layers.tied import note_embedding, note_head
 
 
 def register_buffers(module, *param_names, kind=None, bank_dims=0):
@@ -57,7 +60,7 @@ def register_buffers(module, *param_names, kind=None, bank_dims=0):
     if missing:
         raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
     if kind is not None:
-        layers.get(kind)  # an unknown kind raises, naming the registered ones
+        registry.get(kind)  # an unknown kind raises, naming the registered ones
     for name in param_names:
         param = getattr(module, name)
         if not 0 <= bank_dims < param.dim():
@@ -77,7 +80,7 @@ def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None
     rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer), (weight, bias)) if rows is None else \
         (rows, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-        out = layers.linear.linear(x, weight, bias, *buffers, rows)
+        out = linear_kind.linear(x, weight, bias, *buffers, rows)
     note_head(buffers[0], x, rows, out)
     return out
 
@@ -87,7 +90,7 @@ def embedding(ids, weight, weight_buffer=None, padding_idx=None):
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]  # F.embedding's convention
     rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,), (weight,))
-    out = layers.embedding.embedding(ids, weight, padding_idx, buffer, rows)
+    out = embedding_kind.embedding(ids, weight, padding_idx, buffer, rows)
     note_embedding(buffer, ids, rows, out)
     return out
 
@@ -99,7 +102,7 @@ def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=N
         x = x.float()  # computed in float32 under autocast
     rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):
-        return layers.layernorm.layer_norm(x, weight, bias, eps, *buffers, rows, out_dtype)
+        return layernorm_kind.layer_norm(x, weight, bias, eps, *buffers, rows, out_dtype)
 
 
 def rms_norm(x, weight, eps=None, weight_buffer=None):
@@ -107,4 +110,4 @@ def rms_norm(x, weight, eps=None, weight_buffer=None):
     out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
     rows, (buffer,) = rows_or_refuse(x.shape, (weight_buffer,))
-    return layers.layernorm.affine(xhat, weight, None, buffer, None, rows).to(out_dtype)
+    return layernorm_kind.affine(xhat, weight, None, buffer, None, rows).to(out_dtype)

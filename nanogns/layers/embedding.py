@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from buffered import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, on_output_grad
-from layers.registry import LayerKind, Probe, register
-from tied import note_embedding
+from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, on_output_grad
+from nanogns.layers.registry import LayerKind, Probe, register
+from nanogns.layers.tied import note_embedding
 
 
 def embedding_pe_sqnorm(ids, g, num_embeddings, padding_idx=None):
@@ -177,10 +177,10 @@ def probe_data(module, generator, weight, bias=None):
 
 KIND = register(LayerKind(
     name="Embedding", config_key="embeddingclass", group="Embedding",
-    variants={"nn": "torch.nn:Embedding", "shim": "layers.embedding:PEGradNormShimEmbedding",
-              "gns": "layers.embedding:PEGradNormEmbedding",
-              "fused": "layers.embedding:PEGradNormEmbedding"},  # no kernel: embedding grads are a scatter-add already
-    replaces=("torch.nn:Embedding",),
+    variants={"nn": nn.Embedding, "shim": PEGradNormShimEmbedding,
+              "gns": PEGradNormEmbedding,
+              "fused": PEGradNormEmbedding},  # no kernel: embedding grads are a scatter-add already
+    replaces=(nn.Embedding,),
     params=("weight",),
     convertible=convertible,
     in_parent=in_parent,
