@@ -4,11 +4,12 @@ step's per-example norms. GNSMonitor (nanogns/monitor/monitor.py) is the one obj
 MeasurementTracker and AccumulateMeasurements (nanogns/monitor/reference.py) are the reference's API over it.
 """
 
-from nanogns.monitor.monitor import (  # noqa: F401
-    PARAMETERS_JSON,
+from nanogns.monitor import (  # noqa: F401
+    AccumulateMeasurements,
     GNSMonitor,
     Measurement,
+    MeasurementTracker,
     describe_tracked,
     find_tracked_parameters,
 )
-from nanogns.monitor.reference import AccumulateMeasurements, MeasurementTracker  # noqa: F401
+from nanogns.runlog.record import PARAMETERS_JSON  # noqa: F401

@@ -39,7 +39,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nanogns.monitor import monitor as gnstracking  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 import nanogns as lc  # noqa: E402
 from nanogns import schedules  # noqa: E402
 from nanogns.estimator import RunningGNS  # noqa: E402

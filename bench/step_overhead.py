@@ -68,7 +68,7 @@ def build(args, name):
     import torch
     import nanogns as lc
     from nanogns.layers.buffers import zero_sqgradnorm_buffers
-    from nanogns.monitor import monitor as gnstracking
+    from nanogns import monitor as gnstracking
 
     linearclass, embeddingclass, lnclass = CHOICES[name]
     torch.manual_seed(0)

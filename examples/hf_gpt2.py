@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 from nanogns import estimator  # noqa: E402
-from nanogns.monitor import monitor as gnstracking  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 import nanogns as layer_config  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from nanogns.runlog.writer import LogWrapper  # noqa: E402

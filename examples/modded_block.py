@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
 
 from nanogns.layers import functional  # noqa: E402
-from nanogns.monitor import monitor as gnstracking  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 from nanogns.layers.buffers import PESqNormBuffersMixin  # noqa: E402
 from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
 from nanogns.runlog.writer import LogWrapper  # noqa: E402

@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from nanogns.monitor import monitor as gnstracking
+from nanogns import monitor as gnstracking
 from nanogns.conversion import convert as layer_config
 from nanogns.layers import layout
 from nanogns.layers.buffers import BUFFER_SUFFIX

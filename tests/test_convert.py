@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.layers import functional
-from nanogns.monitor import monitor as gnstracking
+from nanogns import monitor as gnstracking
 import nanogns as lc
 from nanogns.conversion import probe as swapcheck
 from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers

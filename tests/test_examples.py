@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.runlog.reader import load_csv
-from nanogns.monitor import monitor as gnstracking
-from nanogns.monitor.monitor import GNSMonitor
+from nanogns.monitor import GNSMonitor
+from nanogns.runlog.record import read_parameter_record
 from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +105,7 @@ def test_nanochat_logs_no_norm_columns_and_says_why(runs):
 def test_modded_reports_its_plain_embedding_untracked_and_logs_its_bank_once(runs):
     out_dir, script, _ = runs["modded_block"]
     assert "not tracked: embed.weight" in script.stdout
-    record = gnstracking.read_parameter_record(str(out_dir))
+    record = read_parameter_record(str(out_dir))
     assert record["mlp_bank"]["kind"] == "Linear" and record["mlp_bank"]["bank_slices"] == 4
 
 

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanogns.estimator import RunningGNS, unbiased_stats  # noqa: E402
-from nanogns.monitor.monitor import write_parameter_record  # noqa: E402
+from nanogns.runlog.record import write_parameter_record  # noqa: E402
 from nanogns.runlog.writer import LogWrapper  # noqa: E402
 
 from nanogns.analysis import analyze as ga

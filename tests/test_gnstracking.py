@@ -16,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns import estimator
-from nanogns.monitor import monitor as gnstracking
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns import monitor as gnstracking
+from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
+from nanogns.runlog.record import read_parameter_record
 from nanogns.layers.embedding import PEGradNormShimEmbedding
 from nanogns.layers.layernorm import PEGradNormLayerNorm
 from nanogns.layers.linear import PEGradNormLinear
@@ -203,9 +204,11 @@ class Blocks(nn.Module):
 
 def test_record_says_each_parameters_kind_and_block_from_the_model_not_its_name():
     record = gnstracking.GNSMonitor(Blocks()).describe()
-    assert record["h.1.ln_attn.weight"] == {"kind": "LayerNorm", "layer": "PEGradNormLayerNorm", "block": 1,
+    assert record["h.1.ln_attn.weight"] == {"kind": "LayerNorm", "group": "LayerNorm", "layer": "PEGradNormLayerNorm",
+                                            "block": 1,
                                             "names": ["h.1.ln_attn.weight"], "numel": 8, "bank_slices": None}
     assert record["h.0.norm_proj.bias"]["kind"] == "Linear" and record["h.0.norm_proj.bias"]["block"] == 0
+    assert record["h.0.norm_proj.bias"]["group"] == "Linear"
     assert record["emb.weight"]["kind"] == "Embedding" and record["emb.weight"]["block"] is None
 
 
@@ -216,7 +219,7 @@ def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
     model = Blocks()
     log = LogWrapper(out_dir=str(tmp_path))
     monitor = gnstracking.GNSMonitor(model, log=log, ema_decay=0.9)
-    assert gnstracking.read_parameter_record(str(tmp_path)) == monitor.describe()
+    assert read_parameter_record(str(tmp_path)) == monitor.describe()
     reference = estimator.RunningGNS(decay=0.9)
     ids = torch.randint(0, 13, (6, 4, 5))
     rows = []
@@ -229,7 +232,7 @@ def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
             measurements[name] = (ref.get().grad.norm().item(), (total * count) ** 0.5)
         row = monitor.step(batch_size=4)
         rows.append(row)
-        assert all(b.sum() == 0 for n, b in model.named_buffers() if n.endswith(gnstracking.BUFFER_SUFFIX))
+        assert all(b.sum() == 0 for n, b in model.named_buffers() if n.endswith(BUFFER_SUFFIX))
         for name, (norm, pegn) in measurements.items():
             assert row[f"train/gns/{name}/norm"] == pytest.approx(norm, rel=1e-5)
             assert row[f"train/gns/{name}/pegn"] == pytest.approx(pegn, rel=1e-5)

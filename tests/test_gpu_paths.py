@@ -215,7 +215,7 @@ def test_benchmarks_set_tf32_as_train_py():
 def test_fused_gpt_under_the_monitor_equals_gns():
     """A GPT with fused Linear and LayerNorm read by GNSMonitor (its buffers re-homed in one flat tensor, which
     the finishing kernel updates) measures what the gns layers measure, over two accumulated steps."""
-    from nanogns.monitor import monitor as gnstracking
+    from nanogns import monitor as gnstracking
     import nanogns as lc
     from nanogns.layers.buffers import zero_sqgradnorm_buffers
 

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanogns import estimator  # noqa: E402
-from nanogns.monitor import monitor as gnstracking  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 import nanogns as lc  # noqa: E402
 from nanogns.layers.buffers import zero_sqgradnorm_buffers  # noqa: E402
 from conftest import GNS_LAYERS, TINY as TINY_BASE, run_script  # noqa: E402

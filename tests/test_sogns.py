@@ -9,7 +9,7 @@ class keeps the exact numbers, and train.py logs both under their own prefixes.
 import pytest
 import torch
 
-from nanogns.monitor import monitor as gnstracking
+from nanogns import monitor as gnstracking
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.layers.linear import PEGradNormLinear
 from conftest import TINY, run_script

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.monitor import monitor as gnstracking
+from nanogns import monitor as gnstracking
 import nanogns as lc
 from nanogns.layers import tied
 from nanogns.layers.buffers import zero_sqgradnorm_buffers

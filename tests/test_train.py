@@ -16,7 +16,8 @@ import torch
 from conftest import GNS_LAYERS, TINY, run_script
 from nanogns.runlog.reader import load_csv
 from nanogns.estimator import RunningGNS
-from nanogns.monitor.monitor import PARAMETERS_JSON, Measurement, summed_sqnorms
+from nanogns.monitor import Measurement, summed_sqnorms
+from nanogns.runlog.record import PARAMETERS_JSON
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shakespeare_data")]
 STEPS, EXAMPLES, BLOCK = 6, 8, 16  # 4 sequences x 2 accumulation steps of 16 characters

@@ -89,10 +89,10 @@ import sys
 import numpy as np
 import pandas as pd
 
-from nanogns import layers
+
 from nanogns.runlog.reader import load_csv
 from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
-from nanogns.monitor.monitor import read_parameter_record
+from nanogns.runlog.record import read_parameter_record
 from nanogns.analysis.plots import save_png, terminal_plot
 
 GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
@@ -180,12 +180,23 @@ def estimate(df, params, alpha):
     return out
 
 
+# the group of each layer kind in records of format 1, which did not write it (nanogns.layers' registry has it)
+FORMAT_1_GROUPS = {"Linear": "Linear", "Conv1D": "Linear", "Conv": "Linear", "Experts": "Linear",
+                   "MultiheadAttention": "Linear", "Embedding": "Embedding", "Embedding+Linear": "Embedding",
+                   "LayerNorm": "LayerNorm", "RMSNorm": "LayerNorm"}
+
+
+def record_group(facts):
+    """The analysis group of one entry of a run's record: what it says, or (format 1) its kind's group."""
+    return facts.get("group") or FORMAT_1_GROUPS.get(facts["kind"], "Other")
+
+
 def parameter_facts(names, record):
     """{name: (group, block)}: from the run's record where it has the name, else from the name itself."""
     facts = {}
     for name in names:
         if record is not None and name in record:
-            facts[name] = (layers.group_of(record[name]["kind"]), record[name]["block"])
+            facts[name] = (record_group(record[name]), record[name]["block"])
         else:
             facts[name] = (param_group(name), param_block(name))
     return facts

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
-from nanogns.monitor import monitor as gnstracking  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 import nanogns as lc  # noqa: E402
 from read_ops import OpCounter  # noqa: E402  (bench/read_ops.py: ops by name)
 
