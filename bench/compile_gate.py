@@ -28,7 +28,7 @@ each compiled with the specialisation the glue launches: Triton's
 divisible-by-16 hint on the pointers and on every integer argument a kernel
 does not list in do_not_specialize (row strides and padded widths, which the
 glue keeps multiples of 16 except the ragged L, K and D above, compiled without
-the hint; tests/test_compile_gate.py checks that it does).
+the hint; tests/test_bench_compile_gate.py checks that it does).
 Registers, spills and stack come from ptxas's own -v report for the cubin
 Triton builds; shared memory from Triton's metadata, against the target's
 per-block limit (fused_gns.shared_memory_limit). Triton must not be in
@@ -59,23 +59,69 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanogns.layers import fused as fused_gns  # noqa: E402
 from nanogns import kernels as normgnorm  # noqa: E402
+from nanogns.layers import fused as fused_gns  # noqa: E402
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 NORM_FLAVOURS = ((False, True), (False, False), (True, False))  # (IS_RMS, HAS_BIAS): LayerNorm, no bias, RMSNorm
 # argument types of each kernel: "*" pointers to the layer dtype ("*T") or fp32, scalars i32 / fp32
 SIGNATURES = {
     "_ln_fwd": dict(X="*T", Y="*T", W="*T", B="*T", MEAN="*fp32", RSTD="*fp32", D="i32", STRIDE="i32", eps="fp32"),
-    "_ln_bwd_dx_pesq": dict(X="*T", G="*T", DX="*T", W="*T", MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
-                            DB_PART="*fp32", T="i32", D="i32", STRIDE="i32", ROWS_PER_CHUNK="i32"),
-    "_linear_bwd_dw_pesq": dict(X="*T", G="*T", DW="*T", DW_PART="*fp32", W_PESQ_PART="*fp32", N="i32", T="i32", L="i32",
-                                K="i32", EXAMPLES_PER_CHUNK="i32", FRONT_ROWS="i32", CHUNKS="i32"),
-    "_pe_sqnorm_finish": dict(A_PART="*fp32", B_PART="*fp32", A_GRAD="*T", B_GRAD="*T", SQ_PART="*fp32",
-                              PESQ="*fp32", A_BUF="*fp32", B_BUF="*fp32", COUNTER="*i32", N="i32", C="i32", W="i32",
-                              STRIDE="i32", S="i32", COUNT="i32", A_ON="i32", B_ON="i32", A_RECORD="i32",
-                              B_RECORD="i32", A_BUF_AT="i32", B_BUF_AT="i32", SUM_PART="*fp32", SUM_OUT="*T",
-                              SUM_N="i32", SUM_CHUNKS="i32"),
+    "_ln_bwd_dx_pesq": dict(
+        X="*T",
+        G="*T",
+        DX="*T",
+        W="*T",
+        MEAN="*fp32",
+        RSTD="*fp32",
+        DW_PART="*fp32",
+        DB_PART="*fp32",
+        T="i32",
+        D="i32",
+        STRIDE="i32",
+        ROWS_PER_CHUNK="i32",
+    ),
+    "_linear_bwd_dw_pesq": dict(
+        X="*T",
+        G="*T",
+        DW="*T",
+        DW_PART="*fp32",
+        W_PESQ_PART="*fp32",
+        N="i32",
+        T="i32",
+        L="i32",
+        K="i32",
+        EXAMPLES_PER_CHUNK="i32",
+        FRONT_ROWS="i32",
+        CHUNKS="i32",
+    ),
+    "_pe_sqnorm_finish": dict(
+        A_PART="*fp32",
+        B_PART="*fp32",
+        A_GRAD="*T",
+        B_GRAD="*T",
+        SQ_PART="*fp32",
+        PESQ="*fp32",
+        A_BUF="*fp32",
+        B_BUF="*fp32",
+        COUNTER="*i32",
+        N="i32",
+        C="i32",
+        W="i32",
+        STRIDE="i32",
+        S="i32",
+        COUNT="i32",
+        A_ON="i32",
+        B_ON="i32",
+        A_RECORD="i32",
+        B_RECORD="i32",
+        A_BUF_AT="i32",
+        B_BUF_AT="i32",
+        SUM_PART="*fp32",
+        SUM_OUT="*T",
+        SUM_N="i32",
+        SUM_CHUNKS="i32",
+    ),
 }
 FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_gns.finish_block_w
 FINISH_WARPS = 4
@@ -114,19 +160,29 @@ class Job:
 
 def all_jobs(archs):
     """Every (kernel, dtype, constexprs, warps, stages) the glue can launch, per target."""
-    block_ds = sorted({fused_gns.norm_launch_config(D) for D in
-                       [2**i for i in range(fused_gns.MAX_NORM_FEATURES.bit_length())] + [fused_gns.MAX_NORM_FEATURES]})
+    block_ds = sorted(
+        {
+            fused_gns.norm_launch_config(D)
+            for D in [2**i for i in range(fused_gns.MAX_NORM_FEATURES.bit_length())] + [fused_gns.MAX_NORM_FEATURES]
+        }
+    )
     for arch in archs:
         capability = divmod(arch, 10)
         for dtype, name in TYPE_NAMES.items():
-            for allow_tf32 in ((False, True) if dtype == torch.float32 else (True,)):
+            for allow_tf32 in (False, True) if dtype == torch.float32 else (True,):
                 # L and K multiples of 16 or ragged, as fused_gns.linear_ragged passes them for each (dtype, dots)
-                unaligned_sets = sorted({fused_gns.linear_ragged(L, K, dtype, allow_tf32)
-                                         for L, K in itertools.product((32, 40), repeat=2)})
+                unaligned_sets = sorted(
+                    {fused_gns.linear_ragged(L, K, dtype, allow_tf32) for L, K in itertools.product((32, 40), repeat=2)}
+                )
                 for unaligned in unaligned_sets:
                     for c in fused_gns.linear_candidates(dtype, capability, allow_tf32, unaligned):
-                        flags = (("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"), ("DOT_IN_FP32", False),
-                                 ("BLOCK_L", c.block_l), ("BLOCK_K", c.block_k), ("BLOCK_T", c.block_t))
+                        flags = (
+                            ("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"),
+                            ("DOT_IN_FP32", False),
+                            ("BLOCK_L", c.block_l),
+                            ("BLOCK_K", c.block_k),
+                            ("BLOCK_T", c.block_t),
+                        )
                         yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
             for block_w, squares in itertools.product(FINISH_BLOCK_WS, (False, True)):
                 flags = (("A_SQUARES", squares), ("BLOCK_W", block_w), ("SUM_BLOCK", fused_gns.FINISH_SUM_BLOCK))
@@ -148,21 +204,33 @@ def compile_job(job):
     constexprs = dict(job.constexprs)
     signature.update({k: "constexpr" for k in constexprs})
     names = list(signature)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in specialised_args(kernel)
-             if signature[a][0] in "*i" and a not in job.unaligned}  # pointers and integers
+    attrs = {
+        (names.index(a),): [["tt.divisibility", 16]]
+        for a in specialised_args(kernel)
+        if signature[a][0] in "*i" and a not in job.unaligned
+    }  # pointers and integers
     options = {"num_warps": job.num_warps, **({"num_stages": job.num_stages} if job.num_stages else {})}
     log = io.StringIO()
     start = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                                      target=GPUTarget("cuda", job.arch, 32), options=options)
+            compiled = triton.compile(
+                ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                target=GPUTarget("cuda", job.arch, 32),
+                options=options,
+            )
     except Exception as e:  # a compile error is a gate failure, reported with the configuration
         return job, {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
     text = log.getvalue()
-    found = {key: re.search(pattern, text) for key, pattern in
-             [("registers", r"Used (\d+) registers"), ("spill_stores", r"(\d+) bytes spill stores"),
-              ("spill_loads", r"(\d+) bytes spill loads"), ("stack", r"(\d+) bytes stack frame")]}
+    found = {
+        key: re.search(pattern, text)
+        for key, pattern in [
+            ("registers", r"Used (\d+) registers"),
+            ("spill_stores", r"(\d+) bytes spill stores"),
+            ("spill_loads", r"(\d+) bytes spill loads"),
+            ("stack", r"(\d+) bytes stack frame"),
+        ]
+    }
     if not all(found.values()):
         return job, {"error": f"no ptxas -v report found in:\n{text[-1500:]}"}
     result = {key: int(m.group(1)) for key, m in found.items()}
@@ -176,8 +244,10 @@ def problems(job, result):
         return [result["error"]]
     found = []
     if result["spill_stores"] or result["spill_loads"] or result["stack"]:
-        found.append(f"spills {result['spill_stores']} B stored / {result['spill_loads']} B loaded, "
-                     f"stack frame {result['stack']} B")
+        found.append(
+            f"spills {result['spill_stores']} B stored / {result['spill_loads']} B loaded, "
+            f"stack frame {result['stack']} B"
+        )
     limit = fused_gns.shared_memory_limit(divmod(job.arch, 10))
     if result["shared"] > limit:
         found.append(f"shared memory {result['shared']} B > {limit} B")
@@ -187,8 +257,10 @@ def problems(job, result):
 def run_gate(archs=(80, 90), jobs=None, verbose=False, out=sys.stdout):
     """Compile everything; print the summary line (and failures); return True when every kernel passes."""
     if fused_gns.kernels_interpreted():
-        raise RuntimeError("compile_gate: Triton's interpreter is active (TRITON_INTERPRET=1 when triton was "
-                           "imported); run `python bench/compile_gate.py`, which compiles for GPU targets")
+        raise RuntimeError(
+            "compile_gate: Triton's interpreter is active (TRITON_INTERPRET=1 when triton was "
+            "imported); run `python bench/compile_gate.py`, which compiles for GPU targets"
+        )
     # a fresh cache: every kernel really goes through ptxas (whose report we read), none comes from an old run
     # (removed afterwards: a few MB of cubins per run)
     cache = tempfile.TemporaryDirectory(prefix="compile_gate_")
@@ -203,19 +275,26 @@ def run_gate(archs=(80, 90), jobs=None, verbose=False, out=sys.stdout):
         found = problems(job, result)
         failures += [f"FAIL {job.label()}: {p}" for p in found]
         if verbose and "error" not in result:
-            print(f"{job.label()}: {result['registers']} registers, {result['spill_stores']} B spilled, "
-                  f"{result['shared']} B shared, {result['seconds']:.1f} s", file=out)
+            print(
+                f"{job.label()}: {result['registers']} registers, {result['spill_stores']} B spilled, "
+                f"{result['shared']} B shared, {result['seconds']:.1f} s",
+                file=out,
+            )
     ok = [(job, r) for job, r in results if "error" not in r]
     per_target = ", ".join(f"sm_{a}: {sum(j.arch == a for j, _ in results)}" for a in archs)
     kernels = len({j.kernel for j, _ in results})
     spilled = sum(1 for _, r in ok if r["spill_stores"] or r["spill_loads"] or r["stack"])
     top_regs = max(ok, key=lambda jr: jr[1]["registers"], default=None)
     top_shared = max(ok, key=lambda jr: jr[1]["shared"], default=None)
-    summary = (f"compile gate: {kernels} kernels x their launch configurations compiled per target ({per_target}); "
-               f"spills: {spilled}; failures: {len(failures)}")
+    summary = (
+        f"compile gate: {kernels} kernels x their launch configurations compiled per target ({per_target}); "
+        f"spills: {spilled}; failures: {len(failures)}"
+    )
     if top_regs:
-        summary += (f"; most registers {top_regs[1]['registers']} ({top_regs[0].label()}); most shared memory "
-                    f"{top_shared[1]['shared']} B ({top_shared[0].label()})")
+        summary += (
+            f"; most registers {top_regs[1]['registers']} ({top_regs[0].label()}); most shared memory "
+            f"{top_shared[1]['shared']} B ({top_shared[0].label()})"
+        )
     summary += f"; {time.perf_counter() - start:.0f} s"
     for line in failures:
         print(line, file=out)

@@ -2,7 +2,7 @@
 Does following the GNS pay? The critical batch size measured against the GNS, and batch-size schedules.
 
     python bench/critical_batch.py                  # the full run (bench/RESULTS.md): 13-16 min on a shared 2-core machine
-    python bench/critical_batch.py --quick          # a tiny version, ~20 s (CI: tests/test_critical_batch.py)
+    python bench/critical_batch.py --quick          # a tiny version, ~20 s (CI: tests/test_bench_critical_batch.py)
 
 1. Sweep: a small nanoGPT of the quick start's kind (char-level Shakespeare, all-layer `gns` norms) is trained
    at fixed batch sizes B (>= 2 orders of magnitude), each until a fixed validation loss, recording the
@@ -39,8 +39,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nanogns import monitor as gnstracking  # noqa: E402
 import nanogns as lc  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 from nanogns import schedules  # noqa: E402
 from nanogns.estimator import RunningGNS  # noqa: E402
 
@@ -72,9 +72,21 @@ class Task:
 
 
 FULL = Task()
-QUICK = Task(n_layer=1, n_head=2, n_embd=32, block_size=16, target=2.75, lr_ref=4e-3, lr_grid=(1.0, 2.0),
-             warmup_steps=5, val_windows=64, max_steps=1500, batch_sizes=(4, 16, 64, 256), seeds=(0,),
-             schedule_seeds=(0,))
+QUICK = Task(
+    n_layer=1,
+    n_head=2,
+    n_embd=32,
+    block_size=16,
+    target=2.75,
+    lr_ref=4e-3,
+    lr_grid=(1.0, 2.0),
+    warmup_steps=5,
+    val_windows=64,
+    max_steps=1500,
+    batch_sizes=(4, 16, 64, 256),
+    seeds=(0,),
+    schedule_seeds=(0,),
+)
 
 
 def rule_lr(task, batch_size):
@@ -104,8 +116,8 @@ def load_shakespeare():
 
 
 def windows(ids, starts, block_size):
-    x = torch.stack([ids[s:s + block_size] for s in starts])
-    y = torch.stack([ids[s + 1:s + 1 + block_size] for s in starts])
+    x = torch.stack([ids[s : s + block_size] for s in starts])
+    y = torch.stack([ids[s + 1 : s + 1 + block_size] for s in starts])
     return x, y
 
 
@@ -114,13 +126,26 @@ def build(task, vocab_size, seed):
     torch.manual_seed(seed)
     with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
         from model import GPT, GPTConfig
-        model = GPT(GPTConfig(n_layer=task.n_layer, n_head=task.n_head, n_embd=task.n_embd,
-                              block_size=task.block_size, vocab_size=vocab_size, dropout=0.0, bias=False,
-                              device_name="cpu"))
+
+        model = GPT(
+            GPTConfig(
+                n_layer=task.n_layer,
+                n_head=task.n_head,
+                n_embd=task.n_embd,
+                block_size=task.block_size,
+                vocab_size=vocab_size,
+                dropout=0.0,
+                bias=False,
+                device_name="cpu",
+            )
+        )
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": task.weight_decay},
-                                   {"params": rest, "weight_decay": 0.0}], lr=task.lr_ref, betas=(0.9, task.beta2))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": task.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=task.lr_ref,
+        betas=(0.9, task.beta2),
+    )
     monitor = gnstracking.GNSMonitor(model, ema_decay=task.ema_decay)
     ln_names = {name for name, what in monitor.describe().items() if what["kind"] in ("LayerNorm", "RMSNorm")}
     return model, optimizer, monitor, ln_names
@@ -141,8 +166,9 @@ def train_to_target(task, data, seed, batch_of, lr_of, label="", max_steps=None)
     model, optimizer, monitor, ln_names = build(task, vocab, seed)
     ln_gns = RunningGNS(task.ema_decay)
     rng = np.random.default_rng([seed, 12345])
-    val_x, val_y = windows(val, np.random.default_rng(999).integers(len(val) - task.block_size, size=task.val_windows),
-                           task.block_size)
+    val_x, val_y = windows(
+        val, np.random.default_rng(999).integers(len(val) - task.block_size, size=task.val_windows), task.block_size
+    )
 
     @torch.no_grad()
     def val_loss():
@@ -165,8 +191,7 @@ def train_to_target(task, data, seed, batch_of, lr_of, label="", max_steps=None)
         loss = model(x, y)[1]
         loss.backward()
         monitor.step(batch_size=B)
-        ln_gns.update(*gnstracking.summed_sqnorms([m for m in monitor.measurements
-                                                   if m.metadata["name"] in ln_names]))
+        ln_gns.update(*gnstracking.summed_sqnorms([m for m in monitor.measurements if m.metadata["name"] in ln_names]))
         torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -189,14 +214,35 @@ def train_to_target(task, data, seed, batch_of, lr_of, label="", max_steps=None)
                     frac = (last[2] - task.target) / (last[2] - v)
                     s = last[0] + frac * (done - last[0])
                     e = last[1] + frac * (examples - last[1])
-                print(f"  {label} seed {seed}: target {task.target} at step {s:.1f}, {e:,.0f} examples, "
-                      f"gns {monitor.gns:.1f} (LayerNorm {ln_gns.gns:.1f}), {wall:.1f}s", flush=True)
-                return dict(reached=True, steps=s, examples=e, tokens=e * task.block_size, gns=monitor.gns,
-                            gns_ln=ln_gns.gns, wall=wall, curve=curve, seed=seed)
+                print(
+                    f"  {label} seed {seed}: target {task.target} at step {s:.1f}, {e:,.0f} examples, "
+                    f"gns {monitor.gns:.1f} (LayerNorm {ln_gns.gns:.1f}), {wall:.1f}s",
+                    flush=True,
+                )
+                return dict(
+                    reached=True,
+                    steps=s,
+                    examples=e,
+                    tokens=e * task.block_size,
+                    gns=monitor.gns,
+                    gns_ln=ln_gns.gns,
+                    wall=wall,
+                    curve=curve,
+                    seed=seed,
+                )
             last = point
     print(f"  {label} seed {seed}: target {task.target} not reached in {max_steps} steps", flush=True)
-    return dict(reached=False, steps=math.nan, examples=math.nan, tokens=math.nan, gns=monitor.gns,
-                gns_ln=ln_gns.gns, wall=wall, curve=curve, seed=seed)
+    return dict(
+        reached=False,
+        steps=math.nan,
+        examples=math.nan,
+        tokens=math.nan,
+        gns=monitor.gns,
+        gns_ln=ln_gns.gns,
+        wall=wall,
+        curve=curve,
+        seed=seed,
+    )
 
 
 def fit_tradeoff(batch_sizes, steps):
@@ -252,13 +298,13 @@ def sweep(task, data):
                 best = r
             if mult == tried[-1] and best is not None:
                 lo, hi = min(tried), max(tried)
-                if best["mult"] == lo and lo > min(task.lr_grid) / 2 ** task.lr_extend:
+                if best["mult"] == lo and lo > min(task.lr_grid) / 2**task.lr_extend:
                     tried.append(lo / 2)
-                elif best["mult"] == hi and hi < max(task.lr_grid) * 2 ** task.lr_extend:
+                elif best["mult"] == hi and hi < max(task.lr_grid) * 2**task.lr_extend:
                     tried.append(hi * 2)
         best = best or grid[-len(task.lr_grid)]
         runs.append(best)
-        for seed in (task.seeds[1:] if B in seeded else ()):
+        for seed in task.seeds[1:] if B in seeded else ():
             r = train_to_target(task, data, seed, fixed, lambda b, lr=best["lr"]: lr, f"B={B} lr={best['lr']:.2e}")
             r.update(B=B, lr=best["lr"], mult=best["mult"])
             runs.append(r)
@@ -282,16 +328,25 @@ def summarize_sweep(task, runs):
         mine = [r for r in runs if r["B"] == B]
         reached = [r for r in mine if r["reached"]]
         col = lambda k: [r[k] for r in reached]  # noqa: E731
-        table.append(dict(B=B, runs=len(mine), reached=len(reached),
-                          S=float(np.median(col("steps"))) if reached else math.nan,
-                          S_lo=min(col("steps"), default=math.nan), S_hi=max(col("steps"), default=math.nan),
-                          E=float(np.median(col("examples"))) if reached else math.nan,
-                          gns=float(np.median(col("gns"))) if reached else math.nan,
-                          gns_ln=float(np.median(col("gns_ln"))) if reached else math.nan,
-                          wall=float(np.median(col("wall"))) if reached else math.nan,
-                          lr=mine[0]["lr"] if mine else math.nan,
-                          lr_edge=bool(mine) and not (min(task.lr_grid) / 2 ** task.lr_extend < mine[0]["mult"]
-                                                      < max(task.lr_grid) * 2 ** task.lr_extend)))
+        table.append(
+            dict(
+                B=B,
+                runs=len(mine),
+                reached=len(reached),
+                S=float(np.median(col("steps"))) if reached else math.nan,
+                S_lo=min(col("steps"), default=math.nan),
+                S_hi=max(col("steps"), default=math.nan),
+                E=float(np.median(col("examples"))) if reached else math.nan,
+                gns=float(np.median(col("gns"))) if reached else math.nan,
+                gns_ln=float(np.median(col("gns_ln"))) if reached else math.nan,
+                wall=float(np.median(col("wall"))) if reached else math.nan,
+                lr=mine[0]["lr"] if mine else math.nan,
+                lr_edge=bool(mine)
+                and not (
+                    min(task.lr_grid) / 2**task.lr_extend < mine[0]["mult"] < max(task.lr_grid) * 2**task.lr_extend
+                ),
+            )
+        )
     return dict(fit=fit, per_seed_B_crit=per_seed, gns=gns, gns_ln=gns_ln, table=table)
 
 
@@ -314,12 +369,15 @@ def run_schedules(task, data, lr_of, b_fixed, b_linear, b_gns_max, tokens_budget
         def choose(step, examples, gns):
             state["accum"] = schedules.gns_steps(state["accum"], gns, m, 1.0, 1, gns_max, max_delta=1)
             return m * state["accum"]
+
         return choose
 
     out = {}
-    for name, make in ((f"fixed B={b_fixed}", lambda: (lambda s, e, g: b_fixed)),
-                       (f"linear {m}->{m * linear_max}", lambda: linear),
-                       (f"gns (factor 1, {m}..{m * gns_max})", gns_guided)):
+    for name, make in (
+        (f"fixed B={b_fixed}", lambda: lambda s, e, g: b_fixed),
+        (f"linear {m}->{m * linear_max}", lambda: linear),
+        (f"gns (factor 1, {m}..{m * gns_max})", gns_guided),
+    ):
         out[name] = [train_to_target(task, data, seed, make(), lr_of, label=name) for seed in task.schedule_seeds]
     return out
 
@@ -340,10 +398,19 @@ def summarize_schedules(results, fit=None):
         ok = [r for r in runs if r["reached"]]
         med = lambda k: float(np.median([r[k] for r in ok])) if ok else math.nan  # noqa: E731
         rng = lambda k: (min(r[k] for r in ok), max(r[k] for r in ok)) if ok else (math.nan, math.nan)  # noqa: E731
-        row = dict(name=name, runs=len(runs), reached=len(ok), steps=med("steps"), steps_range=rng("steps"),
-                   examples=med("examples"), tokens=med("tokens"), tokens_range=rng("tokens"),
-                   wall=med("wall"), wall_range=rng("wall"),
-                   final_B=float(np.median([r["curve"][-1][5] for r in ok])) if ok else math.nan)
+        row = dict(
+            name=name,
+            runs=len(runs),
+            reached=len(ok),
+            steps=med("steps"),
+            steps_range=rng("steps"),
+            examples=med("examples"),
+            tokens=med("tokens"),
+            tokens_range=rng("tokens"),
+            wall=med("wall"),
+            wall_range=rng("wall"),
+            final_B=float(np.median([r["curve"][-1][5] for r in ok])) if ok else math.nan,
+        )
         if fit is not None and ok:
             row["fixed_steps_same_examples"] = fixed_batch_frontier(fit, examples=row["examples"])
             row["fixed_examples_same_steps"] = fixed_batch_frontier(fit, steps=row["steps"])
@@ -354,6 +421,7 @@ def summarize_schedules(results, fit=None):
 def figures(task, runs, summary, sched, out_dir):
     """steps_vs_examples.png, bcrit_vs_gns.png and (with schedules) schedules.png in out_dir."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
@@ -378,8 +446,13 @@ def figures(task, runs, summary, sched, out_dir):
         pts = [(r["examples"], r["steps"]) for r in rs if r["reached"]]
         if pts and not name.startswith("fixed"):
             ax.scatter(*zip(*pts), marker=marker, facecolors="none", edgecolors="k", s=30, label=name, zorder=4)
-    ax.set(xscale="log", yscale="log", xlabel="examples E to target", ylabel="optimizer steps S to target",
-           title=f"val loss {task.target}: S_min {fit['S_min']:.0f}, E_min {fit['E_min']:,.0f}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="examples E to target",
+        ylabel="optimizer steps S to target",
+        title=f"val loss {task.target}: S_min {fit['S_min']:.0f}, E_min {fit['E_min']:,.0f}",
+    )
     ax.legend(fontsize=6)
     fig.tight_layout()
     paths.append(os.path.join(out_dir, "steps_vs_examples.png"))
@@ -395,8 +468,13 @@ def figures(task, runs, summary, sched, out_dir):
     seeds = list(summary["per_seed_B_crit"].values())
     if len(seeds) > 1:
         ax.axhspan(min(seeds), max(seeds), color="r", alpha=0.15, label="B_crit range over seeds")
-    ax.set(xscale="log", yscale="log", xlabel="the run's batch size B", ylabel="examples",
-           title="measured critical batch vs the runs' GNS")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="the run's batch size B",
+        ylabel="examples",
+        title="measured critical batch vs the runs' GNS",
+    )
     lo, hi = ax.get_ylim()
     ax.set_yticks([t for t in (2, 5, 10, 20, 30, 50, 100, 200, 300, 500, 1000) if lo <= t <= hi])
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -433,50 +511,69 @@ def figures(task, runs, summary, sched, out_dir):
 def report(task, summary, sched_rows):
     """The printed result: the sweep table, the fit, B_crit beside the GNS, the schedule table."""
     fit = summary["fit"]
-    lines = [f"target validation loss {task.target}; lr tuned per B over {task.lr_grid} x {task.lr_ref:g} "
-             f"(B/{task.b_ref})^{task.lr_exp:g} (seed {task.seeds[0]}), {task.warmup_steps} warmup steps; "
-             f"* = best lr at the extended grid's edge",
-             "     B  runs  reached   S (median [min, max])      E median    GNS all  GNS LN      lr   wall s"]
+    lines = [
+        f"target validation loss {task.target}; lr tuned per B over {task.lr_grid} x {task.lr_ref:g} "
+        f"(B/{task.b_ref})^{task.lr_exp:g} (seed {task.seeds[0]}), {task.warmup_steps} warmup steps; "
+        f"* = best lr at the extended grid's edge",
+        "     B  runs  reached   S (median [min, max])      E median    GNS all  GNS LN      lr   wall s",
+    ]
     for t in summary["table"]:
-        lines.append(f"{t['B']:6d} {t['runs']:5d} {t['reached']:8d}   {t['S']:8.1f} [{t['S_lo']:7.1f}, {t['S_hi']:7.1f}]"
-                     f"  {t['E']:11,.0f}  {t['gns']:9.1f} {t['gns_ln']:7.1f} {t['lr']:7.4f}{'*' if t['lr_edge'] else ' '}"
-                     f"{t['wall']:8.1f}")
+        lines.append(
+            f"{t['B']:6d} {t['runs']:5d} {t['reached']:8d}   {t['S']:8.1f} [{t['S_lo']:7.1f}, {t['S_hi']:7.1f}]"
+            f"  {t['E']:11,.0f}  {t['gns']:9.1f} {t['gns_ln']:7.1f} {t['lr']:7.4f}{'*' if t['lr_edge'] else ' '}"
+            f"{t['wall']:8.1f}"
+        )
     seeds = summary["per_seed_B_crit"]
-    spread = (f" (per seed: {', '.join(f'{v:.0f}' for v in seeds.values())})" if seeds else "")
-    lines += [f"fit (S/S_min - 1)(E/E_min - 1) = 1: S_min = {fit['S_min']:.1f} steps, E_min = {fit['E_min']:,.0f} "
-              f"examples, rms log residual {fit['rms']:.3f}",
-              f"measured B_crit = E_min / S_min = {fit['B_crit']:.1f} examples{spread}",
-              f"GNS at the target (median over runs): all parameters {summary['gns']:.1f} "
-              f"(B_crit / GNS = {fit['B_crit'] / summary['gns']:.2f}), LayerNorm only {summary['gns_ln']:.1f} "
-              f"(B_crit / GNS = {fit['B_crit'] / summary['gns_ln']:.2f})"]
+    spread = f" (per seed: {', '.join(f'{v:.0f}' for v in seeds.values())})" if seeds else ""
+    lines += [
+        f"fit (S/S_min - 1)(E/E_min - 1) = 1: S_min = {fit['S_min']:.1f} steps, E_min = {fit['E_min']:,.0f} "
+        f"examples, rms log residual {fit['rms']:.3f}",
+        f"measured B_crit = E_min / S_min = {fit['B_crit']:.1f} examples{spread}",
+        f"GNS at the target (median over runs): all parameters {summary['gns']:.1f} "
+        f"(B_crit / GNS = {fit['B_crit'] / summary['gns']:.2f}), LayerNorm only {summary['gns_ln']:.1f} "
+        f"(B_crit / GNS = {fit['B_crit'] / summary['gns_ln']:.2f})",
+    ]
     if sched_rows:
-        lines.append("schedule (medians over seeds)     runs  reached   steps [range]     tokens [range]"
-                     "                   wall s [range]      final B   fixed batch by the fit: steps at these "
-                     "examples, examples at these steps")
+        lines.append(
+            "schedule (medians over seeds)     runs  reached   steps [range]     tokens [range]"
+            "                   wall s [range]      final B   fixed batch by the fit: steps at these "
+            "examples, examples at these steps"
+        )
         for r in sched_rows:
-            lines.append(f"{r['name']:32s} {r['runs']:5d} {r['reached']:8d}   {r['steps']:6.1f} "
-                         f"[{r['steps_range'][0]:.0f}, {r['steps_range'][1]:.0f}]   {r['tokens']:9,.0f} "
-                         f"[{r['tokens_range'][0]:,.0f}, {r['tokens_range'][1]:,.0f}]   {r['wall']:6.1f} "
-                         f"[{r['wall_range'][0]:.1f}, {r['wall_range'][1]:.1f}]   {r['final_B']:6.0f}   "
-                         f"{r.get('fixed_steps_same_examples', math.nan):7.1f} steps "
-                         f"(x{r['steps'] / r.get('fixed_steps_same_examples', math.nan):.2f}), "
-                         f"{r.get('fixed_examples_same_steps', math.nan):8,.0f} examples "
-                         f"(x{r['examples'] / r.get('fixed_examples_same_steps', math.nan):.2f})")
+            lines.append(
+                f"{r['name']:32s} {r['runs']:5d} {r['reached']:8d}   {r['steps']:6.1f} "
+                f"[{r['steps_range'][0]:.0f}, {r['steps_range'][1]:.0f}]   {r['tokens']:9,.0f} "
+                f"[{r['tokens_range'][0]:,.0f}, {r['tokens_range'][1]:,.0f}]   {r['wall']:6.1f} "
+                f"[{r['wall_range'][0]:.1f}, {r['wall_range'][1]:.1f}]   {r['final_B']:6.0f}   "
+                f"{r.get('fixed_steps_same_examples', math.nan):7.1f} steps "
+                f"(x{r['steps'] / r.get('fixed_steps_same_examples', math.nan):.2f}), "
+                f"{r.get('fixed_examples_same_steps', math.nan):8,.0f} examples "
+                f"(x{r['examples'] / r.get('fixed_examples_same_steps', math.nan):.2f})"
+            )
     return "\n".join(lines)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="the tiny CI version (a few minutes at most)")
-    p.add_argument("--out_dir", default=None, help="figures and results.json (default: bench/figures/critical_batch"
-                   " or, with --quick, out-critical-batch-quick)")
+    p.add_argument(
+        "--out_dir",
+        default=None,
+        help="figures and results.json (default: bench/figures/critical_batch"
+        " or, with --quick, out-critical-batch-quick)",
+    )
     p.add_argument("--no_schedules", action="store_true", help="the sweep and fit only")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     task = QUICK if args.quick else FULL
-    out_dir = args.out_dir or (os.path.join(REPO, "out-critical-batch-quick") if args.quick
-                               else os.path.join(REPO, "bench", "figures", "critical_batch"))
+    out_dir = args.out_dir or (
+        os.path.join(REPO, "out-critical-batch-quick")
+        if args.quick
+        else os.path.join(REPO, "bench", "figures", "critical_batch")
+    )
     data = load_shakespeare()
     print(f"task: {task}", flush=True)
     t0 = time.time()
@@ -488,16 +585,26 @@ def main(argv=None):
         b_fixed = min(task.batch_sizes, key=lambda b: abs(math.log(b / fit["B_crit"])))
         budget = next(t["E"] for t in summary["table"] if t["B"] == b_fixed) * task.block_size
         lr_of = interpolated_lr({t["B"]: t["lr"] for t in summary["table"]})
-        sched = run_schedules(task, data, lr_of, b_fixed, min(4 * b_fixed, max(task.batch_sizes)), max(task.batch_sizes),
-                              int(budget))
+        sched = run_schedules(
+            task, data, lr_of, b_fixed, min(4 * b_fixed, max(task.batch_sizes)), max(task.batch_sizes), int(budget)
+        )
         sched_rows = summarize_schedules(sched, fit)
     text = report(task, summary, sched_rows)
     print(text)
     paths = figures(task, runs, summary, sched, out_dir)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(dict(task=dataclasses.asdict(task), summary=summary, schedules=sched_rows,
-                       runs=[{k: v for k, v in r.items() if k != "curve"} for r in runs],
-                       lr_grid=[{k: v for k, v in r.items() if k != "curve"} for r in grid]), f, indent=1, default=float)
+        json.dump(
+            dict(
+                task=dataclasses.asdict(task),
+                summary=summary,
+                schedules=sched_rows,
+                runs=[{k: v for k, v in r.items() if k != "curve"} for r in runs],
+                lr_grid=[{k: v for k, v in r.items() if k != "curve"} for r in grid],
+            ),
+            f,
+            indent=1,
+            default=float,
+        )
     print(f"figures: {', '.join(os.path.relpath(q, REPO) for q in paths)}; total {time.time() - t0:.0f}s")
     return dict(summary=summary, schedules=sched_rows, figures=paths, report=text)
 

@@ -18,7 +18,7 @@ input gradients); every candidate tile of the Linear kernel, forced, against
 per-example matmuls in float64, and on a GPU one case past 2**31 elements; the
 fused layers under torch.compile (inductor, one graph) against eager. Then the
 launches of one backward beside torch's (bench/launch_counts.py). On the CPU
-the shapes are small and the test files are left to CI; tests/test_gpu_report.py
+the shapes are small and the test files are left to CI; tests/test_bench_gpu_report.py
 runs this mode, so the GPU command cannot rot.
 
 The tables (GPU only): bench/kernels.py's kernel timings at GPT-2 shapes against
@@ -41,14 +41,21 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
 from nanogns import layers  # noqa: E402
 from nanogns.layers import fused as fused_gns  # noqa: E402
-from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest reference value
-GPT2 = ["--n_layer=12", "--n_head=12", "--n_embd=768", "--block_size=1024", "--batch_size=12", "--vocab_size=50304",
-        "--bias=True"]
+GPT2 = [
+    "--n_layer=12",
+    "--n_head=12",
+    "--n_embd=768",
+    "--block_size=1024",
+    "--batch_size=12",
+    "--vocab_size=50304",
+    "--bias=True",
+]
 
 
 def _with(module, name, value):
@@ -63,11 +70,13 @@ def _with(module, name, value):
             yield
         finally:
             setattr(module, name, old)
+
     return ctx()
 
 
 def layer_cases():
     """(label, kind, make(features), twin(module) -> float64 torch layer, strategy context or None)."""
+
     def linear_twin(m):
         return nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
 
@@ -79,25 +88,64 @@ def layer_cases():
 
     cases = [("Linear shim", "linear", lambda f: layers.linear.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
     for strategy in (None, "gram", "materialise"):
-        cases.append((f"Linear gns {strategy or 'rule'}", "linear", lambda f: layers.linear.PEGradNormLinear(f, f + 9),
-                      linear_twin, (layers.linear, "LINEAR_STRATEGY", strategy)))
+        cases.append(
+            (
+                f"Linear gns {strategy or 'rule'}",
+                "linear",
+                lambda f: layers.linear.PEGradNormLinear(f, f + 9),
+                linear_twin,
+                (layers.linear, "LINEAR_STRATEGY", strategy),
+            )
+        )
     for strategy in (None, "kernel", "gram", "materialise"):
-        cases.append((f"Linear fused {strategy or 'choice'}", "linear",
-                      lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9), linear_twin,
-                      (fused_gns, "FUSED_LINEAR_STRATEGY", strategy)))
+        cases.append(
+            (
+                f"Linear fused {strategy or 'choice'}",
+                "linear",
+                lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9),
+                linear_twin,
+                (fused_gns, "FUSED_LINEAR_STRATEGY", strategy),
+            )
+        )
     cases += [
-        ("Linear gns no bias", "linear", lambda f: layers.linear.PEGradNormLinear(f, f + 9, bias=False), linear_twin, None),
-        ("Linear fused no bias", "linear", lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9, bias=False),
-         linear_twin, None),
-        ("Embedding shim", "embedding", lambda f: layers.embedding.PEGradNormShimEmbedding(29, f),
-         lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim), None),
-        ("Embedding gns", "embedding", lambda f: layers.embedding.PEGradNormEmbedding(29, f),
-         lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim), None),
+        (
+            "Linear gns no bias",
+            "linear",
+            lambda f: layers.linear.PEGradNormLinear(f, f + 9, bias=False),
+            linear_twin,
+            None,
+        ),
+        (
+            "Linear fused no bias",
+            "linear",
+            lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9, bias=False),
+            linear_twin,
+            None,
+        ),
+        (
+            "Embedding shim",
+            "embedding",
+            lambda f: layers.embedding.PEGradNormShimEmbedding(29, f),
+            lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim),
+            None,
+        ),
+        (
+            "Embedding gns",
+            "embedding",
+            lambda f: layers.embedding.PEGradNormEmbedding(29, f),
+            lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim),
+            None,
+        ),
         ("LayerNorm shim", "norm", lambda f: layers.layernorm.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
         ("LayerNorm gns", "norm", lambda f: layers.layernorm.PEGradNormLayerNorm(f), norm_twin, None),
         ("LayerNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f), norm_twin, None),
-        ("LayerNorm fused no bias", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f, bias=False),
-         norm_twin, None),
+        (
+            "LayerNorm fused no bias",
+            "norm",
+            lambda f: fused_gns.PEGradNormFusedLayerNorm(f, bias=False),
+            norm_twin,
+            None,
+        ),
         ("RMSNorm gns", "norm", lambda f: layers.rmsnorm.PEGradNormRMSNorm(f), rms_twin, None),
         ("RMSNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedRMSNorm(f), rms_twin, None),
     ]
@@ -117,7 +165,7 @@ def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, featur
     layer = make(features)
     with torch.no_grad():
         for p in layer.parameters():  # away from the identity init, so every term matters
-            p.copy_(torch.randn_like(p) / features ** 0.5 + (1 if p.dim() == 1 and kind == "norm" else 0))
+            p.copy_(torch.randn_like(p) / features**0.5 + (1 if p.dim() == 1 and kind == "norm" else 0))
     twin = twin_of(layer).double()
     twin.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     layer, twin = layer.to(device, dtype), twin.to(device)
@@ -131,8 +179,9 @@ def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, featur
     expected = per_example_sqnorms_by_loop(twin, inputs.double() if kind != "embedding" else inputs, grad_out.double())
     x = inputs.clone().requires_grad_(True) if kind != "embedding" else inputs
     x_twin = inputs.double().requires_grad_(True) if kind != "embedding" else inputs
-    fused = isinstance(layer, (fused_gns.PEGradNormFusedLinear, fused_gns.PEGradNormFusedLayerNorm,
-                               fused_gns.PEGradNormFusedRMSNorm))
+    fused = isinstance(
+        layer, (fused_gns.PEGradNormFusedLinear, fused_gns.PEGradNormFusedLayerNorm, fused_gns.PEGradNormFusedRMSNorm)
+    )
     if fused and (device.startswith("cuda") or fused_gns.kernels_interpreted()):
         reason = fused_gns.kernel_unavailable_reason(inputs)
         assert reason is None, f"{label}: the kernel would not run ({reason})"
@@ -175,13 +224,25 @@ def check_layers(device, dtypes=None, shapes=None, out=sys.stdout):
         for dtype in dtypes:
             for lead, features in shapes:
                 case = f"{label}, {str(dtype).replace('torch.', '')}, input {(*lead, features)}"
-                _check(case, lambda: (check_case(label, kind, make, twin_of, strategy, device, dtype, lead, features),
-                                      TOL[dtype]), failed, out)
+                _check(
+                    case,
+                    lambda: (
+                        check_case(label, kind, make, twin_of, strategy, device, dtype, lead, features),
+                        TOL[dtype],
+                    ),
+                    failed,
+                    out,
+                )
     return failed
 
 
-FUSED_TEST_FILES = ["tests/test_fused_gns.py", "tests/test_gpu_paths.py", "tests/test_launches.py",
-                    "tests/test_linear_schedule.py", "tests/test_compile_fused.py"]
+FUSED_TEST_FILES = [
+    "tests/test_layers_fused.py",
+    "tests/test_layers_fused_gpu_paths.py",
+    "tests/test_bench_launch_counts.py",
+    "tests/test_layers_fused_linear_plan.py",
+    "tests/test_layers_fused_compile.py",
+]
 
 
 def run_test_files(out=sys.stdout):
@@ -189,11 +250,19 @@ def run_test_files(out=sys.stdout):
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FUSED_TEST_FILES],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FUSED_TEST_FILES],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     lines = done.stdout.strip().splitlines()
-    print(f"{'ok  ' if done.returncode == 0 else 'FAIL'} pytest {' '.join(FUSED_TEST_FILES)}: "
-          f"{lines[-1] if lines else done.stderr[-500:]}", file=out)
+    print(
+        f"{'ok  ' if done.returncode == 0 else 'FAIL'} pytest {' '.join(FUSED_TEST_FILES)}: "
+        f"{lines[-1] if lines else done.stderr[-500:]}",
+        file=out,
+    )
     if done.returncode != 0:
         print("\n".join(lines[-40:]), file=out)
     return [] if done.returncode == 0 else ["test files"]
@@ -221,7 +290,8 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
         sq += dw_i.pow(2).sum().item()
     errors = [_rel_error(layer.weight.grad, dw), abs(layer.weight_upegsqnorm[0].item() - sq) / sq]
     tol = {"16-bit": TOL[torch.bfloat16], "tf32": 5e-3, "ieee": TOL[torch.float32]}[
-        fused_gns.linear_dot_precision(dtype, tf32)]
+        fused_gns.linear_dot_precision(dtype, tf32)
+    ]
     return max(errors), tol
 
 
@@ -235,16 +305,27 @@ def check_candidates(device, out=sys.stdout):
     cases = []
     for precision, dtype, tf32 in flavours:
         for c in fused_gns.LINEAR_CANDIDATES[precision]:
-            cases.append((f"kernel {precision} {c.block_l}x{c.block_k}x{c.block_t} w{c.num_warps} s{c.num_stages}",
-                          c, dtype, tf32, (3, c.block_t + 5, c.block_k + 24, c.block_l + 9)))
+            cases.append(
+                (
+                    f"kernel {precision} {c.block_l}x{c.block_k}x{c.block_t} w{c.num_warps} s{c.num_stages}",
+                    c,
+                    dtype,
+                    tf32,
+                    (3, c.block_t + 5, c.block_k + 24, c.block_l + 9),
+                )
+            )
     if on_gpu:  # 2 x 21504 x 50257 = 2.16e9 elements of the output gradient (4.3 GB in bf16), GPT-2's ragged vocabulary
         c = fused_gns.linear_candidates(torch.bfloat16, torch.cuda.get_device_capability(), True, ("L",))[0]
         cases.append(("kernel past 2**31 elements, bf16", c, torch.bfloat16, True, (2, 21504, 64, 50257)))
     else:
         print("skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)", file=out)
     for label, config, dtype, tf32, shape in cases:
-        _check(f"{label}, (N, T, K, L) = {shape}", lambda: _candidate_error(config, dtype, tf32, device, *shape),
-               failed, out)
+        _check(
+            f"{label}, (N, T, K, L) = {shape}",
+            lambda: _candidate_error(config, dtype, tf32, device, *shape),
+            failed,
+            out,
+        )
         if on_gpu:
             torch.cuda.empty_cache()
     return failed
@@ -272,6 +353,7 @@ def check_compiled(device, out=sys.stdout):
                 m(xk).backward(g)
                 results.append([xk.grad] + [p.grad for p in m.parameters()] + list(m.buffers()))
             return max(_rel_error(a, b) for a, b in zip(results[1], results[0])), TOL[dtype]
+
         _check(f"torch.compile fused layers vs eager, {str(dtype).replace('torch.', '')}", error, failed, out)
     return failed
 
@@ -290,25 +372,44 @@ def gpu_tables(args):
     print(f"\n## {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("### Kernels at GPT-2 shapes against cuBLAS: `python bench/kernels.py`\n")
     kernels.main([])
-    print("\n### Per-Linear: `python bench/linear_strategies.py --device=cuda --dtype=bfloat16 "
-          "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768`\n")
-    linear_strategies.main(["--device=cuda", "--dtype=bfloat16",
-                            "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768"])
+    print(
+        "\n### Per-Linear: `python bench/linear_strategies.py --device=cuda --dtype=bfloat16 "
+        "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768`\n"
+    )
+    linear_strategies.main(
+        [
+            "--device=cuda",
+            "--dtype=bfloat16",
+            "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768",
+        ]
+    )
     # peak memory needs a subprocess per choice (minutes): left to step_overhead.py itself
-    step_args = ["--device=cuda", "--dtype=bfloat16", f"--steps={args.steps}", "--memory=False",
-                 "--choices=nn,LayerNorm-only fused,all-layer gns,all-layer fused", *GPT2]
+    step_args = [
+        "--device=cuda",
+        "--dtype=bfloat16",
+        f"--steps={args.steps}",
+        "--memory=False",
+        "--choices=nn,LayerNorm-only fused,all-layer gns,all-layer fused",
+        *GPT2,
+    ]
     print(f"\n### GPT-2 124M step: `python bench/step_overhead.py {' '.join(step_args)}`\n")
     step_overhead.main(step_args)
-    print("\nfused Linear, strategy timed fastest per shape (N, T, K, L): " + "; ".join(
-        f"{key[:4]} {choice if isinstance(choice, str) else 'kernel ' + str(choice)}"
-        for key, choice in fused_gns._linear_choices.items()))
+    print(
+        "\nfused Linear, strategy timed fastest per shape (N, T, K, L): "
+        + "; ".join(
+            f"{key[:4]} {choice if isinstance(choice, str) else 'kernel ' + str(choice)}"
+            for key, choice in fused_gns._linear_choices.items()
+        )
+    )
 
 
 def run_checks(device, out=sys.stdout):
     """Every check of this report for `device`; returns the failed cases."""
     on_gpu = device.startswith("cuda")
-    print(f"# checks on {device}" + ("" if on_gpu else " (Triton's interpreter; the test files run in CI itself)"),
-          file=out)
+    print(
+        f"# checks on {device}" + ("" if on_gpu else " (Triton's interpreter; the test files run in CI itself)"),
+        file=out,
+    )
     failed = run_test_files(out) if on_gpu else []
     print("## per-example norm layers against the brute-force oracle", file=out)
     failed += check_layers(device, out=out)

@@ -13,16 +13,16 @@ timed choice picked.
 Columns: median ms (triton.testing.do_bench), ratio to the plain row, GB/s of
 the minimum traffic (each input read once, each output written once), and the
 peak memory allocated above what was live before the call. Correctness is
-tested in tests/test_fused_gns.py, not here.
+tested in tests/test_layers_fused.py, not here.
 """
 
 import argparse
 import os
 import sys
 
-import train_settings  # bench/train_settings.py, beside this script
 import torch
 import torch.nn.functional as F
+import train_settings  # bench/train_settings.py, beside this script
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,20 +81,25 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     for strategy in ("gram", "materialise"):
         ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
-    for config in fused_gns.linear_candidates(dtype, capability, tf32,
-                                                 fused_gns.linear_ragged(L, K, dtype, tf32)):
+    for config in fused_gns.linear_candidates(dtype, capability, tf32, fused_gns.linear_ragged(L, K, dtype, tf32)):
         # what the fused Linear's backward launches for dW and its norms: the kernel and the finishing kernel
         ms, mib = measure(lambda: fused_gns.linear_weight_grad_finished(x, g, config))
-        report(f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
-               ms, plain_ms, nbytes, mib)
+        report(
+            f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
+            ms,
+            plain_ms,
+            nbytes,
+            mib,
+        )
     choice = fused_gns._linear_choice(x, g)  # the fused Linear's own timed choice
     print(f"{'  fused Linear picks':<44} {choice if isinstance(choice, str) else 'the kernel, ' + str(choice)}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="default: bfloat16")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="default: bfloat16"
+    )
     parser.add_argument("--batch-size", type=int, default=12, help="B, default: 12")
     parser.add_argument("--block-size", type=int, default=1024, help="T, default: 1024")
     parser.add_argument("--n-embd", type=int, default=768, help="D, default: 768")
@@ -102,8 +107,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if not torch.cuda.is_available():
-        sys.exit("bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
-                 "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_fused_gns.py")
+        sys.exit(
+            "bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
+            "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_layers_fused.py"
+        )
     from nanogns.layers import fused as fused_gns
 
     dtype = getattr(torch, args.dtype)

@@ -10,7 +10,7 @@ that launch work on a GPU, those inside the fused layers' custom ops
 (nanogns::*) included, plus each Triton kernel launch (fused_gns._launch,
 wrapped here; ops the interpreter issues inside a launch are not counted).
 Views, detach and allocations (empty*) launch nothing and are not counted.
-tests/test_launches.py holds the fused counts at torch's + 2 (LayerNorm) and
+tests/test_bench_launch_counts.py holds the fused counts at torch's + 2 (LayerNorm) and
 torch's + 3 (Linear).
 """
 
@@ -28,9 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from nanogns.layers import fused as fused_gns  # noqa: E402
 
 # ops that allocate or describe memory and launch no kernel
-NO_LAUNCH = {"aten.detach.default", "aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
-             "aten.new_empty.default", "aten.new_empty_strided.default", "aten.lift_fresh.default",
-             "aten._unsafe_view.default"}
+NO_LAUNCH = {
+    "aten.detach.default",
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.empty_strided.default",
+    "aten.new_empty.default",
+    "aten.new_empty_strided.default",
+    "aten.lift_fresh.default",
+    "aten._unsafe_view.default",
+}
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -81,11 +88,13 @@ def count_backward(layer, x, grad=None):
 
 def layer_pairs(D, L, device, dtype):
     """(label, torch layer, fused layer) with the same parameters."""
-    pairs = [("LayerNorm", torch.nn.LayerNorm(D), fused_gns.PEGradNormFusedLayerNorm(D)),
-             ("LayerNorm no bias", torch.nn.LayerNorm(D, bias=False), fused_gns.PEGradNormFusedLayerNorm(D, bias=False)),
-             ("RMSNorm", torch.nn.RMSNorm(D, eps=1e-6), fused_gns.PEGradNormFusedRMSNorm(D)),
-             ("Linear", torch.nn.Linear(D, L), fused_gns.PEGradNormFusedLinear(D, L)),
-             ("Linear no bias", torch.nn.Linear(D, L, bias=False), fused_gns.PEGradNormFusedLinear(D, L, bias=False))]
+    pairs = [
+        ("LayerNorm", torch.nn.LayerNorm(D), fused_gns.PEGradNormFusedLayerNorm(D)),
+        ("LayerNorm no bias", torch.nn.LayerNorm(D, bias=False), fused_gns.PEGradNormFusedLayerNorm(D, bias=False)),
+        ("RMSNorm", torch.nn.RMSNorm(D, eps=1e-6), fused_gns.PEGradNormFusedRMSNorm(D)),
+        ("Linear", torch.nn.Linear(D, L), fused_gns.PEGradNormFusedLinear(D, L)),
+        ("Linear no bias", torch.nn.Linear(D, L, bias=False), fused_gns.PEGradNormFusedLinear(D, L, bias=False)),
+    ]
     for _, plain, fused in pairs:
         fused.load_state_dict(plain.state_dict())
         plain.to(device, dtype)

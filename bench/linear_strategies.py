@@ -32,9 +32,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-import train_settings  # noqa: E402  (bench/train_settings.py)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+import train_settings  # noqa: E402  (bench/train_settings.py)
 
 ISSUE_SHAPES = "16,256,128,512;16,64,384,1536;4,512,768,3072;64,32,256,256;8,256,384,1536"
 
@@ -54,6 +54,7 @@ def parse_args(argv=None):
 
 def _forced(module, name, value):
     """A callable that runs with module.<name> = value, then restores it."""
+
     def run(fn):
         old = getattr(module, name)
         setattr(module, name, value)
@@ -61,6 +62,7 @@ def _forced(module, name, value):
             return fn()
         finally:
             setattr(module, name, old)
+
     return run
 
 
@@ -78,24 +80,34 @@ def layer_factories(device):
     layers = {
         "plain nn.Linear": (lambda K, L: nn.Linear(K, L), _plain, None),
         "gns": (lambda K, L: layers.linear.PEGradNormLinear(K, L), _plain, buffer_norm),
-        "gns gram": (lambda K, L: layers.linear.PEGradNormLinear(K, L), _forced(layers.linear, "LINEAR_STRATEGY", "gram"),
-                     buffer_norm),
-        "gns materialise": (lambda K, L: layers.linear.PEGradNormLinear(K, L),
-                            _forced(layers.linear, "LINEAR_STRATEGY", "materialise"), buffer_norm),
+        "gns gram": (
+            lambda K, L: layers.linear.PEGradNormLinear(K, L),
+            _forced(layers.linear, "LINEAR_STRATEGY", "gram"),
+            buffer_norm,
+        ),
+        "gns materialise": (
+            lambda K, L: layers.linear.PEGradNormLinear(K, L),
+            _forced(layers.linear, "LINEAR_STRATEGY", "materialise"),
+            buffer_norm,
+        ),
         "shim": (lambda K, L: layers.linear.PEGradNormShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
         from nanogns.layers import fused as fused_gns
 
         layers["fused"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L), _plain, buffer_norm)
-        layers["fused kernel"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L),
-                                  _forced(fused_gns, "FUSED_LINEAR_STRATEGY", "kernel"), buffer_norm)
+        layers["fused kernel"] = (
+            lambda K, L: fused_gns.PEGradNormFusedLinear(K, L),
+            _forced(fused_gns, "FUSED_LINEAR_STRATEGY", "kernel"),
+            buffer_norm,
+        )
     try:
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
         def make_opacus(K, L):
-            return GradSampleModuleFastGradientClipping(nn.Linear(K, L), batch_first=True, loss_reduction="sum",
-                                                        max_grad_norm=1.0, use_ghost_clipping=True)
+            return GradSampleModuleFastGradientClipping(
+                nn.Linear(K, L), batch_first=True, loss_reduction="sum", max_grad_norm=1.0, use_ghost_clipping=True
+            )
 
         layers["Opacus ghost"] = (make_opacus, _plain, lambda m: m.get_norm_sample())
     except ImportError:
@@ -147,7 +159,7 @@ def interleaved_ratios(shape, names, args, dtype):
             step()
     times = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
             t0 = time.perf_counter()
             steps[n]()
@@ -200,8 +212,10 @@ def main(argv=None):
     if "plain nn.Linear" not in names:
         names = ["plain nn.Linear"] + names
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
-    print(f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved "
-          f"rounds; ratio to plain nn.Linear forward + backward in the same round (peak memory MiB)")
+    print(
+        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved "
+        f"rounds; ratio to plain nn.Linear forward + backward in the same round (peak memory MiB)"
+    )
     if "Opacus ghost" not in available or "BackPACK" not in available:
         print("(Opacus / BackPACK not importable: their columns are left out)")
     print("| B, T, K, L | gns picks | " + " | ".join(names[1:]) + " | plain ms |")
@@ -211,9 +225,18 @@ def main(argv=None):
         peaks = {}
         if args.memory == "True":
             for n in names:
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), f"--device={args.device}",
-                                      f"--dtype={args.dtype}", f"--one={n}|{','.join(map(str, shape))}"],
-                                     capture_output=True, text=True, cwd=REPO)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        f"--device={args.device}",
+                        f"--dtype={args.dtype}",
+                        f"--one={n}|{','.join(map(str, shape))}",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    cwd=REPO,
+                )
                 ok = out.returncode == 0
                 peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"] if ok else float("nan")
         B, T, K, L = shape

@@ -44,7 +44,9 @@ CHOICES = ("plain eager", "plain default", "per-example")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype (default: float32)")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype (default: float32)"
+    )
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     p.add_argument("--intermediate", type=int, default=512, help="each expert's intermediate size (default: 512)")
     p.add_argument("--experts", type=int, default=8, help="experts (default: 8)")
@@ -69,10 +71,15 @@ def build(args, name):
     from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
     torch.manual_seed(0)
-    config = MixtralConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_local_experts=args.experts,
-                           num_experts_per_tok=args.top_k)
-    config._experts_implementation = "eager" if name in ("plain eager", "per-example") else \
-        _default_implementation(config)
+    config = MixtralConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+    )
+    config._experts_implementation = (
+        "eager" if name in ("plain eager", "per-example") else _default_implementation(config)
+    )
     block = MixtralSparseMoeBlock(config)
     for p in block.parameters():
         nn.init.normal_(p, std=0.02)
@@ -84,7 +91,9 @@ def build(args, name):
             monitor = lc.convert(model)  # the Sequential around the block maps its (B*T, D) rows to the B examples
     device_type = "cuda" if "cuda" in args.device else "cpu"
     ctx = torch.autocast(device_type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
-    x = torch.randn(args.batch_size, args.tokens, args.hidden, generator=torch.Generator().manual_seed(1)).to(args.device)
+    x = torch.randn(args.batch_size, args.tokens, args.hidden, generator=torch.Generator().manual_seed(1)).to(
+        args.device
+    )
 
     def step():
         with ctx:
@@ -137,8 +146,12 @@ def main(argv=None):
     passthrough = list(argv if argv is not None else sys.argv[1:])
     peaks = {name: float("nan") for name in CHOICES}
     for name in CHOICES if args.memory == "True" else []:
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
-                             capture_output=True, text=True, cwd=REPO)
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         if out.returncode != 0:
             raise SystemExit(f"moe_block.py: {name!r} failed:\n{out.stderr[-3000:]}")
         peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
@@ -149,22 +162,26 @@ def main(argv=None):
     times = {name: [] for name in CHOICES}
     names = list(CHOICES)
     for r in range(args.steps):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
     base = CHOICES[0]
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above build"
-    print(f"{args.device}, {args.dtype}, MixtralSparseMoeBlock hidden={args.hidden} intermediate={args.intermediate} "
-          f"experts={args.experts} top_k={args.top_k}, B={args.batch_size} x T={args.tokens}, {args.steps} interleaved "
-          f"rounds; ratio: median over rounds of step time / {base}'s in the same round (quartiles)")
+    print(
+        f"{args.device}, {args.dtype}, MixtralSparseMoeBlock hidden={args.hidden} intermediate={args.intermediate} "
+        f"experts={args.experts} top_k={args.top_k}, B={args.batch_size} x T={args.tokens}, {args.steps} interleaved "
+        f"rounds; ratio: median over rounds of step time / {base}'s in the same round (quartiles)"
+    )
     print(f"| block | step ms | ratio to {base} | {memory_label} | memory ratio |")
     print("|---|---|---|---|---|")
     for name in CHOICES:
         ratios = [t / b for t, b in zip(times[name], times[base])]
         q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        print(f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
-              f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / peaks[base]:.3f} |")
+        print(
+            f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
+            f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / peaks[base]:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanogns import monitor as gnstracking  # noqa: E402
 import nanogns as lc  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 
 CHOICES = {"nn": ("nn", "nn", "nn"), "LayerNorm-only gns": ("nn", "nn", "gns"), "all-layer gns": ("gns", "gns", "gns")}
 
@@ -44,8 +44,9 @@ def counts(choice, n_layer, batch=4, block=16):
     linear, embedding, ln = CHOICES[choice]
     torch.manual_seed(0)
     with lc.set_contextual_config(**lc.layer_classes(linearclass=linear, embeddingclass=embedding, lnclass=ln)):
-        model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=block, vocab_size=64, dropout=0.0,
-                              bias=True))
+        model = GPT(
+            GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=block, vocab_size=64, dropout=0.0, bias=True)
+        )
     monitor = gnstracking.GNSMonitor(model, expect_tracked=False) if choice != "nn" else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x = torch.randint(0, 64, (batch, block + 1))

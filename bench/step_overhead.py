@@ -45,9 +45,18 @@ DEFAULT_CPU = ["nn", "LayerNorm-only gns", "all-layer shim", "all-layer gns"]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="autocast dtype (default: float32)")
-    p.add_argument("--compile", default="False", choices=["True", "False"], help="torch.compile the model (default: False)")
-    p.add_argument("--choices", default=None, help="comma-separated layer choices (default: the four CPU ones, or all six on cuda)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="autocast dtype (default: float32)",
+    )
+    p.add_argument(
+        "--compile", default="False", choices=["True", "False"], help="torch.compile the model (default: False)"
+    )
+    p.add_argument(
+        "--choices", default=None, help="comma-separated layer choices (default: the four CPU ones, or all six on cuda)"
+    )
     p.add_argument("--n_layer", type=int, default=6)
     p.add_argument("--n_head", type=int, default=6)
     p.add_argument("--n_embd", type=int, default=384)
@@ -66,9 +75,10 @@ def parse_args(argv=None):
 def build(args, name):
     """Model, optimizer, scaler and a `step()` closure for one layer choice."""
     import torch
+
     import nanogns as lc
-    from nanogns.layers.buffers import zero_sqgradnorm_buffers
     from nanogns import monitor as gnstracking
+    from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
     linearclass, embeddingclass, lnclass = CHOICES[name]
     torch.manual_seed(0)
@@ -77,8 +87,18 @@ def build(args, name):
     ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype, enabled=args.dtype != "float32")
     with lc.set_contextual_config(**lc.layer_classes(linearclass, embeddingclass, lnclass)):
         from model import GPT, GPTConfig
-        model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size,
-                              vocab_size=args.vocab_size, bias=args.bias == "True", dropout=0.0)).to(args.device)
+
+        model = GPT(
+            GPTConfig(
+                n_layer=args.n_layer,
+                n_head=args.n_head,
+                n_embd=args.n_embd,
+                block_size=args.block_size,
+                vocab_size=args.vocab_size,
+                bias=args.bias == "True",
+                dropout=0.0,
+            )
+        ).to(args.device)
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
     tracked = lc.tracks_per_example_norms(linearclass, embeddingclass, lnclass)
@@ -86,8 +106,10 @@ def build(args, name):
     step_model = torch.compile(model) if args.compile == "True" else model
     ga = args.gradient_accumulation_steps
     generator = torch.Generator().manual_seed(1)  # the same batches for every choice
-    batches = [torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), generator=generator).to(args.device)
-               for _ in range(ga)]
+    batches = [
+        torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), generator=generator).to(args.device)
+        for _ in range(ga)
+    ]
 
     def step():
         for x, y in batches:
@@ -112,6 +134,7 @@ def peak_memory_mb(args):
     """Peak memory of --one's choice running alone: the GPU allocator's peak, or on the
     CPU the process's peak RSS minus its RSS after importing torch."""
     import torch
+
     rss_before_mb = _current_rss_mb()  # torch's own import is not the layers' memory
     step = build(args, args.one)
     if "cuda" in args.device:
@@ -121,6 +144,7 @@ def peak_memory_mb(args):
     if "cuda" in args.device:
         return torch.cuda.max_memory_allocated() / 2**20
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss_before_mb  # Linux reports KiB
 
 
@@ -137,12 +161,15 @@ def interleaved_times(args, names):
             step()
     times = {name: [] for name in names}
     for r in range(args.steps):
-        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
             t0 = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - t0)
-        print(f"round {r + 1}/{args.steps}: " + ", ".join(f"{n} {times[n][-1] * 1000:.0f} ms" for n in names), file=sys.stderr)
+        print(
+            f"round {r + 1}/{args.steps}: " + ", ".join(f"{n} {times[n][-1] * 1000:.0f} ms" for n in names),
+            file=sys.stderr,
+        )
     return times
 
 
@@ -161,25 +188,33 @@ def main(argv=None):
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--choices")]
     peaks = {name: float("nan") for name in names}
     for name in names if args.memory == "True" else []:
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
-                             capture_output=True, text=True, cwd=REPO)
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *passthrough, f"--one={name}"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
         if out.returncode != 0:
             raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
         peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
     times = interleaved_times(args, names)
     base_peak = peaks["nn"]
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above import"
-    print(f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
-          f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
-          f"{args.steps} interleaved rounds; ratio: median over rounds of step time / nn's in the same round "
-          f"(quartiles in brackets)")
+    print(
+        f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
+        f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
+        f"{args.steps} interleaved rounds; ratio: median over rounds of step time / nn's in the same round "
+        f"(quartiles in brackets)"
+    )
     print(f"| layers | step ms | ratio to nn | {memory_label} | memory ratio |")
     print("|---|---|---|---|---|")
     for name in names:
         ratios = [t / base for t, base in zip(times[name], times["nn"])]
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        print(f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
-              f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |")
+        print(
+            f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
+            f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,17 +23,17 @@ n_head = 12
 n_embd = 768
 dropout = 0.0
 bias = True
-cos_attn = [1] # block 1 uses cosine attention (q, k unit-normalised; see CausalSelfAttention)
+cos_attn = [1]  # block 1 uses cosine attention (q, k unit-normalised; see CausalSelfAttention)
 
 # AdamW and the schedule, in tokens (Chinchilla-style: about 20 tokens per parameter)
 learning_rate = 1.17e-3
-min_lr = 1.17e-4 # learning_rate / 10
+min_lr = 1.17e-4  # learning_rate / 10
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
-warmup_tokens = 374_784_000 # 1525 steps * 245,760 tokens
-lr_decay_tokens = 2_219_950_080 # 9033 steps * 245,760 tokens
+warmup_tokens = 374_784_000  # 1525 steps * 245,760 tokens
+lr_decay_tokens = 2_219_950_080  # 9033 steps * 245,760 tokens
 max_tokens = lr_decay_tokens
 
 # eval and logging

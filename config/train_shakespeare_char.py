@@ -3,21 +3,21 @@
 # (nanoGPT's baby GPT; the schedule is counted in tokens, as in this fork's train.py)
 
 out_dir = 'out-shakespeare-char'
-eval_interval = 250 # keep frequent because we'll overfit
+eval_interval = 250  # keep frequent because we'll overfit
 eval_iters = 200
-log_interval = 10 # don't print too too often
+log_interval = 10  # don't print too too often
 
 # we expect to overfit on this small dataset, so only save when val improves
 always_save_checkpoint = False
 
-wandb_log = False # override via command line if you like
+wandb_log = False  # override via command line if you like
 wandb_project = 'shakespeare-char'
 wandb_run_name = 'mini-gpt'
 
 dataset = 'shakespeare_char'
 gradient_accumulation_steps = 1
 batch_size = 64
-block_size = 256 # context of up to 256 previous characters
+block_size = 256  # context of up to 256 previous characters
 
 # baby GPT model :)
 n_layer = 6
@@ -25,15 +25,15 @@ n_head = 6
 n_embd = 384
 dropout = 0.2
 
-learning_rate = 1e-3 # with baby networks can afford to go a bit higher
+learning_rate = 1e-3  # with baby networks can afford to go a bit higher
 max_iters = 5000
-min_lr = 1e-4 # learning_rate / 10 usually
-beta2 = 0.99 # make a bit bigger because number of tokens per iter is small
+min_lr = 1e-4  # learning_rate / 10 usually
+beta2 = 0.99  # make a bit bigger because number of tokens per iter is small
 
 # nanoGPT's warmup_iters = 100 and lr_decay_iters = max_iters = 5000, in tokens
-_tokens_per_iter = gradient_accumulation_steps * batch_size * block_size # 16,384
-warmup_tokens = 100 * _tokens_per_iter # 1,638,400
-lr_decay_tokens = 5000 * _tokens_per_iter # 81,920,000
+_tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # 16,384
+warmup_tokens = 100 * _tokens_per_iter  # 1,638,400
+lr_decay_tokens = 5000 * _tokens_per_iter  # 81,920,000
 max_tokens = lr_decay_tokens
 
 # on macbook also add

@@ -12,20 +12,20 @@
 
 out_dir = 'out-shakespeare-char'
 eval_interval = 100
-eval_iters = 20 # 20 * 32 sequences: a noisy but quick val loss
+eval_iters = 20  # 20 * 32 sequences: a noisy but quick val loss
 log_interval = 10
 always_save_checkpoint = False
 
 dataset = 'shakespeare_char'
 gradient_accumulation_steps = 1
-batch_size = 32 # examples per step: the B of the GNS estimator
+batch_size = 32  # examples per step: the B of the GNS estimator
 block_size = 64
 
 # a smaller baby GPT
 n_layer = 4
 n_head = 4
 n_embd = 128
-dropout = 0.0 # a few hundred steps cannot overfit
+dropout = 0.0  # a few hundred steps cannot overfit
 
 # per-example gradient norms for every Linear, Embedding and LayerNorm
 linearclass = 'gns'
@@ -36,9 +36,9 @@ learning_rate = 1e-3
 min_lr = 1e-4
 beta2 = 0.99
 max_iters = 300
-_tokens_per_iter = gradient_accumulation_steps * batch_size * block_size # 2,048
+_tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # 2,048
 warmup_tokens = 20 * _tokens_per_iter
-lr_decay_tokens = max_iters * _tokens_per_iter # 614,400
+lr_decay_tokens = max_iters * _tokens_per_iter  # 614,400
 max_tokens = lr_decay_tokens
 
 # CPU, plain float32, no compile (torch.compile's start-up would dominate a run this short)

@@ -9,18 +9,12 @@ Shakespeare windows of random lengths).
     python gns-analysis.py out-accelerate --no-plots
 """
 
-import os
-import sys
-
 import torch
 from accelerate import Accelerator
+from common import EMA_DECAY, build_model, padded_examples, trainer_parser
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
-from nanogns.integrations import AccelerateGNS, sequence_mean_loss  # noqa: E402
+from nanogns.integrations import AccelerateGNS, sequence_mean_loss
 
 BLOCK_SIZE = 32
 
@@ -66,8 +60,10 @@ def main(argv=None):
     args = parse_args(argv)
     gns = train(args)
     if gns.accelerator.is_main_process:
-        print(f"accelerate_gpt: {args.model}, {args.steps} steps, {len(gns.monitor.tracked)} parameters tracked: "
-              f"final running GNS {gns.gns:.4f}")
+        print(
+            f"accelerate_gpt: {args.model}, {args.steps} steps, {len(gns.monitor.tracked)} parameters tracked: "
+            f"final running GNS {gns.gns:.4f}"
+        )
 
 
 if __name__ == "__main__":

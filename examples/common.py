@@ -17,8 +17,11 @@ EMA_DECAY = 0.95  # the running GNS's decay: gns-analysis.py's default --alpha, 
 def parse_args(doc, argv=None, name=None):
     """--out_dir (default out-<name>, as train.py's out-... directories), --steps, --batch_size."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out_dir", default=f"out-{name}", help=f"where log.csv goes (default: out-{name}); "
-                        "then: python gns-analysis.py OUT_DIR")
+    parser.add_argument(
+        "--out_dir",
+        default=f"out-{name}",
+        help=f"where log.csv goes (default: out-{name}); then: python gns-analysis.py OUT_DIR",
+    )
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default: 20)")
     parser.add_argument("--batch_size", type=int, default=8, help="examples (sequences) per step (default: 8)")
     return parser.parse_args(argv)
@@ -49,8 +52,10 @@ def shakespeare_batches(block_size, batch_size, seed=0):
     def batches():
         while True:
             starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
-            yield (torch.stack([data[s:s + block_size] for s in starts]),
-                   torch.stack([data[s + 1:s + 1 + block_size] for s in starts]))
+            yield (
+                torch.stack([data[s : s + block_size] for s in starts]),
+                torch.stack([data[s + 1 : s + 1 + block_size] for s in starts]),
+            )
 
     return len(stoi), batches()
 
@@ -68,8 +73,14 @@ def padded_examples(count, block_size, seed=0, min_length=None):
         ids = next(windows)[0][0]
         length = int(torch.randint(min_length, block_size + 1, (), generator=gen))
         mask = (torch.arange(block_size) < length).long()
-        examples.append({"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100),
-                         "position_ids": torch.arange(block_size)})
+        examples.append(
+            {
+                "input_ids": ids * mask,
+                "attention_mask": mask,
+                "labels": ids.masked_fill(mask == 0, -100),
+                "position_ids": torch.arange(block_size),
+            }
+        )
     return vocab_size, examples
 
 
@@ -77,6 +88,7 @@ def build_model(name, vocab_size, **sizes):
     """A tiny transformers model from a config: 'llama' (examples/hf_llama.py) or 'gpt2' (examples/hf_gpt2.py)."""
     import hf_gpt2
     import hf_llama
+
     builders = {"llama": hf_llama.build, "gpt2": hf_gpt2.build}
     if name not in builders:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(builders)}")

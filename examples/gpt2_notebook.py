@@ -1,7 +1,7 @@
 """
 A GPT-2 written the way a notebook writes one (nn.LayerNorm, nn.Linear,
 nn.Embedding, token embedding tied to the output layer, causal attention),
-given per-example gradient norms AFTER construction by layer_config.convert,
+given per-example gradient norms AFTER construction by nanogns.convert,
 then trained a few steps on the bundled Shakespeare characters with the GNS
 logged to a CSV that gns-analysis.py reads.
 
@@ -13,34 +13,28 @@ made before convert(): the converted layers keep the very same Parameter
 objects, so it, the weight tying and the initialisation all carry over. The
 tied matrix is logged once, exactly, as `wte.weight+lm_head.weight`.
 
-The model reads its layer classes from layer_config.config when it is built
+The model reads its layer classes from nanogns.config when it is built
 (torch's classes unless set), so the same class can instead be built with the
 per-example norm layers from the start (`build_in_context`); the tests check
 that both routes give the same losses, gradients and measurements.
 """
 
 # %% imports
-import os
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from common import EMA_DECAY, parse_args, shakespeare_batches
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-from nanogns import monitor as gnstracking  # noqa: E402
-import nanogns as layer_config  # noqa: E402
-from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from nanogns.runlog.writer import LogWrapper  # noqa: E402
+import nanogns
+from nanogns import GNSMonitor, LogWrapper, convert
 
 
-# %% the model: layer classes read from layer_config.config at construction (torch's by default)
+# %% the model: layer classes read from nanogns.config at construction (torch's by default)
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
-        L = layer_config.config
+        L = nanogns.config
         self.n_head = n_head
         self.c_attn = L.Linear(n_embd, 3 * n_embd)
         self.c_proj = L.Linear(n_embd, n_embd)
@@ -56,7 +50,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, n_embd):
         super().__init__()
-        L = layer_config.config
+        L = nanogns.config
         self.c_fc = L.Linear(n_embd, 4 * n_embd)
         self.c_proj = L.Linear(4 * n_embd, n_embd)
 
@@ -67,7 +61,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, n_embd, n_head):
         super().__init__()
-        L = layer_config.config
+        L = nanogns.config
         self.ln_1 = L.LayerNorm(n_embd)  # (ndim) only: the per-example LayerNorm's signature is (ndim, bias, eps)
         self.attn = CausalSelfAttention(n_embd, n_head)
         self.ln_2 = L.LayerNorm(n_embd)
@@ -81,7 +75,7 @@ class Block(nn.Module):
 class GPT2(nn.Module):
     def __init__(self, vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32):
         super().__init__()
-        L = layer_config.config
+        L = nanogns.config
         self.wte = L.Embedding(vocab_size, n_embd)
         self.wpe = L.Embedding(block_size, n_embd)
         self.h = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
@@ -112,15 +106,15 @@ def build_converted(vocab_size, seed=0, **kwargs):
     """Built with torch layers, then converted in place: (model, its GNSMonitor)."""
     torch.manual_seed(seed)
     model = GPT2(vocab_size, **kwargs)
-    return model, layer_config.convert(model)
+    return model, convert(model)
 
 
 def build_in_context(vocab_size, seed=0, **kwargs):
     """Built with the per-example norm layers from the start: (model, its GNSMonitor)."""
     torch.manual_seed(seed)
-    with layer_config.set_contextual_config(**layer_config.layer_classes("gns", "gns", "gns")):
+    with nanogns.set_contextual_config(**nanogns.layer_classes("gns", "gns", "gns")):
         model = GPT2(vocab_size, **kwargs)
-    return model, gnstracking.GNSMonitor(model)
+    return model, GNSMonitor(model)
 
 
 # %% train
@@ -133,7 +127,7 @@ def main(argv=None):
 
     # gns: a later cell converts the finished model (a tied pair is found and logged once); one object per step
     log = LogWrapper(out_dir=args.out_dir)
-    gns = layer_config.convert(model, log=log, ema_decay=EMA_DECAY)
+    gns = convert(model, log=log, ema_decay=EMA_DECAY)
 
     for step in range(args.steps):
         x, y = next(batches)
@@ -146,8 +140,10 @@ def main(argv=None):
         log.step()
     log.close()
     tied = [entry.name for entry in gns.tracked if "+" in entry.name]
-    print(f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(gns.tracked)} tensors "
-          f"(tied: {', '.join(tied)}): final running GNS {gns.gns:.4f}")
+    print(
+        f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(gns.tracked)} tensors "
+        f"(tied: {', '.join(tied)}): final running GNS {gns.gns:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """
 transformers' Llama (LlamaForCausalLM from a tiny config: random weights,
 nothing downloaded) given exact per-example gradient norms by
-layer_config.convert, trained a few steps on the bundled Shakespeare characters
+nanogns.convert, trained a few steps on the bundled Shakespeare characters
 with the GNS logged to a CSV that gns-analysis.py reads.
 
     python examples/hf_llama.py [--out_dir=out-hf-llama] [--steps=20]
@@ -17,30 +17,30 @@ run's record (gns_parameters.json) tells gns-analysis.py that `lm_head.weight` i
 an ordinary Linear, so it sums the same parameters as the running GNS printed here.
 """
 
-import os
-import sys
-
 import torch
 import torch.nn.functional as F
+from common import EMA_DECAY, parse_args, shakespeare_batches
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-from nanogns import estimator  # noqa: E402
-from nanogns import monitor as gnstracking  # noqa: E402
-import nanogns as layer_config  # noqa: E402
-from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from nanogns.runlog.writer import LogWrapper  # noqa: E402
+from nanogns import LogWrapper, convert, estimator
+from nanogns.monitor import summed_sqnorms
 
 BLOCK_SIZE = 32
 
 
 def build(vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=BLOCK_SIZE):
     """A tiny Llama: grouped-query attention, SwiGLU MLP, rotary positions, RMSNorm, untied head."""
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=2 * n_embd,
-                         num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_kv_head,
-                         max_position_embeddings=block_size, bos_token_id=0, eos_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=n_embd,
+        intermediate_size=2 * n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head,
+        max_position_embeddings=block_size,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -56,7 +56,7 @@ def main(argv=None):
 
     # gns: swap Linear, Embedding and (after the probe) LlamaRMSNorm for per-example norm layers
     log = LogWrapper(out_dir=args.out_dir)
-    gns = layer_config.convert(model, log=log, ema_decay=EMA_DECAY)  # one object: the conversion report, the steps
+    gns = convert(model, log=log, ema_decay=EMA_DECAY)  # one object: the conversion report, the steps
     assert not gns.unconverted and not gns.untracked, (gns.unconverted, gns.untracked)
     norm_names = [name for name, facts in gns.describe().items() if facts["kind"] == "RMSNorm"]
     norm_gns = estimator.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
@@ -67,14 +67,16 @@ def main(argv=None):
         loss = F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten())
         loss.backward()
         gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
-        norm_gns.update(*gnstracking.summed_sqnorms([m for m in gns.measurements if m.metadata["name"] in norm_names]))
+        norm_gns.update(*summed_sqnorms([m for m in gns.measurements if m.metadata["name"] in norm_names]))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    print(f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(gns.tracked)} parameters tracked: "
-          f"final running GNS {gns.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {norm_gns.gns:.4f}")
+    print(
+        f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(gns.tracked)} parameters tracked: "
+        f"final running GNS {gns.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {norm_gns.gns:.4f}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,17 +12,11 @@ then weighs by its label tokens. --loss=sequences takes the mean over sequences 
 (DESIGN.md's per-example gradient) by overriding compute_loss.
 """
 
-import os
-import sys
-
 import torch
+from common import EMA_DECAY, build_model, padded_examples, trainer_parser
 from transformers import Trainer, TrainingArguments
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
-from nanogns.integrations import TrainerGNSCallback, sequence_mean_loss  # noqa: E402
+from nanogns.integrations import TrainerGNSCallback, sequence_mean_loss
 
 BLOCK_SIZE = 32
 
@@ -43,8 +37,9 @@ def parse_args(argv=None):
     parser = trainer_parser(__doc__, "out-hf-trainer", out_dir_help="Trainer's output_dir, where log.csv goes")
     parser.add_argument("--loss", default="tokens", choices=["tokens", "sequences"], help="default: tokens")
     parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in out_dir, "
-                        "and its GNS log with it")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in out_dir, and its GNS log with it"
+    )
     return parser.parse_args(argv)
 
 
@@ -54,11 +49,20 @@ def make_trainer(args, callbacks=()):
     torch.manual_seed(0)
     model = build_model(args.model, vocab_size, block_size=BLOCK_SIZE).to(getattr(torch, args.dtype))
     training_args = TrainingArguments(
-        output_dir=args.out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum, max_grad_norm=args.max_grad_norm, learning_rate=1e-3,
-        logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to="none", use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True, seed=0)
+        output_dir=args.out_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        max_grad_norm=args.max_grad_norm,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to="none",
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer_class = SequenceMeanTrainer if args.loss == "sequences" else Trainer
     trainer = trainer_class(model=model, args=training_args, train_dataset=examples, callbacks=list(callbacks))
     trainer.add_callback(TrainerGNSCallback(trainer, ema_decay=EMA_DECAY))  # gns: the one line
@@ -71,8 +75,10 @@ def main(argv=None):
     trainer.train(resume_from_checkpoint=args.resume or None)
     gns = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TrainerGNSCallback)).monitor
     if trainer.is_world_process_zero():
-        print(f"hf_trainer: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
-              f"final running GNS {gns.gns:.4f}")
+        print(
+            f"hf_trainer: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
+            f"final running GNS {gns.gns:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -11,19 +11,15 @@ windows of random lengths).
 """
 
 import os
-import sys
 
 import lightning as L
+import torch
+from common import EMA_DECAY, build_model, padded_examples, trainer_parser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser  # noqa: E402
-from nanogns.integrations import LightningGNSCallback, sequence_mean_loss  # noqa: E402
+from nanogns.integrations import LightningGNSCallback, sequence_mean_loss
 
 BLOCK_SIZE = 32
 
@@ -45,8 +41,9 @@ class CausalLM(L.LightningModule):
 
 def parse_args(argv=None):
     parser = trainer_parser(__doc__, "out-lightning", clip_help="gradient_clip_val")
-    parser.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps into "
-                        "OUT_DIR/checkpoints (default: 0, none)")
+    parser.add_argument(
+        "--save_steps", type=int, default=0, help="checkpoint every N steps into OUT_DIR/checkpoints (default: 0, none)"
+    )
     parser.add_argument("--ckpt_path", default=None, help="resume from this checkpoint, and the GNS log with it")
     return parser.parse_args(argv)
 
@@ -57,16 +54,38 @@ def make_trainer(args, callbacks=()):
     torch.manual_seed(0)
     module = CausalLM(build_model(args.model, vocab_size, block_size=BLOCK_SIZE))
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun Lightning joins the launched ranks
-    saving = [ModelCheckpoint(dirpath=os.path.join(args.out_dir, "checkpoints"), filename="{step}", save_top_k=-1,
-                              every_n_train_steps=args.save_steps)] if args.save_steps else []
+    saving = (
+        [
+            ModelCheckpoint(
+                dirpath=os.path.join(args.out_dir, "checkpoints"),
+                filename="{step}",
+                save_top_k=-1,
+                every_n_train_steps=args.save_steps,
+            )
+        ]
+        if args.save_steps
+        else []
+    )
     trainer = L.Trainer(
-        max_steps=args.steps, accumulate_grad_batches=args.grad_accum, gradient_clip_val=args.max_grad_norm,
-        precision="64-true" if args.dtype == "float64" else "32-true", accelerator="cpu", devices=world,
-        strategy="ddp" if world > 1 else "auto", default_root_dir=args.out_dir,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.grad_accum,
+        gradient_clip_val=args.max_grad_norm,
+        precision="64-true" if args.dtype == "float64" else "32-true",
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp" if world > 1 else "auto",
+        default_root_dir=args.out_dir,
         logger=CSVLogger(args.out_dir, name="lightning_logs"),  # gets "gns" and "train/loss" every step
-        enable_checkpointing=bool(args.save_steps), enable_progress_bar=False, enable_model_summary=False,
-        log_every_n_steps=1, callbacks=[LightningGNSCallback(ema_decay=EMA_DECAY), *callbacks,  # gns: the one line
-                                        *saving])
+        enable_checkpointing=bool(args.save_steps),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        callbacks=[
+            LightningGNSCallback(ema_decay=EMA_DECAY),
+            *callbacks,  # gns: the one line
+            *saving,
+        ],
+    )
     loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
     return trainer, module, loader
 
@@ -77,8 +96,10 @@ def main(argv=None):
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)
     gns = next(c for c in trainer.callbacks if isinstance(c, LightningGNSCallback)).monitor
     if trainer.is_global_zero:
-        print(f"lightning_gpt: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
-              f"final running GNS {gns.gns:.4f}")
+        print(
+            f"lightning_gpt: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
+            f"final running GNS {gns.gns:.4f}"
+        )
 
 
 if __name__ == "__main__":

@@ -20,21 +20,14 @@ monitor lists it in `gns.untracked`, and the GNS comes from the
 CastedLinear weights and the bank. (functional.embedding would track it the same way.)
 """
 
-import os
-import sys
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from common import EMA_DECAY, parse_args, shakespeare_batches
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-from nanogns.layers import functional  # noqa: E402
-from nanogns import monitor as gnstracking  # noqa: E402
-from nanogns.layers.buffers import PESqNormBuffersMixin  # noqa: E402
-from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from nanogns.runlog.writer import LogWrapper  # noqa: E402
+from nanogns import GNSMonitor, LogWrapper
+from nanogns.layers import functional
+from nanogns.layers.buffers import PESqNormBuffersMixin
 
 
 class CastedLinear(PESqNormBuffersMixin, nn.Module):
@@ -43,7 +36,7 @@ class CastedLinear(PESqNormBuffersMixin, nn.Module):
 
     def __init__(self, in_features, out_features):
         super().__init__()
-        bound = in_features ** -0.5
+        bound = in_features**-0.5
         self.weight = nn.Parameter(torch.empty(in_features, out_features).uniform_(-bound, bound))
         functional.register_buffers(self, "weight", kind="Linear")  # -> self.weight_upegsqnorm
 
@@ -65,8 +58,10 @@ class Attention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.size()
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-                   for t in self.qkv(x).split(C, dim=-1))
+        q, k, v = (
+            t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+            for t in self.qkv(x).split(C, dim=-1)
+        )
         y = F.scaled_dot_product_attention(norm(q), norm(k), v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -93,7 +88,7 @@ class GPT(PESqNormBuffersMixin, nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)  # plain torch: not tracked
         self.blocks = nn.ModuleList([Block(dim, n_head) for _ in range(n_layer)])
-        bound = dim ** -0.5
+        bound = dim**-0.5
         self.mlp_bank = nn.Parameter(torch.empty(n_layer, 2, 4 * dim, dim).uniform_(-bound, bound))
         # one [sum, count] row per slice, indexed like the bank: buffer (n_layer, 2, 2)
         functional.register_buffers(self, "mlp_bank", kind="Linear", bank_dims=2)
@@ -114,7 +109,7 @@ def main(argv=None):
 
     # gns: the CastedLinear and bank buffers are found by name; the plain embedding is listed as skipped
     log = LogWrapper(out_dir=args.out_dir)
-    gns = gnstracking.GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    gns = GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
 
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for step in range(args.steps):
@@ -129,9 +124,11 @@ def main(argv=None):
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    print(f"modded_block: {args.steps} steps under bf16 autocast, loss {loss.item():.3f}, from "
-          f"{len(gns.tracked)} tensors (CastedLinear weights and the {model.mlp_bank.shape[0] * 2}-slice "
-          f"mlp_bank): final running GNS {gns.gns:.4f}")
+    print(
+        f"modded_block: {args.steps} steps under bf16 autocast, loss {loss.item():.3f}, from "
+        f"{len(gns.tracked)} tensors (CastedLinear weights and the {model.mlp_bank.shape[0] * 2}-slice "
+        f"mlp_bank): final running GNS {gns.gns:.4f}"
+    )
     print(f"not tracked: {', '.join(gns.untracked)} (a plain nn.Embedding)")
 
 

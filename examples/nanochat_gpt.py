@@ -1,6 +1,6 @@
 """
 A nanochat-style GPT given exact per-example gradient norms by
-layer_config.convert, trained a few steps on the bundled Shakespeare characters
+nanogns.convert, trained a few steps on the bundled Shakespeare characters
 with the GNS logged to a CSV that gns-analysis.py reads.
 
     python examples/nanochat_gpt.py [--out_dir=out-nanochat] [--steps=20]
@@ -20,19 +20,12 @@ here, at the cost of those layers' per-example norms), or the norms must be
 given a weight (nn.RMSNorm(n_embd), which convert() swaps too) to track.
 """
 
-import os
-import sys
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from common import EMA_DECAY, parse_args, shakespeare_batches
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/
-
-import nanogns as layer_config  # noqa: E402
-from common import EMA_DECAY, parse_args, shakespeare_batches  # noqa: E402
-from nanogns.runlog.writer import LogWrapper  # noqa: E402
+from nanogns import LogWrapper, convert
 
 
 def norm(x):
@@ -56,8 +49,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, C = x.size()
-        q, k, v = (lin(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-                   for lin in (self.c_q, self.c_k, self.c_v))
+        q, k, v = (
+            lin(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+            for lin in (self.c_q, self.c_k, self.c_v)
+        )
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))  # QK norm
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
@@ -88,10 +83,12 @@ class GPT(nn.Module):
     def __init__(self, vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32, softcap=15.0):
         super().__init__()
         self.softcap = softcap
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd),
-            h=nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                h=nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)  # untied from wte
         head_dim = n_embd // n_head
         inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
@@ -149,7 +146,7 @@ def main(argv=None):
 
     # gns: swap nn.Linear / nn.Embedding for per-example norm layers (there are no norm weights to swap)
     log = LogWrapper(out_dir=args.out_dir)
-    gns = layer_config.convert(model, log=log, ema_decay=EMA_DECAY)
+    gns = convert(model, log=log, ema_decay=EMA_DECAY)
     assert not gns.untracked, gns.untracked  # every parameter is a Linear or Embedding weight
 
     matrices = list(model.transformer.h.parameters())  # all 2-D
@@ -165,10 +162,14 @@ def main(argv=None):
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    print(f"nanochat_gpt: {args.steps} steps, loss {loss.item():.3f}, "
-          f"from {len(gns.tracked)} Linear/Embedding weights: final running GNS {gns.gns:.4f}")
-    print("no norm weights: the RMSNorms have no parameters, so the LayerNorm-only GNS is unavailable for this "
-          "model; the GNS above comes from the Linear and Embedding layers (or give the norms a weight to track)")
+    print(
+        f"nanochat_gpt: {args.steps} steps, loss {loss.item():.3f}, "
+        f"from {len(gns.tracked)} Linear/Embedding weights: final running GNS {gns.gns:.4f}"
+    )
+    print(
+        "no norm weights: the RMSNorms have no parameters, so the LayerNorm-only GNS is unavailable for this "
+        "model; the GNS above comes from the Linear and Embedding layers (or give the norms a weight to track)"
+    )
 
 
 if __name__ == "__main__":

@@ -112,8 +112,11 @@ class DataParallel(OneProcess):
         # (at init they are synced: all zero then); torch >= 2.12 names the option forward_sync_buffers and
         # warns on the old name, torch 2.11 (the GPU images) knows only broadcast_buffers
         device_ids = [self.local_rank] if self.device.startswith('cuda') else None
-        no_sync = ('forward_sync_buffers' if 'forward_sync_buffers' in inspect.signature(DDP.__init__).parameters
-                   else 'broadcast_buffers')
+        no_sync = (
+            'forward_sync_buffers'
+            if 'forward_sync_buffers' in inspect.signature(DDP.__init__).parameters
+            else 'broadcast_buffers'
+        )
         model = DDP(model, device_ids=device_ids, **{no_sync: False})
         self.holder = weakref.ref(model)
         return model
@@ -140,8 +143,10 @@ class DataParallel(OneProcess):
         # interpreter exits can abort a gloo rank at teardown ("terminate called without an active exception")
         gc.collect()
         if self.holder is not None and self.holder() is not None:
-            warnings.warn(f"{self.name}: the model is still referenced when its process group is destroyed; drop "
-                          "every reference to it (model, optimizer, GNS monitor, the last loss) before close()")
+            warnings.warn(
+                f"{self.name}: the model is still referenced when its process group is destroyed; drop "
+                "every reference to it (model, optimizer, GNS monitor, the last loss) before close()"
+            )
         dist.destroy_process_group()
 
 
@@ -180,13 +185,16 @@ class FullyShardedDataParallel(DataParallel):
 
     def state_dicts(self, model, optimizer):
         options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (dcp_state.get_model_state_dict(model, options=options),
-                dcp_state.get_optimizer_state_dict(model, optimizer, options=options))
+        return (
+            dcp_state.get_model_state_dict(model, options=options),
+            dcp_state.get_optimizer_state_dict(model, optimizer, options=options),
+        )
 
     def load_optimizer(self, model, optimizer, state):
         # the full (unsharded) optimizer state, keyed by parameter name; each rank keeps its shards
-        dcp_state.set_optimizer_state_dict(model, optimizer, state,
-                                           options=dcp_state.StateDictOptions(full_state_dict=True))
+        dcp_state.set_optimizer_state_dict(
+            model, optimizer, state, options=dcp_state.StateDictOptions(full_state_dict=True)
+        )
 
 
 def start(device, backend, fsdp):
@@ -200,11 +208,16 @@ def start(device, backend, fsdp):
 # -----------------------------------------------------------------------------
 # checkpoints: an exact resume needs every rank's random state and prefetched batch
 
+
 def rank_state(device, batch):
     """This process's random generators and its prefetched (X, Y), on the CPU."""
-    return dict(torch=torch.get_rng_state(), numpy=np.random.get_state(), python=random.getstate(),
-                cuda=torch.cuda.get_rng_state(device) if 'cuda' in device else None,
-                batch=tuple(t.cpu() for t in batch))
+    return dict(
+        torch=torch.get_rng_state(),
+        numpy=np.random.get_state(),
+        python=random.getstate(),
+        cuda=torch.cuda.get_rng_state(device) if 'cuda' in device else None,
+        batch=tuple(t.cpu() for t in batch),
+    )
 
 
 def restore_rank_state(state, device):
@@ -229,8 +242,10 @@ def load_checkpoint(path, fsdp, master_process):
         print(f"removing {path}.tmp, an unfinished checkpoint")
         os.remove(path + '.tmp')
     if not os.path.exists(path):
-        raise SystemExit(f"train.py: cannot resume: no checkpoint {path} (the run stopped before its first "
-                         f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir")
+        raise SystemExit(
+            f"train.py: cannot resume: no checkpoint {path} (the run stopped before its first "
+            f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir"
+        )
     try:
         # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
         checkpoint = torch.load(path, map_location='cpu', weights_only=False)
@@ -238,9 +253,13 @@ def load_checkpoint(path, fsdp, master_process):
     except Exception as e:
         checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]
     if missing:
-        raise SystemExit(f"train.py: cannot resume: {path} is not a readable checkpoint (missing or damaged: "
-                         f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir")
+        raise SystemExit(
+            f"train.py: cannot resume: {path} is not a readable checkpoint (missing or damaged: "
+            f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir"
+        )
     if checkpoint.get('fsdp', False) != fsdp:
-        raise SystemExit(f"train.py: cannot resume: {path} was written with fsdp={checkpoint.get('fsdp', False)} "
-                         f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}")
+        raise SystemExit(
+            f"train.py: cannot resume: {path} was written with fsdp={checkpoint.get('fsdp', False)} "
+            f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}"
+        )
     return checkpoint

@@ -19,7 +19,6 @@ loss), n_i its label tokens: the two agree when every example has as many label 
 README.md ("Trainers") says how to get the per-sequence mean.
 """
 
-
 import os
 
 import torch
@@ -38,8 +37,10 @@ def _monitor(model, ema_decay, scaler, convert_options):
     options = dict(ema_decay=ema_decay, scaler=scaler)
     if any(name.endswith(BUFFER_SUFFIX) for name, _ in model.named_buffers()):
         if convert_options:
-            raise ValueError(f"GNS: the model's layers are converted already; convert options {convert_options} "
-                             "cannot apply (pass them to the first layer_config.convert instead)")
+            raise ValueError(
+                f"GNS: the model's layers are converted already; convert options {convert_options} "
+                "cannot apply (pass them to the first layer_config.convert instead)"
+            )
         return gnstracking.GNSMonitor(model, **options)
     return layer_config.convert(model, **(convert_options or {}), **options)
 
@@ -53,9 +54,11 @@ def _open_log(out_dir, main_process, monitor, resume_step):
         return None
     existing = [f for f in (LOG_CSV, HEADER_TMP) if os.path.exists(os.path.join(out_dir, f))]
     if resume_step == 0 and existing:
-        raise ValueError(f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}) and a "
-                         "new run would replace it: give this run's GNS log another out_dir, move the old log away, "
-                         "or resume that run from its checkpoint to continue its log")
+        raise ValueError(
+            f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}) and a "
+            "new run would replace it: give this run's GNS log another out_dir, move the old log away, "
+            "or resume that run from its checkpoint to continue its log"
+        )
     log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
     monitor.write_record(out_dir)
     if resume_step > 0 and existing:
@@ -113,8 +116,10 @@ class TrainerGNSCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         kind = str(accelerator.distributed_type)
         if "DEEPSPEED" in kind or ("FSDP" in kind and not getattr(accelerator, "is_fsdp2", False)):
-            raise ValueError(f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
-                             "and clips them itself; the GNS is read under one process, DDP and FSDP2")
+            raise ValueError(
+                f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
+                "and clips them itself; the GNS is read under one process, DDP and FSDP2"
+            )
         # state.global_step: 0, or the checkpoint's step under train(resume_from_checkpoint=...)
         self.log = _open_log(self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step)
         if getattr(accelerator.clip_grad_norm_, "_gns_reads", False):
@@ -132,9 +137,11 @@ class TrainerGNSCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if not self.measured:
-            raise RuntimeError("TrainerGNSCallback: Trainer did not call accelerator.clip_grad_norm_ before this "
-                               "optimizer step (a tensor-parallel mesh or SageMaker clips otherwise), so the "
-                               "unclipped gradients were not read; no GNS can be logged for this setup")
+            raise RuntimeError(
+                "TrainerGNSCallback: Trainer did not call accelerator.clip_grad_norm_ before this "
+                "optimizer step (a tensor-parallel mesh or SageMaker clips otherwise), so the "
+                "unclipped gradients were not read; no GNS can be logged for this setup"
+            )
 
     def on_step_end(self, args, state, control, **kwargs):
         self.measured = False
@@ -215,6 +222,7 @@ class LightningGNSCallback(LightningCallback):
 # -----------------------------------------------------------------------------
 # Accelerate
 
+
 class AccelerateGNS:
     """Accelerate: exact per-example gradient norms and the GNS, read where the loop clips.
 
@@ -252,9 +260,11 @@ class AccelerateGNS:
         """Read the step (after the last micro-batch's backward, before clipping), log it; returns the row.
         gradients_unscaled: True when accelerator.unscale_gradients() ran before (fp16)."""
         if not self.accelerator.sync_gradients:
-            raise RuntimeError("AccelerateGNS.step() inside accelerator.accumulate() before the step's last "
-                               "micro-batch: its gradients are not complete (nor averaged over the ranks); call it "
-                               "under `if accelerator.sync_gradients:`")
+            raise RuntimeError(
+                "AccelerateGNS.step() inside accelerator.accumulate() before the step's last "
+                "micro-batch: its gradients are not complete (nor averaged over the ranks); call it "
+                "under `if accelerator.sync_gradients:`"
+            )
         row = self.monitor.step(gradients_unscaled=gradients_unscaled)
         if self.log is not None:
             self.log.log({"iter_num": self.steps})
@@ -272,6 +282,7 @@ class AccelerateGNS:
 # -----------------------------------------------------------------------------
 # the per-sequence-mean loss (DESIGN.md's definition) for a causal LM
 
+
 def sequence_mean_loss(logits, labels, ignore_index=-100):
     """Mean over the sequences of each sequence's mean next-token cross-entropy (labels shifted by one, as
     transformers' causal LM losses; `ignore_index` labels are not counted). A sequence with no label counts 0.
@@ -280,7 +291,8 @@ def sequence_mean_loss(logits, labels, ignore_index=-100):
         logits: (B, T, V); labels: (B, T) token ids, ignore_index where no loss is wanted.
     """
     logits, labels = logits[:, :-1], labels[:, 1:]
-    token_losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                                     ignore_index=ignore_index, reduction="none").view(labels.shape)
+    token_losses = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="none"
+    ).view(labels.shape)
     tokens = labels.ne(ignore_index).sum(1).clamp(min=1)  # (B,)
     return (token_losses.sum(1) / tokens).mean()

@@ -39,8 +39,9 @@ def linear_points(min_steps, max_steps, max_tokens, n=10):
 
 
 def format_schedule(points):
-    return "# tokens, gradient accumulation steps (over all ranks); edit while training, read every step\n" + \
-        "".join(f"{t}, {s:g}\n" for t, s in points)
+    return "# tokens, gradient accumulation steps (over all ranks); edit while training, read every step\n" + "".join(
+        f"{t}, {s:g}\n" for t, s in points
+    )
 
 
 def write_schedule_if_absent(path, points):
@@ -120,9 +121,12 @@ class FileSchedule:
         clamped = max(self.min_steps, steps if self.max_steps is None else min(steps, self.max_steps))
         if clamped != steps and steps not in self._warned:
             self._warned.add(steps)
-            warnings.warn(f"batch-size schedule {self.path}: {steps} accumulation steps at {tokens:,} tokens is outside "
-                          f"[bs_min_accum_steps, bs_max_accum_steps] = [{self.min_steps}, {self.max_steps}]; "
-                          f"using {clamped}", stacklevel=2)
+            warnings.warn(
+                f"batch-size schedule {self.path}: {steps} accumulation steps at {tokens:,} tokens is outside "
+                f"[bs_min_accum_steps, bs_max_accum_steps] = [{self.min_steps}, {self.max_steps}]; "
+                f"using {clamped}",
+                stacklevel=2,
+            )
         return clamped
 
 

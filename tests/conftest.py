@@ -21,9 +21,22 @@ if not torch.cuda.is_available():
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # a 2-layer, 32-wide nanoGPT on 16-character windows on the CPU: a few steps take seconds
-TINY = [os.path.join(REPO, "config/train_shakespeare_char.py"), "--device=cpu", "--compile=False", "--dtype=float32",
-        "--device_name=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
-        "--gradient_accumulation_steps=2", "--eval_iters=2", "--log_interval=1", "--dropout=0.0"]
+TINY = [
+    os.path.join(REPO, "config/train_shakespeare_char.py"),
+    "--device=cpu",
+    "--compile=False",
+    "--dtype=float32",
+    "--device_name=cpu",
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=16",
+    "--batch_size=4",
+    "--gradient_accumulation_steps=2",
+    "--eval_iters=2",
+    "--log_interval=1",
+    "--dropout=0.0",
+]
 GNS_LAYERS = ["--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
 
 
@@ -35,7 +48,9 @@ def shakespeare_data():
     with open(os.path.join(data_dir, ".prepare.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(os.path.join(data_dir, "meta.pkl")):  # prepare.py writes meta.pkl last
-            subprocess.run([sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True
+            )
 
 
 def run_script(script, *args, cwd=REPO, env=None, nproc=None, timeout=300):
@@ -46,5 +61,6 @@ def run_script(script, *args, cwd=REPO, env=None, nproc=None, timeout=300):
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         env = {k: v for k, v in (env or os.environ).items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env["OMP_NUM_THREADS"] = "1"  # two ranks on a 2-core machine
-    return subprocess.run([*launch, os.path.join(REPO, script), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [*launch, os.path.join(REPO, script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )

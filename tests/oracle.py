@@ -52,7 +52,7 @@ def per_example_loss_sqnorms_by_loop(model, loss_of, batch):
     total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params}
     for i in range(B):
         model.zero_grad(set_to_none=True)
-        loss_of(model, *[t[i:i + 1] for t in batch]).backward()
+        loss_of(model, *[t[i : i + 1] for t in batch]).backward()
         for n, p in params:
             if p.grad is not None:
                 g = p.grad.detach().double()

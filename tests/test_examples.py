@@ -17,14 +17,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
-from nanogns.runlog.reader import load_csv
-from nanogns.monitor import GNSMonitor
-from nanogns.runlog.record import read_parameter_record
 from oracle import per_example_sqnorms_by_loop
 
+from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.monitor import GNSMonitor
+from nanogns.runlog.reader import load_csv
+from nanogns.runlog.record import read_parameter_record
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples"))  # the examples' own helpers (common.py), as a script has them
 NAMES = ("nanochat_gpt", "modded_block", "gpt2_notebook")
 OUT_DIRS = {"nanochat_gpt": "out-nanochat", "modded_block": "out-modded", "gpt2_notebook": "out-gpt2nb"}  # defaults
 STEPS, BATCH = 4, 8
@@ -53,8 +54,10 @@ def tracked_names(name):
 def run_in_parallel(commands, cwd=REPO):
     """{key: CompletedProcess} for {key: argv}, all started at once (the runs are mostly import time)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {key: subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for key, argv in commands.items()}
+    procs = {
+        key: subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for key, argv in commands.items()
+    }
     results = {}
     for key, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -68,10 +71,21 @@ def runs(tmp_path_factory):
     empty directory without --out_dir: each writes to its default out-<name> there."""
     cwd = tmp_path_factory.mktemp("examples")
     dirs = {name: cwd / OUT_DIRS[name] for name in NAMES}
-    scripts = run_in_parallel({name: [sys.executable, os.path.join(REPO, "examples", f"{name}.py"),
-                                      f"--steps={STEPS}", f"--batch_size={BATCH}"] for name in NAMES}, cwd=cwd)
-    analyses = run_in_parallel({name: [sys.executable, "gns-analysis.py", str(dirs[name]), "--no-plots"]
-                                for name in NAMES})
+    scripts = run_in_parallel(
+        {
+            name: [
+                sys.executable,
+                os.path.join(REPO, "examples", f"{name}.py"),
+                f"--steps={STEPS}",
+                f"--batch_size={BATCH}",
+            ]
+            for name in NAMES
+        },
+        cwd=cwd,
+    )
+    analyses = run_in_parallel(
+        {name: [sys.executable, "gns-analysis.py", str(dirs[name]), "--no-plots"] for name in NAMES}
+    )
     return {name: (dirs[name], scripts[name], analyses[name]) for name in NAMES}
 
 
@@ -83,7 +97,9 @@ def test_example_runs_and_logs_gns_columns(runs, name):
     assert len(df) == STEPS
     assert list(df["iter_num"]) == list(range(STEPS))
     assert list(df["tokens_processed"]) == [(i + 1) * BATCH * 32 for i in range(STEPS)]
-    logged = {c[len("train/gns/"):-len("/norm")] for c in df.columns if c.startswith("train/gns/") and c.endswith("/norm")}
+    logged = {
+        c[len("train/gns/") : -len("/norm")] for c in df.columns if c.startswith("train/gns/") and c.endswith("/norm")
+    }
     assert logged == tracked_names(name)
     for param in logged:
         norm, pegn, batch = (df[f"train/gns/{param}/{m}"] for m in ("norm", "pegn", "batch_size"))
@@ -137,6 +153,7 @@ def test_gns_analysis_final_gns_equals_running_gns(runs, name):
 # -----------------------------------------------------------------------------
 # CastedLinear (weight stored transposed) through functional.linear
 
+
 @pytest.mark.parametrize("shape", [(1, 7), (5, 7), (1, 3, 7), (4, 5, 7), (2, 3, 5, 7)])
 def test_casted_linear_matches_loop_over_examples(shape):
     """float64, odd sizes, batch of 1, 2-D to 4-D input: the buffer's [sum, count] against one backward per example."""
@@ -176,8 +193,10 @@ def test_casted_linear_bf16_autocast_close_to_float32():
 # -----------------------------------------------------------------------------
 # whole models against brute force, with gradient accumulation
 
+
 def brute_force(model, x, y):
     """{name: (|mean_i g_i|^2, mean_i |g_i|^2)} for every parameter (a tied tensor under its first name)."""
+
     def backward(xs, ys):
         model.zero_grad(set_to_none=True)
         F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
@@ -185,7 +204,7 @@ def brute_force(model, x, y):
     backward(x, y)
     result = {n: [p.grad.pow(2).sum().item(), 0.0] for n, p in model.named_parameters()}
     for i in range(x.size(0)):
-        backward(x[i:i + 1], y[i:i + 1])
+        backward(x[i : i + 1], y[i : i + 1])
         for n, p in model.named_parameters():
             result[n][1] += p.grad.pow(2).sum().item() / x.size(0)
     model.zero_grad(set_to_none=True)
@@ -208,12 +227,12 @@ def accumulated_step(model, monitor, x, y, split):
 
 def converted_nanochat(vocab_size):
     model = example("nanochat_gpt").GPT(vocab_size, block_size=7, n_layer=2, n_head=2, n_embd=12).double()
-    return model, example("nanochat_gpt").layer_config.convert(model)
+    return model, example("nanochat_gpt").convert(model)
 
 
 def converted_gpt2(vocab_size):
     model = example("gpt2_notebook").GPT2(vocab_size, block_size=7, n_layer=2, n_head=2, n_embd=12).double()
-    return model, example("gpt2_notebook").layer_config.convert(model)
+    return model, example("gpt2_notebook").convert(model)
 
 
 def tracked_modded(vocab_size):
@@ -236,8 +255,8 @@ def test_example_model_norms_match_brute_force(build):
     for m in measurements:
         sq_norm, pe_sqnorm = want[m.metadata["name"].split("+")[0]]
         assert m.big_batch_size == 5
-        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-9), m.metadata["name"]
-        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6), m.metadata["name"]  # float32 buffers
+        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-9), m.metadata["name"]
+        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), m.metadata["name"]  # float32 buffers
 
 
 def test_notebook_gpt2_converted_equals_context_manager():
@@ -247,8 +266,11 @@ def test_notebook_gpt2_converted_equals_context_manager():
     built, built_monitor = nb.build_in_context(31, seed=3, **kwargs)
     # converted in place: each module an instance of the class built with (nn.LayerNorm's keeps that class too)
     assert all(isinstance(a, type(b)) for a, b in zip(converted.modules(), built.modules(), strict=True))
-    assert not any(isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm))
-                   and type(m).__module__.startswith("torch.") for m in built.modules())
+    assert not any(
+        isinstance(m, (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm))
+        and type(m).__module__.startswith("torch.")
+        for m in built.modules()
+    )
     for (name_a, a), (name_b, b) in zip(converted.named_parameters(), built.named_parameters(), strict=True):
         assert name_a == name_b and torch.equal(a, b), name_a
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (converted, built)]

@@ -22,8 +22,8 @@ import sys
 import pandas as pd
 import pytest
 import torch
-
 from conftest import REPO, run_script
+
 from nanogns.runlog.reader import load_csv
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
 
 import integrations_worker  # noqa: E402
 from common import build_model  # noqa: E402
+
 from nanogns.integrations import sequence_mean_loss  # noqa: E402
 
 FLAGS = ["--steps=2", "--batch_size=2", "--grad_accum=2", "--max_grad_norm=1.0", "--dtype=float64"]
@@ -61,8 +62,11 @@ def brute_force(model_name, params, rows, token_weighted, counts_shifted_labels=
     times the gradient of its mean token loss; else the loss is the mean over examples of that. N is the number
     of labels Trainer counts: the shifted ones (the loss's terms), or, for a model whose config names no
     loss_type (GPT-2 from a config), every label (one more per sequence whose first label is not -100)."""
-    model = build_model(model_name, vocab_size=params["model.embed_tokens.weight" if model_name == "llama"
-                                                   else "transformer.wte.weight"].shape[0], block_size=32).double()
+    model = build_model(
+        model_name,
+        vocab_size=params["model.embed_tokens.weight" if model_name == "llama" else "transformer.wte.weight"].shape[0],
+        block_size=32,
+    ).double()
     model.load_state_dict(params, strict=False)
     B = len(rows)
     tokens = [int(labels[1:].ne(-100).sum()) for _, labels in rows]
@@ -89,16 +93,25 @@ def check_run(out_dir, name, model_name, token_weighted, ranks=1, clipping=True)
     for step in range(steps):
         rows = []
         for rec in records:
-            for forward in rec["forwards"][GA * step:GA * (step + 1)]:
-                inputs = {k: v for k, v in forward["inputs"].items() if k in ("input_ids", "attention_mask",
-                                                                              "position_ids")}
+            for forward in rec["forwards"][GA * step : GA * (step + 1)]:
+                inputs = {
+                    k: v for k, v in forward["inputs"].items() if k in ("input_ids", "attention_mask", "position_ids")
+                }
                 labels = labels_of(forward["inputs"])
                 rows += [({k: v[i] for k, v in inputs.items()}, labels[i]) for i in range(labels.shape[0])]
         assert len({int(labels.ne(-100).sum()) for _, labels in rows}) > 1  # padded: token weighting matters
-        want = brute_force(model_name, records[0]["forwards"][GA * step]["params"], rows, token_weighted,
-                           records[0].get("counts_shifted_labels", True))
-        logged = [c[len("train/gns/"):-len("/norm")] for c in log.columns
-                  if c.startswith("train/gns/") and c.endswith("/norm")]
+        want = brute_force(
+            model_name,
+            records[0]["forwards"][GA * step]["params"],
+            rows,
+            token_weighted,
+            records[0].get("counts_shifted_labels", True),
+        )
+        logged = [
+            c[len("train/gns/") : -len("/norm")]
+            for c in log.columns
+            if c.startswith("train/gns/") and c.endswith("/norm")
+        ]
         inner = "model." if name == "lightning_gpt" else ""  # Lightning logs names in the LightningModule
         assert {n.split("+")[0].removeprefix(inner) for n in logged} == set(want)
         total_sq = 0.0
@@ -118,8 +131,14 @@ def check_run(out_dir, name, model_name, token_weighted, ranks=1, clipping=True)
     return records
 
 
-RUNS = [("hf_trainer", "llama"), ("hf_trainer", "gpt2"), ("lightning_gpt", "llama"), ("lightning_gpt", "gpt2"),
-        ("accelerate_gpt", "llama"), ("accelerate_gpt", "gpt2")]
+RUNS = [
+    ("hf_trainer", "llama"),
+    ("hf_trainer", "gpt2"),
+    ("lightning_gpt", "llama"),
+    ("lightning_gpt", "gpt2"),
+    ("accelerate_gpt", "llama"),
+    ("accelerate_gpt", "gpt2"),
+]
 
 
 @pytest.mark.parametrize("name,model_name", RUNS, ids=["-".join(r) for r in RUNS])
@@ -158,8 +177,9 @@ DDP_RUNS = [("hf_trainer", "llama"), ("accelerate_gpt", "gpt2"), ("lightning_gpt
 @pytest.mark.slow
 @pytest.mark.parametrize("name,model_name", DDP_RUNS, ids=["-".join(r) for r in DDP_RUNS])
 def test_two_processes_exact_before_clipping(name, model_name, tmp_path):
-    out = run_script("tests/scripts/integrations_worker.py", name, *FLAGS, f"--model={model_name}",
-                     f"--out_dir={tmp_path}", nproc=2)
+    out = run_script(
+        "tests/scripts/integrations_worker.py", name, *FLAGS, f"--model={model_name}", f"--out_dir={tmp_path}", nproc=2
+    )
     assert out.returncode == 0, out.stderr[-8000:]
     check_run(tmp_path, name, model_name, token_weighted=name == "hf_trainer", ranks=2)
 
@@ -172,8 +192,9 @@ def test_examples_run_as_the_readme_says(tmp_path, monkeypatch, capsys):
     scripts = {"hf_trainer": "out-hf-trainer", "lightning_gpt": "out-lightning", "accelerate_gpt": "out-accelerate"}
     for name, out_dir in scripts.items():
         integrations_worker.example(name).main(["--steps=2", "--batch_size=2"])
-        assert re.search(rf"{name}: llama, 2 steps, 21 parameters tracked: final running GNS \d",
-                         capsys.readouterr().out)
+        assert re.search(
+            rf"{name}: llama, 2 steps, 21 parameters tracked: final running GNS \d", capsys.readouterr().out
+        )
         assert gns_analysis().main([str(tmp_path / out_dir), "--no-plots"]) == 0
 
 

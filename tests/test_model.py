@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import nanogns as lc  # noqa: E402
-from model import GPT, GPTConfig, PEAK_FLOPS  # noqa: E402
+from model import GPT, PEAK_FLOPS, GPTConfig  # noqa: E402
 
 NAMES = ["nn", "shim", "gns"]
 SIZES = {  # n_embd 24 with 2 heads: head size 12; vocab 67: nothing a power of two
@@ -82,7 +82,9 @@ def test_layer_classes_match_nn(layer_names, size):
         torch.testing.assert_close(grads[name], grad, rtol=1e-10, atol=1e-12, msg=f"gradient of {name}")
 
 
-@pytest.mark.parametrize("layer_names", [("nn", "nn", "nn"), ("gns", "gns", "gns"), ("shim", "shim", "shim")], ids="-".join)
+@pytest.mark.parametrize(
+    "layer_names", [("nn", "nn", "nn"), ("gns", "gns", "gns"), ("shim", "shim", "shim")], ids="-".join
+)
 def test_init_reaches_every_layer(layer_names):
     # nanoGPT's init: N(0, 0.02) weights, N(0, 0.02/sqrt(2 n_layer)) residual projections,
     # zero biases, LayerNorm ones/zeros; torch's default init would give std ~0.1 here
@@ -192,7 +194,9 @@ def test_estimate_mfu(device_name):
     N = model.get_num_params()
     L, H, Q, T = 2, 2, 16, config["block_size"]
     flops_per_iter = (6 * N + 12 * L * H * Q * T) * T * 4
-    assert model.estimate_mfu(fwdbwd_per_iter=4, dt=0.5) == pytest.approx(flops_per_iter / 0.5 / PEAK_FLOPS[device_name])
+    assert model.estimate_mfu(fwdbwd_per_iter=4, dt=0.5) == pytest.approx(
+        flops_per_iter / 0.5 / PEAK_FLOPS[device_name]
+    )
     assert {"A100", "A10", "H100", "H200", "cpu", "M1_eflops"} <= set(PEAK_FLOPS)
 
 
@@ -250,8 +254,12 @@ print(repr(dict(batch_size=batch_size, learning_rate=learning_rate, dataset=data
 def run_configurator(tmp_path, *args):
     script = tmp_path / "fake_train.py"
     script.write_text(FAKE_TRAIN)
-    return subprocess.run([sys.executable, str(script), os.path.join(ROOT, "configurator.py"), *args],
-                          capture_output=True, text=True, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(script), os.path.join(ROOT, "configurator.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
 
 
 def final_config(result):
@@ -261,21 +269,38 @@ def final_config(result):
 
 def test_configurator_overrides(tmp_path):
     (tmp_path / "my_config.py").write_text("batch_size = 4\n_scratch = 3\nlearning_rate = batch_size * 1e-4\n")
-    result = run_configurator(tmp_path, "my_config.py", "--cos_attn=[1]", "--learning_rate=1",
-                              "--compile=False", "--dataset=shakespeare_char", "--wandb_run_name=2024")
-    assert final_config(result) == dict(batch_size=4, learning_rate=1.0, dataset="shakespeare_char",
-                                        compile=False, cos_attn=[1], wandb_run_name="2024")
+    result = run_configurator(
+        tmp_path,
+        "my_config.py",
+        "--cos_attn=[1]",
+        "--learning_rate=1",
+        "--compile=False",
+        "--dataset=shakespeare_char",
+        "--wandb_run_name=2024",
+    )
+    assert final_config(result) == dict(
+        batch_size=4, learning_rate=1.0, dataset="shakespeare_char", compile=False, cos_attn=[1], wandb_run_name="2024"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--batch_sise=4"], "configurator: unknown config key 'batch_sise' (from --batch_sise=4); did you mean batch_size?"),
-    (["--batch_size=4.5"], "configurator: config key 'batch_size' (from --batch_size=4.5) expects int like its default 12, got float 4.5"),
-    (["--compile=1"], "expects bool"),
-    (["--cos_attn=1"], "expects list"),
-    (["--batch_size", "4"], "'--batch_size' has no value; write --batch_size=VALUE"),
-    (["batch_size=4"], "overrides are written --batch_size=4"),
-    (["config/nope.py"], "configurator: config file 'config/nope.py' not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--batch_sise=4"],
+            "configurator: unknown config key 'batch_sise' (from --batch_sise=4); did you mean batch_size?",
+        ),
+        (
+            ["--batch_size=4.5"],
+            "configurator: config key 'batch_size' (from --batch_size=4.5) expects int like its default 12, got float 4.5",
+        ),
+        (["--compile=1"], "expects bool"),
+        (["--cos_attn=1"], "expects list"),
+        (["--batch_size", "4"], "'--batch_size' has no value; write --batch_size=VALUE"),
+        (["batch_size=4"], "overrides are written --batch_size=4"),
+        (["config/nope.py"], "configurator: config file 'config/nope.py' not found"),
+    ],
+)
 def test_configurator_errors_are_one_line(tmp_path, args, message):
     result = run_configurator(tmp_path, *args)
     assert result.returncode != 0
@@ -295,13 +320,17 @@ def test_configurator_checks_config_files(tmp_path):
 # the repository's config files and data preparation
 
 
-@pytest.mark.parametrize("name", ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_cgpt_111M_owt.py"])
+@pytest.mark.parametrize(
+    "name", ["train_shakespeare_char.py", "train_shakespeare_char_cpu.py", "train_cgpt_111M_owt.py"]
+)
 def test_config_files_use_only_train_keys(name):
-    train_keys = set("""out_dir eval_interval log_interval eval_iters eval_only always_save_checkpoint init_from
+    train_keys = set(
+        """out_dir eval_interval log_interval eval_iters eval_only always_save_checkpoint init_from
         wandb_log wandb_project wandb_run_name dataset gradient_accumulation_steps batch_size block_size n_layer
         n_head n_embd dropout bias linearclass embeddingclass lnclass cos_attn spectral_c_attn fp32_attention_layers
         learning_rate max_iters max_tokens weight_decay beta1 beta2 grad_clip decay_lr warmup_tokens lr_decay_tokens
-        min_lr backend device device_name dtype compile gns_ema_decay""".split())
+        min_lr backend device device_name dtype compile gns_ema_decay""".split()
+    )
     scope = {}
     with open(os.path.join(ROOT, "config", name)) as f:
         exec(f.read(), scope)
@@ -319,7 +348,9 @@ def test_prepare_shakespeare_char_offline(tmp_path):
     data_dir.mkdir()
     for name in ["prepare.py", "input.txt"]:
         shutil.copy(os.path.join(source, name), data_dir / name)
-    result = subprocess.run([sys.executable, str(data_dir / "prepare.py")], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(data_dir / "prepare.py")], capture_output=True, text=True, cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     with open(data_dir / "meta.pkl", "rb") as f:
         meta = pickle.load(f)
@@ -328,4 +359,4 @@ def test_prepare_shakespeare_char_offline(tmp_path):
     val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)
     text = (data_dir / "input.txt").read_text()
     assert len(train) == int(len(text) * 0.9) and len(train) + len(val) == len(text)
-    assert "".join(meta["itos"][int(i)] for i in val[:50]) == text[len(train):len(train) + 50]
+    assert "".join(meta["itos"][int(i)] for i in val[:50]) == text[len(train) : len(train) + 50]

@@ -9,9 +9,9 @@ import math
 import warnings
 
 import pytest
+from conftest import TINY, run_script
 
 from nanogns import schedules
-from conftest import TINY, run_script
 from nanogns.runlog.reader import load_csv
 
 
@@ -103,8 +103,18 @@ def test_the_linear_schedule_is_clamped_to_its_bounds_and_says_so(tmp_path):
 
 @pytest.mark.slow
 def test_linear_schedule_in_train_py_changes_the_batch(tmp_path, shakespeare_data):
-    args = [*TINY, "--max_iters=100", "--max_tokens=1024", "--eval_interval=100", "--bs_schedule=linear",
-            "--bs_min_accum_steps=1", "--bs_max_accum_steps=4", "--linearclass=gns", "--lnclass=gns", f"--out_dir={tmp_path}"]
+    args = [
+        *TINY,
+        "--max_iters=100",
+        "--max_tokens=1024",
+        "--eval_interval=100",
+        "--bs_schedule=linear",
+        "--bs_min_accum_steps=1",
+        "--bs_max_accum_steps=4",
+        "--linearclass=gns",
+        "--lnclass=gns",
+        f"--out_dir={tmp_path}",
+    ]
     out = run_script("train.py", *args)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / schedules.SCHEDULE_FILE).exists()
@@ -118,7 +128,10 @@ def test_linear_schedule_in_train_py_changes_the_batch(tmp_path, shakespeare_dat
     for c in bs_cols:
         assert (df[c] == df["batch_size"]).all(), c
     assert df["tokens_processed"].iloc[-1] == 1024  # the budget: the last step runs only the micro-batches left
-    assert "tokens per iteration will follow the linear batch-size schedule: 64 to 256 (1 to 4 accumulation steps)" in out.stdout
+    assert (
+        "tokens per iteration will follow the linear batch-size schedule: 64 to 256 (1 to 4 accumulation steps)"
+        in out.stdout
+    )
 
 
 @pytest.mark.slow
@@ -126,8 +139,17 @@ def test_linear_schedule_in_train_py_changes_the_batch(tmp_path, shakespeare_dat
 def test_a_schedule_ends_at_max_tokens(tmp_path, shakespeare_data, schedule):
     """61,440 tokens once ended at 73,216 (the last step took 57 micro-batches); here 4 x 16 = 64 tokens per
     micro-batch and a budget of 1,600 = 25 micro-batches that no step size of the schedule divides."""
-    args = [*TINY, "--max_iters=100", "--max_tokens=1600", "--eval_interval=100", f"--bs_schedule={schedule}",
-            "--bs_min_accum_steps=3", "--bs_max_accum_steps=8", "--lnclass=gns", f"--out_dir={tmp_path}"]
+    args = [
+        *TINY,
+        "--max_iters=100",
+        "--max_tokens=1600",
+        "--eval_interval=100",
+        f"--bs_schedule={schedule}",
+        "--bs_min_accum_steps=3",
+        "--bs_max_accum_steps=8",
+        "--lnclass=gns",
+        f"--out_dir={tmp_path}",
+    ]
     out = run_script("train.py", *args)
     assert out.returncode == 0, out.stderr
     df = load_csv(tmp_path)
@@ -139,8 +161,17 @@ def test_a_schedule_ends_at_max_tokens(tmp_path, shakespeare_data, schedule):
 @pytest.mark.slow
 def test_an_edited_linear_schedule_cannot_take_a_step_below_its_minimum(tmp_path, shakespeare_data):
     """A line `0, 1` with batch_size 1 would make every step B = 1 (GNS undefined): bs_min_accum_steps holds."""
-    args = [*TINY, "--batch_size=1", "--bs_schedule=linear", "--bs_min_accum_steps=2", "--bs_max_accum_steps=4",
-            "--eval_interval=2", "--always_save_checkpoint=True", "--lnclass=gns", f"--out_dir={tmp_path}"]
+    args = [
+        *TINY,
+        "--batch_size=1",
+        "--bs_schedule=linear",
+        "--bs_min_accum_steps=2",
+        "--bs_max_accum_steps=4",
+        "--eval_interval=2",
+        "--always_save_checkpoint=True",
+        "--lnclass=gns",
+        f"--out_dir={tmp_path}",
+    ]
     first = run_script("train.py", *args, "--max_iters=2")
     assert first.returncode == 0, first.stderr
     write(str(tmp_path / schedules.SCHEDULE_FILE), "0, 1\n")
@@ -152,11 +183,17 @@ def test_an_edited_linear_schedule_cannot_take_a_step_below_its_minimum(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, message", [
-    (["--bs_schedule=cubic"], "unknown bs_schedule 'cubic'"),
-    (["--bs_schedule=gns"], "bs_schedule='gns' follows the measured GNS"),
-    (["--bs_schedule=linear", "--bs_min_accum_steps=3", "--bs_max_accum_steps=2"], "need 1 <= bs_min_accum_steps (3)"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--bs_schedule=cubic"], "unknown bs_schedule 'cubic'"),
+        (["--bs_schedule=gns"], "bs_schedule='gns' follows the measured GNS"),
+        (
+            ["--bs_schedule=linear", "--bs_min_accum_steps=3", "--bs_max_accum_steps=2"],
+            "need 1 <= bs_min_accum_steps (3)",
+        ),
+    ],
+)
 def test_bad_schedule_settings_are_clear_errors(tmp_path, flags, message):
     out = run_script("train.py", *TINY, *flags, f"--out_dir={tmp_path}")
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr

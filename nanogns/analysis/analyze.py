@@ -89,11 +89,10 @@ import sys
 import numpy as np
 import pandas as pd
 
-
-from nanogns.runlog.reader import load_csv
-from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
-from nanogns.runlog.record import read_parameter_record
 from nanogns.analysis.plots import save_png, terminal_plot
+from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
+from nanogns.runlog.reader import load_csv
+from nanogns.runlog.record import read_parameter_record
 
 GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
 OVERHEAD = 0.10  # the batch-size trade-off reports the batches that keep each overhead under this
@@ -181,9 +180,17 @@ def estimate(df, params, alpha):
 
 
 # the group of each layer kind in records of format 1, which did not write it (nanogns.layers' registry has it)
-FORMAT_1_GROUPS = {"Linear": "Linear", "Conv1D": "Linear", "Conv": "Linear", "Experts": "Linear",
-                   "MultiheadAttention": "Linear", "Embedding": "Embedding", "Embedding+Linear": "Embedding",
-                   "LayerNorm": "LayerNorm", "RMSNorm": "LayerNorm"}
+FORMAT_1_GROUPS = {
+    "Linear": "Linear",
+    "Conv1D": "Linear",
+    "Conv": "Linear",
+    "Experts": "Linear",
+    "MultiheadAttention": "Linear",
+    "Embedding": "Embedding",
+    "Embedding+Linear": "Embedding",
+    "LayerNorm": "LayerNorm",
+    "RMSNorm": "LayerNorm",
+}
 
 
 def record_group(facts):
@@ -227,13 +234,17 @@ def _usable(params, prefix, record=None):
 
 def _no_columns_message(columns, prefix, approx_prefix):
     if approx_prefix and approx_prefix != prefix and find_params(columns, approx_prefix):
-        return (f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log, but it has approximate "
-                f"'{approx_prefix.rstrip('/')}/<param>/norm' columns: analyse those with "
-                f"--prefix {approx_prefix.rstrip('/')}")
+        return (
+            f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log, but it has approximate "
+            f"'{approx_prefix.rstrip('/')}/<param>/norm' columns: analyse those with "
+            f"--prefix {approx_prefix.rstrip('/')}"
+        )
     shown = ", ".join(map(str, columns[:40])) + (", ..." if len(columns) > 40 else "")
-    return (f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log; its columns are: {shown}. "
-            "Was the run trained with all layer classes 'nn'? Use --linearclass=gns "
-            "(and --embeddingclass, --lnclass) to record per-example norms, or pass the right --prefix.")
+    return (
+        f"no '{prefix.rstrip('/')}/<param>/norm' columns in the log; its columns are: {shown}. "
+        "Was the run trained with all layer classes 'nn'? Use --linearclass=gns "
+        "(and --embeddingclass, --lnclass) to record per-example norms, or pass the right --prefix."
+    )
 
 
 def _count_bad_steps(df, chosen):
@@ -244,8 +255,7 @@ def _count_bad_steps(df, chosen):
     not a step here.
     """
     logged = pd.DataFrame({p: df[list(cols.values())].notna().any(axis=1) for p, cols in chosen.items()})
-    finite = pd.DataFrame({p: np.isfinite(df[[cols["norm"], cols["pegn"]]]).all(axis=1)
-                           for p, cols in chosen.items()})
+    finite = pd.DataFrame({p: np.isfinite(df[[cols["norm"], cols["pegn"]]]).all(axis=1) for p, cols in chosen.items()})
     steps = logged.any(axis=1)
     nonfinite = int((logged & ~finite).any(axis=1).sum())
     lacking = int((steps & ~logged.all(axis=1)).sum())
@@ -301,8 +311,13 @@ def _approximate(df, chosen, prefix, approx_prefix, alpha):
     lacking = sorted(p for p in approx if p not in chosen)
     if not lacking:
         columns["gns_exact_same_params"] = estimate(df, {p: chosen[p] for p in approx}, alpha)["gns"]
-    return columns, {"prefix": approx_prefix.rstrip("/"), "exact_prefix": prefix.rstrip("/"),
-                     "params": sorted(approx), "exact_lacks": lacking, "n_exact": len(chosen)}
+    return columns, {
+        "prefix": approx_prefix.rstrip("/"),
+        "exact_prefix": prefix.rstrip("/"),
+        "params": sorted(approx),
+        "exact_lacks": lacking,
+        "n_exact": len(chosen),
+    }
 
 
 def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/sogns"):
@@ -325,7 +340,8 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
     excluded = sorted(p for p in params if p not in chosen and len(params[p]) == len(METRICS))
     tied = [p for p in chosen if is_exact_tied(p)]
     notes = ([f"tied weights logged exactly, included: {', '.join(tied)}"] if tied else []) + (
-        [f"tied weights left out (one use's norm, not exact): {', '.join(excluded)}"] if excluded else [])
+        [f"tied weights left out (one use's norm, not exact): {', '.join(excluded)}"] if excluded else []
+    )
     print(f"Processing {len(chosen)} parameters" + (f" ({'; '.join(notes)})" if notes else ""))
 
     bs = df[[chosen[p]["batch_size"] for p in chosen]]
@@ -394,21 +410,27 @@ def summary(results):
     if tied:
         without = last["gns_without_tied"]
         noun, verb = ("tied matrix", "changes") if len(tied) == 1 else ("tied matrices", "change")
-        lines.append(f"GNS without the {noun} ({', '.join(tied)}): {without:.4f} "
-                     f"({noun} {verb} the final GNS by {(last['gns'] / without - 1) * 100:+.1f}%)")
+        lines.append(
+            f"GNS without the {noun} ({', '.join(tied)}): {without:.4f} "
+            f"({noun} {verb} the final GNS by {(last['gns'] / without - 1) * 100:+.1f}%)"
+        )
     if "ddp_gns" in results and results["ddp_gns"].notna().any():
         lines.append(f"Final DDP GNS: {results['ddp_gns'].dropna().iloc[-1]:.4f}")
         groups = {g: len(m) for g, m in results.attrs.get("groups", {}).items() if m}
         covered = ", ".join(f"{g} {n}" for g, n in groups.items())
         elements = results.attrs.get("elements")
         size = f", {elements:,} elements" if elements else ""
-        lines.append(f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}{size}), "
-                     "from per-example norms; Final DDP GNS every trainable parameter, from each rank's gradient "
-                     "against their average)")
+        lines.append(
+            f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}{size}), "
+            "from per-example norms; Final DDP GNS every trainable parameter, from each rank's gradient "
+            "against their average)"
+        )
     lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")
     x = results.attrs.get("x", "tokens_processed")
-    lines.append(f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]))}"
-                 + ("" if x == "tokens_processed" else " (the log has no tokens_processed column)"))
+    lines.append(
+        f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]))}"
+        + ("" if x == "tokens_processed" else " (the log has no tokens_processed column)")
+    )
     return "\n".join(lines)
 
 
@@ -422,8 +444,12 @@ def batch_size_tradeoff(gns, batch_size):
     if not (np.isfinite(gns) and gns > 0):
         nan = float("nan")
         return dict(steps_overhead=nan, examples_overhead=nan, steps_within_b=nan, examples_within_b=nan)
-    return dict(steps_overhead=1 + gns / batch_size, examples_overhead=1 + batch_size / gns,
-                steps_within_b=gns / OVERHEAD, examples_within_b=gns * OVERHEAD)
+    return dict(
+        steps_overhead=1 + gns / batch_size,
+        examples_overhead=1 + batch_size / gns,
+        steps_within_b=gns / OVERHEAD,
+        examples_within_b=gns * OVERHEAD,
+    )
 
 
 def tradeoff_lines(results):
@@ -431,11 +457,16 @@ def tradeoff_lines(results):
     gns, B = float(results["gns"].iloc[-1]), float(results["batch_size"].iloc[-1])
     t = batch_size_tradeoff(gns, B)
     if not np.isfinite(t["steps_overhead"]):
-        return [f"Batch size: the final GNS ({gns:.4f}) is not a positive number yet, so it says nothing about the batch size"]
+        return [
+            f"Batch size: the final GNS ({gns:.4f}) is not a positive number yet, so it says nothing about the batch size"
+        ]
     # a GNS below OVERHEAD puts every batch within the steps bound; one below 1 / OVERHEAD, no batch within the other
     steps = f"B >= {t['steps_within_b']:.0f}" if t["steps_within_b"] >= 1 else "every batch (B >= 1)"
-    examples = (f"B <= {t['examples_within_b']:.1f}" if t["examples_within_b"] >= 1 else
-                f"no batch (it would take B <= {t['examples_within_b']:.2g}: the GNS is that small)")
+    examples = (
+        f"B <= {t['examples_within_b']:.1f}"
+        if t["examples_within_b"] >= 1
+        else f"no batch (it would take B <= {t['examples_within_b']:.2g}: the GNS is that small)"
+    )
     return [
         f"Batch size (McCandlish et al. 2018, critical batch ~ GNS = {gns:.1f} examples):",
         f"  at this run's B = {B:.0f}: {t['steps_overhead']:.2f}x the minimum number of optimizer steps "
@@ -456,8 +487,11 @@ def _table_row(label, n_params, gns, all_gns):
 def group_table(results):
     """Final GNS per group and the Pearson correlation of its series with the all-parameter GNS."""
     groups = results.attrs.get("groups", {})
-    lines = ["GNS by parameter group:", f"{'group':<12}{_TABLE_HEADER}",
-             _table_row("all", sum(len(m) for m in groups.values()), results["gns"], results["gns"])]
+    lines = [
+        "GNS by parameter group:",
+        f"{'group':<12}{_TABLE_HEADER}",
+        _table_row("all", sum(len(m) for m in groups.values()), results["gns"], results["gns"]),
+    ]
     for g in GROUPS:
         if g != "Other" or groups.get(g):  # Other: parameters of a kind the record does not know
             lines.append(_table_row(g, len(groups.get(g, [])), results[f"gns_{g.lower()}"], results["gns"]))
@@ -504,8 +538,10 @@ def layernorm_line(results):
     if not results.attrs.get("groups", {}).get("LayerNorm"):
         return "LayerNorm-only vs all parameters: no LayerNorm columns in the log; comparison and plot skipped"
     c = compare(results["gns_layernorm"], results["gns"])
-    return (f"LayerNorm-only vs all parameters: corr {c['corr']:.3f} (log10: {c['log10_corr']:.3f}) "
-            f"over {c['steps']} steps, final ratio LN/all {c['final'] / c['final_reference']:.3f}")
+    return (
+        f"LayerNorm-only vs all parameters: corr {c['corr']:.3f} (log10: {c['log10_corr']:.3f}) "
+        f"over {c['steps']} steps, final ratio LN/all {c['final'] / c['final_reference']:.3f}"
+    )
 
 
 def approx_line(results):
@@ -518,13 +554,17 @@ def approx_line(results):
         head = f"Approximate (SOGNS) vs exact GNS over the same {n} parameters"
         c = compare(results["gns_sogns"], results["gns_exact_same_params"])
     else:
-        head = (f"Approximate (SOGNS) GNS over {n} parameters vs exact GNS over all {approx['n_exact']} parameters "
-                f"(not the same parameters: {approx['exact_prefix']} lacks {len(approx['exact_lacks'])} of the {n})")
+        head = (
+            f"Approximate (SOGNS) GNS over {n} parameters vs exact GNS over all {approx['n_exact']} parameters "
+            f"(not the same parameters: {approx['exact_prefix']} lacks {len(approx['exact_lacks'])} of the {n})"
+        )
         c = compare(results["gns_sogns"], results["gns"])
-    return (f"{head}: final {c['final']:.4f} vs {c['final_reference']:.4f} "
-            f"({(c['final'] / c['final_reference'] - 1) * 100:+.1f}%), "
-            f"median |relative difference| {c['median_rel_diff'] * 100:.1f}% over {c['steps']} steps, "
-            f"corr {c['corr']:.3f}")
+    return (
+        f"{head}: final {c['final']:.4f} vs {c['final_reference']:.4f} "
+        f"({(c['final'] / c['final_reference'] - 1) * 100:+.1f}%), "
+        f"median |relative difference| {c['median_rel_diff'] * 100:.1f}% over {c['steps']} steps, "
+        f"corr {c['corr']:.3f}"
+    )
 
 
 def _log10(series):
@@ -545,24 +585,55 @@ def _figures(results):
         (g, tokens, results[f"gns_{g.lower()}"]) for g in GROUPS if results[f"gns_{g.lower()}"].notna().any()
     ]
     figures = [
-        ("gns_emas", f"log_10(tr(Σ)) and log_10(G^TG) over {x_label}",
-         [("G^TG (EMA)", tokens, _log10(results["gtg_ema"])), ("tr(Σ) (EMA)", tokens, _log10(results["trsigma_ema"]))],
-         x_label, "log10", False),
-        ("gns_phase", "Phase plot: log_10(tr(Σ)) vs log_10(G^TG)",
-         [("EMAs", _log10(results["gtg_ema"]), _log10(results["trsigma_ema"]))],
-         "log10 G^TG (EMA)", "log10 tr(Σ) (EMA)", True),
+        (
+            "gns_emas",
+            f"log_10(tr(Σ)) and log_10(G^TG) over {x_label}",
+            [
+                ("G^TG (EMA)", tokens, _log10(results["gtg_ema"])),
+                ("tr(Σ) (EMA)", tokens, _log10(results["trsigma_ema"])),
+            ],
+            x_label,
+            "log10",
+            False,
+        ),
+        (
+            "gns_phase",
+            "Phase plot: log_10(tr(Σ)) vs log_10(G^TG)",
+            [("EMAs", _log10(results["gtg_ema"]), _log10(results["trsigma_ema"]))],
+            "log10 G^TG (EMA)",
+            "log10 tr(Σ) (EMA)",
+            True,
+        ),
         ("gns_over_tokens", f"GNS over {x_label}", gns, x_label, "GNS", False),
         ("gns_groups", f"GNS per parameter group over {x_label}", groups, x_label, "GNS", False),
     ]
     if results.attrs.get("groups", {}).get("LayerNorm"):
-        figures.append(("gns_layernorm_vs_all", f"GNS from LayerNorm only vs all parameters, over {x_label}",
-                        [("all parameters", tokens, results["gns"]),
-                         ("LayerNorm only", tokens, results["gns_layernorm"])], x_label, "GNS", False))
+        figures.append(
+            (
+                "gns_layernorm_vs_all",
+                f"GNS from LayerNorm only vs all parameters, over {x_label}",
+                [("all parameters", tokens, results["gns"]), ("LayerNorm only", tokens, results["gns_layernorm"])],
+                x_label,
+                "GNS",
+                False,
+            )
+        )
     if "gns_sogns" in results:
-        exact = (("exact, same parameters", tokens, results["gns_exact_same_params"])
-                 if "gns_exact_same_params" in results else ("exact, all parameters", tokens, results["gns"]))
-        figures.append(("gns_sogns_vs_exact", f"GNS from approximate (SOGNS) vs exact norms, over {x_label}",
-                        [exact, ("approximate (SOGNS)", tokens, results["gns_sogns"])], x_label, "GNS", False))
+        exact = (
+            ("exact, same parameters", tokens, results["gns_exact_same_params"])
+            if "gns_exact_same_params" in results
+            else ("exact, all parameters", tokens, results["gns"])
+        )
+        figures.append(
+            (
+                "gns_sogns_vs_exact",
+                f"GNS from approximate (SOGNS) vs exact norms, over {x_label}",
+                [exact, ("approximate (SOGNS)", tokens, results["gns_sogns"])],
+                x_label,
+                "GNS",
+                False,
+            )
+        )
     return figures
 
 
@@ -576,8 +647,9 @@ def print_plots(results):
 def save_plots(results, out_dir):
     """The same figures as PNG files in out_dir; returns their paths."""
     return [
-        save_png(os.path.join(out_dir, f"{name}.png"), series, x_label=x_label, y_label=y_label,
-                 title=title, scatter=scatter)
+        save_png(
+            os.path.join(out_dir, f"{name}.png"), series, x_label=x_label, y_label=y_label, title=title, scatter=scatter
+        )
         for name, title, series, x_label, y_label, scatter in _figures(results)
     ]
 
@@ -585,15 +657,24 @@ def save_plots(results, out_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Gradient noise scale of a run from its CSV log.")
     parser.add_argument("out_dir", help="run directory holding log.csv (or the .tmp files of a running/killed run)")
-    parser.add_argument("--alpha", type=float, default=0.95,
-                        help="EMA decay of G^TG and tr(Σ); the EMA weight of a new step is 1 - alpha (default: 0.95)")
-    parser.add_argument("--prefix", default="train/gns",
-                        help="column prefix of the per-parameter norms (default: train/gns)")
-    parser.add_argument("--approx-prefix", default="train/sogns",
-                        help="column prefix of approximate (SOGNS) per-parameter norms, compared with the exact "
-                             "ones when the log has them (default: train/sogns)")
-    parser.add_argument("--no-plots", action="store_true",
-                        help="skip the terminal plots (PNG figures are always written)")
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=0.95,
+        help="EMA decay of G^TG and tr(Σ); the EMA weight of a new step is 1 - alpha (default: 0.95)",
+    )
+    parser.add_argument(
+        "--prefix", default="train/gns", help="column prefix of the per-parameter norms (default: train/gns)"
+    )
+    parser.add_argument(
+        "--approx-prefix",
+        default="train/sogns",
+        help="column prefix of approximate (SOGNS) per-parameter norms, compared with the exact "
+        "ones when the log has them (default: train/sogns)",
+    )
+    parser.add_argument(
+        "--no-plots", action="store_true", help="skip the terminal plots (PNG figures are always written)"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.alpha < 1:
         parser.error(f"--alpha must be in [0, 1), got {args.alpha}")

@@ -23,8 +23,12 @@ from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocat
 from nanogns.analysis import analyze as gns_analysis  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 
-GROUP_COLUMNS = {"all parameters": "gns", "LayerNorm only": "gns_layernorm",
-                 "Linear only": "gns_linear", "Embedding only": "gns_embedding"}
+GROUP_COLUMNS = {
+    "all parameters": "gns",
+    "LayerNorm only": "gns_layernorm",
+    "Linear only": "gns_linear",
+    "Embedding only": "gns_embedding",
+}
 
 
 def readable_ticks(ax, x=True, y=True):
@@ -38,8 +42,11 @@ def readable_ticks(ax, x=True, y=True):
         if scale == "log":
             low, high = sorted(limits)
             decades = np.log10(high / low) if low > 0 else np.inf
-            locator = (MaxNLocator(4) if decades < 1 else
-                       LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2 else (1.0,), numticks=6))
+            locator = (
+                MaxNLocator(4)
+                if decades < 1
+                else LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 2 else (1.0,), numticks=6)
+            )
             axis.set_major_locator(locator)
             axis.set_major_formatter(plain)
             axis.set_minor_formatter(NullFormatter())
@@ -57,7 +64,12 @@ def gns_by_layer_type(out_dir, alpha=0.95):
     for label, column in GROUP_COLUMNS.items():
         if results[column].notna().any():
             ax.plot(results[results.attrs["x"]], results[column], label=label, lw=2 if column == "gns" else 1.2)
-    ax.set(xlabel=results.attrs["x"].split("_")[0], ylabel="GNS", yscale="log", title=f"GNS by layer type ({os.path.basename(os.path.normpath(out_dir))})")
+    ax.set(
+        xlabel=results.attrs["x"].split("_")[0],
+        ylabel="GNS",
+        yscale="log",
+        title=f"GNS by layer type ({os.path.basename(os.path.normpath(out_dir))})",
+    )
     ax.legend()
     readable_ticks(ax)
     fig.tight_layout()
@@ -69,7 +81,9 @@ def phase_plot(out_dir, alpha=0.95):
     results = gns_analysis.analyze_gns(out_dir, alpha=alpha)
     ok = (results["gtg_ema"] > 0) & (results["trsigma_ema"] > 0)
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    points = ax.scatter(results.loc[ok, "gtg_ema"], results.loc[ok, "trsigma_ema"], c=results.loc[ok, results.attrs["x"]], s=8)
+    points = ax.scatter(
+        results.loc[ok, "gtg_ema"], results.loc[ok, "trsigma_ema"], c=results.loc[ok, results.attrs["x"]], s=8
+    )
     fig.colorbar(points, ax=ax, label=results.attrs["x"].split("_")[0], format=EngFormatter(sep=""))
     ax.set(xscale="log", yscale="log", xlabel="|G|² (EMA)", ylabel="tr(Σ) (EMA)", title="phase plot")
     readable_ticks(ax)
@@ -103,8 +117,9 @@ def per_layer_figure(out_dir, alpha=0.95):
     table = per_layer_gns(out_dir, alpha)
     blocks = [c for c in table.columns if c.startswith("block ")]
     params = [c for c in table.columns if c != table.attrs["x"] and c not in blocks]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, max(4, 0.22 * len(params))),
-                                      gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(12, max(4, 0.22 * len(params))), gridspec_kw={"width_ratios": [1, 1.3]}
+    )
     for column in blocks:
         left.plot(table[table.attrs["x"]], table[column], label=column)
     left.set(xlabel=table.attrs["x"].split("_")[0], ylabel="GNS", yscale="log", title="GNS per block")
@@ -112,7 +127,11 @@ def per_layer_figure(out_dir, alpha=0.95):
         left.legend(fontsize=8)
     readable_ticks(left)
     final = table[params].ffill().iloc[-1]
-    right.barh(np.arange(len(params)), final.to_numpy(), color=["C1" if table.attrs["groups"][p] == "LayerNorm" else "C0" for p in params])
+    right.barh(
+        np.arange(len(params)),
+        final.to_numpy(),
+        color=["C1" if table.attrs["groups"][p] == "LayerNorm" else "C0" for p in params],
+    )
     right.set_yticks(np.arange(len(params)), params, fontsize=7)
     right.set(xscale="log", xlabel="final GNS", title="per parameter (orange: LayerNorm)")
     right.invert_yaxis()

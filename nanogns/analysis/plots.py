@@ -104,10 +104,12 @@ def unknown_columns_message(unknown, columns):
     close = [m for u in unknown for m in difflib.get_close_matches(u, columns, n=2)]
     lines = [f"unknown column(s) {unknown}; the run's columns:", "  " + ", ".join(main_columns)]
     if per_parameter:
-        parameters = sorted({c[len("train/gns/"):c.rindex("/")] for c in per_parameter})
-        lines.append(f"  and train/gns/<parameter>/{{norm,pegn,batch_size}} for {len(parameters)} parameters, e.g. "
-                     f"{per_parameter[0]} (all of them: python -c \"import csv_tools; "
-                     f"print(list(csv_tools.load_csv('OUT_DIR').columns))\")")
+        parameters = sorted({c[len("train/gns/") : c.rindex("/")] for c in per_parameter})
+        lines.append(
+            f"  and train/gns/<parameter>/{{norm,pegn,batch_size}} for {len(parameters)} parameters, e.g. "
+            f"{per_parameter[0]} (all of them: python -c \"import csv_tools; "
+            f"print(list(csv_tools.load_csv('OUT_DIR').columns))\")"
+        )
     lines += [f"  did you mean {' or '.join(close)}?"] if close else []
     return "\n".join(lines)
 

@@ -18,9 +18,9 @@ from nanogns.layers.buffers import BUFFER_SUFFIX
 from nanogns.layers.registry import ROLES, adopt
 from nanogns.monitor.monitor import GNSMonitor
 
-
 # -----------------------------------------------------------------------------
 # converting a model that was built elsewhere
+
 
 def _known_classes():
     """{class: kind} of the classes convert swaps by their exact class (only classes already imported)."""
@@ -44,8 +44,10 @@ def _treat_as_entries(treat_as, known):
             raise ValueError(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
         allowed = set(layers.get(kind).probe.options) | set(ROLES)
         if set(options) - allowed or any(not isinstance(options[role], str) for role in ROLES if role in options):
-            raise ValueError(f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
-                             f"name the parameters playing those roles), got {options}")
+            raise ValueError(
+                f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
+                f"name the parameters playing those roles), got {options}"
+            )
         entries[cls] = (kind, dict(options))
     return entries
 
@@ -90,8 +92,10 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", treat
     known = _known_classes()
     structural = [kind for kind in layers.KINDS.values() if kind.matches is not None]
     if type(model) in known:
-        raise ValueError(f"convert() swaps the layers inside a model; got a bare {type(model).__name__}: "
-                         "wrap it in a module (e.g. nn.Sequential(layer)) and convert that")
+        raise ValueError(
+            f"convert() swaps the layers inside a model; got a bare {type(model).__name__}: "
+            "wrap it in a module (e.g. nn.Sequential(layer)) and convert that"
+        )
     named = _treat_as_entries(treat_as, known)
     visited, unconverted = set(), {}
 
@@ -101,8 +105,7 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", treat
         if name == "nn":
             return None, None
         if name not in kind.variants:
-            return None, (f"{kind.config_key}={name!r} has no {kind.name} layer; choose from "
-                          f"{sorted(kind.variants)}")
+            return None, (f"{kind.config_key}={name!r} has no {kind.name} layer; choose from {sorted(kind.variants)}")
         return kind.layer_class(name), None
 
     def owns_untracked_parameters(module):
@@ -159,12 +162,19 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", treat
         if followed is None:
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
             return None
-        return (f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
-                f"{followed}. Call functional.py's per-example norm functions from its forward")
+        return (
+            f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
+            f"{followed}. Call functional.py's per-example norm functions from its forward"
+        )
 
     def excluded(module, path):
-        return any(isinstance(e, type) and isinstance(module, e) or isinstance(e, str) and
-                   (path == e or path.startswith(e + ".")) for e in exclude)
+        return any(
+            isinstance(e, type)
+            and isinstance(module, e)
+            or isinstance(e, str)
+            and (path == e or path.startswith(e + "."))
+            for e in exclude
+        )
 
     def visit(module, path, parent=None):
         if id(module) in visited:  # a module registered under several paths is converted once, stays shared
@@ -195,4 +205,3 @@ def convert(model, linearclass="gns", embeddingclass="gns", lnclass="gns", treat
         listing = "; ".join(f"{path or '(the model itself)'}: {reason}" for path, reason in unconverted.items())
         warnings.warn(f"convert(): {len(unconverted)} module(s) not converted, their parameters not tracked: {listing}")
     return GNSMonitor(model, **{"expect_tracked": False, **monitor})
-

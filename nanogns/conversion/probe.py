@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from nanogns.layers import intercept
 from nanogns import layers
+from nanogns.layers import intercept
 from nanogns.layers.buffers import refused, refused_addresses
 from nanogns.layers.registry import adopt
 
@@ -70,6 +70,7 @@ def probed_kinds():
 # -----------------------------------------------------------------------------
 # which modules, which candidates
 
+
 def role_names(module, options=None):
     """{role: the module's parameter name} for the roles weight and bias: as the user names them, else by name,
     else the module's only parameter is its weight (a norm whose gain is called `scale`)."""
@@ -86,9 +87,15 @@ def structure_problem(module, options=None):
     params = dict(module.named_parameters(recurse=False))
     roles = role_names(module, options)
     if "weight" not in roles or set(params) - set(roles.values()):
-        hint = "" if len(params) > 2 or not params else (
-            "; if one of them is its weight, name it: convert(treat_as={" + type(module).__name__ +
-            ': (kind, {"weight": "<name>"})})')
+        hint = (
+            ""
+            if len(params) > 2 or not params
+            else (
+                "; if one of them is its weight, name it: convert(treat_as={"
+                + type(module).__name__
+                + ': (kind, {"weight": "<name>"})})'
+            )
+        )
         return f"its parameters {sorted(params)} are not a weight and maybe a bias{hint}"
     if not all(p.is_floating_point() for p in params.values()):
         return "its parameters are not floating point"
@@ -110,8 +117,12 @@ def _takes_one_input(module):
     except (TypeError, ValueError):
         return False
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    required = [p for p in inputs if p.default is inspect.Parameter.empty
-                and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    required = [
+        p
+        for p in inputs
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
     return bool(inputs) and inputs[0].kind in positional and len(required) == 1 and required[0] is inputs[0]
 
 
@@ -135,17 +146,27 @@ def candidates(module, kinds, options=None):
 # -----------------------------------------------------------------------------
 # the probe
 
+
 def _forward_backward(forward, params, x, grad_out=None, autocast_dtype=None):
     """(output, output gradient, [parameter gradients..., input gradient]) of forward(params, x). An output that
     is a tuple (a router's logits and choices) counts by its floating-point tensors, concatenated."""
     if x.is_floating_point():
         x = x.detach().requires_grad_(True)
     device_type = x.device.type
-    with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16,
-                                             enabled=autocast_dtype is not None):
+    with (
+        torch.enable_grad(),
+        torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
+    ):
         out = forward(params, x)
-    outs = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, (tuple, list)) else [])
-                                                         if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    outs = (
+        [out]
+        if isinstance(out, torch.Tensor)
+        else [
+            t
+            for t in (out if isinstance(out, (tuple, list)) else [])
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
+    )
     if not outs:
         raise TypeError(f"its forward returns a {type(out).__name__}, not tensors")
     if grad_out is None:
@@ -153,11 +174,17 @@ def _forward_backward(forward, params, x, grad_out=None, autocast_dtype=None):
         grad_out = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype) for o in outs]
     differentiable = [(o, g) for o, g in zip(outs, grad_out) if o.requires_grad]
     leaves = list(params.values()) + ([x] if x.requires_grad else [])
-    grads = torch.autograd.grad([o for o, _ in differentiable], leaves, [g for _, g in differentiable],
-                                allow_unused=True) if differentiable else [None] * len(leaves)
+    grads = (
+        torch.autograd.grad([o for o, _ in differentiable], leaves, [g for _, g in differentiable], allow_unused=True)
+        if differentiable
+        else [None] * len(leaves)
+    )
     grads = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads)]
-    flat = torch.cat([o.detach().reshape(-1).to(torch.float64 if o.dtype == torch.float64 else o.dtype) for o in outs]) \
-        if len(outs) > 1 else outs[0].detach()
+    flat = (
+        torch.cat([o.detach().reshape(-1).to(torch.float64 if o.dtype == torch.float64 else o.dtype) for o in outs])
+        if len(outs) > 1
+        else outs[0].detach()
+    )
     return flat, grad_out, grads
 
 
@@ -237,8 +264,11 @@ class _Probe:
             params = {self.roles[role]: nn.Parameter(v.clone()) for role, v in values.items()}
             try:
                 out, grad_out, grads = _forward_backward(
-                    lambda p, inp: torch.func.functional_call(self.module, p, (inp,)), params, x,
-                    autocast_dtype=setting.autocast)
+                    lambda p, inp: torch.func.functional_call(self.module, p, (inp,)),
+                    params,
+                    x,
+                    autocast_dtype=setting.autocast,
+                )
                 if not all(torch.equal(p, values[role]) for role, p in zip(values, params.values())):
                     raise RuntimeError("it changes its parameters in place (e.g. max_norm), which a swap would drop")
                 self._reference[key] = (values, x, out, grad_out, grads)
@@ -268,20 +298,25 @@ class _Probe:
                 continue
             if isinstance(reference, Exception):
                 if setting.param_dtype == torch.float64 or result is None:
-                    result = result or (math.inf, f"module's forward ({type(reference).__name__}: {reference})",
-                                        setting)
+                    result = result or (
+                        math.inf,
+                        f"module's forward ({type(reference).__name__}: {reference})",
+                        setting,
+                    )
                 continue  # this setting is one the module itself refuses: nothing to match
             values, x, want_out, grad_out, want_grads = reference
             layer = self.candidate_layer(candidate, values)
             params = {role: getattr(layer, role) for role in values}
             try:
-                got_out, _, got_grads = _forward_backward(lambda p, inp: layer(inp), params, x, grad_out,
-                                                          autocast_dtype=setting.autocast)
+                got_out, _, got_grads = _forward_backward(
+                    lambda p, inp: layer(inp), params, x, grad_out, autocast_dtype=setting.autocast
+                )
             except Exception as e:
                 return math.inf, f"candidate's forward ({type(e).__name__}: {e})", setting
             names = ["output"] + [f"{self.roles[role]} gradient" for role in values] + ["input gradient"]
-            diff, where = _difference([want_out, *want_grads], [got_out, *got_grads], names,
-                                      check_dtype=setting.param_dtype != torch.float64)
+            diff, where = _difference(
+                [want_out, *want_grads], [got_out, *got_grads], names, check_dtype=setting.param_dtype != torch.float64
+            )
             result = (diff, where, setting)
             if diff > setting.tolerance:
                 break
@@ -312,17 +347,22 @@ def find_replacement(module, kinds, options=None):
     diff, closest, where, setting = min(tried, key=lambda t: t[0])
     if math.isinf(diff):
         return None, f"no candidate ran on a probe input: {closest} failed in the {where} ({setting})"
-    reason = (f"computes none of {', '.join(kinds)} on a probe input; closest {closest} differs in the {where} by "
-              f"{diff:.1e} (max relative; {setting} probe, tolerance {setting.tolerance:.0e})")
+    reason = (
+        f"computes none of {', '.join(kinds)} on a probe input; closest {closest} differs in the {where} by "
+        f"{diff:.1e} (max relative; {setting} probe, tolerance {setting.tolerance:.0e})"
+    )
     norm_kinds = [k for k in kinds if layers.get(k).group == "LayerNorm"]
     if norm_kinds:
-        reason += (f"; if only its eps is unusual, give it: convert(treat_as={{{type(module).__name__}: "
-                   f"(\"{norm_kinds[0]}\", {{\"eps\": ...}})}})")
+        reason += (
+            f"; if only its eps is unusual, give it: convert(treat_as={{{type(module).__name__}: "
+            f"(\"{norm_kinds[0]}\", {{\"eps\": ...}})}})"
+        )
     return None, reason
 
 
 # -----------------------------------------------------------------------------
 # a module that keeps its own forward (intercept.py)
+
 
 def _intercept_probe_data(module, generator):
     """(probe parameters {name: float64 tensor}, input) for a module whose own forward is kept: token ids for an
@@ -335,8 +375,10 @@ def _intercept_probe_data(module, generator):
     if not shaped:
         return None
     D = shaped[0].shape[-1]
-    values = {name: torch.randn(*p.shape, generator=generator, dtype=torch.float64) / max(1, p.shape[-1]) ** 0.5
-              for name, p in params.items()}
+    values = {
+        name: torch.randn(*p.shape, generator=generator, dtype=torch.float64) / max(1, p.shape[-1]) ** 0.5
+        for name, p in params.items()
+    }
     return values, torch.randn(3, 4, D, generator=generator, dtype=torch.float64)
 
 
@@ -352,10 +394,14 @@ def intercept_problem(module):
     # a subclass of torch's Linear or Embedding, or parameters shaped to broadcast over the batch (a ViT's class
     # token): when no probe can run its forward, its uses are checked at every step instead
     checked_at_each_step = isinstance(module, (nn.Linear, nn.Embedding)) or all(
-        p.dim() >= 2 and p.shape[0] == 1 for p in params.values())
+        p.dim() >= 2 and p.shape[0] == 1 for p in params.values()
+    )
     if not _takes_one_input(module):
-        return None if checked_at_each_step else \
-            f"its forward{_signature(module)} takes several inputs, so no probe can check it"
+        return (
+            None
+            if checked_at_each_step
+            else f"its forward{_signature(module)} takes several inputs, so no probe can check it"
+        )
     device = next(iter(params.values())).device
     device = torch.device("cpu") if device.type == "meta" else device
     data = _intercept_probe_data(module, torch.Generator().manual_seed(0))
@@ -367,13 +413,20 @@ def intercept_problem(module):
     try:
         want_out, grad_out, want_grads = _forward_backward(
             lambda p, inp: torch.func.functional_call(module, p, (inp,)),
-            {name: nn.Parameter(v.clone()) for name, v in values.items()}, x)
+            {name: nn.Parameter(v.clone()) for name, v in values.items()},
+            x,
+        )
     except Exception as e:
         return None if checked_at_each_step else f"its forward fails on a probe input ({type(e).__name__}: {e})"
     twin = copy.copy(module)  # the module's attributes, buffers and children; its own parameters replaced below
-    twin.__dict__.update(_parameters={name: nn.Parameter(v.clone()) for name, v in values.items()},
-                         _buffers=dict(module._buffers), _forward_hooks={}, _forward_pre_hooks={},
-                         _backward_hooks={}, _backward_pre_hooks={})
+    twin.__dict__.update(
+        _parameters={name: nn.Parameter(v.clone()) for name, v in values.items()},
+        _buffers=dict(module._buffers),
+        _forward_hooks={},
+        _forward_pre_hooks={},
+        _backward_hooks={},
+        _backward_pre_hooks={},
+    )
     adopt(twin, intercept.InterceptedForward, {"kinds": {}})
     try:
         got_out, _, got_grads = _forward_backward(lambda p, inp: twin(inp), dict(twin._parameters), x, grad_out)

@@ -12,8 +12,8 @@ bench/compile_gate.py compiles every kernel at every launch configuration the
 glue can choose for sm_80 and sm_90 and checks registers, spills and shared memory.
 """
 
-from nanogns.kernels.layernorm import _ln_bwd_dx_pesq, _ln_fwd
 from nanogns.kernels.finish import _pe_sqnorm_finish
+from nanogns.kernels.layernorm import _ln_bwd_dx_pesq, _ln_fwd
 from nanogns.kernels.linear import _linear_bwd_dw_pesq
 
 __all__ = ["_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq", "_pe_sqnorm_finish"]

@@ -65,8 +65,24 @@ def _param_norms(SQ, width, PESQ, BUF, N, COUNT, RECORD):
         tl.store(BUF + 1, tl.load(BUF + 1) + COUNT)
 
 
-@triton.jit(do_not_specialize=["N", "C", "W", "STRIDE", "S", "COUNT", "A_ON", "B_ON", "A_RECORD", "B_RECORD",
-                               "A_BUF_AT", "B_BUF_AT", "SUM_N", "SUM_CHUNKS"])
+@triton.jit(
+    do_not_specialize=[
+        "N",
+        "C",
+        "W",
+        "STRIDE",
+        "S",
+        "COUNT",
+        "A_ON",
+        "B_ON",
+        "A_RECORD",
+        "B_RECORD",
+        "A_BUF_AT",
+        "B_BUF_AT",
+        "SUM_N",
+        "SUM_CHUNKS",
+    ]
+)
 def _pe_sqnorm_finish(
     A_PART,  # pointer to parameter a's partials: (N * C, W) fp32 rows STRIDE apart, or (N, S) squares if A_SQUARES
     B_PART,  # pointer to parameter b's partials, (N * C, W) fp32 rows STRIDE apart (unused unless B_ON)
@@ -83,9 +99,12 @@ def _pe_sqnorm_finish(
     STRIDE,  # elements between partial rows
     S,  # squares per example (A_SQUARES)
     COUNT,  # examples to add to the buffers' counts
-    A_ON, B_ON,  # 1 when parameter a / b has a gradient to finish
-    A_RECORD, B_RECORD,  # 1 when its buffer is to be updated
-    A_BUF_AT, B_BUF_AT,  # elements from the 16-byte aligned pointers to the buffers (views of one flat tensor)
+    A_ON,
+    B_ON,  # 1 when parameter a / b has a gradient to finish
+    A_RECORD,
+    B_RECORD,  # 1 when its buffer is to be updated
+    A_BUF_AT,
+    B_BUF_AT,  # elements from the 16-byte aligned pointers to the buffers (views of one flat tensor)
     SUM_PART,  # pointer to fp32 partials of a gradient split over example chunks, (SUM_CHUNKS, SUM_N)
     SUM_OUT,  # pointer to their sum, (SUM_N,), same dtype as A_GRAD (the Linear's dW)
     SUM_N,  # elements of that gradient (0: none)
@@ -105,15 +124,61 @@ def _pe_sqnorm_finish(
             acc += tl.load(SUM_PART + c * SUM_N + offs, mask=mask, other=0.0)
         tl.store(SUM_OUT + offs, acc.to(SUM_OUT.dtype.element_ty), mask=mask)
     else:
-        _norms_and_gradients(A_PART, B_PART, A_GRAD, B_GRAD, SQ_PART, PESQ, A_BUF + A_BUF_AT, B_BUF + B_BUF_AT, COUNTER,
-                             blk, param, blocks, N, C, W, STRIDE, S, COUNT, A_ON, B_ON, A_RECORD, B_RECORD, A_SQUARES,
-                             BLOCK_W)
+        _norms_and_gradients(
+            A_PART,
+            B_PART,
+            A_GRAD,
+            B_GRAD,
+            SQ_PART,
+            PESQ,
+            A_BUF + A_BUF_AT,
+            B_BUF + B_BUF_AT,
+            COUNTER,
+            blk,
+            param,
+            blocks,
+            N,
+            C,
+            W,
+            STRIDE,
+            S,
+            COUNT,
+            A_ON,
+            B_ON,
+            A_RECORD,
+            B_RECORD,
+            A_SQUARES,
+            BLOCK_W,
+        )
 
 
 @triton.jit
-def _norms_and_gradients(A_PART, B_PART, A_GRAD, B_GRAD, SQ_PART, PESQ, A_BUF, B_BUF, COUNTER, blk, param, blocks,
-                         N, C, W, STRIDE, S, COUNT, A_ON, B_ON, A_RECORD, B_RECORD, A_SQUARES: tl.constexpr,
-                         BLOCK_W: tl.constexpr):
+def _norms_and_gradients(
+    A_PART,
+    B_PART,
+    A_GRAD,
+    B_GRAD,
+    SQ_PART,
+    PESQ,
+    A_BUF,
+    B_BUF,
+    COUNTER,
+    blk,
+    param,
+    blocks,
+    N,
+    C,
+    W,
+    STRIDE,
+    S,
+    COUNT,
+    A_ON,
+    B_ON,
+    A_RECORD,
+    B_RECORD,
+    A_SQUARES: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
     """Grid rows 0 (parameter a) and 1 (b): the column work, then the last of these programs the norms."""
     if param == 0:
         if not A_SQUARES:

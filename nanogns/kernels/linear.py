@@ -91,10 +91,12 @@ def _linear_bwd_dw_pesq(
         t0 = (step % t_blocks) * BLOCK_T
         row0 = (n * T + t0).to(tl.int64)  # rows times a width can pass 2**31; offsets within a block cannot
         mask_t = offs_t < T - t0
-        g_t = tl.load(G + row0 * L + (offs_l[:, None] + offs_t[None, :] * L),
-                      mask=mask_l[:, None] & mask_t[None, :], other=0.0)  # (BLOCK_L, BLOCK_T): g transposed
-        x = tl.load(X + row0 * K + (offs_t[:, None] * K + offs_k[None, :]),
-                    mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        g_t = tl.load(
+            G + row0 * L + (offs_l[:, None] + offs_t[None, :] * L), mask=mask_l[:, None] & mask_t[None, :], other=0.0
+        )  # (BLOCK_L, BLOCK_T): g transposed
+        x = tl.load(
+            X + row0 * K + (offs_t[:, None] * K + offs_k[None, :]), mask=mask_t[:, None] & mask_k[None, :], other=0.0
+        )
         if DOT_IN_FP32:
             g_t = g_t.to(tl.float32)
             x = x.to(tl.float32)
@@ -105,8 +107,11 @@ def _linear_bwd_dw_pesq(
             dw += dw_i
             dw_i = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
     if owned:  # this program owns its tile: dW in its dtype, no fp32 round trip
-        tl.store(DW + offs_l[:, None].to(tl.int64) * K + offs_k[None, :], dw.to(DW.dtype.element_ty),
-                 mask=mask_l[:, None] & mask_k[None, :])
+        tl.store(
+            DW + offs_l[:, None].to(tl.int64) * K + offs_k[None, :],
+            dw.to(DW.dtype.element_ty),
+            mask=mask_l[:, None] & mask_k[None, :],
+        )
     else:
         split_rows = L - FRONT_ROWS * BLOCK_L
         out = (chunk.to(tl.int64) * split_rows + (offs_l[:, None] - FRONT_ROWS * BLOCK_L)) * K + offs_k[None, :]

@@ -8,15 +8,16 @@ in fused_gns.py), how convert() recognises and probes modules of that kind, and
 its group in the analysis. Adding a kind is a new module and one line here.
 """
 
+from nanogns.layers import (
+    attention,  # noqa: F401,E402
+    conv,  # noqa: F401,E402
+    conv1d,  # noqa: F401,E402
+    embedding,  # noqa: F401,E402
+    experts,  # noqa: F401,E402
+    fused,  # noqa: F401,E402  (adds the Triton variants)
+    layernorm,  # noqa: F401,E402
+    linear,  # noqa: F401,E402  (each import registers its kind)
+    rmsnorm,  # noqa: F401,E402
+    sogns,  # noqa: F401,E402  (adds the approximate Linear variants)
+)
 from nanogns.layers.registry import KINDS, LayerKind, Probe, get, group_of, register  # noqa: F401
-
-from nanogns.layers import linear  # noqa: F401,E402  (each import registers its kind)
-from nanogns.layers import conv1d  # noqa: F401,E402
-from nanogns.layers import embedding  # noqa: F401,E402
-from nanogns.layers import layernorm  # noqa: F401,E402
-from nanogns.layers import rmsnorm  # noqa: F401,E402
-from nanogns.layers import experts  # noqa: F401,E402
-from nanogns.layers import conv  # noqa: F401,E402
-from nanogns.layers import attention  # noqa: F401,E402
-from nanogns.layers import sogns  # noqa: F401,E402  (adds the approximate Linear variants)
-from nanogns.layers import fused  # noqa: F401,E402  (adds the Triton variants)

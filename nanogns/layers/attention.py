@@ -27,8 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers import functional
-from nanogns.layers import layout
+from nanogns.layers import functional, layout
 from nanogns.layers.buffers import PESqNormBuffersMixin, refuse_step
 from nanogns.layers.registry import LayerKind, adopt, register
 
@@ -47,31 +46,49 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
         for name in ("weight", "bias"):  # out_proj's buffers live on out_proj, where the monitor looks
             param = getattr(self.out_proj, name, None)
             if param is not None:
-                self.out_proj.register_buffer(name + "_upegsqnorm", torch.zeros(2, device=param.device),
-                                              persistent=False)
+                self.out_proj.register_buffer(
+                    name + "_upegsqnorm", torch.zeros(2, device=param.device), persistent=False
+                )
                 self.out_proj.__dict__.setdefault("_pe_kinds", {})[name] = "Linear"
 
     def pe_buffer_of(self, module, name):
         param = getattr(module, name, None)
         return module._buffers.get(name + "_upegsqnorm") if param is not None and param.requires_grad else None
 
-    def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
         batched = query.dim() == 3
         if not batched or not torch.is_grad_enabled():  # unbatched input has no examples; no gradients: torch's own
-            return super().forward(query, key, value, key_padding_mask, need_weights, attn_mask,
-                                   average_attn_weights, is_causal)
+            return super().forward(
+                query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
         if not self.batch_first:  # (L, B, E) -> (B, L, E): the examples on dim 0, as every layer reads them
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         rows = self.pe_count(query, key)
         q, k, v = self.pe_in_projection(query, key, value, rows)
         if need_weights or self.add_zero_attn:
-            out, weights = self.pe_torch_attention(q, k, v, key_padding_mask, need_weights, attn_mask,
-                                                   average_attn_weights, is_causal)
+            out, weights = self.pe_torch_attention(
+                q, k, v, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+            )
         else:
             out, weights = self.pe_sdpa(q, k, v, key_padding_mask, attn_mask, is_causal), None
-        out = functional.linear(out, self.out_proj.weight, self.out_proj.bias, self.pe_buffer_of(self.out_proj, "weight"),
-                                self.pe_buffer_of(self.out_proj, "bias"), rows=rows[0])
+        out = functional.linear(
+            out,
+            self.out_proj.weight,
+            self.out_proj.bias,
+            self.pe_buffer_of(self.out_proj, "weight"),
+            self.pe_buffer_of(self.out_proj, "bias"),
+            rows=rows[0],
+        )
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
     def pe_count(self, query, key):
@@ -96,8 +113,9 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
         E = self.embed_dim
         bias, bias_buffer = self.in_proj_bias, self.pe_buffer_of(self, "in_proj_bias")
         if self._qkv_same_embed_dim and query is key and key is value:
-            proj = functional.linear(query, self.in_proj_weight, bias, self.pe_buffer_of(self, "in_proj_weight"),
-                                     bias_buffer, rows=rows[0])
+            proj = functional.linear(
+                query, self.in_proj_weight, bias, self.pe_buffer_of(self, "in_proj_weight"), bias_buffer, rows=rows[0]
+            )
             return proj.chunk(3, dim=-1)
         outputs = []
         for i, (x, name) in enumerate(zip((query, key, value), ("q_proj_weight", "k_proj_weight", "v_proj_weight"))):
@@ -115,16 +133,26 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
         merged, then F.scaled_dot_product_attention over (B, heads, L, head_dim)."""
         B, L, E = q.shape
         S, H = k.shape[1], self.num_heads
-        key_padding_mask = F._canonical_mask(mask=key_padding_mask, mask_name="key_padding_mask",
-                                             other_type=F._none_or_dtype(attn_mask), other_name="attn_mask",
-                                             target_type=q.dtype)
+        key_padding_mask = F._canonical_mask(
+            mask=key_padding_mask,
+            mask_name="key_padding_mask",
+            other_type=F._none_or_dtype(attn_mask),
+            other_name="attn_mask",
+            target_type=q.dtype,
+        )
         if is_causal and attn_mask is None:
             raise RuntimeError("Need attn_mask if specifying the is_causal hint (as torch's MultiheadAttention)")
         if is_causal and key_padding_mask is None:
             attn_mask = None  # the hint alone tells SDPA
         else:
-            attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="",
-                                          target_type=q.dtype, check_other=False)
+            attn_mask = F._canonical_mask(
+                mask=attn_mask,
+                mask_name="attn_mask",
+                other_type=None,
+                other_name="",
+                target_type=q.dtype,
+                check_other=False,
+            )
             if key_padding_mask is not None:
                 is_causal = False
         if attn_mask is not None and attn_mask.dim() == 2:
@@ -144,10 +172,30 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
         E = self.embed_dim
         eye = torch.eye(E, dtype=q.dtype, device=q.device)
         out, weights = F.multi_head_attention_forward(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), E, self.num_heads, None, None, None, None,
-            self.add_zero_attn, self.dropout, eye, None, training=self.training, key_padding_mask=key_padding_mask,
-            need_weights=need_weights, attn_mask=attn_mask, use_separate_proj_weight=True, q_proj_weight=eye,
-            k_proj_weight=eye, v_proj_weight=eye, average_attn_weights=average_attn_weights, is_causal=is_causal)
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            E,
+            self.num_heads,
+            None,
+            None,
+            None,
+            None,
+            self.add_zero_attn,
+            self.dropout,
+            eye,
+            None,
+            training=self.training,
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            use_separate_proj_weight=True,
+            q_proj_weight=eye,
+            k_proj_weight=eye,
+            v_proj_weight=eye,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
         return out.transpose(0, 1), weights
 
 
@@ -168,18 +216,23 @@ def verify(module, variant_cls):
     E, B, L, S = module.embed_dim, 3, 5, 4
     twin = copy.deepcopy(module).double()
     twin.train(False)  # dropout off, for the comparison only
-    params = {name: nn.Parameter(torch.randn(p.shape, generator=gen, dtype=torch.float64) / math.sqrt(p.shape[-1]))
-              for name, p in twin.named_parameters()}
+    params = {
+        name: nn.Parameter(torch.randn(p.shape, generator=gen, dtype=torch.float64) / math.sqrt(p.shape[-1]))
+        for name, p in twin.named_parameters()
+    }
     x = torch.randn(B, L, E, generator=gen, dtype=torch.float64)
     memory = torch.randn(B, S, E, generator=gen, dtype=torch.float64)
     padding = torch.zeros(B, L, dtype=torch.bool)
     padding[1, -2:] = True
     causal = nn.Transformer.generate_square_subsequent_mask(L, dtype=torch.float64)
     first = (lambda t: t) if module.batch_first else (lambda t: t.transpose(0, 1))
-    calls = {"self-attention": lambda m, x: m(first(x), first(x), first(x)),
-             "masked self-attention": lambda m, x: m(first(x), first(x), first(x), key_padding_mask=padding,
-                                                     attn_mask=causal, need_weights=False, is_causal=True),
-             "cross-attention": lambda m, x: m(first(x), first(memory), first(memory), need_weights=False)}
+    calls = {
+        "self-attention": lambda m, x: m(first(x), first(x), first(x)),
+        "masked self-attention": lambda m, x: m(
+            first(x), first(x), first(x), key_padding_mask=padding, attn_mask=causal, need_weights=False, is_causal=True
+        ),
+        "cross-attention": lambda m, x: m(first(x), first(memory), first(memory), need_weights=False),
+    }
     converted = copy.deepcopy(twin)
     adopt(converted, variant_cls, {})
     for what, call in calls.items():
@@ -196,13 +249,20 @@ def verify(module, variant_cls):
     return None
 
 
-KIND = register(LayerKind(
-    name="MultiheadAttention", config_key="linearclass", group="Linear",
-    variants={"nn": nn.MultiheadAttention, "shim": PEGradNormMultiheadAttention,
-              "gns": PEGradNormMultiheadAttention,
-              "fused": PEGradNormMultiheadAttention},
-    replaces=(nn.MultiheadAttention,),
-    params=PROJECTIONS,
-    convertible=convertible,
-    verify=verify,
-))
+KIND = register(
+    LayerKind(
+        name="MultiheadAttention",
+        config_key="linearclass",
+        group="Linear",
+        variants={
+            "nn": nn.MultiheadAttention,
+            "shim": PEGradNormMultiheadAttention,
+            "gns": PEGradNormMultiheadAttention,
+            "fused": PEGradNormMultiheadAttention,
+        },
+        replaces=(nn.MultiheadAttention,),
+        params=PROJECTIONS,
+        convertible=convertible,
+        verify=verify,
+    )
+)

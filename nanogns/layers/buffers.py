@@ -48,20 +48,24 @@ except ImportError:  # a torch built without distributed
 BUFFER_SUFFIX = "_upegsqnorm"
 refused = {}  # {buffer's data_ptr: why its step was refused (rows not mapped to examples)}, cleared with the buffers
 # why tensor-parallel layers are refused, wherever that is found (a sharded parameter in a forward, sharded buffers)
-TENSOR_PARALLEL = ("each rank would record the norms of its shard of the examples' gradients, which the monitor "
-                   "does not combine; measure with data parallelism only (DDP, FSDP2, HSDP)")
+TENSOR_PARALLEL = (
+    "each rank would record the norms of its shard of the examples' gradients, which the monitor "
+    "does not combine; measure with data parallelism only (DDP, FSDP2, HSDP)"
+)
 
 
 # -----------------------------------------------------------------------------
 # buffers
+
 
 def register_pe_sqnorm_buffers(module, param_names):
     """Give `module` one `<name>_upegsqnorm` buffer per parameter name (those that exist)."""
     for name in param_names:
         if getattr(module, name, None) is not None:
             # non-persistent: checkpoints stay loadable by plain torch layers
-            module.register_buffer(name + BUFFER_SUFFIX, torch.zeros(2, device=getattr(module, name).device),
-                                   persistent=False)
+            module.register_buffer(
+                name + BUFFER_SUFFIX, torch.zeros(2, device=getattr(module, name).device), persistent=False
+            )
 
 
 def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
@@ -137,8 +141,9 @@ def rows_or_refuse(shape, buffers, params=()):
     """(Rows of an input of `shape`, buffers), or (None, Nones) after refusing the step when they cannot be
     mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism."""
     if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
-        refuse_step(f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}",
-                    buffers)
+        refuse_step(
+            f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
+        )
         return None, tuple(None for _ in buffers)
     rows = layout.rows_for(shape)
     if isinstance(rows, str):

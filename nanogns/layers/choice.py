@@ -58,7 +58,9 @@ def set_contextual_config(**classes):
     """Build modules with these layer classes inside the `with` block, restoring the old ones after."""
     unknown = set(classes) - set(LayerConfig.__dataclass_fields__)
     if unknown:
-        raise ValueError(f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(LayerConfig.__dataclass_fields__)}")
+        raise ValueError(
+            f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(LayerConfig.__dataclass_fields__)}"
+        )
     previous = {kind: getattr(config, kind) for kind in classes}
     for kind, cls in classes.items():
         setattr(config, kind, cls)

@@ -19,7 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, on_output_grad, refuse_step
+from nanogns.layers.buffers import (
+    PESqNormBuffersMixin,
+    accumulate_pe_sqnorm,
+    autocast_inputs,
+    on_output_grad,
+    refuse_step,
+)
 from nanogns.layers.linear import bias_pe_grads, linear_pe_sqnorm, linear_weight_grad_and_pe_sqnorm
 from nanogns.layers.registry import LayerKind, register
 
@@ -96,12 +102,14 @@ class ConvFunction(torch.autograd.Function):
 
 def record_conv_norms(module, x, weight_buffer, bias_buffer):
     """A hook for the output gradient that adds the per-example squared norms to the buffers (shim)."""
+
     def record(g):
         if weight_buffer is not None:
             sq = sum(linear_pe_sqnorm(xs, gs) for xs, gs in zip(patches(module, x), grads_per_group(module, g)))
             accumulate_pe_sqnorm(weight_buffer, sq)
         if bias_buffer is not None:
             accumulate_pe_sqnorm(bias_buffer, bias_pe_grads(g.flatten(2).transpose(1, 2)).pow(2).sum(dim=1))
+
     return record
 
 
@@ -115,8 +123,9 @@ class _ConvBase(PESqNormBuffersMixin):
         rows, buffers = self.pe_rows_and_buffers(x.movedim(1, -1), "weight", "bias")  # examples on dim 0
         x, weight, bias = autocast_inputs(padded_input(self, x), self.weight, self.bias)
         if rows is not None and rows.kind != "dim0":
-            refuse_step(f"a convolution's input must have the forward's examples on dim 0, got shape {tuple(x.shape)}",
-                        buffers)
+            refuse_step(
+                f"a convolution's input must have the forward's examples on dim 0, got shape {tuple(x.shape)}", buffers
+            )
             buffers = (None, None)
         return x, weight, bias, buffers
 
@@ -144,9 +153,17 @@ class PEGradNormShimConv(_ConvBase):
         return out
 
 
-KIND = register(LayerKind(
-    name="Conv", config_key="linearclass", group="Linear",
-    variants={"nn": nn.Conv2d, "shim": PEGradNormShimConv, "gns": PEGradNormConv,
-              "fused": PEGradNormConv},  # no kernel
-    replaces=(nn.Conv1d, nn.Conv2d),
-))
+KIND = register(
+    LayerKind(
+        name="Conv",
+        config_key="linearclass",
+        group="Linear",
+        variants={
+            "nn": nn.Conv2d,
+            "shim": PEGradNormShimConv,
+            "gns": PEGradNormConv,
+            "fused": PEGradNormConv,
+        },  # no kernel
+        replaces=(nn.Conv1d, nn.Conv2d),
+    )
+)

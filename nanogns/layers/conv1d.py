@@ -70,13 +70,24 @@ def probe_data(module, generator, weight, bias):
     return params, torch.randn(3, 4, K, generator=generator, dtype=torch.float64)
 
 
-KIND = register(LayerKind(
-    name="Conv1D", config_key="linearclass", group="Linear",
-    variants={"nn": "transformers.pytorch_utils:Conv1D", "shim": PEGradNormShimConv1D,
-              "gns": PEGradNormConv1D},  # "fused": layers/fused.py
-    replaces=("transformers.pytorch_utils:Conv1D",),
-    probe=Probe(fits=lambda weight, bias: weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:]),
-                data=probe_data, options=("autocast_promotes",),
-                candidates=lambda module, options: [dict(options)] if options else
-                [o for o in LINEAR_OPTIONS if "cast_weight" not in o]),
-))
+KIND = register(
+    LayerKind(
+        name="Conv1D",
+        config_key="linearclass",
+        group="Linear",
+        variants={
+            "nn": "transformers.pytorch_utils:Conv1D",
+            "shim": PEGradNormShimConv1D,
+            "gns": PEGradNormConv1D,
+        },  # "fused": layers/fused.py
+        replaces=("transformers.pytorch_utils:Conv1D",),
+        probe=Probe(
+            fits=lambda weight, bias: weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:]),
+            data=probe_data,
+            options=("autocast_promotes",),
+            candidates=lambda module, options: (
+                [dict(options)] if options else [o for o in LINEAR_OPTIONS if "cast_weight" not in o]
+            ),
+        ),
+    )
+)

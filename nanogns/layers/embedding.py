@@ -55,9 +55,11 @@ def ids_per_example(rows, ids):
 
 def record_embedding_norms(ids, rows, num_embeddings, padding_idx, weight_buffer):
     """A hook for the output gradient that adds the weight's per-example squared norms to the buffer."""
+
     def record(g):
         weight_sq = embedding_pe_sqnorm(ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx)
         accumulate_pe_sqnorm(weight_buffer, weight_sq)
+
     return record
 
 
@@ -90,8 +92,9 @@ class EmbeddingFunction(torch.autograd.Function):
             grad_weight[ctx.padding_idx] = 0
         if ctx.weight_buffer is not None:
             rows = ctx.rows
-            weight_sq = embedding_pe_sqnorm(ids_per_example(rows, ids), rows.per_example(grad_out), num_embeddings,
-                                            ctx.padding_idx)
+            weight_sq = embedding_pe_sqnorm(
+                ids_per_example(rows, ids), rows.per_example(grad_out), num_embeddings, ctx.padding_idx
+            )
             accumulate_pe_sqnorm(ctx.weight_buffer, weight_sq)
         return None, grad_weight, None, None, None
 
@@ -100,13 +103,19 @@ _PLAIN_EMBEDDING_DEFAULTS = dict(max_norm=None, norm_type=2.0, scale_grad_by_fre
 
 
 def _check_plain_embedding(kwargs):
-    unsupported = [k for k, v in kwargs.items()
-                   if k in _PLAIN_EMBEDDING_DEFAULTS and v != _PLAIN_EMBEDDING_DEFAULTS[k]
-                   or k not in _PLAIN_EMBEDDING_DEFAULTS and k not in ("padding_idx", "device", "dtype", "_weight",
-                                                                       "_freeze")]
+    unsupported = [
+        k
+        for k, v in kwargs.items()
+        if k in _PLAIN_EMBEDDING_DEFAULTS
+        and v != _PLAIN_EMBEDDING_DEFAULTS[k]
+        or k not in _PLAIN_EMBEDDING_DEFAULTS
+        and k not in ("padding_idx", "device", "dtype", "_weight", "_freeze")
+    ]
     if unsupported:
-        raise ValueError(f"per-example norm Embedding does not support {sorted(unsupported)}; "
-                         f"use embeddingclass='nn' for such an embedding")
+        raise ValueError(
+            f"per-example norm Embedding does not support {sorted(unsupported)}; "
+            f"use embeddingclass='nn' for such an embedding"
+        )
 
 
 class _PEGradNormEmbeddingBase(PESqNormBuffersMixin, nn.Embedding):
@@ -146,6 +155,7 @@ class PEGradNormEmbedding(_PEGradNormEmbeddingBase):
 # -----------------------------------------------------------------------------
 # the registration
 
+
 def convertible(module):
     plain = module.max_norm is None and not module.scale_grad_by_freq and not module.sparse
     return None if plain else "nn.Embedding with max_norm, scale_grad_by_freq or sparse"
@@ -154,7 +164,7 @@ def convertible(module):
 # attribute names under which transformers' models keep an Embedding fed a table shared by the whole batch
 SHARED_TABLES = {
     "relative_attention_bias": "its input is a (query, key) table of relative-position buckets that the attention "
-                               "shares across the batch (T5 and its kin), so no row belongs to one example",
+    "shares across the batch (T5 and its kin), so no row belongs to one example",
 }
 
 
@@ -175,15 +185,22 @@ def probe_data(module, generator, weight, bias=None):
     return {"weight": torch.randn(*weight.shape, generator=generator, dtype=torch.float64)}, ids
 
 
-KIND = register(LayerKind(
-    name="Embedding", config_key="embeddingclass", group="Embedding",
-    variants={"nn": nn.Embedding, "shim": PEGradNormShimEmbedding,
-              "gns": PEGradNormEmbedding,
-              "fused": PEGradNormEmbedding},  # no kernel: embedding grads are a scatter-add already
-    replaces=(nn.Embedding,),
-    params=("weight",),
-    convertible=convertible,
-    in_parent=in_parent,
-    options=lambda module: dict(padding_idx=module.padding_idx),
-    probe=Probe(fits=fits, data=probe_data),
-))
+KIND = register(
+    LayerKind(
+        name="Embedding",
+        config_key="embeddingclass",
+        group="Embedding",
+        variants={
+            "nn": nn.Embedding,
+            "shim": PEGradNormShimEmbedding,
+            "gns": PEGradNormEmbedding,
+            "fused": PEGradNormEmbedding,
+        },  # no kernel: embedding grads are a scatter-add already
+        replaces=(nn.Embedding,),
+        params=("weight",),
+        convertible=convertible,
+        in_parent=in_parent,
+        options=lambda module: dict(padding_idx=module.padding_idx),
+        probe=Probe(fits=fits, data=probe_data),
+    )
+)

@@ -33,8 +33,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanogns.layers import functional
-from nanogns.layers import layout
+from nanogns.layers import functional, layout
 from nanogns.layers.buffers import PESqNormBuffersMixin, refuse_step
 from nanogns.layers.registry import LayerKind, adopt, register
 
@@ -45,9 +44,13 @@ TOKENS, TOP_K = 12, 2  # the probe: 3 examples of 4 tokens, each routed to 2 exp
 def matches(module):
     """A transformers experts module: `use_experts_implementation` attributes and 3-D projection banks."""
     params = module._parameters
-    return (hasattr(module, "has_gate") and hasattr(module, "is_transposed") and "down_proj" in params
-            and ("gate_up_proj" in params or "up_proj" in params)
-            and all(params[name].dim() == 3 for name in PROJECTIONS if name in params))
+    return (
+        hasattr(module, "has_gate")
+        and hasattr(module, "is_transposed")
+        and "down_proj" in params
+        and ("gate_up_proj" in params or "up_proj" in params)
+        and all(params[name].dim() == 3 for name in PROJECTIONS if name in params)
+    )
 
 
 class PEGradNormExperts(PESqNormBuffersMixin):
@@ -91,15 +94,22 @@ class PEGradNormExperts(PESqNormBuffersMixin):
         for expert in hit:
             token_idx, top_k_pos = torch.where(top_k_index == expert)
             x = hidden_states[token_idx]
-            expert_rows = None if rows is None else layout.ragged(example_of_token[token_idx], rows.examples,
-                                                                   counted=False)
+            expert_rows = (
+                None if rows is None else layout.ragged(example_of_token[token_idx], rows.examples, counted=False)
+            )
             weight, bias, weight_buffer, bias_buffer = self.pe_projection(first, expert)
-            h = functional.linear(x, weight, bias, weight_buffer, bias_buffer, rows=expert_rows) if rows else \
-                torch.nn.functional.linear(x, weight, bias)
+            h = (
+                functional.linear(x, weight, bias, weight_buffer, bias_buffer, rows=expert_rows)
+                if rows
+                else torch.nn.functional.linear(x, weight, bias)
+            )
             h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
             weight, bias, weight_buffer, bias_buffer = self.pe_projection("down_proj", expert)
-            y = functional.linear(h, weight, bias, weight_buffer, bias_buffer, rows=expert_rows) if rows else \
-                torch.nn.functional.linear(h, weight, bias)
+            y = (
+                functional.linear(h, weight, bias, weight_buffer, bias_buffer, rows=expert_rows)
+                if rows
+                else torch.nn.functional.linear(h, weight, bias)
+            )
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
@@ -139,9 +149,15 @@ def _probe(module, variant_cls, dtype, tolerance):
     device = next(iter(params.values())).device
     device = torch.device("cpu") if device.type == "meta" else device
     num_experts = params["down_proj"].shape[0]
-    D = module.hidden_dim if hasattr(module, "hidden_dim") else params["down_proj"].shape[1 if not module.is_transposed else 2]
-    values = {name: (torch.randn(*p.shape, generator=gen, dtype=torch.float64) / math.sqrt(p.shape[-1])).to(device, dtype)
-              for name, p in params.items()}
+    D = (
+        module.hidden_dim
+        if hasattr(module, "hidden_dim")
+        else params["down_proj"].shape[1 if not module.is_transposed else 2]
+    )
+    values = {
+        name: (torch.randn(*p.shape, generator=gen, dtype=torch.float64) / math.sqrt(p.shape[-1])).to(device, dtype)
+        for name, p in params.items()
+    }
     hidden = torch.randn(TOKENS, D, generator=gen, dtype=torch.float64).to(device, dtype)
     top_k_index = torch.stack([torch.randperm(num_experts, generator=gen)[:TOP_K] for _ in range(TOKENS)]).to(device)
     top_k_weights = torch.rand(TOKENS, TOP_K, generator=gen, dtype=torch.float64).to(device, dtype)
@@ -160,8 +176,14 @@ def _probe(module, variant_cls, dtype, tolerance):
     except Exception as e:
         return f"its forward fails on a {where} ({type(e).__name__}: {e})"
     twin = copy.copy(module)
-    twin.__dict__.update(_parameters=dict(module._parameters), _buffers=dict(module._buffers),
-                         _forward_hooks={}, _forward_pre_hooks={}, _backward_hooks={}, _backward_pre_hooks={})
+    twin.__dict__.update(
+        _parameters=dict(module._parameters),
+        _buffers=dict(module._buffers),
+        _forward_hooks={},
+        _forward_pre_hooks={},
+        _backward_hooks={},
+        _backward_pre_hooks={},
+    )
     adopt(twin, variant_cls, {})
     try:
         got = run(lambda p, x: torch.func.functional_call(twin, p, (x, top_k_index, top_k_weights)), values)
@@ -175,13 +197,20 @@ def _probe(module, variant_cls, dtype, tolerance):
     return None
 
 
-KIND = register(LayerKind(
-    name="Experts", config_key="linearclass", group="Linear",
-    variants={"nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
-              "shim": PEGradNormExperts,
-              "gns": PEGradNormExperts, "fused": PEGradNormExperts},
-    params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
-    convertible=convertible,
-    matches=matches,
-    verify=verify,
-))
+KIND = register(
+    LayerKind(
+        name="Experts",
+        config_key="linearclass",
+        group="Linear",
+        variants={
+            "nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
+            "shim": PEGradNormExperts,
+            "gns": PEGradNormExperts,
+            "fused": PEGradNormExperts,
+        },
+        params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
+        convertible=convertible,
+        matches=matches,
+        verify=verify,
+    )
+)

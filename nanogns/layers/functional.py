@@ -64,10 +64,13 @@ def register_buffers(module, *param_names, kind=None, bank_dims=0):
     for name in param_names:
         param = getattr(module, name)
         if not 0 <= bank_dims < param.dim():
-            raise ValueError(f"bank_dims={bank_dims} for {name} of shape {tuple(param.shape)}: it must leave at least "
-                             "one dim to each slice (0 for a parameter that is not a bank)")
-        module.register_buffer(name + BUFFER_SUFFIX, torch.zeros(*param.shape[:bank_dims], 2, device=param.device),
-                               persistent=False)
+            raise ValueError(
+                f"bank_dims={bank_dims} for {name} of shape {tuple(param.shape)}: it must leave at least "
+                "one dim to each slice (0 for a parameter that is not a bank)"
+            )
+        module.register_buffer(
+            name + BUFFER_SUFFIX, torch.zeros(*param.shape[:bank_dims], 2, device=param.device), persistent=False
+        )
         if kind is not None:
             module.__dict__.setdefault("_pe_kinds", {})[name] = kind
 
@@ -77,8 +80,11 @@ def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None
     rows: which example each row of x belongs to (layout.Rows), when the layer knows better than the layout
     (tokens routed to an expert); default: the layout's."""
     x, weight, bias = autocast_inputs(x, weight, bias)
-    rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer), (weight, bias)) if rows is None else \
-        (rows, (weight_buffer, bias_buffer))
+    rows, buffers = (
+        rows_or_refuse(x.shape, (weight_buffer, bias_buffer), (weight, bias))
+        if rows is None
+        else (rows, (weight_buffer, bias_buffer))
+    )
     with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
         out = linear_kind.linear(x, weight, bias, *buffers, rows)
     note_head(buffers[0], x, rows, out)

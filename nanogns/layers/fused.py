@@ -52,14 +52,19 @@ from typing import NamedTuple, Optional
 import torch
 
 from nanogns.layers import layout
-from nanogns.layers.tied import note_head
 from nanogns.layers.buffers import autocast_inputs
 from nanogns.layers.conv1d import PEGradNormConv1D
 from nanogns.layers.layernorm import PEGradNormLayerNorm, torch_layer_norm
-from nanogns.layers.linear import (LinearFunction, PEGradNormLinear, bias_pe_grads, linear_weight_grad_and_pe_sqnorm,
-                           simultaneous_uses_gram)
+from nanogns.layers.linear import (
+    LinearFunction,
+    PEGradNormLinear,
+    bias_pe_grads,
+    linear_weight_grad_and_pe_sqnorm,
+    simultaneous_uses_gram,
+)
 from nanogns.layers.registry import add_variant
 from nanogns.layers.rmsnorm import PEGradNormRMSNorm, torch_rms_norm
+from nanogns.layers.tied import note_head
 
 try:
     import triton
@@ -84,13 +89,16 @@ _warned_reasons = set()
 # -----------------------------------------------------------------------------
 # can the kernel run here?
 
+
 def _interpreted_flags():
     """(our kernels interpreted?, Triton's own tl.* helpers interpreted?): both are fixed when decorated,
     ours when normgnorm is imported, Triton's when triton is."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return (isinstance(kernels.layernorm._ln_fwd, InterpretedFunction),
-            isinstance(triton.language.sum, InterpretedFunction))
+    return (
+        isinstance(kernels.layernorm._ln_fwd, InterpretedFunction),
+        isinstance(triton.language.sum, InterpretedFunction),
+    )
 
 
 def kernels_interpreted():
@@ -106,21 +114,29 @@ def kernel_unavailable_reason(x):
         return f"the kernels take {[str(d) for d in KERNEL_DTYPES]}, got {x.dtype}; cast the model to one of them"
     ours, triton_own = _interpreted_flags()
     if ours != triton_own:
-        return ("TRITON_INTERPRET changed between importing triton and importing fused_gns, so Triton's "
-                "interpreter is half active; set it (or not) before anything imports triton")
+        return (
+            "TRITON_INTERPRET changed between importing triton and importing fused_gns, so Triton's "
+            "interpreter is half active; set it (or not) before anything imports triton"
+        )
     if ours:  # (under torch.compile too: the kernels run inside custom ops, which Dynamo does not trace)
         if x.device.type == "cpu":
             return None
-        return (f"Triton's interpreter is active (TRITON_INTERPRET=1) and runs the kernels on CPU tensors only, "
-                f"got a {x.device.type} tensor; unset TRITON_INTERPRET to compile them for the GPU")
+        return (
+            f"Triton's interpreter is active (TRITON_INTERPRET=1) and runs the kernels on CPU tensors only, "
+            f"got a {x.device.type} tensor; unset TRITON_INTERPRET to compile them for the GPU"
+        )
     if x.device.type != "cuda":
-        return (f"the kernels need a CUDA tensor, got a {x.device.type} tensor; run on a GPU, or set "
-                f"TRITON_INTERPRET=1 before starting Python to run them (slowly) on the CPU")
+        return (
+            f"the kernels need a CUDA tensor, got a {x.device.type} tensor; run on a GPU, or set "
+            f"TRITON_INTERPRET=1 before starting Python to run them (slowly) on the CPU"
+        )
     if torch.version.cuda is not None:  # NVIDIA; ROCm builds report torch.version.hip instead
         major, minor = torch.cuda.get_device_capability(x.device)
         if (major, minor) < (7, 0) or (x.dtype == torch.bfloat16 and major < 8):
-            return (f"GPU capability {major}.{minor} is too old for the kernels with {x.dtype} "
-                    f"(they need sm_70, sm_80 for bfloat16)")
+            return (
+                f"GPU capability {major}.{minor} is too old for the kernels with {x.dtype} "
+                f"(they need sm_70, sm_80 for bfloat16)"
+            )
     return None
 
 
@@ -131,15 +147,21 @@ def _use_kernel(layer, x):
         return True
     if reason not in _warned_reasons:
         _warned_reasons.add(reason)
-        warnings.warn(f"{type(layer).__name__}: Triton kernel not used ({reason}); falling back to buffered.py's "
-                      f"torch computation, which gives the same numbers more slowly.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{type(layer).__name__}: Triton kernel not used ({reason}); falling back to buffered.py's "
+            f"torch computation, which gives the same numbers more slowly.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return False
 
 
 def _check_input(x, features, what):
     if x.dim() < 2:
-        raise RuntimeError(f"{what} needs input (N, ..., {features}) with examples along dim 0, got shape "
-                           f"{tuple(x.shape)}; add an example dim, e.g. x.unsqueeze(0)")
+        raise RuntimeError(
+            f"{what} needs input (N, ..., {features}) with examples along dim 0, got shape "
+            f"{tuple(x.shape)}; add an example dim, e.g. x.unsqueeze(0)"
+        )
     if x.shape[-1] != features:
         raise RuntimeError(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
 
@@ -247,23 +269,54 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
         W = 0  # no vectors: one program per parameter
     block_w = finish_block_w(W)
     blocks = triton.cdiv(W, block_w) if W else 1
-    parts, out = split if split is not None else (torch.empty(0, dtype=torch.float32, device=device),
-                                                  torch.empty(0, dtype=grad_dtype, device=device))
+    parts, out = (
+        split
+        if split is not None
+        else (torch.empty(0, dtype=torch.float32, device=device), torch.empty(0, dtype=grad_dtype, device=device))
+    )
     sum_programs = triton.cdiv(out.numel(), FINISH_SUM_BLOCK) if split is not None else 0
     sq_part = torch.empty(2, N, blocks, dtype=torch.float32, device=device)
     pesq = torch.empty(2, N, dtype=torch.float32, device=device)
     any_part = a if a is not None else b
-    grad_any = a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
+    grad_any = (
+        a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
+    )
     a_buf, b_buf = buffers
     (a_base, a_at), (b_base, b_at) = (_aligned_at(buf) if buf is not None else (pesq, 0) for buf in buffers)
-    _launch(kernels.finish._pe_sqnorm_finish, (blocks, 2 + triton.cdiv(sum_programs, blocks)), device,
-            a if a is not None else any_part, b if b is not None else any_part,
-            a_grad if a_grad is not None else grad_any, b_grad if b_grad is not None else grad_any,
-            sq_part, pesq, a_base, b_base,
-            _counter(device), N, C, W, stride, a.shape[-1] if a_squares and a is not None else 0, N if counts else 0,
-            int(a is not None), int(b is not None), int(a is not None and a_buf is not None),
-            int(b is not None and b_buf is not None), a_at, b_at, parts, out, out.numel(), parts.shape[0] if split else 0,
-            A_SQUARES=a_squares, BLOCK_W=block_w, SUM_BLOCK=FINISH_SUM_BLOCK, num_warps=FINISH_WARPS)
+    _launch(
+        kernels.finish._pe_sqnorm_finish,
+        (blocks, 2 + triton.cdiv(sum_programs, blocks)),
+        device,
+        a if a is not None else any_part,
+        b if b is not None else any_part,
+        a_grad if a_grad is not None else grad_any,
+        b_grad if b_grad is not None else grad_any,
+        sq_part,
+        pesq,
+        a_base,
+        b_base,
+        _counter(device),
+        N,
+        C,
+        W,
+        stride,
+        a.shape[-1] if a_squares and a is not None else 0,
+        N if counts else 0,
+        int(a is not None),
+        int(b is not None),
+        int(a is not None and a_buf is not None),
+        int(b is not None and b_buf is not None),
+        a_at,
+        b_at,
+        parts,
+        out,
+        out.numel(),
+        parts.shape[0] if split else 0,
+        A_SQUARES=a_squares,
+        BLOCK_W=block_w,
+        SUM_BLOCK=FINISH_SUM_BLOCK,
+        num_warps=FINISH_WARPS,
+    )
     for part, buffer, row in ((a, a_buf, pesq[0]), (b, b_buf, pesq[1])):
         if part is not None and buffer is not None:
             _recorded(buffer, row)
@@ -272,6 +325,7 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
 
 # -----------------------------------------------------------------------------
 # LayerNorm / RMSNorm
+
 
 def _sm_count(device):
     """Streaming multiprocessors of a CUDA device; None for any other device (no grid to fill)."""
@@ -314,12 +368,14 @@ def _custom_op(name, mutates_args=()):
     def register(fn):
         CUSTOM_OPS[name] = fn
         return torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
     return register
 
 
 @_custom_op("nanogns::norm_fwd", mutates_args=())
-def _norm_fwd_op(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                 is_rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_fwd_op(
+    x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, is_rms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (M, stride) in x2's dtype, mean (M,), rstd (M,) fp32) of the rows x2 (M, stride), D = weight.numel()."""
     x2 = _aligned(x2.contiguous())
     M, stride = x2.shape
@@ -331,9 +387,24 @@ def _norm_fwd_op(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     rstd = torch.empty(M, dtype=torch.float32, device=x2.device)
     block_d, num_warps = norm_launch_config(D)
     if M > 0:
-        _launch(kernels.layernorm._ln_fwd, (M,), x2.device,
-                x2, y, weight, bias if bias is not None else weight, mean, rstd, D, stride, eps,
-                IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=num_warps)
+        _launch(
+            kernels.layernorm._ln_fwd,
+            (M,),
+            x2.device,
+            x2,
+            y,
+            weight,
+            bias if bias is not None else weight,
+            mean,
+            rstd,
+            D,
+            stride,
+            eps,
+            IS_RMS=is_rms,
+            HAS_BIAS=bias is not None,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
     return y, mean, rstd
 
 
@@ -344,9 +415,18 @@ def _(x2, weight, bias, eps, is_rms):
 
 
 @_custom_op("nanogns::norm_bwd", mutates_args=("weight_buffer", "bias_buffer"))
-def _norm_bwd_op(x2: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                 N: int, is_rms: bool, has_bias: bool, weight_buffer: Optional[torch.Tensor],
-                 bias_buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_bwd_op(
+    x2: torch.Tensor,
+    g: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    N: int,
+    is_rms: bool,
+    has_bias: bool,
+    weight_buffer: Optional[torch.Tensor],
+    bias_buffer: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx (M, stride), dw (D,), db (D,), or (0,) without a bias); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, g = _aligned(x2.contiguous()), _aligned(g.contiguous())
     M, stride = x2.shape
@@ -359,12 +439,39 @@ def _norm_bwd_op(x2: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, mean: 
     dw_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device)
     db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if has_bias else dw_part
     if M > 0:
-        _launch(kernels.layernorm._ln_bwd_dx_pesq, (N, chunks), x2.device,
-                x2, g, dx, weight, mean, rstd, dw_part, db_part, T, D, stride, rows,
-                IS_RMS=is_rms, HAS_BIAS=has_bias, BLOCK_D=block_d, num_warps=num_warps)
+        _launch(
+            kernels.layernorm._ln_bwd_dx_pesq,
+            (N, chunks),
+            x2.device,
+            x2,
+            g,
+            dx,
+            weight,
+            mean,
+            rstd,
+            dw_part,
+            db_part,
+            T,
+            D,
+            stride,
+            rows,
+            IS_RMS=is_rms,
+            HAS_BIAS=has_bias,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
     # per-example gradients: sum each example's chunks; square; sum over examples; the buffers: one launch
-    dw, db = _finish(dw_part, db_part if has_bias else None, N, chunks, D, stride, weight.dtype, x2.device,
-                     (weight_buffer, bias_buffer))
+    dw, db = _finish(
+        dw_part,
+        db_part if has_bias else None,
+        N,
+        chunks,
+        D,
+        stride,
+        weight.dtype,
+        x2.device,
+        (weight_buffer, bias_buffer),
+    )
     return dx, dw, db if db is not None else weight.new_empty(0)
 
 
@@ -379,9 +486,11 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     D = weight.numel()
     _check_input(x, D, what)
     if D > MAX_NORM_FEATURES:
-        raise RuntimeError(f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
-                           f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
-                           f"use lnclass='gns' for it")
+        raise RuntimeError(
+            f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
+            f"{MAX_NORM_FEATURES} features (one row per program, in registers); "
+            f"use lnclass='gns' for it"
+        )
     x2, stride = _masked_rows(x, D, NORM_RAGGED_MAX)  # (N * T, D) rows, stride apart
     y, mean, rstd = torch.ops.nanogns.norm_fwd(x2, weight, bias, eps, is_rms)
     ctx.save_for_backward(x2, weight, mean, rstd)
@@ -393,9 +502,10 @@ def _norm_backward(ctx, grad_out, weight_buffer, bias_buffer):
     """(dx, dw, db or None); adds ||dw_i||^2 and ||db_i||^2 to the buffers."""
     x2, weight, mean, rstd = ctx.saved_tensors
     g, _ = _masked_rows(grad_out, ctx.D, NORM_RAGGED_MAX)
-    dx, dw, db = torch.ops.nanogns.norm_bwd(x2, g, weight, mean, rstd, ctx.N, ctx.is_rms, ctx.has_bias,
-                                            weight_buffer, bias_buffer)
-    return dx[:, :ctx.D].view(grad_out.shape), dw, db if ctx.has_bias else None
+    dx, dw, db = torch.ops.nanogns.norm_bwd(
+        x2, g, weight, mean, rstd, ctx.N, ctx.is_rms, ctx.has_bias, weight_buffer, bias_buffer
+    )
+    return dx[:, : ctx.D].view(grad_out.shape), dw, db if ctx.has_bias else None
 
 
 class FusedLayerNormFunction(torch.autograd.Function):
@@ -434,9 +544,11 @@ fused_rms_norm = FusedRMSNormFunction.apply
 # -----------------------------------------------------------------------------
 # Linear
 
+
 @dataclass(frozen=True)
 class LinearConfig:
     """A launch configuration of _linear_bwd_dw_pesq: tile of dW, rows per step, warps, pipeline stages."""
+
     block_l: int
     block_k: int
     block_t: int
@@ -452,12 +564,21 @@ class LinearConfig:
 # on A100/H100 (Triton's matmul tutorial). Each program holds two fp32 (BLOCK_L, BLOCK_K) accumulators, dW_i and
 # dW, so a 128 x 128 tile needs 8 warps (64 + 64 registers per thread for them). fp32 "ieee" is a CUDA-core FMA
 # dot whose operands also sit in registers: smaller row blocks. Every candidate compiles for sm_80 and sm_90
-# with no spills (bench/compile_gate.py, run by tests/test_compile_gate.py).
+# with no spills (bench/compile_gate.py, run by tests/test_bench_compile_gate.py).
 LINEAR_CANDIDATES = {
-    "16-bit": (LinearConfig(128, 128, 64, 8, 3), LinearConfig(128, 128, 32, 8, 4), LinearConfig(128, 64, 64, 8, 4),
-               LinearConfig(64, 128, 64, 8, 4), LinearConfig(64, 64, 64, 4, 4)),
-    "tf32": (LinearConfig(128, 128, 32, 8, 3), LinearConfig(128, 64, 32, 8, 3), LinearConfig(64, 128, 32, 8, 3),
-             LinearConfig(64, 64, 32, 4, 3)),
+    "16-bit": (
+        LinearConfig(128, 128, 64, 8, 3),
+        LinearConfig(128, 128, 32, 8, 4),
+        LinearConfig(128, 64, 64, 8, 4),
+        LinearConfig(64, 128, 64, 8, 4),
+        LinearConfig(64, 64, 64, 4, 4),
+    ),
+    "tf32": (
+        LinearConfig(128, 128, 32, 8, 3),
+        LinearConfig(128, 64, 32, 8, 3),
+        LinearConfig(64, 128, 32, 8, 3),
+        LinearConfig(64, 64, 32, 4, 3),
+    ),
     "ieee": (LinearConfig(128, 128, 16, 8, 2), LinearConfig(64, 64, 32, 4, 3)),
 }
 # With a ragged width (not a multiple of 16) given unmasked, the rows of the output gradient (L) or of the input
@@ -467,13 +588,23 @@ _RAGGED_ONE_SPILLS = {("16-bit", LinearConfig(128, 128, 64, 8, 3)), ("ieee", Lin
 RAGGED_SPILLS = {
     ("L",): _RAGGED_ONE_SPILLS,
     ("K",): _RAGGED_ONE_SPILLS,
-    ("L", "K"): _RAGGED_ONE_SPILLS | {("16-bit", LinearConfig(128, 128, 32, 8, 4)),
-                                      ("16-bit", LinearConfig(64, 64, 64, 4, 4)),
-                                      ("tf32", LinearConfig(128, 128, 32, 8, 3))},
+    ("L", "K"): _RAGGED_ONE_SPILLS
+    | {
+        ("16-bit", LinearConfig(128, 128, 32, 8, 4)),
+        ("16-bit", LinearConfig(64, 64, 64, 4, 4)),
+        ("tf32", LinearConfig(128, 128, 32, 8, 3)),
+    },
 }
 # largest dynamic shared memory per block (bytes) by compute capability; unknown ones get the smallest listed
-_SHARED_MEMORY_LIMIT = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
-                        (8, 9): 101376, (9, 0): 232448}
+_SHARED_MEMORY_LIMIT = {
+    (7, 0): 98304,
+    (7, 5): 65536,
+    (8, 0): 166912,
+    (8, 6): 101376,
+    (8, 7): 166912,
+    (8, 9): 101376,
+    (9, 0): 232448,
+}
 FUSED_LINEAR_STRATEGY = None  # None: _linear_choice picks; "kernel", "gram", "materialise" or a LinearConfig forces one
 _linear_choices = {}  # (N, T buckets, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig
 
@@ -538,8 +669,13 @@ def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, a
 def _interpreter_linear_config(T, L, K):
     """Triton's interpreter (CPU): large blocks mean fewer (slow, Python-level) programs and steps (up to
     512 x 512 tiles: 8x faster than 128 x 128 on a 768 -> 1000 layer); tl.dot needs blocks >= 16."""
-    return LinearConfig(min(512, max(16, triton.next_power_of_2(L))), min(512, max(16, triton.next_power_of_2(K))),
-                        min(64, max(16, triton.next_power_of_2(T))), 4, 1)
+    return LinearConfig(
+        min(512, max(16, triton.next_power_of_2(L))),
+        min(512, max(16, triton.next_power_of_2(K))),
+        min(64, max(16, triton.next_power_of_2(T))),
+        4,
+        1,
+    )
 
 
 # A cost model of the kernel on a GPU, for choosing how to split examples (H100 SXM spec sheet, per SM: dense
@@ -569,6 +705,7 @@ class LinearSplit(NamedTuple):
     """How _linear_bwd_dw_pesq's programs share dW: the first `front_rows` rows of tiles each owned by one program
     (all examples; dW written in its dtype), every tile after them split over `chunks` programs of `per_chunk`
     examples, each writing an fp32 partial that the finishing kernel sums."""
+
     front_rows: int
     chunks: int
     per_chunk: int
@@ -603,11 +740,15 @@ def plan_linear_split(N, tiles_l, tiles_k, slots, example_tile_s, row_partial_s)
         chunks = triton.cdiv(N, per_chunk)
         for front in sorted(f for f in fronts if f < tiles_l) if chunks > 1 else [tiles_l]:
             split_tiles = (tiles_l - front) * tiles_k
-            time = makespan([(front * tiles_k, N * example_tile_s), (split_tiles * chunks, per_chunk * example_tile_s)],
-                            slots)
+            time = makespan(
+                [(front * tiles_k, N * example_tile_s), (split_tiles * chunks, per_chunk * example_tile_s)], slots
+            )
             time += chunks * (tiles_l - front) * row_partial_s if chunks > 1 else 0.0
-            if best is None or time < best[0] * (1 - 1e-9) or (time <= best[0] * (1 + 1e-9) and
-                                                                best[1].chunks == chunks and front > best[1].front_rows):
+            if (
+                best is None
+                or time < best[0] * (1 - 1e-9)
+                or (time <= best[0] * (1 + 1e-9) and best[1].chunks == chunks and front > best[1].front_rows)
+            ):
                 best = (time, LinearSplit(front, chunks, per_chunk))
     return best[1]
 
@@ -652,23 +793,46 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
     T = xs.shape[0] // N if N else 0
     tiles_l, tiles_k = linear_tile_grid(L_pad, K_pad, config)
     launch = xs.numel() > 0 and gs.numel() > 0
-    front, chunks, per_chunk = _linear_plan(N, T, K_pad, L_pad, config, x.dtype, tf32, x.device) if launch else \
-        LinearSplit(tiles_l, 1, N)
+    front, chunks, per_chunk = (
+        _linear_plan(N, T, K_pad, L_pad, config, x.dtype, tf32, x.device) if launch else LinearSplit(tiles_l, 1, N)
+    )
     alloc = torch.empty if launch else torch.zeros  # the kernel writes every element it owns
     dw = alloc(L_pad, K_pad, dtype=x.dtype, device=x.device)  # owned tiles: written in x's dtype
     split_rows = L_pad - min(L_pad, front * config.block_l)  # rows of dW summed from fp32 partials per chunk
-    dw_part = alloc(chunks, split_rows, K_pad, dtype=torch.float32, device=x.device) if split_rows else \
-        torch.empty(0, dtype=torch.float32, device=x.device)
+    dw_part = (
+        alloc(chunks, split_rows, K_pad, dtype=torch.float32, device=x.device)
+        if split_rows
+        else torch.empty(0, dtype=torch.float32, device=x.device)
+    )
     w_pesq_part = alloc(N, tiles_l * tiles_k, dtype=torch.float32, device=x.device)
     if launch:
         programs = front * tiles_k + (tiles_l - front) * tiles_k * chunks
-        _launch(kernels.linear._linear_bwd_dw_pesq, (programs,), x.device,
-            xs, gs, dw, dw_part, w_pesq_part, N, T, L_pad, K_pad, per_chunk, front, chunks,
-            INPUT_PRECISION="tf32" if tf32 else "ieee", DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
-            BLOCK_L=config.block_l, BLOCK_K=config.block_k, BLOCK_T=config.block_t,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        _launch(
+            kernels.linear._linear_bwd_dw_pesq,
+            (programs,),
+            x.device,
+            xs,
+            gs,
+            dw,
+            dw_part,
+            w_pesq_part,
+            N,
+            T,
+            L_pad,
+            K_pad,
+            per_chunk,
+            front,
+            chunks,
+            INPUT_PRECISION="tf32" if tf32 else "ieee",
+            DOT_IN_FP32=x.dtype == torch.bfloat16 and kernels_interpreted(),
+            BLOCK_L=config.block_l,
+            BLOCK_K=config.block_k,
+            BLOCK_T=config.block_t,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
     if split_rows:
-        return dw, w_pesq_part, (dw_part, dw[L_pad - split_rows:])
+        return dw, w_pesq_part, (dw_part, dw[L_pad - split_rows :])
     return dw, w_pesq_part, None
 
 
@@ -705,8 +869,12 @@ def _fastest(key, candidates, run):
                 error = e
                 if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                warnings.warn(f"fused Linear {key[:4]}: candidate {c} skipped ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''})", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"fused Linear {key[:4]}: candidate {c} skipped ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if not times:
             raise RuntimeError(f"fused Linear {key[:4]}: every candidate failed") from error
         _linear_choices[key] = min(times, key=times.get)
@@ -738,12 +906,17 @@ def _linear_choice(x, grad_out):
     capability, sm_count = torch.cuda.get_device_capability(x.device), _sm_count(x.device)
     tf32 = matmul_allows_tf32()
     if FUSED_LINEAR_STRATEGY == "kernel" or torch.compiler.is_compiling():
-        return linear_default_config(N, T, K, L, x.dtype, capability, sm_count, tf32,
-                                     allow_gram=FUSED_LINEAR_STRATEGY != "kernel")
+        return linear_default_config(
+            N, T, K, L, x.dtype, capability, sm_count, tf32, allow_gram=FUSED_LINEAR_STRATEGY != "kernel"
+        )
     # the Gram trick's fp32 copies (2.5 GB for GPT-2's lm_head at B = 12) are not tried where they would take
     # more than half the free memory
     gram = ["gram"] if gram_extra_bytes(N, T, K, L) <= _free_bytes(x.device) // 2 else []
-    candidates = [*gram, "materialise", *linear_candidates(x.dtype, capability, tf32, linear_ragged(L, K, x.dtype, tf32))]
+    candidates = [
+        *gram,
+        "materialise",
+        *linear_candidates(x.dtype, capability, tf32, linear_ragged(L, K, x.dtype, tf32)),
+    ]
     # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
     key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
     return _fastest(key, candidates, lambda c: linear_weight_grad_finished(x, grad_out, c))
@@ -786,8 +959,12 @@ def linear_weight_grad_finished(x, g, choice):
 
 
 @_custom_op("nanogns::linear_dw_db", mutates_args=("weight_buffer", "bias_buffer"))
-def _linear_dw_db_op(x: Optional[torch.Tensor], g: torch.Tensor, weight_buffer: Optional[torch.Tensor],
-                     bias_buffer: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_dw_db_op(
+    x: Optional[torch.Tensor],
+    g: torch.Tensor,
+    weight_buffer: Optional[torch.Tensor],
+    bias_buffer: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dW (L, K) in x's dtype, or (0,) when x is None (a frozen weight); db (L,) in g's dtype) for x (N, T, K),
     g (N, T, L): dW and its per-tile squares from _linear_weight_grad, the bias's per-example sums one
     reduction, then one finishing launch for the norms, db and both buffers."""
@@ -826,8 +1003,9 @@ def _fused_linear_backward(ctx, grad_out):
     xs = x.reshape(N, -1, x.shape[-1]) if needs_weight else None
     grad_weight = grad_bias = None
     if needs_bias:
-        grad_weight, grad_bias = torch.ops.nanogns.linear_dw_db(xs, gs, weight_buffer if needs_weight else None,
-                                                                bias_buffer)
+        grad_weight, grad_bias = torch.ops.nanogns.linear_dw_db(
+            xs, gs, weight_buffer if needs_weight else None, bias_buffer
+        )
         grad_weight = grad_weight if needs_weight else None
     elif needs_weight:
         grad_weight = torch.ops.nanogns.linear_dw(xs, gs, weight_buffer)
@@ -856,6 +1034,7 @@ fused_linear = FusedLinearFunction.apply
 
 # -----------------------------------------------------------------------------
 # the layers
+
 
 def _kernel_input(layer, x, *roles):
     """(x viewed with its examples on dim 0 for the kernels, (buffers)), or None when the torch path must run:
@@ -930,6 +1109,10 @@ class PEGradNormFusedConv1D(PEGradNormConv1D):
             return fused_linear(xs, weight.t(), bias, *buffers).view(*x.shape[:-1], self.nf)
 
 
-for _kind, _variant in (("LayerNorm", PEGradNormFusedLayerNorm), ("RMSNorm", PEGradNormFusedRMSNorm),
-                        ("Linear", PEGradNormFusedLinear), ("Conv1D", PEGradNormFusedConv1D)):
+for _kind, _variant in (
+    ("LayerNorm", PEGradNormFusedLayerNorm),
+    ("RMSNorm", PEGradNormFusedRMSNorm),
+    ("Linear", PEGradNormFusedLinear),
+    ("Conv1D", PEGradNormFusedConv1D),
+):
     add_variant(_kind, "fused", _variant)

@@ -38,20 +38,58 @@ from nanogns.layers import functional
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
-_FOLLOWED = {torch.Tensor.to, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
-             torch.Tensor.double, torch.Tensor.t, torch.Tensor.contiguous, torch.Tensor.clone}
+_FOLLOWED = {
+    torch.Tensor.to,
+    torch.Tensor.type_as,
+    torch.Tensor.float,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.double,
+    torch.Tensor.t,
+    torch.Tensor.contiguous,
+    torch.Tensor.clone,
+}
 _FOLLOWED_PROPERTIES = {"T", "mT"}
 # elementwise calls in which a parameter may be broadcast over the examples (a ViT's position embeddings added to
 # every example's tokens, a scale multiplying every row)
-_BROADCAST = {torch.Tensor.__add__, torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__rsub__,
-              torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__truediv__, torch.Tensor.__iadd__,
-              torch.Tensor.__isub__, torch.Tensor.__imul__, torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul,
-              torch.Tensor.div, torch.Tensor.add_, torch.Tensor.sub_, torch.Tensor.mul_, torch.add, torch.sub,
-              torch.mul, torch.div}
+_BROADCAST = {
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.Tensor.__truediv__,
+    torch.Tensor.__iadd__,
+    torch.Tensor.__isub__,
+    torch.Tensor.__imul__,
+    torch.Tensor.add,
+    torch.Tensor.sub,
+    torch.Tensor.mul,
+    torch.Tensor.div,
+    torch.Tensor.add_,
+    torch.Tensor.sub_,
+    torch.Tensor.mul_,
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.div,
+}
 # calls through which no gradient flows
-_IGNORED = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
-            torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.data_ptr,
-            torch.Tensor.detach, torch.Tensor.__len__, torch.Tensor.__hash__, torch.Tensor.dim_order}
+_IGNORED = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.element_size,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.data_ptr,
+    torch.Tensor.detach,
+    torch.Tensor.__len__,
+    torch.Tensor.__hash__,
+    torch.Tensor.dim_order,
+}
 
 
 def _property_name(func):
@@ -133,24 +171,31 @@ class _ParameterUses(TorchFunctionMode):
         return self.module.pe_buffer(name) if name is not None else None
 
     def linear(self, input, weight, bias=None):
-        if self.name_of(input) is not None or (weight is not None and self.name_of(weight) is None and
-                                               bias is not None and self.name_of(bias) is None):
+        if self.name_of(input) is not None or (
+            weight is not None and self.name_of(weight) is None and bias is not None and self.name_of(bias) is None
+        ):
             return self.refuse(F.linear, [self.name_of(input)], F.linear(input, weight, bias))
         return functional.linear(input, weight, bias, self.buffer(weight), self.buffer(bias))
 
-    def embedding(self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
-                  sparse=False):
+    def embedding(
+        self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False
+    ):
         if max_norm is not None or scale_grad_by_freq or sparse or self.name_of(weight) is None:
-            return self.refuse(F.embedding, [self.name_of(weight)],
-                               F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse))
+            return self.refuse(
+                F.embedding,
+                [self.name_of(weight)],
+                F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse),
+            )
         return functional.embedding(input, weight, self.buffer(weight), padding_idx)
 
     def refuse(self, func, names, out):
         """A use the per-example norms would miss: the step is refused for these parameters, with the call named."""
         call = torch.overrides.resolve_name(func) or getattr(func, "__qualname__", repr(func))
         for name in {n for n in names if n is not None}:
-            reason = (f"its forward uses its {name} in {call}, which per-example norms do not follow (only "
-                      f"F.linear, F.embedding and broadcasts over the examples)")
+            reason = (
+                f"its forward uses its {name} in {call}, which per-example norms do not follow (only "
+                f"F.linear, F.embedding and broadcasts over the examples)"
+            )
             refuse_step(reason, [self.module.pe_buffer(name)])
         return out
 
@@ -196,5 +241,7 @@ def parameter_kinds(module):
     """{parameter name: the layer kind recorded for it}: an nn.Embedding subclass's weight is an Embedding's,
     any other 2-D weight a Linear's, a 1-D parameter a Linear bias's."""
     is_embedding = isinstance(module, torch.nn.Embedding)
-    return {name: "Embedding" if is_embedding and name == "weight" else "Linear"
-            for name, _ in module.named_parameters(recurse=False)}
+    return {
+        name: "Embedding" if is_embedding and name == "weight" else "Linear"
+        for name, _ in module.named_parameters(recurse=False)
+    }

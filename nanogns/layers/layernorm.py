@@ -24,11 +24,24 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_result_dtype, norm_dtype, on_output_grad
+from nanogns.layers.buffers import (
+    PESqNormBuffersMixin,
+    accumulate_pe_sqnorm,
+    autocast_result_dtype,
+    norm_dtype,
+    on_output_grad,
+)
 from nanogns.layers.registry import LayerKind, Probe, register
 
-EPS_ATTRIBUTES = ("eps", "variance_epsilon", "epsilon", "layer_norm_eps", "layer_norm_epsilon", "rms_norm_eps",
-                  "norm_eps")
+EPS_ATTRIBUTES = (
+    "eps",
+    "variance_epsilon",
+    "epsilon",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "rms_norm_eps",
+    "norm_eps",
+)
 COMMON_EPS = (1e-5, 1e-6, 1e-8, 1e-12, None)  # None: the input dtype's machine epsilon, F.rms_norm's default
 ROW_SCALES = (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 3e-3, 3e-5, 1.0, 1.0, 0.3)
 ROW_MEANS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, -2.0, 1.0)
@@ -36,6 +49,7 @@ ROW_MEANS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, -2.0, 1.0)
 
 # -----------------------------------------------------------------------------
 # the maths
+
 
 def affine_pe_grads(xhat, g, has_bias=True):
     """Per-example affine gradients (N, D): dw_i = sum_t g_t * xhat_t, db_i = sum_t g_t, for xhat and g per
@@ -49,11 +63,13 @@ def affine_pe_grads(xhat, g, has_bias=True):
 
 def record_affine_norms(xhat, rows, weight_buffer, bias_buffer):
     """A hook for the output gradient that adds the weight's and bias's per-example squared norms to the buffers."""
+
     def record(g):
         weight_grads, bias_grads = affine_pe_grads(rows.per_example(xhat), rows.per_example(g), bias_buffer is not None)
         accumulate_pe_sqnorm(weight_buffer, weight_grads.pow(2).sum(dim=1))
         if bias_buffer is not None:
             accumulate_pe_sqnorm(bias_buffer, bias_grads.pow(2).sum(dim=1))
+
     return record
 
 
@@ -128,7 +144,8 @@ class LayerNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x, _, _ = torch.ops.aten.native_layer_norm_backward(
-                grad_out, x, weight.shape, mean, rstd, weight, bias, [True, False, False])
+                grad_out, x, weight.shape, mean, rstd, weight, bias, [True, False, False]
+            )
         dtype = norm_dtype(grad_out)
         per_example = ctx.rows.per_example if ctx.rows is not None else (lambda t: t.reshape(1, -1, t.shape[-1]))
         grad_weight = grad_bias = None
@@ -151,6 +168,7 @@ def torch_layer_norm(x, weight, bias):
 
 # -----------------------------------------------------------------------------
 # the layers
+
 
 class _PEGradNormLayerNormBase(PESqNormBuffersMixin, nn.Module):
     """LayerNorm(ndim, bias=True, eps=1e-5) with parameters `weight` (ones) and `bias` (zeros or None)."""
@@ -216,6 +234,7 @@ class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
 # -----------------------------------------------------------------------------
 # the registration, and the probe the norm kinds share
 
+
 def eps_values(module):
     """eps values to try: those the module stores, then the common ones."""
     stored = [getattr(module, name) for name in EPS_ATTRIBUTES if hasattr(module, name)]
@@ -231,7 +250,10 @@ def norm_probe_data(module, generator, weight, bias):
     """Probe parameters (weight, and bias when the module has one) and the 12-row input of the docstring."""
     D = weight.shape[0]
     x = torch.randn(len(ROW_SCALES), D, generator=generator, dtype=torch.float64)
-    x = x * torch.tensor(ROW_SCALES, dtype=torch.float64)[:, None] + torch.tensor(ROW_MEANS, dtype=torch.float64)[:, None]
+    x = (
+        x * torch.tensor(ROW_SCALES, dtype=torch.float64)[:, None]
+        + torch.tensor(ROW_MEANS, dtype=torch.float64)[:, None]
+    )
     params = {"weight": 1 + 0.5 * torch.randn(D, generator=generator, dtype=torch.float64)}
     if bias is not None:
         params["bias"] = 0.5 * torch.randn(D, generator=generator, dtype=torch.float64)
@@ -250,18 +272,31 @@ def layernorm_candidates(module, options):
 
 def convertible(module):
     if len(module.normalized_shape) != 1:
-        return (f"{type(module).__name__} over {len(module.normalized_shape)} dims (per-example norm layers "
-                "normalise the last dim)")
+        return (
+            f"{type(module).__name__} over {len(module.normalized_shape)} dims (per-example norm layers "
+            "normalise the last dim)"
+        )
     return None
 
 
-KIND = register(LayerKind(
-    name="LayerNorm", config_key="lnclass", group="LayerNorm",
-    variants={"nn": nn.LayerNorm, "shim": PEGradNormSeparatedLayerNorm,
-              "gns": PEGradNormLayerNorm},  # "fused": layers/fused.py
-    replaces=(nn.LayerNorm,),
-    convertible=convertible,
-    options=lambda module: dict(eps=module.eps),
-    probe=Probe(fits=lambda weight, bias: weight.dim() == 1 and (bias is None or bias.shape == weight.shape),
-                data=norm_probe_data, candidates=layernorm_candidates, options=("eps", "output_dtype")),
-))
+KIND = register(
+    LayerKind(
+        name="LayerNorm",
+        config_key="lnclass",
+        group="LayerNorm",
+        variants={
+            "nn": nn.LayerNorm,
+            "shim": PEGradNormSeparatedLayerNorm,
+            "gns": PEGradNormLayerNorm,
+        },  # "fused": layers/fused.py
+        replaces=(nn.LayerNorm,),
+        convertible=convertible,
+        options=lambda module: dict(eps=module.eps),
+        probe=Probe(
+            fits=lambda weight, bias: weight.dim() == 1 and (bias is None or bias.shape == weight.shape),
+            data=norm_probe_data,
+            candidates=layernorm_candidates,
+            options=("eps", "output_dtype"),
+        ),
+    )
+)

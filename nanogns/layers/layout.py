@@ -125,32 +125,42 @@ class Layout:
         if self.packed is not None:
             if leading in ((1, self.packed.example_of_row.numel()), (self.packed.example_of_row.numel(),)):
                 return self.packed
-            return (f"its input has rows {leading}, but the forward holds {self.examples} packed sequences of "
-                    f"{self.packed.example_of_row.numel()} tokens in all: only (1, R) or (R,) rows can be mapped")
+            return (
+                f"its input has rows {leading}, but the forward holds {self.examples} packed sequences of "
+                f"{self.packed.example_of_row.numel()} tokens in all: only (1, R) or (R,) rows can be mapped"
+            )
         if self.sequence_first and len(leading) == 2 and leading[0] == leading[1] == self.examples:
-            return (f"its input has rows {leading}: {self.examples} examples of {self.examples} positions, in a model "
-                    "with sequence-first layers (batch_first=False), could be either way round; use "
-                    "batch_first=True, or a batch size other than the sequence length")
+            return (
+                f"its input has rows {leading}: {self.examples} examples of {self.examples} positions, in a model "
+                "with sequence-first layers (batch_first=False), could be either way round; use "
+                "batch_first=True, or a batch size other than the sequence length"
+            )
         if len(leading) == 1 and leading[0] == self.examples and self.examples in self.lengths:
-            return (f"its input has {self.examples} rows and the forward has {self.examples} examples of "
-                    f"{self.examples} positions: one row per example and a per-position table broadcast over the "
-                    "batch (e.g. position embeddings of torch.arange(T)) cannot be told apart; pass per-example "
-                    "rows (positions expanded to (B, T)), or use a batch size other than the sequence length")
+            return (
+                f"its input has {self.examples} rows and the forward has {self.examples} examples of "
+                f"{self.examples} positions: one row per example and a per-position table broadcast over the "
+                "batch (e.g. position embeddings of torch.arange(T)) cannot be told apart; pass per-example "
+                "rows (positions expanded to (B, T)), or use a batch size other than the sequence length"
+            )
         if leading and leading[0] == self.examples:
             return Rows("dim0", self.examples)
         if len(leading) > 1 and leading[0] == 1:
-            return (f"its input has one row for the forward's {self.examples} examples (shape {leading}), broadcast "
-                    "over the batch afterwards (as transformers' default position_ids of GPT-2 and BERT are), so no "
-                    "example's gradient can be told apart; pass it expanded to one row per example, e.g. "
-                    "model(input_ids, position_ids=torch.arange(T).expand(B, T))")
+            return (
+                f"its input has one row for the forward's {self.examples} examples (shape {leading}), broadcast "
+                "over the batch afterwards (as transformers' default position_ids of GPT-2 and BERT are), so no "
+                "example's gradient can be told apart; pass it expanded to one row per example, e.g. "
+                "model(input_ids, position_ids=torch.arange(T).expand(B, T))"
+            )
         if len(leading) == 1 and self.examples and rows % self.examples == 0 and rows // self.examples in self.lengths:
             return Rows("flat", self.examples, positions=rows // self.examples)
         if len(leading) == 2 and leading[1] == self.examples and leading[0] in self.lengths:
             return Rows("seqfirst", self.examples, positions=leading[0])
         lengths = ", ".join(f"({self.examples}, {T})" for T in sorted(self.lengths))
-        return (f"its input has rows {leading or '()'}: dim 0 is not the forward's {self.examples} examples"
-                + (f", nor are they the {lengths} positions flattened" if lengths else "")
-                + " (a table broadcast over the batch, or a sequence-first layout, cannot be told apart per example)")
+        return (
+            f"its input has rows {leading or '()'}: dim 0 is not the forward's {self.examples} examples"
+            + (f", nor are they the {lengths} positions flattened" if lengths else "")
+            + " (a table broadcast over the batch, or a sequence-first layout, cannot be told apart per example)"
+        )
 
 
 _active = []  # the Layouts of the root forwards running now, innermost last
@@ -189,8 +199,9 @@ def layout_of_inputs(args, kwargs):
     if main is None or main.dim() == 0:
         return None
     N = main.shape[0]
-    lengths = frozenset(t.shape[1] for t in tensors if t.dim() >= 2 and t.shape[0] == N
-                        and (not t.is_floating_point() or t.dim() == 3))  # ids, masks, labels, (N, T, D) embeddings
+    lengths = frozenset(
+        t.shape[1] for t in tensors if t.dim() >= 2 and t.shape[0] == N and (not t.is_floating_point() or t.dim() == 3)
+    )  # ids, masks, labels, (N, T, D) embeddings
     packed = _packed_rows(N, kwargs)
     if packed is not None:
         return Layout(packed.examples, lengths, packed)
@@ -235,8 +246,10 @@ def install(model, layout_of=layout_of_inputs):
     def leave(module, args, kwargs, output):
         _active.pop()
 
-    handles = (model.register_forward_pre_hook(enter, with_kwargs=True),
-               model.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    handles = (
+        model.register_forward_pre_hook(enter, with_kwargs=True),
+        model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+    )
     model.__dict__[_HOOK_ATTRIBUTE] = handles  # not a submodule or buffer: state_dict and copies stay clean
     return handles
 

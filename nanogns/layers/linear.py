@@ -37,7 +37,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype, on_output_grad
+from nanogns.layers.buffers import (
+    PESqNormBuffersMixin,
+    accumulate_pe_sqnorm,
+    autocast_inputs,
+    norm_dtype,
+    on_output_grad,
+)
 from nanogns.layers.registry import LayerKind, Probe, register
 from nanogns.layers.tied import note_head
 
@@ -51,6 +57,7 @@ LINEAR_STRATEGY = None  # None: linear_strategy picks per call; "gram" or "mater
 
 # -----------------------------------------------------------------------------
 # the maths
+
 
 def _balance(device_type):
     return MACHINE_BALANCE.get(device_type, MACHINE_BALANCE["cuda"])  # other accelerators: GPU-like
@@ -109,12 +116,12 @@ def materialised_pe_grads(x, g, with_sum=True):
     weight_sq = torch.empty(N, dtype=dtype, device=x.device)
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
-        g_chunk, x_chunk = g[start:start + n].to(dtype), x[start:start + n].to(dtype)  # no copy for float32
+        g_chunk, x_chunk = g[start : start + n].to(dtype), x[start : start + n].to(dtype)  # no copy for float32
         pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
         if with_sum:
             chunk_sum = pe_grad.sum(dim=0)
             grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)
-        weight_sq[start:start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
+        weight_sq[start : start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
     if with_sum and grad_weight is None:  # no examples
         grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
     return grad_weight, weight_sq
@@ -178,19 +185,23 @@ def linear_forward(x, weight, bias):
 # -----------------------------------------------------------------------------
 # shim: PyTorch's own gradients, norms from the output gradient
 
+
 def record_linear_norms(x, rows, weight_buffer, bias_buffer):
     """A hook for the output gradient g that adds the weight's and bias's per-example squared norms to the buffers."""
+
     def record(g):
         gs = rows.per_example(g)
         if weight_buffer is not None:
             accumulate_pe_sqnorm(weight_buffer, linear_pe_sqnorm(rows.per_example(x), gs))
         if bias_buffer is not None:
             accumulate_pe_sqnorm(bias_buffer, bias_pe_grads(gs).pow(2).sum(dim=1))
+
     return record
 
 
 # -----------------------------------------------------------------------------
 # gns: parameter gradients and norms from the same per-example work
+
 
 def linear_backward(ctx, grad_out):
     """Backward of a Linear Function whose forward saved (x or None, weight or None), ctx.rows and ctx.buffers:
@@ -246,6 +257,7 @@ class LinearFunction(torch.autograd.Function):
 
 # -----------------------------------------------------------------------------
 # the layers
+
 
 class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
     """nn.Linear whose backward also records per-example norms of weight and bias gradients."""
@@ -308,6 +320,7 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
 # compute x @ W + b by hand, whose output under autocast takes the bias's dtype
 LINEAR_OPTIONS = [{}, {"cast_weight": True}, {"autocast_promotes": True}]
 
+
 def fits(weight, bias):
     """weight (L, K) stored (out, in), bias (L,) or none."""
     return weight.dim() == 2 and (bias is None or bias.shape == weight.shape[:1])
@@ -321,11 +334,22 @@ def probe_data(module, generator, weight, bias):
     return params, torch.randn(3, 4, K, generator=generator, dtype=torch.float64)
 
 
-KIND = register(LayerKind(
-    name="Linear", config_key="linearclass", group="Linear",
-    variants={"nn": nn.Linear, "shim": PEGradNormShimLinear,
-              "gns": PEGradNormLinear},  # "fused": layers/fused.py; "sogns", "gns+sogns": layers/sogns.py
-    replaces=(nn.Linear,),
-    probe=Probe(fits=fits, data=probe_data, options=("cast_weight", "autocast_promotes"),
-                candidates=lambda module, options: [dict(options)] if options else LINEAR_OPTIONS),
-))
+KIND = register(
+    LayerKind(
+        name="Linear",
+        config_key="linearclass",
+        group="Linear",
+        variants={
+            "nn": nn.Linear,
+            "shim": PEGradNormShimLinear,
+            "gns": PEGradNormLinear,
+        },  # "fused": layers/fused.py; "sogns", "gns+sogns": layers/sogns.py
+        replaces=(nn.Linear,),
+        probe=Probe(
+            fits=fits,
+            data=probe_data,
+            options=("cast_weight", "autocast_promotes"),
+            candidates=lambda module, options: [dict(options)] if options else LINEAR_OPTIONS,
+        ),
+    )
+)

@@ -14,8 +14,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.layers.buffers import on_output_grad
-from nanogns.layers.layernorm import (OUTPUT_DTYPES, _PEGradNormLayerNormBase, affine, eps_values, norm_probe_data,
-                              record_affine_norms)
+from nanogns.layers.layernorm import (
+    OUTPUT_DTYPES,
+    _PEGradNormLayerNormBase,
+    affine,
+    eps_values,
+    norm_probe_data,
+    record_affine_norms,
+)
 from nanogns.layers.registry import LayerKind, Probe, register
 
 RMS_OFFSETS = (0.0, 1.0)  # y = xhat * (offset + weight): 1 is Gemma's RMSNorm
@@ -90,8 +96,12 @@ def rmsnorm_candidates(module, options):
     eps_list = [options["eps"]] if "eps" in options else eps_values(module)
     offsets = [options["weight_offset"]] if "weight_offset" in options else RMS_OFFSETS
     rules = [options["output_dtype"]] if "output_dtype" in options else OUTPUT_DTYPES
-    return [dict(eps=eps, weight_offset=offset, output_dtype=rule) for eps in eps_list for offset in offsets
-            for rule in rules]
+    return [
+        dict(eps=eps, weight_offset=offset, output_dtype=rule)
+        for eps in eps_list
+        for offset in offsets
+        for rule in rules
+    ]
 
 
 def options(module):
@@ -99,16 +109,29 @@ def options(module):
     return dict(eps=module.eps)
 
 
-KIND = register(LayerKind(
-    name="RMSNorm", config_key="lnclass", group="LayerNorm",
-    variants={"nn": nn.RMSNorm, "shim": PEGradNormShimRMSNorm,
-              "gns": PEGradNormRMSNorm},  # "fused": layers/fused.py
-    replaces=(nn.RMSNorm,),
-    params=("weight",),
-    convertible=lambda module: (None if len(module.normalized_shape) == 1 else
-                                f"RMSNorm over {len(module.normalized_shape)} dims (per-example norm layers "
-                                "normalise the last dim)"),
-    options=options,
-    probe=Probe(fits=lambda weight, bias: weight.dim() == 1 and bias is None, data=norm_probe_data,
-                candidates=rmsnorm_candidates, options=("eps", "weight_offset", "output_dtype")),
-))
+KIND = register(
+    LayerKind(
+        name="RMSNorm",
+        config_key="lnclass",
+        group="LayerNorm",
+        variants={
+            "nn": nn.RMSNorm,
+            "shim": PEGradNormShimRMSNorm,
+            "gns": PEGradNormRMSNorm,
+        },  # "fused": layers/fused.py
+        replaces=(nn.RMSNorm,),
+        params=("weight",),
+        convertible=lambda module: (
+            None
+            if len(module.normalized_shape) == 1
+            else f"RMSNorm over {len(module.normalized_shape)} dims (per-example norm layers normalise the last dim)"
+        ),
+        options=options,
+        probe=Probe(
+            fits=lambda weight, bias: weight.dim() == 1 and bias is None,
+            data=norm_probe_data,
+            candidates=rmsnorm_candidates,
+            options=("eps", "weight_offset", "output_dtype"),
+        ),
+    )
+)

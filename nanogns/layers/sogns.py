@@ -36,8 +36,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.layers import layout
-from nanogns.layers.buffers import (BUFFER_SUFFIX, PESqNormBuffersMixin, accumulate_pe_sqnorm, autocast_inputs, norm_dtype,
-                      on_output_grad, refuse_step)
+from nanogns.layers.buffers import (
+    BUFFER_SUFFIX,
+    PESqNormBuffersMixin,
+    accumulate_pe_sqnorm,
+    autocast_inputs,
+    norm_dtype,
+    on_output_grad,
+    refuse_step,
+)
 from nanogns.layers.linear import PEGradNormLinear
 from nanogns.layers.registry import add_variant
 
@@ -69,19 +76,29 @@ def sogns_pe_sqnorm(input_scale, gs, has_bias=True):
 def _register_sogns_buffers(module):
     for name in ("weight", "bias"):
         if getattr(module, name, None) is not None:
-            module.register_buffer(name + SOGNS_SUFFIX, torch.zeros(2, device=getattr(module, name).device), persistent=False)
+            module.register_buffer(
+                name + SOGNS_SUFFIX, torch.zeros(2, device=getattr(module, name).device), persistent=False
+            )
 
 
 def _record_sogns(module, x, out):
     """Add the SOGNS norms of this forward's examples to the buffers when `out`'s gradient comes."""
-    buffers = [module._buffers.get(name + SOGNS_SUFFIX) if getattr(module, name, None) is not None
-               and getattr(module, name).requires_grad else None for name in ("weight", "bias")]
+    buffers = [
+        module._buffers.get(name + SOGNS_SUFFIX)
+        if getattr(module, name, None) is not None and getattr(module, name).requires_grad
+        else None
+        for name in ("weight", "bias")
+    ]
     if all(b is None for b in buffers):
         return out
     rows = layout.rows_for(x.shape)
     if isinstance(rows, str) or rows.kind == "ragged":
-        refuse_step(rows if isinstance(rows, str) else
-                    "SOGNS assumes examples of equal length; packed or routed rows are not that", buffers)
+        refuse_step(
+            rows
+            if isinstance(rows, str)
+            else "SOGNS assumes examples of equal length; packed or routed rows are not that",
+            buffers,
+        )
         return out
     scale = input_scale(rows.per_example(x))
     weight_buffer, bias_buffer = buffers

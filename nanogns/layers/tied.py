@@ -95,15 +95,18 @@ class TiedParameter:
         embedding.register_buffer(buffer_name, torch.zeros(2, device=embedding.weight.device), persistent=False)
         self._cross_buffer_name = buffer_name
         self._param_name = param_name
-        self.handles = [module.register_forward_pre_hook(self._enter) for module in (embedding, linear)] + \
-                       [module.register_forward_hook(self._leave, always_call=True) for module in (embedding, linear)]
+        self.handles = [module.register_forward_pre_hook(self._enter) for module in (embedding, linear)] + [
+            module.register_forward_hook(self._leave, always_call=True) for module in (embedding, linear)
+        ]
 
     @property
     def terms(self):
         """[(module, buffer name, coefficient)], the monitor's format (gnstracking.find_tracked_parameters)."""
-        return [(self.embedding, self._param_name + BUFFER_SUFFIX, 1.0),
-                (self.linear, self._param_name + BUFFER_SUFFIX, 1.0),
-                (self.embedding, self._cross_buffer_name, 2.0)]
+        return [
+            (self.embedding, self._param_name + BUFFER_SUFFIX, 1.0),
+            (self.linear, self._param_name + BUFFER_SUFFIX, 1.0),
+            (self.embedding, self._cross_buffer_name, 2.0),
+        ]
 
     def _enter(self, module, args):
         """While the embedding or the output layer runs, its buffer names this tie (see note_embedding)."""
@@ -137,7 +140,8 @@ class TiedParameter:
                 f"tied weight {'+'.join(self.names)}: the output layer's input has shape {tuple(x.shape)} but the "
                 f"embedding saw ids of shape {tuple(forward_pass.ids.shape)} per example; the rows of both must map "
                 "to the same examples (keep the examples on dim 0, or flatten (B, T, D) to (B*T, D) in that order), "
-                "or untie the weights")
+                "or untie the weights"
+            )
         x = x.detach()
         on_output_grad(out, lambda grad_logits: _head_cross_term(forward_pass, x, rows, grad_logits))
 

@@ -70,13 +70,17 @@ class DDPGradientStatsHook:
         grads = [p.grad for p in self.parameters if p.grad is not None]
         big = sum(g.detach().double().pow(2).sum() for g in grads).item() if grads else math.nan
         self.local_sq = None
-        return local.item() / self.world_size / scale ** 2, big / scale ** 2
+        return local.item() / self.world_size / scale**2, big / scale**2
 
     def get_msg(self, small_batch_size, big_batch_size, scale=1.0, prefix="ddp/"):
         """This step's raw quantities for the log (see sq_norms): each rank's b examples against all B."""
         small, big = self.sq_norms(scale)
-        return {prefix + "sq_norm_small": small, prefix + "sq_norm_large": big,
-                prefix + "small_batch_size": small_batch_size, prefix + "big_batch_size": big_batch_size}
+        return {
+            prefix + "sq_norm_small": small,
+            prefix + "sq_norm_large": big,
+            prefix + "small_batch_size": small_batch_size,
+            prefix + "big_batch_size": big_batch_size,
+        }
 
     def get_stats(self, scale=1.0):
         """The reference's read: the mean over ranks of each rank's local squared gradient norm (the small-batch
@@ -100,5 +104,8 @@ class GradientNoiseScale:
         return self.running.gns
 
     def get_msg(self, prefix="ddp/"):
-        return {prefix + "gtg_ema": self.running.gtg.value, prefix + "trsigma_ema": self.running.trsigma.value,
-                prefix + "gns": self.running.gns}
+        return {
+            prefix + "gtg_ema": self.running.gtg.value,
+            prefix + "trsigma_ema": self.running.trsigma.value,
+            prefix + "gns": self.running.gns,
+        }

@@ -43,6 +43,7 @@ APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
 # -----------------------------------------------------------------------------
 # everything a training loop adds, in one object
 
+
 class GNSMonitor:
     """What a training loop adds for the GNS: make it once, call `step` once per optimizer step.
 
@@ -76,16 +77,19 @@ class GNSMonitor:
     `state_dict()` / `load_state_dict()` carry the running GNS and the counters across a resume.
     """
 
-    def __init__(self, model, log=None, scaler=None, ema_decay=0.95, prefix="train/gns/", out_dir=None,
-                 expect_tracked=True):
+    def __init__(
+        self, model, log=None, scaler=None, ema_decay=0.95, prefix="train/gns/", out_dir=None, expect_tracked=True
+    ):
         layout.install(model)  # each forward's examples, read by every layer (layout.py)
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self.unconverted = dict(model.__dict__.get("_pe_unconverted", {}))
         if expect_tracked and not self.tracked and not self.approx_tracked:
-            raise ValueError(f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
-                             "it first (layer_config.convert(model)) or build it with per-example norm layer classes")
+            raise ValueError(
+                f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
+                "it first (layer_config.convert(model)) or build it with per-example norm layer classes"
+            )
         self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
         self.table = buffer_table(model)
         tracked_ids = {id(entry.ref.get()) for entry in self.tracked}
@@ -177,20 +181,24 @@ class GNSMonitor:
                         f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
                         f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
                         f"a parent module reading its weight), so its per-example norms are unknown. Call "
-                        f"functional.py's per-example functions where it is used, or leave it out of convert()")
+                        f"functional.py's per-example functions where it is used, or leave it out of convert()"
+                    )
                 continue  # the layer was not used in this step
             if name in no_grad:
                 raise ValueError(
                     f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
                     f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
                     f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
-                    f"the monitor was made, make the monitor again (frozen parameters are not tracked)")
+                    f"the monitor was made, make the monitor again (frozen parameters are not tracked)"
+                )
             if exact and name in self.untracked:
                 continue  # stopped being measured at an earlier step
             if count != batch_size and count % batch_size == 0 and some_counted_batch_size and exact:
-                reason = (f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
-                          "once per forward, e.g. shared across depth): the norm of the summed gradient needs the "
-                          f"cross terms between uses; not measured since step {self.step_count - 1}")
+                reason = (
+                    f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
+                    "once per forward, e.g. shared across depth): the norm of the summed gradient needs the "
+                    f"cross terms between uses; not measured since step {self.step_count - 1}"
+                )
                 self._warn_once({name: reason})
                 self.untracked[name] = reason
                 continue
@@ -199,27 +207,38 @@ class GNSMonitor:
             # each example's part of the averaged gradient is (local contribution) / world and equals g_i / B, so
             # mean_i ||g_i||^2 = (B / world)^2 * (sum of the contributions' squared norms) / B. GradScaler multiplies
             # every gradient by scale. nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too
-            pe_sqnorm = sums * batch_size / world ** 2
-            found.append(Measurement(
-                big_batch_norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
-                small_batch_norm=math.sqrt(pe_sqnorm) / scales[1] if pe_sqnorm >= 0 else math.nan,
-                big_batch_size=batch_size, small_batch_size=1,
-                metadata={"name": name, "step": self.step_count - 1}))
+            pe_sqnorm = sums * batch_size / world**2
+            found.append(
+                Measurement(
+                    big_batch_norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
+                    small_batch_norm=math.sqrt(pe_sqnorm) / scales[1] if pe_sqnorm >= 0 else math.nan,
+                    big_batch_size=batch_size,
+                    small_batch_size=1,
+                    metadata={"name": name, "step": self.step_count - 1},
+                )
+            )
         return found
 
     def _count_error(self, entry, count, batch_size):
         """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
         if math.isnan(count):
-            reasons = {refused[a] for module, buffer_name, _ in entry.terms
-                       for a in refused_addresses(module._buffers[buffer_name])}
+            reasons = {
+                refused[a]
+                for module, buffer_name, _ in entry.terms
+                for a in refused_addresses(module._buffers[buffer_name])
+            }
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
-            return ValueError(f"GNS: {entry.name}: this step is not measured: its layer's input rows could not be "
-                              f"mapped to the forward's examples ({why}). See layout.py for the rows that can be "
-                              f"mapped; for a layout of your own, pass layout.install(model, layout_of=...); to "
-                              f"leave the layer untracked, convert(model, exclude=[its path])")
-        return ValueError(f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
-                          f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
-                          f"ranks, or the number of packed sequences)")
+            return ValueError(
+                f"GNS: {entry.name}: this step is not measured: its layer's input rows could not be "
+                f"mapped to the forward's examples ({why}). See layout.py for the rows that can be "
+                f"mapped; for a layout of your own, pass layout.install(model, layout_of=...); to "
+                f"leave the layer untracked, convert(model, exclude=[its path])"
+            )
+        return ValueError(
+            f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
+            f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
+            f"ranks, or the number of packed sequences)"
+        )
 
     def step(self, batch_size=None, gradients_unscaled=False):
         """Measure this step (B = batch_size examples over all micro-batches and ranks; see `measure`), zero the
@@ -233,8 +252,13 @@ class GNSMonitor:
         for prefix, found in ((self.prefix, exact), (APPROX_PREFIX, approx)):
             for m in found:
                 key = prefix + m.metadata["name"]
-                row.update({key + "/norm": m.big_batch_norm, key + "/pegn": m.small_batch_norm,
-                            key + "/batch_size": m.big_batch_size})
+                row.update(
+                    {
+                        key + "/norm": m.big_batch_norm,
+                        key + "/pegn": m.small_batch_norm,
+                        key + "/batch_size": m.big_batch_size,
+                    }
+                )
         row["gns"] = self.running.update(*summed_sqnorms(exact or approx))  # the exact GNS when there is one
         if self.log is not None:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)
@@ -244,22 +268,30 @@ class GNSMonitor:
         """Rebuild the running GNS from logged rows (a load_csv DataFrame of this model's earlier steps, oldest
         first) as step() built it, each row's exact norms or else its approximate ones: for a resumed run whose
         checkpoint does not hold state_dict() (a trainer's). Returns the running GNS."""
-        columns = {prefix: [c[:-len("/norm")] for c in frame.columns if c.startswith(prefix) and c.endswith("/norm")]
-                   for prefix in (self.prefix, APPROX_PREFIX)}
+        columns = {
+            prefix: [c[: -len("/norm")] for c in frame.columns if c.startswith(prefix) and c.endswith("/norm")]
+            for prefix in (self.prefix, APPROX_PREFIX)
+        }
         for _, row in frame.iterrows():
             for prefix in (self.prefix, APPROX_PREFIX):
                 measured = [name for name in columns[prefix] if not math.isnan(row[name + "/norm"])]
                 if measured:
-                    self.running.update(sum(row[name + "/norm"] ** 2 for name in measured),
-                                        sum(row[name + "/pegn"] ** 2 for name in measured),
-                                        row[measured[0] + "/batch_size"])
+                    self.running.update(
+                        sum(row[name + "/norm"] ** 2 for name in measured),
+                        sum(row[name + "/pegn"] ** 2 for name in measured),
+                        row[measured[0] + "/batch_size"],
+                    )
                     break
         return self.gns
 
     def state_dict(self):
-        return {"running": self.running.state_dict(), "step_count": self.step_count,
-                "scaler_skipped_steps": self.scaler_skipped_steps, "nonfinite_steps": self.nonfinite_steps,
-                "dropped": {name: self.untracked[name] for name in sorted(self.dropped)}}
+        return {
+            "running": self.running.state_dict(),
+            "step_count": self.step_count,
+            "scaler_skipped_steps": self.scaler_skipped_steps,
+            "nonfinite_steps": self.nonfinite_steps,
+            "dropped": {name: self.untracked[name] for name in sorted(self.dropped)},
+        }
 
     def load_state_dict(self, state):
         self.running.load_state_dict(state["running"])

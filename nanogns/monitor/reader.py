@@ -10,9 +10,9 @@ import torch
 
 from nanogns.layers.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor, refused
 
-
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters
+
 
 def world_size():
     dist = torch.distributed
@@ -35,11 +35,15 @@ def _copies(mesh, placements):
     key = (id(mesh), tuple(placements))
     if key not in _copies_by_layout:
         if any(p.is_partial() for p in placements):
-            raise ValueError("GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
-                             "read the step after the gradients are reduced")
+            raise ValueError(
+                "GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
+                "read the step after the gradients are reduced"
+            )
         if mesh.size() != world_size():
-            raise ValueError(f"GNS: a DTensor gradient on a mesh of {mesh.size()} ranks in a world of "
-                             f"{world_size()}: the monitor adds the ranks' shards over the whole world")
+            raise ValueError(
+                f"GNS: a DTensor gradient on a mesh of {mesh.size()} ranks in a world of "
+                f"{world_size()}: the monitor adds the ranks' shards over the whole world"
+            )
         copies = 1
         for placement, size in zip(placements, mesh.mesh.shape):
             copies *= size if placement.is_replicate() else 1
@@ -62,26 +66,38 @@ class BufferTable:
 
     def current(self):
         """True when every buffer is still the table's view and no buffer was added."""
-        found = [(m, n) for m in self.model.modules() for n, b in m._buffers.items()
-                 if b is not None and n.endswith(BUFFER_SUFFIX)]
+        found = [
+            (m, n)
+            for m in self.model.modules()
+            for n, b in m._buffers.items()
+            if b is not None and n.endswith(BUFFER_SUFFIX)
+        ]
         return len(found) == len(self.views) and all(m._buffers.get(n) is v for m, n, v in self.views)
 
     def build(self):
-        entries = [(m, n, b) for m in _unique_modules(self.model) for n, b in m._buffers.items()
-                   if b is not None and n.endswith(BUFFER_SUFFIX)]
+        entries = [
+            (m, n, b)
+            for m in _unique_modules(self.model)
+            for n, b in m._buffers.items()
+            if b is not None and n.endswith(BUFFER_SUFFIX)
+        ]
         if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
-            raise ValueError("GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
-                             + TENSOR_PARALLEL)
+            raise ValueError(
+                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
+                + TENSOR_PARALLEL
+            )
         sizes = {}
         for _, _, b in entries:
             sizes[b.device] = sizes.get(b.device, 0) + b.numel()
-        self.flats = {device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()}
+        self.flats = {
+            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
+        }
         offsets = {device: 0 for device in sizes}
         self.views, self.slot = [], {}
         with torch.no_grad():
             for module, name, buffer in entries:
                 device, n = buffer.device, buffer.numel()
-                view = self.flats[device][offsets[device]:offsets[device] + n].view(buffer.shape)
+                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
                 view.copy_(buffer)
                 module._buffers[name] = view
                 self.views.append((module, name, view))
@@ -152,7 +168,8 @@ class StepReader:
             count_slots = [c + [pad] * (width - len(c)) for c in counts]
             self._indices[device] = tuple(torch.tensor(v, device=device) for v in (slots, entries)) + (
                 torch.tensor(coefficients, dtype=torch.float32, device=device),
-                torch.tensor(count_slots, device=device))
+                torch.tensor(count_slots, device=device),
+            )
         self._built_for = self.table.views
         return self._indices
 
@@ -191,9 +208,9 @@ class StepReader:
         if world_size() > 1:
             torch.distributed.all_reduce(reduced)
         values = torch.cat([whole_sq, reduced.double()]).cpu().numpy()  # the one host sync
-        grad_sq = values[:n] + (values[3 * n:4 * n] if shard_sq is not None else 0.0)
-        table = np.stack([grad_sq, values[n:2 * n], values[2 * n:3 * n]], axis=1)
-        rest = values[(4 if shard_sq is not None else 3) * n:]
+        grad_sq = values[:n] + (values[3 * n : 4 * n] if shard_sq is not None else 0.0)
+        table = np.stack([grad_sq, values[n : 2 * n], values[2 * n : 3 * n]], axis=1)
+        rest = values[(4 if shard_sq is not None else 3) * n :]
         finite = bool(np.isfinite(grad_sq).all() and np.isfinite(rest).all()) if scaler_on else True
         return table, finite, no_grad
 

@@ -52,13 +52,22 @@ class MeasurementTracker:
         self.callbacks = list(callbacks)
 
     @classmethod
-    def from_model(cls, model: nn.Module, callback: Union[None, MeasurementCallback, List[MeasurementCallback]] = None,
-                   scaler: Optional[torch.amp.GradScaler] = None) -> "MeasurementTracker":
+    def from_model(
+        cls,
+        model: nn.Module,
+        callback: Union[None, MeasurementCallback, List[MeasurementCallback]] = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+    ) -> "MeasurementTracker":
         """A tracker of every trainable parameter of `model` whose layer records per-example norms."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise ValueError("MeasurementTracker reads the examples of one process; under torch.distributed use "
-                             "gnstracking.GNSMonitor(model, log=...) and call its step() on every rank")
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
+            raise ValueError(
+                "MeasurementTracker reads the examples of one process; under torch.distributed use "
+                "gnstracking.GNSMonitor(model, log=...) and call its step() on every rank"
+            )
         callbacks = [] if callback is None else list(callback) if isinstance(callback, (list, tuple)) else [callback]
         return cls(GNSMonitor(model, scaler=scaler), callbacks)
 

@@ -15,9 +15,9 @@ from nanogns.layers.buffers import BUFFER_SUFFIX
 from nanogns.layers.registry import group_of
 from nanogns.layers.tied import link_tied_parameters
 
-
 # -----------------------------------------------------------------------------
 # measurements
+
 
 @dataclasses.dataclass
 class Measurement:
@@ -40,8 +40,8 @@ def summed_sqnorms(measurements):
     """(sum of norm^2, sum of pegn^2, batch size) over measurements of one step."""
     if not measurements:
         return math.nan, math.nan, 0
-    sq_norm = sum(m.big_batch_norm ** 2 for m in measurements)
-    pe_sqnorm = sum(m.small_batch_norm ** 2 for m in measurements)
+    sq_norm = sum(m.big_batch_norm**2 for m in measurements)
+    pe_sqnorm = sum(m.small_batch_norm**2 for m in measurements)
     return sq_norm, pe_sqnorm, measurements[0].big_batch_size
 
 
@@ -97,8 +97,10 @@ def _is_alias_of(recorded, names):
     if len(recorded) != 1:
         return False
     layer_path = recorded[0].rpartition(".")[0]
-    return all(n == recorded[0] or layer_path.startswith(n.rpartition(".")[0] + ".") or n.rpartition(".")[0] == ""
-               for n in names)
+    return all(
+        n == recorded[0] or layer_path.startswith(n.rpartition(".")[0] + ".") or n.rpartition(".")[0] == ""
+        for n in names
+    )
 
 
 def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
@@ -146,13 +148,17 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
             continue
         if len(owners) > 1 and any(n + suffix in buffers for n in names):
             layers_using = [type(_owner(model, n)[0]).__name__ for n in names]
-            skipped[name] = (f"tied to {', '.join(n for n in names if n != name)}: one tensor used by {len(owners)} "
-                             f"layers ({', '.join(layers_using)}); the norm of its per-example gradient needs the "
-                             "cross terms between every pair of uses, which are computed for one Embedding and one "
-                             "Linear that both record per-example norms, and for no other sharing")
+            skipped[name] = (
+                f"tied to {', '.join(n for n in names if n != name)}: one tensor used by {len(owners)} "
+                f"layers ({', '.join(layers_using)}); the norm of its per-example gradient needs the "
+                "cross terms between every pair of uses, which are computed for one Embedding and one "
+                "Linear that both record per-example norms, and for no other sharing"
+            )
         elif parametrized_layer is not None and parametrized_layer + "." + name.split(".")[-2] + suffix in buffers:
-            skipped[name] = ("parametrized (torch.nn.utils.parametrize, e.g. spectral_norm): the layer records the "
-                             "per-example norms of the weight it computes, not of this trainable tensor")
+            skipped[name] = (
+                "parametrized (torch.nn.utils.parametrize, e.g. spectral_norm): the layer records the "
+                "per-example norms of the weight it computes, not of this trainable tensor"
+            )
         elif name + suffix not in buffers:
             skipped[name] = "its layer records no per-example norms (a plain torch layer)"
         else:
@@ -176,12 +182,15 @@ def describe_tracked(model, tracked):
             kind, layer = "Embedding+Linear", "+".join(type(m).__name__ for m, _, _ in entry.terms[:2])
         else:  # the layer that records it (for an alias, the child layer rather than the parent naming it)
             recorder, buffer_name, _ = entry.terms[0]
-            kind, layer = layer_kind(recorder, buffer_name[:-len(BUFFER_SUFFIX)]), type(recorder).__name__
+            kind, layer = layer_kind(recorder, buffer_name[: -len(BUFFER_SUFFIX)]), type(recorder).__name__
         buffer = entry.terms[0][0]._buffers[entry.terms[0][1]]
         record[entry.name] = {
-            "kind": kind, "group": group_of(kind), "layer": layer.removeprefix("FSDP"),
+            "kind": kind,
+            "group": group_of(kind),
+            "layer": layer.removeprefix("FSDP"),
             "block": block_index(model, first.rpartition(".")[0]),
-            "names": aliases[id(param)], "numel": param.numel(),
+            "names": aliases[id(param)],
+            "numel": param.numel(),
             "bank_slices": int(buffer.numel() // 2) if buffer.dim() > 1 else None,
         }
     return record

@@ -171,12 +171,16 @@ class LogWrapper:
                 n += 1
                 path = self._path(f"{name}_{n}.csv")
             width = len(self.columns)
-            _write_atomic(path, _csv_line(self.columns) + "".join(_csv_line(r + [""] * (width - len(r))) for r in later))
+            _write_atomic(
+                path, _csv_line(self.columns) + "".join(_csv_line(r + [""] * (width - len(r))) for r in later)
+            )
             print(f"log: {len(later)} row(s) written after the checkpoint (step >= {resume_step}) moved to {path}")
         last = int(float(keep[-1][0])) if keep else -1
         if last != resume_step - 1:
-            print(f"log: warning: the log ends at step {last} but the checkpoint was saved at step {resume_step}; "
-                  f"steps {last + 1}..{resume_step - 1} are missing from the log")
+            print(
+                f"log: warning: the log ends at step {last} but the checkpoint was saved at step {resume_step}; "
+                f"steps {last + 1}..{resume_step - 1} are missing from the log"
+            )
         return keep
 
     def log(self, values):

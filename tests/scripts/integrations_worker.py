@@ -33,17 +33,21 @@ def run(name, argv):
 
     def record(module, args, kwargs):
         if torch.is_grad_enabled() and module.training:
-            records["forwards"].append({
-                "inputs": {k: v.detach().clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
-                "params": {n: p.detach().clone() for n, p in module.named_parameters()}})
+            records["forwards"].append(
+                {
+                    "inputs": {k: v.detach().clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
+                    "params": {n: p.detach().clone() for n, p in module.named_parameters()},
+                }
+            )
 
     def watch(model):
         model.register_forward_pre_hook(record, with_kwargs=True)
 
     def clipped(optimizer, args, kwargs):  # after the step: .grad is what the optimizer used
         grads = {id(p): p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
-        records["clipped"].append(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.double()) for g in grads.values()])).item())
+        records["clipped"].append(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads.values()])).item()
+        )
 
     module = example(name)
     args = module.parse_args(argv)

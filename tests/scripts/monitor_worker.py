@@ -1,4 +1,4 @@
-"""Worker for tests/test_ddp.py: run under torchrun (gloo, CPU).
+"""Worker for tests/test_monitor_distributed.py: run under torchrun (gloo, CPU).
 
     torchrun --standalone --nproc_per_node=2 tests/scripts/monitor_worker.py OUT.json ddp|ddp-unequal|fsdp|tp [N_LAYER]
 
@@ -28,9 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "bench"))
-from nanogns import monitor as gnstracking  # noqa: E402
-import nanogns as lc  # noqa: E402
 from read_ops import OpCounter  # noqa: E402  (bench/read_ops.py: ops by name)
+
+import nanogns as lc  # noqa: E402
+from nanogns import monitor as gnstracking  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCH, BLOCK, VOCAB = 8, 2, 12, 29
 
@@ -59,8 +60,11 @@ def inf_seen(model):
 
 def columns(measurements):
     """The log columns of a step's Measurements."""
-    return {f"train/gns/{m.metadata['name']}/{key}": value for m in measurements
-            for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm), ("batch_size", m.big_batch_size))}
+    return {
+        f"train/gns/{m.metadata['name']}/{key}": value
+        for m in measurements
+        for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm), ("batch_size", m.big_batch_size))
+    }
 
 
 def step_ops(monitor, batch_size):
@@ -86,8 +90,12 @@ def main(out_path, engine="ddp", n_layer="2"):
     torch.manual_seed(0)
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass="gns")):
         from model import GPT, GPTConfig
-        model = GPT(GPTConfig(n_layer=int(n_layer), n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB,
-                              dropout=0.0, bias=True))
+
+        model = GPT(
+            GPTConfig(
+                n_layer=int(n_layer), n_head=2, n_embd=24, block_size=BLOCK, vocab_size=VOCAB, dropout=0.0, bias=True
+            )
+        )
     monitor = gnstracking.GNSMonitor(model)
     step_model, after = model, None
     if ddp and engine.startswith("ddp"):
@@ -100,6 +108,7 @@ def main(out_path, engine="ddp", n_layer="2"):
     elif ddp and engine == "tp":  # one tensor-parallel group over the ranks: the MLPs' matrices sharded
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
         mesh = init_device_mesh("cpu", (world,))
         for block in model.transformer.h:
             parallelize_module(block.mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
@@ -118,8 +127,11 @@ def main(out_path, engine="ddp", n_layer="2"):
     except ValueError as e:
         result = {"error": str(e)}
     if after is not None:
-        result = {"before": result, "after": columns(after.measure(batch_size=GLOBAL_BATCH)),
-                  "inf_on_rank_1_seen": inf_seen(model)}
+        result = {
+            "before": result,
+            "after": columns(after.measure(batch_size=GLOBAL_BATCH)),
+            "inf_on_rank_1_seen": inf_seen(model),
+        }
     if "error" not in result:
         result["step_ops"] = step_ops(after or monitor, GLOBAL_BATCH)
     if rank == 0:
@@ -128,6 +140,7 @@ def main(out_path, engine="ddp", n_layer="2"):
     if ddp:
         del step_model  # gloo aborts at exit if a DDP model outlives its process group
         import gc
+
         gc.collect()
         dist.destroy_process_group()
 

@@ -5,20 +5,20 @@ gradient is an error, a parameter bank (disjoint slices of one Parameter used by
 several layers, modded-nanogpt style) is logged once and exactly, and an embedding
 whose one row of input is broadcast over the batch is refused with the fix.
 
-    python -m pytest -q tests/test_finetuning.py
+    python -m pytest -q tests/test_conversion_finetuning.py
 """
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from oracle import per_example_loss_sqnorms_by_loop
 
-from nanogns.layers import functional
-from nanogns import monitor as gnstracking
 import nanogns as lc
+from nanogns import monitor as gnstracking
+from nanogns.layers import functional
 from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding
-from oracle import per_example_loss_sqnorms_by_loop
 
 VOCAB, D = 11, 6
 
@@ -48,8 +48,8 @@ def assert_matches_brute_force(model, measurements, ids, targets, rel=1e-6):  # 
     zero_sqgradnorm_buffers(model)
     for name, m in measurements.items():
         first = name.split("+")[0]
-        assert m.small_batch_norm ** 2 == pytest.approx(pe_sq[first], rel=rel), name
-        assert m.big_batch_norm ** 2 == pytest.approx(batch_sq[first], rel=rel), name
+        assert m.small_batch_norm**2 == pytest.approx(pe_sq[first], rel=rel), name
+        assert m.big_batch_norm**2 == pytest.approx(batch_sq[first], rel=rel), name
 
 
 class LoRALinear(nn.Module):
@@ -86,7 +86,9 @@ def test_bitfit_frozen_weights_are_skipped_and_biases_exact(classes):
         p.requires_grad_(name.endswith("bias"))  # BitFit: only the biases train
     monitor = lc.convert(model, *classes)
     assert [t.name for t in monitor.tracked] == ["ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"]
-    assert all(monitor.untracked[n].startswith("frozen") for n in ("emb.weight", "ln.weight", "mlp.0.weight", "head.weight"))
+    assert all(
+        monitor.untracked[n].startswith("frozen") for n in ("emb.weight", "ln.weight", "mlp.0.weight", "head.weight")
+    )
     ids, targets = data(5)
     measurements = measure(monitor, model, ids, targets)
     assert set(measurements) == {"ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"}
@@ -103,8 +105,12 @@ def test_lora_trainable_tensors_are_exact(linearclass):
     model.mlp[0], model.mlp[2] = LoRALinear(model.mlp[0]), LoRALinear(model.mlp[2])  # LoRA layers: trainable
     model.double()
     monitor = lc.convert(model, linearclass=linearclass)
-    assert [t.name for t in monitor.tracked] == ["mlp.0.lora_a.weight", "mlp.0.lora_b.weight",
-                                                 "mlp.2.lora_a.weight", "mlp.2.lora_b.weight"]
+    assert [t.name for t in monitor.tracked] == [
+        "mlp.0.lora_a.weight",
+        "mlp.0.lora_b.weight",
+        "mlp.2.lora_a.weight",
+        "mlp.2.lora_b.weight",
+    ]
     assert monitor.untracked["mlp.0.base.weight"].startswith("frozen") and monitor.unconverted == {}
     ids, targets = data(4)
     measurements = measure(monitor, model, ids, targets)
@@ -119,8 +125,9 @@ def test_a_counted_parameter_without_gradient_is_an_error_not_a_zero():
     ids, targets = data(4)
     lm_loss(model, ids, targets).backward()
     model.zero_grad(set_to_none=True)  # too early: the gradients are gone before the monitor reads them
-    with pytest.raises(ValueError, match="emb.weight: its layer recorded 4 examples in this step but the parameter has "
-                                         "no gradient"):
+    with pytest.raises(
+        ValueError, match="emb.weight: its layer recorded 4 examples in this step but the parameter has no gradient"
+    ):
         monitor.measure(batch_size=4)
 
 
@@ -131,7 +138,7 @@ class BankGPT(PESqNormBuffersMixin, nn.Module):
         super().__init__()
         self.n_layer, self.reuse_slice = n_layer, reuse_slice
         self.emb = nn.Embedding(VOCAB, D)
-        self.mlp_bank = nn.Parameter(torch.randn(n_layer, 2, 2 * D, D) / D ** 0.5)  # [i, 0]: fc, [i, 1]: proj^T
+        self.mlp_bank = nn.Parameter(torch.randn(n_layer, 2, 2 * D, D) / D**0.5)  # [i, 0]: fc, [i, 1]: proj^T
         functional.register_buffers(self, "mlp_bank", kind="Linear", bank_dims=2)
         self.head = nn.Linear(D, VOCAB, bias=False)
 
@@ -200,8 +207,11 @@ def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     monitor = gnstracking.GNSMonitor(model)
     ids, targets = data(4)
     lm_loss(model, ids, targets).backward()
-    with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*one row for the forward's 4 "
-                                         r"examples \(shape \(1, 5\)\).*position_ids=torch.arange\(T\).expand\(B, T\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"wpe.weight: this step is not measured.*one row for the forward's 4 "
+        r"examples \(shape \(1, 5\)\).*position_ids=torch.arange\(T\).expand\(B, T\)",
+    ):
         monitor.measure(batch_size=4)
     # the fix: the same positions expanded to (B, T) give the same output and exact norms
     model.zero_grad(set_to_none=True)
@@ -209,7 +219,7 @@ def test_a_broadcast_embedding_input_is_refused_with_the_cause_and_fix():
     model = model.double()
     expanded = torch.arange(5).expand(4, 5)
     forward = model.forward
-    model.forward = lambda ids: forward(ids, expanded[:ids.shape[0]])
+    model.forward = lambda ids: forward(ids, expanded[: ids.shape[0]])
     measurements = measure(monitor, model, ids, targets, micro_batches=1)
     assert set(measurements) == {"wte.weight", "wpe.weight"}
     assert_matches_brute_force(model, measurements, ids, targets)

@@ -2,7 +2,7 @@
 data/openwebtext/prepare.py on small local corpora (txt, jsonl, parquet), with GPT-2's
 BPE loaded from the openai-whisper source package (tiktoken's download needs a network).
 
-    python -m pytest tests/test_openwebtext.py -q
+    python -m pytest tests/test_data_openwebtext.py -q
 """
 
 import glob
@@ -18,7 +18,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(REPO, ".cache")
-DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog. " * (i + 1) + "Ünïcödé ✓ <|endoftext|>" for i in range(7)]
+DOCS = [
+    f"Document {i}: the quick brown fox jumps over the lazy dog. " * (i + 1) + "Ünïcödé ✓ <|endoftext|>"
+    for i in range(7)
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +30,22 @@ def gpt2_bpe():
     path = os.path.join(CACHE, "gpt2.tiktoken")
     if not os.path.exists(path):
         os.makedirs(CACHE, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        "openai-whisper", "-d", CACHE], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "openai-whisper",
+                "-d",
+                CACHE,
+            ],
+            check=True,
+        )
         sdist = sorted(glob.glob(os.path.join(CACHE, "openai_whisper-*.tar.gz")))[-1]
         with tarfile.open(sdist) as tar:
             member = next(m for m in tar.getmembers() if m.name.endswith("whisper/assets/gpt2.tiktoken"))
@@ -62,10 +79,30 @@ def write_corpus(tmp_path, kind):
 def test_prepare_writes_every_document_once_in_nanogpt_format(tmp_path, gpt2_bpe, kind, column):
     pattern = write_corpus(tmp_path, kind)
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "data/openwebtext/prepare.py", "--input", pattern, "--text_column", column,
-                             "--out_dir", str(out), "--num_proc", "2", "--val_fraction", "0.2", "--bpe_file", gpt2_bpe,
-                             "--block_size", "16"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "data/openwebtext/prepare.py",
+            "--input",
+            pattern,
+            "--text_column",
+            column,
+            "--out_dir",
+            str(out),
+            "--num_proc",
+            "2",
+            "--val_fraction",
+            "0.2",
+            "--bpe_file",
+            gpt2_bpe,
+            "--block_size",
+            "16",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     enc = load_prepare().gpt2_encoding(gpt2_bpe)
     assert enc.n_vocab == 50257 and enc.encode_ordinary("hello world") == [31373, 995]  # GPT-2's ids
@@ -84,23 +121,49 @@ def test_prepare_writes_every_document_once_in_nanogpt_format(tmp_path, gpt2_bpe
 
 def test_prepare_explains_bad_input(tmp_path, gpt2_bpe):
     (tmp_path / "a.csv").write_text("text\nhello\n")
-    for args, message in [(["--input", str(tmp_path / "*.csv")], "unsupported input type '.csv'"),
-                          (["--input", str(tmp_path / "*.nothing")], "no files match")]:
-        result = subprocess.run([sys.executable, "data/openwebtext/prepare.py", *args, "--bpe_file", gpt2_bpe,
-                                 "--out_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    for args, message in [
+        (["--input", str(tmp_path / "*.csv")], "unsupported input type '.csv'"),
+        (["--input", str(tmp_path / "*.nothing")], "no files match"),
+    ]:
+        result = subprocess.run(
+            [
+                sys.executable,
+                "data/openwebtext/prepare.py",
+                *args,
+                "--bpe_file",
+                gpt2_bpe,
+                "--out_dir",
+                str(tmp_path / "out"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def prepare(*args):
-    return subprocess.run([sys.executable, "data/openwebtext/prepare.py", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "data/openwebtext/prepare.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_val_split_holds_at_least_one_block(tmp_path, gpt2_bpe):
     """7 small documents and the default --val_fraction (0.0005): one document, too short for a batch of 64 + 1."""
     out = tmp_path / "out"
-    result = prepare("--input", write_corpus(tmp_path, "txt"), "--out_dir", str(out), "--num_proc", "1",
-                     "--bpe_file", gpt2_bpe, "--block_size", "64")
+    result = prepare(
+        "--input",
+        write_corpus(tmp_path, "txt"),
+        "--out_dir",
+        str(out),
+        "--num_proc",
+        "1",
+        "--bpe_file",
+        gpt2_bpe,
+        "--block_size",
+        "64",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     train, val = (np.fromfile(out / f"{split}.bin", dtype=np.uint16) for split in ("train", "val"))
     assert len(val) >= 65 and len(train) >= 65
@@ -121,13 +184,31 @@ def test_split_documents_grows_val_to_a_block_and_refuses_a_corpus_too_small():
 
 def test_no_network_and_no_bpe_file_is_one_line_pointing_at_bpe_file(tmp_path):
     """tiktoken downloads GPT-2's ranks on first use: with no network (a proxy that refuses) and an empty cache."""
-    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"), HTTPS_PROXY="http://127.0.0.1:9",
-               HTTP_PROXY="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+    env = dict(
+        os.environ,
+        TIKTOKEN_CACHE_DIR=str(tmp_path / "cache"),
+        HTTPS_PROXY="http://127.0.0.1:9",
+        HTTP_PROXY="http://127.0.0.1:9",
+        https_proxy="http://127.0.0.1:9",
+        http_proxy="http://127.0.0.1:9",
+    )
     env.pop("NO_PROXY", None), env.pop("no_proxy", None)
     (tmp_path / "a.txt").write_text("hello")
-    result = subprocess.run([sys.executable, "data/openwebtext/prepare.py", "--input", str(tmp_path / "*.txt"),
-                             "--out_dir", str(tmp_path / "out")], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "data/openwebtext/prepare.py",
+            "--input",
+            str(tmp_path / "*.txt"),
+            "--out_dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("prepare.py: cannot download GPT-2's BPE ranks (")

@@ -3,14 +3,14 @@ torch.compile on a GPT built with the per-example norm layers: the compiled
 model's loss, parameter gradients and `<param>_upegsqnorm` buffers equal the
 eager model's, over two optimizer steps of two accumulated micro-batches.
 
-    python -m pytest -q tests/test_compile.py
+    python -m pytest -q tests/test_layers_compile.py
 
 Dynamo traces the autograd Functions of buffered.py, buffer updates in backward
 included; the Embedding's torch.unique (a data-dependent shape) graph-breaks and
 that Function runs eagerly, as does the tied wte/lm_head cross term's
 backward (tied.py hands a tensor from one node to the other). The fused layers'
 kernels are custom ops that the compiled graph runs eagerly, on CPU in Triton's
-interpreter (tests/test_compile_fused.py checks they are in the graph).
+interpreter (tests/test_layers_fused_compile.py checks they are in the graph).
 """
 
 import copy
@@ -18,9 +18,9 @@ import copy
 import pytest
 import torch
 
+import nanogns as lc
 from nanogns.layers import buffers as buffered
 from nanogns.layers import tied
-import nanogns as lc
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=67, dropout=0.0, bias=True)
 BATCH, STEPS, MICRO_STEPS = 4, 2, 2
@@ -29,6 +29,7 @@ BATCH, STEPS, MICRO_STEPS = 4, 2, 2
 def build(kind):
     with lc.set_contextual_config(**lc.layer_classes(linearclass=kind, embeddingclass=kind, lnclass=kind)):
         from model import GPT, GPTConfig
+
         return GPT(GPTConfig(**CONFIG))
 
 

@@ -5,7 +5,7 @@ every parameter tracked exactly; transformers' own norm classes (GemmaRMSNorm's
 (1 + weight) scale, T5LayerNorm, LlamaRMSNorm) are swapped after the probe;
 Conv1D in every flavour; and the examples/hf_*.py scripts.
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_transformers.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_conversion_transformers.py
 
 Models are built from tiny configs with random weights (nothing is downloaded).
 transformers is imported once, here (it takes seconds).
@@ -20,17 +20,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from oracle import per_example_sqnorms_by_loop
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 from transformers.pytorch_utils import Conv1D
 
-from nanogns.layers import fused as fused_gns
-from nanogns.analysis import analyze as gns_analysis
 import nanogns as lc
+from nanogns.analysis import analyze as gns_analysis
+from nanogns.layers import fused as fused_gns
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.runlog.reader import load_csv
-from oracle import per_example_sqnorms_by_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, T = 23, 7
@@ -62,6 +62,7 @@ def tracked_names(monitor):
 # -----------------------------------------------------------------------------
 # whole models: every parameter tracked, exactly
 
+
 def loss_fn(name, model, x, y):
     """The mean over examples of each example's mean token loss (all sequences have T tokens)."""
     return F.cross_entropy(example(name).logits(model, x).flatten(0, 1), y.flatten())
@@ -73,7 +74,7 @@ def brute_force(name, model, x, y):
     batch = {n: 0.0 for n in per_example}
     for i in range(x.size(0)):
         model.zero_grad(set_to_none=True)
-        loss_fn(name, model, x[i:i + 1], y[i:i + 1]).backward()
+        loss_fn(name, model, x[i : i + 1], y[i : i + 1]).backward()
         for n, p in model.named_parameters():
             per_example[n] += p.grad.pow(2).sum().item() / x.size(0)
             batch[n] = batch[n] + p.grad / x.size(0)
@@ -123,8 +124,8 @@ def test_every_parameter_tracked_and_exact(name, classes):
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]
         assert m.big_batch_size == 5
-        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-6), param
-        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6), param
+        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-6), param
+        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), param
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
@@ -144,10 +145,21 @@ def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
     """pad_token_id makes transformers build nn.Embedding(..., padding_idx): converted, and padding tokens in the
     input add nothing to the embedding's side of the tied matrix (float64, 2 uneven micro-batches)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=T, pad_token_id=2,
-                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=T,
+        pad_token_id=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config).double()
     assert model.model.embed_tokens.padding_idx == 2 and model.lm_head.weight is model.model.embed_tokens.weight
     monitor = lc.convert(model)
@@ -159,8 +171,8 @@ def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
     assert "model.embed_tokens.weight+lm_head.weight" in measurements and len(measurements) == len(want)
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]
-        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-6), param
-        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6), param
+        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-6), param
+        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), param
 
 
 def test_converted_models_give_the_same_loss():
@@ -236,6 +248,7 @@ def test_gemma_norm_in_bf16_keeps_a_small_weight():
 # -----------------------------------------------------------------------------
 # transformers' Conv1D (weight stored (in, out))
 
+
 @pytest.mark.parametrize("shape", [(4, 7), (1, 7), (3, 5, 7), (1, 5, 7)], ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("linearclass", ["shim", "gns", "fused"])
@@ -288,6 +301,7 @@ def test_conv1d_under_sogns_is_listed_with_the_reason():
 # -----------------------------------------------------------------------------
 # the examples
 
+
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
 def test_example_logs_every_parameter_and_gns_analysis_reads_it(name, tmp_path, capsys):
     example(name).main([f"--out_dir={tmp_path}", "--steps=3", "--batch_size=4"])
@@ -319,5 +333,5 @@ def test_fused_gpt2_close_to_brute_force():
     want = brute_force(name, model, x, y)
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]
-        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-4), param
-        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-4), param
+        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-4), param
+        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-4), param

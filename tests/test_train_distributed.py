@@ -4,7 +4,7 @@ ddp/ columns of the cross-rank GNS (ddpgns.py), and the per-parameter norms agai
 process that sees the same global batch (--data_seed makes the data order independent of
 the number of ranks).
 
-    python -m pytest tests/test_ddp_train.py -q
+    python -m pytest tests/test_train_distributed.py -q
 """
 
 import json
@@ -15,9 +15,9 @@ import socket
 
 import numpy as np
 import pytest
+from conftest import GNS_LAYERS, REPO, TINY, run_script
 
 from nanogns.estimator import two_batch_stats, unbiased_stats
-from conftest import GNS_LAYERS, REPO, TINY, run_script
 from nanogns.runlog.reader import load_csv
 
 FLAGS = [*TINY, *GNS_LAYERS, "--max_iters=3", "--eval_interval=100", "--gradient_accumulation_steps=4", "--data_seed=7"]
@@ -71,15 +71,20 @@ def test_two_ranks_log_ddp_gns_and_match_one_process(tmp_path):
     n_params = len(cols) // 3
     record = json.load(open(tmp_path / "ddp" / "gns_parameters.json"))["parameters"]
     elements = sum(entry["numel"] for entry in record.values())
-    assert re.search(rf"^Final DDP GNS: \S+\n  \(what each covers: Final GNS the {n_params} tracked parameters "
-                     rf"\(LayerNorm \d+, Linear \d+, Embedding \d+, {elements:,} elements\), from per-example norms; "
-                     r"Final DDP GNS every trainable parameter", analysis.stdout, re.MULTILINE), analysis.stdout
+    assert re.search(
+        rf"^Final DDP GNS: \S+\n  \(what each covers: Final GNS the {n_params} tracked parameters "
+        rf"\(LayerNorm \d+, Linear \d+, Embedding \d+, {elements:,} elements\), from per-example norms; "
+        r"Final DDP GNS every trainable parameter",
+        analysis.stdout,
+        re.MULTILINE,
+    ), analysis.stdout
 
 
 @pytest.mark.slow
 def test_a_bad_setting_under_torchrun_is_one_line_above_the_launchers_report(tmp_path):
-    out = run_script("train.py", *FLAGS, "--backend=gloo", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}",
-                     nproc=2)
+    out = run_script(
+        "train.py", *FLAGS, "--backend=gloo", "--gradient_accumulation_steps=3", f"--out_dir={tmp_path}", nproc=2
+    )
     assert out.returncode != 0
     lines = out.stderr.splitlines()
     ours = [i for i, line in enumerate(lines) if line.startswith("train.py: ")]
@@ -93,8 +98,9 @@ def test_a_bad_setting_under_torchrun_is_one_line_above_the_launchers_report(tmp
 @pytest.mark.slow
 def test_ddp_gns_needs_no_per_example_layers(tmp_path):
     """The cross-rank GNS compares gradients DDP already has: with torch's layers it is still logged."""
-    plain = train(tmp_path / "plain", "--backend=gloo", "--linearclass=nn", "--embeddingclass=nn", "--lnclass=nn",
-                  nproc=2)
+    plain = train(
+        tmp_path / "plain", "--backend=gloo", "--linearclass=nn", "--embeddingclass=nn", "--lnclass=nn", nproc=2
+    )
     assert not [c for c in plain.columns if c.startswith("train/gns/")]
     assert (plain["ddp/small_batch_size"] == 8).all() and np.isfinite(plain["ddp/sq_norm_small"]).all()
 
@@ -102,8 +108,15 @@ def test_ddp_gns_needs_no_per_example_layers(tmp_path):
 @pytest.mark.slow
 def test_two_ranks_follow_a_gns_batch_schedule_together(tmp_path):
     """Rank 0 decides each step's accumulation steps and broadcasts them; a mismatch would hang or fail."""
-    df = train(tmp_path, "--backend=gloo", "--bs_schedule=gns", "--bs_min_accum_steps=2", "--bs_max_accum_steps=8",
-               "--max_iters=6", nproc=2)
+    df = train(
+        tmp_path,
+        "--backend=gloo",
+        "--bs_schedule=gns",
+        "--bs_min_accum_steps=2",
+        "--bs_max_accum_steps=8",
+        "--max_iters=6",
+        nproc=2,
+    )
     accum = df["gradient_accumulation_steps"].tolist()
     assert accum[0] == 2 and all(a % 2 == 0 and 2 <= a <= 8 for a in accum)
     assert all(abs(a - b) <= 2 for a, b in zip(accum, accum[1:]))  # one micro-batch per rank per step at most
@@ -128,10 +141,25 @@ def test_fsdp2_run_matches_one_process_and_resumes(tmp_path):
     process on the same global batch; a checkpoint written at step 2 resumes to the same steps 3 and 4."""
     single = train(tmp_path / "single", "--max_iters=4")
     sharded_dir = tmp_path / "fsdp"
-    train(sharded_dir, "--backend=gloo", "--fsdp=True", "--max_iters=2", "--eval_interval=2",
-          "--always_save_checkpoint=True", nproc=2)
-    sharded = train(sharded_dir, "--backend=gloo", "--fsdp=True", "--max_iters=4", "--eval_interval=2",
-                    "--always_save_checkpoint=True", "--init_from=resume", nproc=2)
+    train(
+        sharded_dir,
+        "--backend=gloo",
+        "--fsdp=True",
+        "--max_iters=2",
+        "--eval_interval=2",
+        "--always_save_checkpoint=True",
+        nproc=2,
+    )
+    sharded = train(
+        sharded_dir,
+        "--backend=gloo",
+        "--fsdp=True",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--always_save_checkpoint=True",
+        "--init_from=resume",
+        nproc=2,
+    )
     assert sharded["iter_num"].tolist() == single["iter_num"].tolist() == [0, 1, 2, 3]
     cols = [c for c in single.columns if c.startswith("train/gns/")]
     assert len(cols) > 30 and set(cols) == {c for c in sharded.columns if c.startswith("train/gns/")}
@@ -150,12 +178,20 @@ def test_closing_a_process_group_while_the_model_lives_warns(tmp_path):
         "model = engine.wrap(torch.nn.Linear(3, 2))\n"
         "if sys.argv[1] == 'free':\n"
         "    model = None\n"
-        "engine.close()\n")
+        "engine.close()\n"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=REPO)
+    env = dict(
+        os.environ,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        PYTHONPATH=REPO,
+    )
     kept = run_script(str(script), "keep", env=env)
     assert kept.returncode == 0, kept.stderr
     assert "DDP: the model is still referenced when its process group is destroyed" in kept.stderr

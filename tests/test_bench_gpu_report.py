@@ -5,7 +5,7 @@ and every candidate tile of the Linear kernel against the brute-force oracle,
 the fused layers under torch.compile against eager, and the launch table, so
 the GPU command cannot rot.
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_report.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_bench_gpu_report.py
 """
 
 import io
@@ -30,8 +30,9 @@ def test_report_checks_pass_on_the_cpu(capsys):
     candidates = sum(len(c) for c in fused_gns.LINEAR_CANDIDATES.values())
     # layers: float32 and bfloat16, two shapes each; every candidate; compiled in two dtypes; one stated skip
     assert len(checks) == 2 * 2 * len(gpu_report.layer_cases()) + candidates + 2 + 1
-    assert [line for line in checks if not line.startswith("ok")] == \
-        ["skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)"]
+    assert [line for line in checks if not line.startswith("ok")] == [
+        "skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)"
+    ]
     gpu_report.launch_table("cpu")
     table = capsys.readouterr().out
     assert "| LayerNorm | 1 | 2 |" in table and "| Linear | 3 | 4 |" in table

@@ -1,23 +1,32 @@
 """
 --wandb_log=True sends the same metrics as the CSV to wandb (offline mode: no account, no network).
 
-    python -m pytest tests/test_wandb.py -q
+    python -m pytest tests/test_train_wandb.py -q
 """
 
 import glob
 import os
 
 import pytest
-
 from conftest import TINY, run_script
+
 from nanogns.runlog.reader import load_csv
 
 
 @pytest.mark.slow
 def test_wandb_offline_run_gets_the_logged_metrics(tmp_path, shakespeare_data):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=str(tmp_path), WANDB_SILENT="true")
-    out = run_script("train.py", *TINY, "--max_iters=4", "--eval_interval=2", "--lnclass=gns", "--linearclass=gns",
-                     "--wandb_log=True", f"--out_dir={tmp_path / 'out'}", env=env)
+    out = run_script(
+        "train.py",
+        *TINY,
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--lnclass=gns",
+        "--linearclass=gns",
+        "--wandb_log=True",
+        f"--out_dir={tmp_path / 'out'}",
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1
@@ -36,10 +45,18 @@ def test_wandb_without_a_login_is_one_line_before_anything_is_made(tmp_path, sha
     """No API key, no ~/.netrc, not offline: one line naming the fix, and no out_dir left behind."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
     env.update(HOME=str(tmp_path / "home"), WANDB_CONFIG_DIR=str(tmp_path / "config"), WANDB_DIR=str(tmp_path))
-    out = run_script("train.py", *TINY, "--max_iters=2", "--lnclass=gns", "--wandb_log=True",
-                     f"--out_dir={tmp_path / 'out'}", env=env)
+    out = run_script(
+        "train.py",
+        *TINY,
+        "--max_iters=2",
+        "--lnclass=gns",
+        "--wandb_log=True",
+        f"--out_dir={tmp_path / 'out'}",
+        env=env,
+    )
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         "train.py: wandb_log=True but wandb has no login (no WANDB_API_KEY, no `wandb login`); log in with "
-        "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log"]
+        "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log"
+    ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "wandb").exists()

@@ -3,7 +3,7 @@ Reliability (issue 8): resumes continue the run and its log exactly, SIGKILLs at
 any point lose nothing, bad input ends with a clear one-line error, and
 non-finite steps are logged as such but kept out of the GNS.
 
-    python -m pytest -q tests/test_reliability.py
+    python -m pytest -q tests/test_train_reliability.py
 
 train.py runs in subprocesses with a tiny CPU model (as in tests/test_train.py).
 """
@@ -26,15 +26,16 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from conftest import GNS_LAYERS, run_script  # noqa: E402
+from conftest import TINY as TINY_BASE
+
+import nanogns as lc  # noqa: E402
 from nanogns import estimator  # noqa: E402
 from nanogns import monitor as gnstracking  # noqa: E402
-import nanogns as lc  # noqa: E402
+from nanogns.analysis import analyze as ga
 from nanogns.layers.buffers import zero_sqgradnorm_buffers  # noqa: E402
-from conftest import GNS_LAYERS, TINY as TINY_BASE, run_script  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
-
-from nanogns.analysis import analyze as ga
 
 TINY = [*TINY_BASE, *GNS_LAYERS]
 TOKENS_PER_ITER = 4 * 2 * 16
@@ -93,14 +94,18 @@ def test_resume_restores_weights_optimizer_and_continues_the_log(tmp_path):
     with open(tmp_path / "ckpt.pt.tmp", "wb") as f:
         f.write(b"PK\x03\x04 half a checkpoint")
     # nothing left to train: the resumed run writes no row and leaves the checkpoint as it was
-    again = train("--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--init_from=resume", f"--out_dir={out}")
+    again = train(
+        "--max_iters=3", "--eval_interval=3", "--always_save_checkpoint=True", "--init_from=resume", f"--out_dir={out}"
+    )
     assert again.returncode == 0, again.stderr
     assert not (tmp_path / "ckpt.pt.tmp").exists()
     assert (tmp_path / "ckpt.pt").read_bytes() == (tmp_path / "ckpt3.pt").read_bytes()
     assert_one_row_per_step(out, 3)
 
     # continue to 6: the optimizer goes on (Adam's step count), the log appends, LR follows the token schedule
-    more = train("--max_iters=6", "--eval_interval=3", "--always_save_checkpoint=True", "--init_from=resume", f"--out_dir={out}")
+    more = train(
+        "--max_iters=6", "--eval_interval=3", "--always_save_checkpoint=True", "--init_from=resume", f"--out_dir={out}"
+    )
     assert more.returncode == 0, more.stderr
     ckpt6 = load_ckpt(tmp_path / "ckpt.pt")
     assert ckpt6["iter_num"] == 6 and ckpt6["log_step"] == 6
@@ -114,7 +119,9 @@ def test_resume_restores_weights_optimizer_and_continues_the_log(tmp_path):
 
     # a crash after the iteration-3 checkpoint: rows 3..5 are in the log but not in the weights
     shutil.copy(tmp_path / "ckpt3.pt", tmp_path / "ckpt.pt")
-    redo = train("--max_iters=6", "--eval_interval=3", "--always_save_checkpoint=True", "--init_from=resume", f"--out_dir={out}")
+    redo = train(
+        "--max_iters=6", "--eval_interval=3", "--always_save_checkpoint=True", "--init_from=resume", f"--out_dir={out}"
+    )
     assert redo.returncode == 0, redo.stderr
     assert "moved to" in redo.stdout
     assert pd.read_csv(tmp_path / "log_after_step_3.csv")["step"].tolist() == [3, 4, 5]
@@ -145,8 +152,16 @@ def test_log_wrapper_resume_step_sets_later_rows_aside(tmp_path):
 KILL_ITERS = 8
 # dropout and evaluation batches draw from the random state (restored from the checkpoint, every rank's);
 # --data_seed makes the training batches a function of the iteration
-EXACT = [f"--max_iters={KILL_ITERS}", "--eval_interval=2", "--always_save_checkpoint=True", "--dropout=0.1",
-         "--data_seed=5", "--bs_schedule=gns", "--bs_min_accum_steps=1", "--bs_max_accum_steps=4"]
+EXACT = [
+    f"--max_iters={KILL_ITERS}",
+    "--eval_interval=2",
+    "--always_save_checkpoint=True",
+    "--dropout=0.1",
+    "--data_seed=5",
+    "--bs_schedule=gns",
+    "--bs_min_accum_steps=1",
+    "--bs_max_accum_steps=4",
+]
 WALL_CLOCK = ["dt", "tokens_per_sec", "mfu"]
 
 
@@ -162,8 +177,14 @@ def run_and_kill(args, kill_after):
     """Run train.py; SIGKILL it after it printed `kill_after` progress lines (once a checkpoint exists).
 
     Returns True if it was killed, False if it finished first."""
-    proc = subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "train.py"), *TINY, *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ONE_THREAD)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", os.path.join(ROOT, "train.py"), *TINY, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ONE_THREAD,
+    )
     seen = 0
     saving = False
     saved = "--init_from=resume" in args  # the first run: only once its first checkpoint is complete
@@ -202,8 +223,9 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_log(tmp_path, seed, referenc
     pd.testing.assert_frame_equal(df.drop(columns=WALL_CLOCK), reference_log.drop(columns=WALL_CLOCK), check_exact=True)
     assert os.path.exists(os.path.join(out, LOG_CSV))
     assert not any(os.path.exists(os.path.join(out, f)) for f in (HEADER_TMP, DATA_TMP, "ckpt.pt.tmp"))
-    analysis = subprocess.run([sys.executable, "gns-analysis.py", out, "--no-plots"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+    analysis = subprocess.run(
+        [sys.executable, "gns-analysis.py", out, "--no-plots"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert analysis.returncode == 0, analysis.stderr
     assert "Final GNS:" in analysis.stdout
 
@@ -291,7 +313,7 @@ def test_corrupt_or_missing_checkpoint_on_resume(tmp_path, content):
 
 
 def test_gns_analysis_on_dirs_without_a_usable_log(tmp_path, capsys):
-    # existing behaviour (tests/test_gns_analysis.py covers a missing dir, header-only log, no GNS columns);
+    # existing behaviour (tests/test_analysis.py covers a missing dir, header-only log, no GNS columns);
     # here: an empty existing dir, a zero-byte log.csv, and a killed run that logged nothing
     empty, zero, killed = tmp_path / "empty", tmp_path / "zero", tmp_path / "killed"
     for d in (empty, zero, killed):
@@ -314,6 +336,7 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
     torch.manual_seed(0)
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass="gns")):
         from model import GPT, GPTConfig
+
         model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.0, bias=True))
     tracker = gnstracking.GNSMonitor(model)
     running, clean_running = estimator.RunningGNS(0.9), estimator.RunningGNS(0.9)
@@ -334,9 +357,15 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
         measurements = tracker.measure(batch_size=B * micro)
         zero_sqgradnorm_buffers(model)
         sums = gnstracking.summed_sqnorms(measurements)
-        columns = {f"train/gns/{m.metadata['name']}/{key}": value for m in measurements
-                   for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm),
-                                      ("batch_size", m.big_batch_size))}
+        columns = {
+            f"train/gns/{m.metadata['name']}/{key}": value
+            for m in measurements
+            for key, value in (
+                ("norm", m.big_batch_norm),
+                ("pegn", m.small_batch_norm),
+                ("batch_size", m.big_batch_size),
+            )
+        }
         log.log({**columns, "gns": running.update(*sums), "iter_num": step})
         if step not in faults:
             clean_running.update(*sums)
@@ -379,6 +408,7 @@ def _tiny_fp16_gpt(lnclass="gns"):
     torch.manual_seed(0)
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", embeddingclass="gns", lnclass=lnclass)):
         from model import GPT, GPTConfig
+
         return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, dropout=0.0, bias=True))
 
 
@@ -389,7 +419,7 @@ def test_grad_scaler_skipped_steps_are_not_measurements(bad):
     also when the inf is in a parameter the tracker does not read (lnclass='nn')."""
     model = _tiny_fp16_gpt(lnclass="gns" if bad == "loss" else "nn")
     reference = _tiny_fp16_gpt(lnclass="gns" if bad == "loss" else "nn")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     tracker = gnstracking.GNSMonitor(model, scaler=scaler)
     reference_tracker = gnstracking.GNSMonitor(reference)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -1,7 +1,7 @@
 """
 The layer registry and the contextual config of layer_config.py.
 
-    python -m pytest tests/test_layer_config.py -q
+    python -m pytest tests/test_layers_registry.py -q
 """
 
 import contextlib
@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanogns.layers import buffers as buffered
 import nanogns as lc
 from nanogns import layers
+from nanogns.layers import buffers as buffered
 from nanogns.layers import layout
-from nanogns.layers.registry import adopt
 from nanogns.layers.layernorm import PEGradNormSeparatedLayerNorm
 from nanogns.layers.linear import PEGradNormLinear
+from nanogns.layers.registry import adopt
 
 
 def mixtral_experts():
@@ -42,8 +42,10 @@ BUILD = {
     "Embedding": (lambda: nn.Embedding(11, 3), lambda: (torch.randint(0, 11, (4, 2)),)),
     "LayerNorm": (lambda: nn.LayerNorm(5), lambda: (torch.randn(4, 2, 5),)),
     "RMSNorm": (lambda: nn.RMSNorm(5), lambda: (torch.randn(4, 2, 5),)),
-    "Conv1D": (lambda: __import__("transformers.pytorch_utils").pytorch_utils.Conv1D(3, 5),  # (nf, nx): 5 in, 3 out
-               lambda: (torch.randn(4, 2, 5),)),
+    "Conv1D": (
+        lambda: __import__("transformers.pytorch_utils").pytorch_utils.Conv1D(3, 5),  # (nf, nx): 5 in, 3 out
+        lambda: (torch.randn(4, 2, 5),),
+    ),
     "Conv": (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: (torch.randn(4, 3, 5, 5),)),
     "MultiheadAttention": (lambda: nn.MultiheadAttention(6, 2, batch_first=True), lambda: (torch.randn(4, 3, 6),) * 3),
     "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
@@ -62,7 +64,9 @@ def test_every_registered_variant_is_a_drop_in_for_its_kind(kind, name):
     module = copy.deepcopy(reference)
     variant = layers.get(kind)
     adopt(module, variant.layer_class(name), variant.options(module))
-    assert [(n, p.shape) for n, p in module.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
+    assert [(n, p.shape) for n, p in module.named_parameters()] == [
+        (n, p.shape) for n, p in reference.named_parameters()
+    ]
     inputs = make_input()
     want = reference(*inputs)
     with layout_of(4, (2,) if kind == "Experts" else ()):
@@ -70,7 +74,9 @@ def test_every_registered_variant_is_a_drop_in_for_its_kind(kind, name):
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     got.pow(2).sum().backward()
-    recorded = {n[: -len(buffered.BUFFER_SUFFIX)]: b for n, b in module.named_buffers() if n.endswith(buffered.BUFFER_SUFFIX)}
+    recorded = {
+        n[: -len(buffered.BUFFER_SUFFIX)]: b for n, b in module.named_buffers() if n.endswith(buffered.BUFFER_SUFFIX)
+    }
     if "sogns" in name:
         assert {n.split("_sogns")[0] for n in recorded} == {n for n, _ in module.named_parameters()}
     else:

@@ -3,7 +3,7 @@ Tied embedding / output matrix (tied.py): the monitor logs the shared tensor onc
 as `<names joined by +>`, with the exact per-example norm of its whole gradient,
 checked against a brute-force loop over examples on small tied GPTs.
 
-    python -m pytest -q tests/test_tied.py
+    python -m pytest -q tests/test_layers_tied.py
 """
 
 import pytest
@@ -11,13 +11,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns import monitor as gnstracking
 import nanogns as lc
+from model import GPT, GPTConfig
+from nanogns import monitor as gnstracking
 from nanogns.layers import tied
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding
 from nanogns.layers.linear import PEGradNormLinear
-from model import GPT, GPTConfig
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab_size=67, dropout=0.0)
 TIED = "transformer.wte.weight+lm_head.weight"
@@ -37,7 +37,7 @@ def brute_force(model, loss_fn, x, y):
     per_example = {n: 0.0 for n in batch}
     for i in range(x.shape[0]):
         model.zero_grad(set_to_none=True)
-        loss_fn(model, x[i:i + 1], y[i:i + 1]).backward()
+        loss_fn(model, x[i : i + 1], y[i : i + 1]).backward()
         for n, p in model.named_parameters():
             per_example[n] += p.grad.double().pow(2).sum().item() / x.shape[0]
     model.zero_grad(set_to_none=True)
@@ -69,21 +69,28 @@ def tracked_step(model, loss_fn, x, y, micro_batches=(None,)):
     return measurements
 
 
-@pytest.mark.parametrize("classes", [("gns", "gns"), ("shim", "shim"), ("fused", "gns"), ("gns", "shim")],
-                         ids=lambda c: f"linear={c[0]}-embedding={c[1]}")
+@pytest.mark.parametrize(
+    "classes",
+    [("gns", "gns"), ("shim", "shim"), ("fused", "gns"), ("gns", "shim")],
+    ids=lambda c: f"linear={c[0]}-embedding={c[1]}",
+)
 @pytest.mark.parametrize("loss_fn", [gpt_loss, last_position_loss], ids=["all-positions", "last-position"])
 @pytest.mark.filterwarnings("ignore:.*Triton kernel not used:RuntimeWarning")
 def test_tied_matrix_norm_matches_brute_force(classes, loss_fn):
     model = build(linearclass=classes[0], embeddingclass=classes[1])
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 67, (2, 5, 11), generator=gen)
-    m = tracked_step(model, loss_fn, x, y, micro_batches=[slice(0, 2), slice(2, 5)])  # accumulation over 2 micro-batches
+    m = tracked_step(
+        model, loss_fn, x, y, micro_batches=[slice(0, 2), slice(2, 5)]
+    )  # accumulation over 2 micro-batches
     batch, per_example = brute_force(model, loss_fn, x, y)
     assert TIED in m and "transformer.wte.weight" not in m and "lm_head.weight" not in m
     assert m[TIED].big_batch_norm ** 2 == pytest.approx(batch["transformer.wte.weight"], rel=1e-9)
     assert m[TIED].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
     # the other parameters are untouched by the linking
-    assert m["transformer.wpe.weight"].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wpe.weight"], rel=1e-6)
+    assert m["transformer.wpe.weight"].small_batch_norm ** 2 == pytest.approx(
+        per_example["transformer.wpe.weight"], rel=1e-6
+    )
 
 
 def test_cross_term_is_needed():
@@ -93,7 +100,7 @@ def test_cross_term_is_needed():
     monitor = gnstracking.GNSMonitor(model)
     _, loss = model(x, y)
     loss.backward()
-    (_, _, terms), = [t for t in monitor.tracked if t[0] == TIED]
+    ((_, _, terms),) = [t for t in monitor.tracked if t[0] == TIED]
     emb, head, cross = [module._buffers[name] for module, name, _ in terms]
     two = terms[2][2]
     assert two == 2.0 and abs(cross[0].item()) > 1e-3 * (emb[0].item() + head[0].item())
@@ -133,7 +140,7 @@ def test_embedding_without_the_head_in_backward():
     x = torch.randint(0, 67, (3, 8), generator=torch.Generator().manual_seed(3))
     monitor = gnstracking.GNSMonitor(model)
     model.transformer.wte(x).pow(2).mean().backward()
-    (_, _, terms), = [t for t in monitor.tracked if t[0] == TIED]
+    ((_, _, terms),) = [t for t in monitor.tracked if t[0] == TIED]
     emb, _, cross = [m._buffers[b] for m, b, _ in terms]
     assert cross[0].item() == 0.0 and emb[0].item() > 0
     zero_sqgradnorm_buffers(model)
@@ -142,6 +149,7 @@ def test_embedding_without_the_head_in_backward():
 def test_flattened_output_layer_input_is_exact():
     """An output layer fed the hidden states flattened to (B*T, D) (as OPT feeds its layers): its rows map to the
     forward's examples (layout.py), so the tied matrix is exact, as with (B, T, D)."""
+
     class Flattening(nn.Module):
         def __init__(self, flatten):
             super().__init__()
@@ -164,8 +172,8 @@ def test_flattened_output_layer_input_is_exact():
         model = Flattening(flatten).double()
         batch, per_example = brute_force(model, loss, x, y)
         measured = tracked_step(model, loss, x, y, micro_batches=(slice(0, 1), slice(1, 3)))["emb.weight+head.weight"]
-        assert measured.small_batch_norm ** 2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
-        assert measured.big_batch_norm ** 2 == pytest.approx(batch["emb.weight"], rel=1e-6)
+        assert measured.small_batch_norm**2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
+        assert measured.big_batch_norm**2 == pytest.approx(batch["emb.weight"], rel=1e-6)
         found.append(measured.small_batch_norm)
     assert found[0] == pytest.approx(found[1], rel=1e-9)
 

@@ -4,7 +4,7 @@ kernel at every launch configuration the glue can choose compiles for sm_80 and
 sm_90 with no register spill and shared memory within the device's limit, and
 the glue only ever launches the one specialisation the gate compiles.
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_compile_gate.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_bench_compile_gate.py
 
 The gate runs in a subprocess without TRITON_INTERPRET (Triton compiles for a GPU
 target without one); the specialisation check runs the kernels in this process's
@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
+from nanogns.layers import fused as fused_gns
 from nanogns.layers.layernorm import PEGradNormLayerNorm
 from nanogns.layers.linear import PEGradNormLinear
-from nanogns.layers import fused as fused_gns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -30,13 +30,20 @@ import compile_gate  # noqa: E402
 def test_gpu_compile_gate(capsys):
     """Compiles everything (about 250 kernels on 2 cores, a minute or two) and prints the gate's summary line."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "compile_gate.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "compile_gate.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     with capsys.disabled():  # the summary goes to the CI log
         print("\n" + (lines[-1] if lines else "compile gate printed nothing"))
-    assert done.returncode == 0 and lines and lines[-1].startswith("compile gate:"), \
+    assert done.returncode == 0 and lines and lines[-1].startswith("compile gate:"), (
         "\n".join(lines[-30:]) + done.stderr[-3000:]
+    )
     assert "spills: 0; failures: 0" in lines[-1]
 
 
@@ -48,9 +55,14 @@ def test_gate_covers_every_configuration_the_glue_returns():
         for D in range(1, fused_gns.MAX_NORM_FEATURES + 1, 37):
             block_d, num_warps = fused_gns.norm_launch_config(D)
             unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_gns.NORM_RAGGED_MAX else ()  # as _masked_rows
-            assert block_d >= D and any(j.kernel == "_ln_bwd_dx_pesq" and j.arch == arch and j.num_warps == num_warps
-                                        and dict(j.constexprs)["BLOCK_D"] == block_d and j.unaligned == unaligned
-                                        for j in jobs)
+            assert block_d >= D and any(
+                j.kernel == "_ln_bwd_dx_pesq"
+                and j.arch == arch
+                and j.num_warps == num_warps
+                and dict(j.constexprs)["BLOCK_D"] == block_d
+                and j.unaligned == unaligned
+                for j in jobs
+            )
         for W in [0, 1, 40, 768, 2304, 50257, 10**6]:
             assert fused_gns.finish_block_w(W) in compile_gate.FINISH_BLOCK_WS
         assert fused_gns.FINISH_WARPS == compile_gate.FINISH_WARPS
@@ -59,7 +71,8 @@ def test_gate_covers_every_configuration_the_glue_returns():
                 for N, T, K, L in [(16, 1024, 768, 3072), (4, 64, 40, 72), (1, 1, 8, 8), (64, 256, 768, 50257)]:
                     choice = fused_gns.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
                     assert choice == "gram" or choice in fused_gns.linear_candidates(
-                        dtype, capability, tf32, fused_gns.linear_ragged(L, K, dtype, tf32))
+                        dtype, capability, tf32, fused_gns.linear_ragged(L, K, dtype, tf32)
+                    )
                 precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
                 for L, K in [(32, 32), (40, 32), (32, 40), (40, 40), (50257, 768), (8, 40), (40, 1)]:
                     ragged = fused_gns.linear_ragged(L, K, dtype, tf32)
@@ -67,19 +80,29 @@ def test_gate_covers_every_configuration_the_glue_returns():
                     compiled = set()
                     for j in jobs:
                         flags = dict(j.constexprs)
-                        if (j.kernel == "_linear_bwd_dw_pesq" and j.arch == arch and flags["INPUT_PRECISION"] == precision
-                                and j.dtype == compile_gate.TYPE_NAMES[dtype] and j.unaligned == ragged):
-                            compiled.add((flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages))
+                        if (
+                            j.kernel == "_linear_bwd_dw_pesq"
+                            and j.arch == arch
+                            and flags["INPUT_PRECISION"] == precision
+                            and j.dtype == compile_gate.TYPE_NAMES[dtype]
+                            and j.unaligned == ragged
+                        ):
+                            compiled.add(
+                                (flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages)
+                            )
                     for c in fused_gns.linear_candidates(dtype, capability, tf32, ragged):
                         assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
-                        assert c.shared_bytes(dtype.itemsize) <= \
-                            fused_gns.shared_memory_limit(capability)
+                        assert c.shared_bytes(dtype.itemsize) <= fused_gns.shared_memory_limit(capability)
 
 
 # (kernel, argument) pairs the glue may pass ragged (not a multiple of 16): the Linear's output and input widths, the
 # norms' row stride (a ragged feature count from 16 on, unpadded)
-RAGGED = {("_linear_bwd_dw_pesq", "L"), ("_linear_bwd_dw_pesq", "K"), ("_ln_fwd", "STRIDE"),
-          ("_ln_bwd_dx_pesq", "STRIDE")}
+RAGGED = {
+    ("_linear_bwd_dw_pesq", "L"),
+    ("_linear_bwd_dw_pesq", "K"),
+    ("_ln_fwd", "STRIDE"),
+    ("_ln_bwd_dx_pesq", "STRIDE"),
+}
 
 
 @pytest.mark.skipif(not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
@@ -91,9 +114,14 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     from nanogns import kernels as normgnorm
 
     launches = []
-    kernels = (normgnorm.layernorm._ln_fwd, normgnorm.layernorm._ln_bwd_dx_pesq, normgnorm.linear._linear_bwd_dw_pesq,
-               normgnorm.finish._pe_sqnorm_finish)
+    kernels = (
+        normgnorm.layernorm._ln_fwd,
+        normgnorm.layernorm._ln_bwd_dx_pesq,
+        normgnorm.linear._linear_bwd_dw_pesq,
+        normgnorm.finish._pe_sqnorm_finish,
+    )
     for kernel in kernels:
+
         def record(*args, kernel=kernel, **kwargs):  # the interpreter calls it with each launch's arguments
             launches.append((kernel, dict(zip(kernel.arg_names, args))))
 
@@ -104,8 +132,12 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     norm = fused_gns.PEGradNormFusedLayerNorm(features)
     linear = fused_gns.PEGradNormFusedLinear(features, outputs)
     linear(norm(x)).sum().backward()
-    assert {kernel.__name__ for kernel, _ in launches} == {"_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq",
-                                                           "_pe_sqnorm_finish"}
+    assert {kernel.__name__ for kernel, _ in launches} == {
+        "_ln_fwd",
+        "_ln_bwd_dx_pesq",
+        "_linear_bwd_dw_pesq",
+        "_pe_sqnorm_finish",
+    }
     gate = compile_gate.all_jobs((90,))
     compiled = {(j.kernel, j.unaligned) for j in gate}
     unpadded = {}  # kernel -> the ragged widths it was given unpadded
@@ -148,4 +180,3 @@ def test_a_ragged_input_width_is_padded_where_no_candidate_is_left(monkeypatch):
     assert fused_gns.linear_ragged(40, 40, torch.float32, False) == ("L",)
     assert fused_gns.linear_ragged(40, 40, torch.bfloat16, False) == ("L", "K")
     assert fused_gns.linear_ragged(32, 40, torch.float32, False) == ("K",)
-

@@ -2,7 +2,7 @@
 Per-example norm layers of the Linear, Embedding, LayerNorm and RMSNorm kinds (layers/) against a
 brute-force per-example loop.
 
-    python -m pytest tests/test_buffered.py -q
+    python -m pytest tests/test_layers.py -q
 
 Every class is compared with the plain torch layer (same weights) run one
 example at a time (tests/oracle.py). Tolerances, relative to the oracle:
@@ -12,15 +12,14 @@ float64 1e-6 (the buffers are float32), float32 1e-5, bf16 / fp16 3e-2.
 import pytest
 import torch
 import torch.nn as nn
+from oracle import per_example_sqnorms_by_loop
 
-from nanogns.layers import layout
+from nanogns.layers import embedding, layout, linear
 from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
-from nanogns.layers import embedding, linear
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
 from nanogns.layers.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
 from nanogns.layers.rmsnorm import PEGradNormRMSNorm
-from oracle import per_example_sqnorms_by_loop
 
 LINEARS = [PEGradNormShimLinear, PEGradNormLinear]
 EMBEDDINGS = [PEGradNormShimEmbedding, PEGradNormEmbedding]
@@ -114,8 +113,13 @@ def test_linear_cost_rules():
     assert not linear.simultaneous_uses_gram(256, 768, 768)
     assert not linear.simultaneous_uses_gram(1024, 768, 768)
     # the issue's five benchmark shapes (B, T, K, L) on the CPU: what bench/linear_strategies.py measured fastest
-    picks = {(16, 256, 128, 512): "materialise", (16, 64, 384, 1536): "gram", (4, 512, 768, 3072): "materialise",
-             (64, 32, 256, 256): "gram", (8, 256, 384, 1536): "materialise"}
+    picks = {
+        (16, 256, 128, 512): "materialise",
+        (16, 64, 384, 1536): "gram",
+        (4, 512, 768, 3072): "materialise",
+        (64, 32, 256, 256): "gram",
+        (8, 256, 384, 1536): "materialise",
+    }
     for (B, T, K, L), strategy in picks.items():
         assert linear.linear_strategy(T, K, L, 4, "cpu") == strategy, (B, T, K, L)
 
@@ -133,8 +137,9 @@ def test_linear_strategy_is_forced_and_exact(strategy, monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", ["gram", "materialise"])
-@pytest.mark.parametrize("check", ["test_float32", "test_bf16_autocast", "test_fp16_module",
-                                   "test_gradient_accumulation_adds_micro_batches"])
+@pytest.mark.parametrize(
+    "check", ["test_float32", "test_bf16_autocast", "test_fp16_module", "test_gradient_accumulation_adds_micro_batches"]
+)
 def test_linear_strategies_every_dtype_and_accumulation(check, strategy, monkeypatch):
     """fp32 (1e-5), bf16 autocast and fp16 (3e-2), and two accumulated micro-batches, under each strategy."""
     monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
@@ -142,8 +147,10 @@ def test_linear_strategies_every_dtype_and_accumulation(check, strategy, monkeyp
 
 
 @pytest.mark.parametrize("strategy", ["gram", "materialise"])
-@pytest.mark.parametrize("weight_trainable, bias_trainable, input_grad", [
-    (False, True, True), (True, False, True), (False, False, True), (False, True, False)])
+@pytest.mark.parametrize(
+    "weight_trainable, bias_trainable, input_grad",
+    [(False, True, True), (True, False, True), (False, False, True), (False, True, False)],
+)
 def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, input_grad, monkeypatch):
     """A frozen weight or bias (fine-tuning, LoRA) gets no gradient, no norms and no buffer update; the
     trainable ones and the input gradient are still exact; x is saved only if the weight trains."""
@@ -273,7 +280,9 @@ def test_rmsnorm_matches_oracle_and_plain_grads(lead, dtype, autocast):
         out = module(x)
     out.backward(grad_out.to(out.dtype))
     assert module.weight_upegsqnorm[1].item() == inputs.shape[0]
-    torch.testing.assert_close(module.weight_upegsqnorm[0].double(), expected["weight"].sum(), rtol=RTOL[dtype], atol=1e-6)
+    torch.testing.assert_close(
+        module.weight_upegsqnorm[0].double(), expected["weight"].sum(), rtol=RTOL[dtype], atol=1e-6
+    )
     if not autocast:
         x_plain = inputs.double().requires_grad_()
         twin(x_plain).backward(grad_out.double())
@@ -326,8 +335,11 @@ def test_gradient_accumulation_adds_micro_batches(cls):
     g1, g2 = torch.randn(*out_shape), torch.randn(*out_shape)
     twin = plain_twin(module)
     cast = (lambda t: t.double()) if first.is_floating_point() else (lambda t: t)
-    expected = {n: per_example_sqnorms_by_loop(twin, cast(first), g1.double())[n].sum()
-                + per_example_sqnorms_by_loop(twin, cast(second), g2.double())[n].sum() for n, _ in twin.named_parameters()}
+    expected = {
+        n: per_example_sqnorms_by_loop(twin, cast(first), g1.double())[n].sum()
+        + per_example_sqnorms_by_loop(twin, cast(second), g2.double())[n].sum()
+        for n, _ in twin.named_parameters()
+    }
     zero_sqgradnorm_buffers(module)
     module(cast(first)).backward(g1.double())
     module(cast(second)).backward(g2.double())

@@ -1,7 +1,7 @@
 """
 figures.py and "Replicating Figures.ipynb", executed headless on small CPU runs of train.py.
 
-    python -m pytest tests/test_figures.py -q
+    python -m pytest tests/test_analysis_figures.py -q
 """
 
 import os
@@ -13,10 +13,10 @@ import nbformat
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import GNS_LAYERS, REPO, TINY, run_script
 from nbclient import NotebookClient
 
 from nanogns.analysis import figures
-from conftest import GNS_LAYERS, REPO, TINY, run_script
 
 FIGURES = ["gns_by_layer_type.png", "per_layer_gns.png", "phase_plot.png", "schedule_comparison.png"]
 
@@ -27,9 +27,19 @@ pytestmark = pytest.mark.slow
 def runs(tmp_path_factory, shakespeare_data):
     root = tmp_path_factory.mktemp("runs")
     made = {}
-    for label, flags in {"small": ["--batch_size=4", "--max_iters=12"], "large": ["--batch_size=8", "--max_iters=6"]}.items():
-        out = run_script("train.py", *TINY, *GNS_LAYERS, "--gradient_accumulation_steps=1", "--eval_interval=4", *flags,
-                         f"--out_dir={root / label}")
+    for label, flags in {
+        "small": ["--batch_size=4", "--max_iters=12"],
+        "large": ["--batch_size=8", "--max_iters=6"],
+    }.items():
+        out = run_script(
+            "train.py",
+            *TINY,
+            *GNS_LAYERS,
+            "--gradient_accumulation_steps=1",
+            "--eval_interval=4",
+            *flags,
+            f"--out_dir={root / label}",
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         made[label] = str(root / label)
     return made
@@ -47,8 +57,13 @@ def test_per_layer_gns_has_every_parameter_and_block(runs):
 def test_per_layer_gns_uses_the_analysis_rules_for_blocks_and_tied_weights(tmp_path):
     """A log in another naming scheme, with an exactly logged tied tensor and a reference-style tied column."""
     rng = np.random.default_rng(0)
-    params = ["tok_emb.weight+head.weight", "layers.0.norm.weight", "layers.0.mlp.weight", "layers.3.mlp.weight",
-              "lm_head.weight"]
+    params = [
+        "tok_emb.weight+head.weight",
+        "layers.0.norm.weight",
+        "layers.0.mlp.weight",
+        "layers.3.mlp.weight",
+        "lm_head.weight",
+    ]
     cols = {"step": np.arange(10), "tokens_processed": (np.arange(10) + 1) * 512}
     for p in params:
         norm = rng.uniform(0.5, 2.0, 10)
@@ -57,8 +72,15 @@ def test_per_layer_gns_uses_the_analysis_rules_for_blocks_and_tied_weights(tmp_p
         cols[f"train/gns/{p}/batch_size"] = np.full(10, 32)
     pd.DataFrame(cols).to_csv(tmp_path / "log.csv", index=False)
     table = figures.per_layer_gns(str(tmp_path))
-    assert list(table.columns) == ["tokens_processed", "layers.0.mlp.weight", "layers.0.norm.weight",
-                                   "layers.3.mlp.weight", "tok_emb.weight+head.weight", "block 0", "block 3"]
+    assert list(table.columns) == [
+        "tokens_processed",
+        "layers.0.mlp.weight",
+        "layers.0.norm.weight",
+        "layers.3.mlp.weight",
+        "tok_emb.weight+head.weight",
+        "block 0",
+        "block 3",
+    ]
     results = figures.gns_analysis.analyze_gns(str(tmp_path))
     np.testing.assert_array_equal(table["block 0"], results["gns_block_0"])
     np.testing.assert_array_equal(table["block 3"], results["gns_block_3"])
@@ -81,7 +103,9 @@ def test_notebook_runs_headless_and_saves_every_figure(runs, tmp_path, monkeypat
 
 def images(nb):
     """The PNG outputs of a notebook's cells."""
-    return [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if "image/png" in o.get("data", {})]
+    return [
+        o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs if "image/png" in o.get("data", {})
+    ]
 
 
 def test_the_readmes_notebook_command_shows_the_figures_inline_and_writes_into_the_run(runs, tmp_path):
@@ -92,9 +116,24 @@ def test_the_readmes_notebook_command_shows_the_figures_inline_and_writes_into_t
     env = dict(os.environ, GNS_RUN=str(run), PYTHONPATH=REPO)
     env.pop("GNS_FIG_DIR", None), env.pop("GNS_SCHEDULE_RUNS", None)
     before = set(os.listdir(REPO))
-    out = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute",
-                          "Replicating Figures.ipynb", "--output-dir", str(run)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbconvert",
+            "--to",
+            "notebook",
+            "--execute",
+            "Replicating Figures.ipynb",
+            "--output-dir",
+            str(run),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert set(os.listdir(REPO)) == before
     executed = nbformat.read(run / "Replicating Figures.ipynb", as_version=4)
@@ -112,7 +151,9 @@ def overlapping_tick_labels(fig):
         for axis in (ax.xaxis, ax.yaxis):
             labels = [t for t in axis.get_ticklabels(which="both") if t.get_visible() and t.get_text()]
             boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
-            found += [(a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1:] if box_a.overlaps(box_b)]
+            found += [
+                (a, b) for i, (a, box_a) in enumerate(boxes) for b, box_b in boxes[i + 1 :] if box_a.overlaps(box_b)
+            ]
     return found
 
 
@@ -131,8 +172,12 @@ def test_figures_have_readable_tick_labels(tmp_path, tokens, spread):
         cols[f"train/gns/{p}/batch_size"] = np.full(steps, 10**6)
     cols["train/lossf"], cols["dt"] = np.linspace(4, 2, steps), np.full(steps, 0.1)
     pd.DataFrame(cols).to_csv(tmp_path / "log.csv", index=False)
-    for make in (figures.gns_by_layer_type, figures.phase_plot, figures.per_layer_figure,
-                 lambda d: figures.schedule_comparison({"a": d})):
+    for make in (
+        figures.gns_by_layer_type,
+        figures.phase_plot,
+        figures.per_layer_figure,
+        lambda d: figures.schedule_comparison({"a": d}),
+    ):
         fig = make(str(tmp_path))
         assert not overlapping_tick_labels(fig), make
         figures.plt.close(fig)

@@ -3,7 +3,7 @@ The fused Triton layers (fused_gns.py, kernels in normgnorm/) against brute forc
 outputs, input and parameter gradients, and per-example squared gradient norms
 compared to tests/oracle.py's one-example-at-a-time loop.
 
-    TRITON_INTERPRET=1 python -m pytest tests/test_fused_gns.py
+    TRITON_INTERPRET=1 python -m pytest tests/test_layers_fused.py
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter, which
 Triton switches on when it is imported. This module sets TRITON_INTERPRET=1
@@ -27,12 +27,12 @@ import warnings
 
 import pytest
 import torch.nn as nn
-
-from nanogns.layers import buffers as buffered
-from nanogns import layers
-from nanogns.layers.linear import PEGradNormLinear
-from nanogns.layers import fused as fused_gns
 from oracle import per_example_sqnorms_by_loop
+
+from nanogns import layers
+from nanogns.layers import buffers as buffered
+from nanogns.layers import fused as fused_gns
+from nanogns.layers.linear import PEGradNormLinear
 
 if fused_gns.kernels_interpreted():
     DEVICE = "cpu"
@@ -40,12 +40,16 @@ elif fused_gns.HAS_TRITON and torch.cuda.is_available():
     DEVICE = "cuda"
 else:
     raise RuntimeError(
-        "tests/test_fused_gns.py cannot run the Triton kernels: "
-        + ("triton was imported (by an earlier test module or plugin) before this module could set "
-           "TRITON_INTERPRET=1, and Triton reads it at import; export it for the whole run: "
-           if TRITON_WAS_IMPORTED else "install triton and run ")
+        "tests/test_layers_fused.py cannot run the Triton kernels: "
+        + (
+            "triton was imported (by an earlier test module or plugin) before this module could set "
+            "TRITON_INTERPRET=1, and Triton reads it at import; export it for the whole run: "
+            if TRITON_WAS_IMPORTED
+            else "install triton and run "
+        )
         + "`TRITON_INTERPRET=1 python -m pytest tests/` (or use a CUDA GPU); "
-        + f"HAS_TRITON={fused_gns.HAS_TRITON}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}")
+        + f"HAS_TRITON={fused_gns.HAS_TRITON}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}"
+    )
 
 # Tolerances, relative to the largest reference value of each compared tensor.
 # float32: everything is computed in fp32, so only summation order differs.
@@ -152,6 +156,7 @@ def inputs(shape, D, dtype, out_features=None):
 # -----------------------------------------------------------------------------
 # LayerNorm / RMSNorm kernels
 
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", NORM_KINDS)
@@ -218,6 +223,7 @@ def test_layernorm_autocast_bf16_input():
 # -----------------------------------------------------------------------------
 # Linear weight-gradient kernel
 
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
@@ -231,8 +237,10 @@ def test_linear_small(strategy, bias, dtype, shape, captured, monkeypatch):
     check_against_oracle(fused, ref, x, g, dtype, captured, passes=2)
 
 
-GPU_CANDIDATES = sorted({c for configs in fused_gns.LINEAR_CANDIDATES.values() for c in configs},
-                        key=lambda c: (c.block_l, c.block_k, c.block_t))
+GPU_CANDIDATES = sorted(
+    {c for configs in fused_gns.LINEAR_CANDIDATES.values() for c in configs},
+    key=lambda c: (c.block_l, c.block_k, c.block_t),
+)
 
 
 @pytest.mark.parametrize("config", GPU_CANDIDATES, ids=lambda c: f"{c.block_l}x{c.block_k}x{c.block_t}")
@@ -311,7 +319,9 @@ def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatc
     seen, launch = [], fused_gns._launch
 
     def record(kernel, grid, device, *args, **kwargs):
-        seen.append((kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, dict(zip(kernel.arg_names, args))))
+        seen.append(
+            (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, dict(zip(kernel.arg_names, args)))
+        )
         launch(kernel, grid, device, *args, **kwargs)
 
     monkeypatch.setattr(fused_gns, "_launch", record)
@@ -334,8 +344,9 @@ def test_linear_split_examples_small_tiles_and_accumulation(bias, split, capture
     the rest in chunks of examples: 2 chunks of 2 for N = 3, or 3 of 1), 16-wide tiles (5 x 3 of them,
     ragged), two T blocks per example, and two backward passes adding up."""
     monkeypatch.setattr(fused_gns, "_linear_plan", lambda N, *shape: fused_gns.LinearSplit(*split))
-    monkeypatch.setattr(fused_gns, "_interpreter_linear_config",
-                        lambda T, L, K: fused_gns.LinearConfig(16, 16, 16, 4, 1))
+    monkeypatch.setattr(
+        fused_gns, "_interpreter_linear_config", lambda T, L, K: fused_gns.LinearConfig(16, 16, 16, 4, 1)
+    )
     torch.manual_seed(7)
     fused, ref = make_linear(40, 72, bias, torch.float32)
     x, g = inputs((3, 17), 40, torch.float32, out_features=72)
@@ -369,11 +380,15 @@ def test_linear_autocast(dtype):
 # -----------------------------------------------------------------------------
 # fallback, guards, availability
 
-@pytest.mark.parametrize("make", [
-    lambda: fused_gns.PEGradNormFusedLayerNorm(40),
-    lambda: fused_gns.PEGradNormFusedRMSNorm(40),
-    lambda: fused_gns.PEGradNormFusedLinear(40, 40),
-])
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: fused_gns.PEGradNormFusedLayerNorm(40),
+        lambda: fused_gns.PEGradNormFusedRMSNorm(40),
+        lambda: fused_gns.PEGradNormFusedLinear(40, 40),
+    ],
+)
 def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
     torch.manual_seed(9)
     kernel_layer = make().to(DEVICE)
@@ -415,7 +430,8 @@ def test_shape_guards():
     wide = 40000  # 80 kB of fp16 per row: more than one block holds
     with pytest.raises(RuntimeError, match=rf"{wide}.*lnclass='gns'"):
         fused_gns.PEGradNormFusedLayerNorm(wide).to(DEVICE, torch.float16)(
-            torch.randn(2, wide, device=DEVICE, dtype=torch.float16))
+            torch.randn(2, wide, device=DEVICE, dtype=torch.float16)
+        )
 
 
 def test_functions_without_buffers():
@@ -438,6 +454,7 @@ def test_registered_in_layer_config():
 
 # -----------------------------------------------------------------------------
 # GPU only: the grid heuristics as they are, at a GPT-2-like width
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,7 +8,7 @@ embeddings broadcast over the batch), torch's nn.TransformerEncoder (both layout
 packed Llama batch, nanochat's casting Linear under bf16 autocast, and in-place ops after
 converted layers. float64, two uneven micro-batches, padded sequences.
 
-    python -m pytest -q tests/test_models.py
+    python -m pytest -q tests/test_conversion_models.py
 
 Models are built from tiny configs with random weights (nothing is downloaded).
 """
@@ -24,10 +24,22 @@ from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
 V, B, T = 31, 5, 7
 SPLIT = 2  # micro-batches: examples [0, 2) and [2, 5)
-TINY = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-            max_position_embeddings=32)
-NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, hidden_dropout_prob=0.0,
-                  attention_probs_dropout_prob=0.0, dropout_rate=0.0)
+TINY = dict(
+    vocab_size=V,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    max_position_embeddings=32,
+)
+NO_DROPOUT = dict(
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    dropout_rate=0.0,
+)
 
 
 def config(cls, **kwargs):
@@ -86,8 +98,8 @@ def check_exact(model, monitor, want, got, coverage=1.0, atol=1e-20):
     projection's bias is, softmax being blind to it); the tracked elements the given share of the model's."""
     for name, m in got.items():
         sq_norm, pe_sqnorm = want[name.split("+")[0]]
-        assert m.big_batch_norm ** 2 == pytest.approx(sq_norm, rel=1e-6, abs=atol), name
-        assert m.small_batch_norm ** 2 == pytest.approx(pe_sqnorm, rel=1e-6, abs=atol), name
+        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-6, abs=atol), name
+        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6, abs=atol), name
     tracked = sum(model.get_parameter(name.split("+")[0]).numel() for name in got)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert tracked == pytest.approx(coverage * total), (tracked, total, monitor.unconverted, monitor.untracked)
@@ -108,10 +120,16 @@ def run_lm(model, positions=False, micro_batches=((0, SPLIT), (SPLIT, B))):
 
 MOE = {
     "Mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(num_local_experts=4)),
-    "Qwen2-MoE": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
-                  dict(num_experts=4, moe_intermediate_size=12, shared_expert_intermediate_size=20)),
-    "Qwen3-MoE": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                  dict(num_experts=4, moe_intermediate_size=12, head_dim=8)),
+    "Qwen2-MoE": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(num_experts=4, moe_intermediate_size=12, shared_expert_intermediate_size=20),
+    ),
+    "Qwen3-MoE": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=4, moe_intermediate_size=12, head_dim=8),
+    ),
     "OLMoE": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, dict(num_experts=4)),
 }
 
@@ -123,8 +141,18 @@ def test_mixture_of_experts_every_parameter_exact(name, implementation):
     float64); the model is converted on its default implementation, probed in float32."""
     config_cls, model_cls, extra = MOE[name]
     torch.manual_seed(0)
-    model = model_cls(config(config_cls, **TINY, **extra, num_key_value_heads=1, num_experts_per_tok=2,
-                             pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    model = model_cls(
+        config(
+            config_cls,
+            **TINY,
+            **extra,
+            num_key_value_heads=1,
+            num_experts_per_tok=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
     default = model.config._experts_implementation
     model.config._experts_implementation = "eager"
     ids, mask = lm_batch()
@@ -158,9 +186,9 @@ def test_a_token_routed_to_no_expert_adds_nothing():
     per_token = []
     for i in range(4):
         experts.zero_grad()
-        out = experts(hidden[i:i + 1], index[i:i + 1], weights[i:i + 1])
+        out = experts(hidden[i : i + 1], index[i : i + 1], weights[i : i + 1])
         if out.requires_grad:  # a token routed to no expert: its output is a constant zero
-            out.backward(grad[i:i + 1])
+            out.backward(grad[i : i + 1])
         per_token.append(experts.gate_up_proj.grad.pow(2).sum().item() if experts.gate_up_proj.grad is not None else 0)
     lc.convert(model)
     experts.zero_grad()
@@ -173,12 +201,23 @@ def test_a_token_routed_to_no_expert_adds_nothing():
 # -----------------------------------------------------------------------------
 # language models with their own layouts and layers
 
+
 def test_opt_flattened_rows_and_position_embedding_exact():
     """OPT runs fc1, fc2 and the final norm on (B*T, D) rows, and its position embedding takes the attention mask."""
     torch.manual_seed(0)
-    model = transformers.OPTForCausalLM(config(transformers.OPTConfig, **TINY, **NO_DROPOUT, ffn_dim=24,
-                                               word_embed_proj_dim=16, pad_token_id=1, bos_token_id=0,
-                                               eos_token_id=2, layerdrop=0.0)).double()
+    model = transformers.OPTForCausalLM(
+        config(
+            transformers.OPTConfig,
+            **TINY,
+            **NO_DROPOUT,
+            ffn_dim=24,
+            word_embed_proj_dim=16,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            layerdrop=0.0,
+        )
+    ).double()
     monitor, want, got = run_lm(model)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
@@ -187,11 +226,23 @@ def test_opt_flattened_rows_and_position_embedding_exact():
 @pytest.mark.parametrize("name", ["Gemma", "Gemma3"])
 def test_gemma_scaled_embedding_with_tied_head_exact(name):
     """The embedding scales its output by a buffer (kept, with its own forward); the head is tied to it."""
-    config_cls, model_cls = {"Gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-                             "Gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}[name]
+    config_cls, model_cls = {
+        "Gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        "Gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[name]
     torch.manual_seed(0)
-    model = model_cls(config(config_cls, **TINY, num_key_value_heads=1, head_dim=8, pad_token_id=0,
-                             bos_token_id=2, eos_token_id=1, sliding_window=4)).double()
+    model = model_cls(
+        config(
+            config_cls,
+            **TINY,
+            num_key_value_heads=1,
+            head_dim=8,
+            pad_token_id=0,
+            bos_token_id=2,
+            eos_token_id=1,
+            sliding_window=4,
+        )
+    ).double()
     monitor, want, got = run_lm(model)
     assert not monitor.unconverted and not monitor.untracked
     assert "model.embed_tokens.weight+lm_head.weight" in got
@@ -216,8 +267,11 @@ def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix(
     monitor = lc.convert(model)
     ids, mask = lm_batch()
     lm_losses(model, ids, mask).mean().backward()
-    with pytest.raises(ValueError, match=r"position_embeddings.weight: this step is not measured.*one row for the "
-                                         r"forward's 5 examples.*position_ids=torch.arange\(T\).expand\(B, T\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"position_embeddings.weight: this step is not measured.*one row for the "
+        r"forward's 5 examples.*position_ids=torch.arange\(T\).expand\(B, T\)",
+    ):
         monitor.step(batch_size=B)
     # the refusal belongs to that step: the next one, with positions per example, is measured; a wrong batch_size
     # is then blamed on the batch size, not on the earlier step's positions
@@ -232,6 +286,7 @@ def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix(
 def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
     """wpe(torch.arange(T)) gives T rows broadcast over the batch: with T == B they look like one row per example,
     so the step is refused (never a number) and the fix is named; expanded to (B, T) the same model is exact."""
+
     class TinyLM(nn.Module):
         def __init__(self, expand):
             super().__init__()
@@ -245,14 +300,24 @@ def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
     for expand in (False, True):
         torch.manual_seed(0)
         model = TinyLM(expand).double()
-        loss_of = lambda part: F.cross_entropy(model(ids[part]).flatten(0, 1), ids[part].flatten(),  # noqa: E731
-                                               reduction="none").view(-1, 4).mean(1)
+        loss_of = lambda part: (
+            F.cross_entropy(
+                model(ids[part]).flatten(0, 1),
+                ids[part].flatten(),  # noqa: E731
+                reduction="none",
+            )
+            .view(-1, 4)
+            .mean(1)
+        )
         want = brute_force(model, loss_of, 4)
         monitor = lc.convert(model)
         if not expand:
             loss_of(slice(0, 4)).mean().backward()
-            with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*4 examples of 4 positions"
-                                                 r".*expanded to \(B, T\)"):
+            with pytest.raises(
+                ValueError,
+                match=r"wpe.weight: this step is not measured.*4 examples of 4 positions"
+                r".*expanded to \(B, T\)",
+            ):
                 monitor.measure(batch_size=4)
             continue
         check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 4)], 4))
@@ -262,9 +327,19 @@ def test_t5_relative_position_table_refused_the_rest_exact():
     """T5's relative_attention_bias is fed a (query, key) table shared by the batch: listed, never a number; its
     shared input/output matrix (3 embeddings and the head) is listed with the reason; the rest is exact."""
     torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(config(transformers.T5Config, vocab_size=V, d_model=16, d_kv=8,
-                                                           d_ff=24, num_layers=2, num_heads=2, dropout_rate=0.0,
-                                                           decoder_start_token_id=0)).double()
+    model = transformers.T5ForConditionalGeneration(
+        config(
+            transformers.T5Config,
+            vocab_size=V,
+            d_model=16,
+            d_kv=8,
+            d_ff=24,
+            num_layers=2,
+            num_heads=2,
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+        )
+    ).double()
     ids, _ = lm_batch()
     labels = torch.randint(0, V, (B, 5), generator=torch.Generator().manual_seed(2))
 
@@ -275,8 +350,10 @@ def test_t5_relative_position_table_refused_the_rest_exact():
     want = brute_force(model, loss_of, B)
     monitor = lc.convert(model)
     tables = {path for path in monitor.unconverted if path.endswith("relative_attention_bias")}
-    assert tables == {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
-                      "decoder.block.0.layer.0.SelfAttention.relative_attention_bias"}
+    assert tables == {
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias",
+    }
     assert all("shares across the batch" in monitor.unconverted[p] for p in tables)
     assert "tied to" in monitor.untracked["shared.weight"] and "used by 4 layers" in monitor.untracked["shared.weight"]
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
@@ -288,13 +365,27 @@ def test_t5_relative_position_table_refused_the_rest_exact():
 
 def test_vit_patches_class_token_and_position_embeddings_exact():
     torch.manual_seed(0)
-    model = transformers.ViTForImageClassification(config(
-        transformers.ViTConfig, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-        image_size=8, patch_size=4, num_channels=3, num_labels=5, **NO_DROPOUT)).double()
+    model = transformers.ViTForImageClassification(
+        config(
+            transformers.ViTConfig,
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=24,
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            num_labels=5,
+            **NO_DROPOUT,
+        )
+    ).double()
     images = torch.randn(B, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     labels = torch.randint(0, 5, (B,), generator=torch.Generator().manual_seed(2))
-    loss_of = lambda part: F.cross_entropy(model(pixel_values=images[part]).logits, labels[part],  # noqa: E731
-                                           reduction="none")
+    loss_of = lambda part: F.cross_entropy(
+        model(pixel_values=images[part]).logits,
+        labels[part],  # noqa: E731
+        reduction="none",
+    )
     want = brute_force(model, loss_of, B)
     monitor = lc.convert(model)
     assert not monitor.unconverted and not monitor.untracked
@@ -390,6 +481,7 @@ def test_packed_llama_batch_one_example_per_sequence():
 # -----------------------------------------------------------------------------
 # faithful swaps: dtypes, in-place ops
 
+
 class CastingLinear(nn.Linear):
     """nanochat's Linear: its weight cast to the input's dtype in forward."""
 
@@ -430,8 +522,9 @@ def test_in_place_ops_on_converted_outputs_work_and_stay_exact(variant):
     from oracle import per_example_sqnorms_by_loop
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3), nn.LayerNorm(3),
-                          nn.ReLU(inplace=True), nn.Linear(3, 2)).double()
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3), nn.LayerNorm(3), nn.ReLU(inplace=True), nn.Linear(3, 2)
+    ).double()
     lc.convert(model, linearclass=variant, lnclass=variant)
     x, g = torch.randn(2, 3, 4, dtype=torch.float64), torch.randn(2, 3, 2, dtype=torch.float64)
     y = model(x)

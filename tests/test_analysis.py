@@ -5,7 +5,7 @@ and reference-style ones), LayerNorm-only against all parameters, approximate
 (SOGNS) against exact norms, non-finite and skipped steps, logs in the paper's
 reference format, error messages and the files written.
 
-    python -m pytest -q tests/test_gns_analysis.py
+    python -m pytest -q tests/test_analysis.py
 """
 
 import math
@@ -21,11 +21,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from nanogns.analysis import analyze as ga
 from nanogns.estimator import RunningGNS, unbiased_stats  # noqa: E402
 from nanogns.runlog.record import write_parameter_record  # noqa: E402
 from nanogns.runlog.writer import LogWrapper  # noqa: E402
-
-from nanogns.analysis import analyze as ga
 
 PARAMS = [
     "transformer.wte.weight",
@@ -216,9 +215,7 @@ def test_non_finite_steps_are_skipped_without_poisoning_the_ema(tmp_path, capsys
     # the online estimator in gnstracking skips the same steps the same way
     running = RunningGNS(decay=0.95)
     for s in range(25):
-        running.update(
-            sum(norms[p][0][s] ** 2 for p in NOT_TIED), sum(norms[p][1][s] ** 2 for p in NOT_TIED), 16
-        )
+        running.update(sum(norms[p][0][s] ** 2 for p in NOT_TIED), sum(norms[p][1][s] ** 2 for p in NOT_TIED), 16)
     assert running.gns == pytest.approx(results["gns"].iloc[-1], rel=1e-12)
 
 
@@ -286,12 +283,14 @@ def test_exact_tied_column_is_included_in_embedding_and_compared_without_it(tmp_
     without = expected_gns(norms, NOT_TIED, 32, 0.95)[:, 2]
     np.testing.assert_allclose(results["gns"], exp, rtol=1e-12)
     np.testing.assert_allclose(results["gns_without_tied"], without, rtol=1e-12)
-    np.testing.assert_allclose(results["gns_embedding"],
-                               expected_gns(norms, ["transformer.wpe.weight", TIED], 32, 0.95)[:, 2], rtol=1e-12)
+    np.testing.assert_allclose(
+        results["gns_embedding"], expected_gns(norms, ["transformer.wpe.weight", TIED], 32, 0.95)[:, 2], rtol=1e-12
+    )
     assert f"tied weights logged exactly, included: {TIED}" in out
     change = (exp[-1] / without[-1] - 1) * 100
-    line = (f"GNS without the tied matrix ({TIED}): {without[-1]:.4f} "
-            f"(tied matrix changes the final GNS by {change:+.1f}%)")
+    line = (
+        f"GNS without the tied matrix ({TIED}): {without[-1]:.4f} (tied matrix changes the final GNS by {change:+.1f}%)"
+    )
     assert line in out.splitlines()
     assert re.search(r"^Embedding\s+2\s", out, re.MULTILINE)
 
@@ -337,9 +336,11 @@ def test_block_columns_and_table(tmp_path, capsys):
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     df = pd.read_csv(tmp_path / "log.csv")
-    blocks = {0: ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.ln_1.weight"],
-              1: ["transformer.h.1.ln_1.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.bias"],
-              10: ["transformer.h.10.attn.c_proj.weight"]}
+    blocks = {
+        0: ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.ln_1.weight"],
+        1: ["transformer.h.1.ln_1.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.c_proj.bias"],
+        10: ["transformer.h.10.attn.c_proj.weight"],
+    }
     block_columns = sorted(c for c in results.columns if c.startswith("gns_block_"))
     assert block_columns == ["gns_block_0", "gns_block_1", "gns_block_10"]
     assert "GNS by block:" in out
@@ -352,14 +353,22 @@ def test_block_columns_and_table(tmp_path, capsys):
 
 
 def test_blocks_in_another_naming_scheme(tmp_path):
-    params = ["tok_emb.weight", "layers.0.norm1.weight", "layers.0.mlp.w1.weight", "layers.2.mlp.w1.weight",
-              "layers.2.attn.wq.weight", "norm.weight"]
+    params = [
+        "tok_emb.weight",
+        "layers.0.norm1.weight",
+        "layers.0.mlp.w1.weight",
+        "layers.2.mlp.w1.weight",
+        "layers.2.attn.wq.weight",
+        "norm.weight",
+    ]
     norms = block_norms(params, 15, seed=8)
     write_run(tmp_path, norms)
     results = ga.analyze_gns(str(tmp_path))
     df = pd.read_csv(tmp_path / "log.csv")
-    assert results.attrs["blocks"] == {0: ["layers.0.mlp.w1.weight", "layers.0.norm1.weight"],
-                                       2: ["layers.2.attn.wq.weight", "layers.2.mlp.w1.weight"]}
+    assert results.attrs["blocks"] == {
+        0: ["layers.0.mlp.w1.weight", "layers.0.norm1.weight"],
+        2: ["layers.2.attn.wq.weight", "layers.2.mlp.w1.weight"],
+    }
     for index, members in results.attrs["blocks"].items():
         np.testing.assert_allclose(results[f"gns_block_{index}"], pandas_gns(df, members, 0.95), rtol=1e-12)
 
@@ -382,9 +391,11 @@ def test_layernorm_vs_all_line_and_figure(tmp_path, capsys):
     both = ln_gns.notna() & all_gns.notna()
     positive = (ln_gns > 0) & (all_gns > 0)
     assert 10 < positive.sum() and both.sum() < 40  # some steps have no GNS (|G|^2 EMA <= 0): left out
-    line = (f"LayerNorm-only vs all parameters: corr {ln_gns.corr(all_gns):.3f} "
-            f"(log10: {np.log10(ln_gns[positive]).corr(np.log10(all_gns[positive])):.3f}) over {both.sum()} steps, "
-            f"final ratio LN/all {ln_gns.iloc[-1] / all_gns.iloc[-1]:.3f}")
+    line = (
+        f"LayerNorm-only vs all parameters: corr {ln_gns.corr(all_gns):.3f} "
+        f"(log10: {np.log10(ln_gns[positive]).corr(np.log10(all_gns[positive])):.3f}) over {both.sum()} steps, "
+        f"final ratio LN/all {ln_gns.iloc[-1] / all_gns.iloc[-1]:.3f}"
+    )
     assert line in out.splitlines()
     assert "GNS from LayerNorm only vs all parameters, over tokens:" in out
     with open(tmp_path / "gns_layernorm_vs_all.png", "rb") as f:
@@ -412,8 +423,12 @@ def test_run_without_layernorm_says_so_and_skips_its_figure(tmp_path, capsys):
     assert (tmp_path / "gns_groups.png").exists()
 
 
-LINEAR = ["transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.weight",
-          "transformer.h.1.mlp.c_proj.bias", "transformer.h.10.attn.c_proj.weight"]
+LINEAR = [
+    "transformer.h.0.attn.c_attn.weight",
+    "transformer.h.1.mlp.c_fc.weight",
+    "transformer.h.1.mlp.c_proj.bias",
+    "transformer.h.10.attn.c_proj.weight",
+]
 
 
 def approximate(norms, params, seed):
@@ -425,8 +440,10 @@ def approximate(norms, params, seed):
 def comparison_line(head, approx_gns, exact_gns):
     a, e = pd.Series(approx_gns), pd.Series(exact_gns)
     rel = (a / e - 1).abs().median()
-    return (f"{head}: final {a.iloc[-1]:.4f} vs {e.iloc[-1]:.4f} ({(a.iloc[-1] / e.iloc[-1] - 1) * 100:+.1f}%), "
-            f"median |relative difference| {rel * 100:.1f}% over {len(a)} steps, corr {a.corr(e):.3f}")
+    return (
+        f"{head}: final {a.iloc[-1]:.4f} vs {e.iloc[-1]:.4f} ({(a.iloc[-1] / e.iloc[-1] - 1) * 100:+.1f}%), "
+        f"median |relative difference| {rel * 100:.1f}% over {len(a)} steps, corr {a.corr(e):.3f}"
+    )
 
 
 def test_sogns_compared_with_exact_over_the_same_parameters(tmp_path, capsys):
@@ -461,8 +478,10 @@ def test_sogns_without_exact_norms_for_its_parameters_is_compared_with_all_param
     sogns = pandas_gns(df, LINEAR, 0.95, prefix="train/sogns")
     exact_all = pandas_gns(df, sorted(exact_ln), 0.95)
     np.testing.assert_allclose(results["gns_sogns"], sogns, rtol=1e-12)
-    head = ("Approximate (SOGNS) GNS over 4 parameters vs exact GNS over all 4 parameters "
-            "(not the same parameters: train/gns lacks 4 of the 4)")
+    head = (
+        "Approximate (SOGNS) GNS over 4 parameters vs exact GNS over all 4 parameters "
+        "(not the same parameters: train/gns lacks 4 of the 4)"
+    )
     assert comparison_line(head, sogns, exact_all) in out.splitlines()
     assert (tmp_path / "gns_sogns_vs_exact.png").exists()
 
@@ -471,8 +490,10 @@ def test_sogns_only_log_is_analysed_with_its_prefix(tmp_path, capsys):
     norms = block_norms(BLOCK_PARAMS, 12, seed=16)
     write_run(tmp_path, norms, prefix="train/sogns")
     assert ga.main([str(tmp_path), "--no-plots"]) == 1
-    assert re.search(r"no 'train/gns/<param>/norm' columns.*'train/sogns/<param>/norm'.*--prefix train/sogns",
-                     capsys.readouterr().err)
+    assert re.search(
+        r"no 'train/gns/<param>/norm' columns.*'train/sogns/<param>/norm'.*--prefix train/sogns",
+        capsys.readouterr().err,
+    )
     assert ga.main([str(tmp_path), "--no-plots", "--prefix", "train/sogns"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
@@ -490,8 +511,13 @@ def test_skipped_and_partial_steps_are_not_counted_as_non_finite(tmp_path, capsy
         for p in params:
             if s == 4 or (s == 7 and p == params[1]):
                 continue  # step 4: skipped by a GradScaler (no GNS values); step 7: one parameter not logged
-            row.update({f"train/gns/{p}/norm": norms[p][0][s], f"train/gns/{p}/pegn": norms[p][1][s],
-                        f"train/gns/{p}/batch_size": 8})
+            row.update(
+                {
+                    f"train/gns/{p}/norm": norms[p][0][s],
+                    f"train/gns/{p}/pegn": norms[p][1][s],
+                    f"train/gns/{p}/batch_size": 8,
+                }
+            )
         if s == 8:
             row[f"train/gns/{params[0]}/pegn"] = math.nan
         t.log(row)
@@ -519,8 +545,21 @@ def test_files_written_and_terminal_plots(tmp_path, capsys):
         with open(tmp_path / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
-    expected_cols = ["step", "tokens_processed", "batch_size", "sgn", "spegn", "gtg", "trsigma",
-                     "gtg_ema", "trsigma_ema", "gns", "gns_layernorm", "gns_linear", "gns_embedding"]
+    expected_cols = [
+        "step",
+        "tokens_processed",
+        "batch_size",
+        "sgn",
+        "spegn",
+        "gtg",
+        "trsigma",
+        "gtg_ema",
+        "trsigma_ema",
+        "gns",
+        "gns_layernorm",
+        "gns_linear",
+        "gns_embedding",
+    ]
     assert list(results.columns[: len(expected_cols)]) == expected_cols
     assert "gns_block_0" in results and "gns_sogns" not in results
     assert len(results) == 12
@@ -586,6 +625,7 @@ def test_errors_exit_1_with_a_message_and_no_traceback(tmp_path, make, message):
 # -----------------------------------------------------------------------------
 # the run's record of what each parameter is; DDP; logs of other loops; what the GNS means for B
 
+
 def record_entry(kind, block, name):
     return {"kind": kind, "layer": "x", "block": block, "names": [name], "numel": 1, "bank_slices": None}
 
@@ -593,28 +633,47 @@ def record_entry(kind, block, name):
 def test_groups_and_blocks_come_from_the_record_not_the_names(tmp_path, capsys):
     """A norm named ln_attn (a name rule calls it Linear), a Linear named norm_proj, untied wte and lm_head
     (a name rule drops them as reference-style tied columns): the record says what they are."""
-    names = ["h.0.ln_attn.weight", "h.0.norm_proj.weight", "h.1.ln_attn.weight", "transformer.wte.weight",
-             "lm_head.weight"]
+    names = [
+        "h.0.ln_attn.weight",
+        "h.0.norm_proj.weight",
+        "h.1.ln_attn.weight",
+        "transformer.wte.weight",
+        "lm_head.weight",
+    ]
     rng = np.random.default_rng(3)
-    norms = {n: (rng.uniform(0.5, 2, 20), np.sqrt(rng.uniform(0.5, 2, 20) ** 2 + rng.uniform(1, 30, 20))) for n in names}
+    norms = {
+        n: (rng.uniform(0.5, 2, 20), np.sqrt(rng.uniform(0.5, 2, 20) ** 2 + rng.uniform(1, 30, 20))) for n in names
+    }
     write_run(tmp_path, norms)
     by_name = ga.analyze_gns(str(tmp_path))
-    assert by_name.attrs["grouped_by"] == "name" and by_name.attrs["excluded"] == ["lm_head.weight", "transformer.wte.weight"]
+    assert by_name.attrs["grouped_by"] == "name" and by_name.attrs["excluded"] == [
+        "lm_head.weight",
+        "transformer.wte.weight",
+    ]
     assert by_name.attrs["groups"]["Linear"] == ["h.0.ln_attn.weight", "h.1.ln_attn.weight"]  # wrong, by name
     assert by_name.attrs["groups"]["LayerNorm"] == ["h.0.norm_proj.weight"]
-    kinds = {"h.0.ln_attn.weight": ("LayerNorm", 0), "h.0.norm_proj.weight": ("Linear", 0),
-             "h.1.ln_attn.weight": ("RMSNorm", 1), "transformer.wte.weight": ("Embedding", None),
-             "lm_head.weight": ("Linear", None)}
+    kinds = {
+        "h.0.ln_attn.weight": ("LayerNorm", 0),
+        "h.0.norm_proj.weight": ("Linear", 0),
+        "h.1.ln_attn.weight": ("RMSNorm", 1),
+        "transformer.wte.weight": ("Embedding", None),
+        "lm_head.weight": ("Linear", None),
+    }
     write_parameter_record(str(tmp_path), {n: record_entry(k, b, n) for n, (k, b) in kinds.items()})
     results = ga.analyze_gns(str(tmp_path))
     assert results.attrs["grouped_by"] == "record" and results.attrs["excluded"] == []
-    assert results.attrs["groups"] == {"LayerNorm": ["h.0.ln_attn.weight", "h.1.ln_attn.weight"],
-                                       "Linear": ["h.0.norm_proj.weight", "lm_head.weight"],
-                                       "Embedding": ["transformer.wte.weight"], "Other": []}
+    assert results.attrs["groups"] == {
+        "LayerNorm": ["h.0.ln_attn.weight", "h.1.ln_attn.weight"],
+        "Linear": ["h.0.norm_proj.weight", "lm_head.weight"],
+        "Embedding": ["transformer.wte.weight"],
+        "Other": [],
+    }
     assert results.attrs["blocks"] == {0: ["h.0.ln_attn.weight", "h.0.norm_proj.weight"], 1: ["h.1.ln_attn.weight"]}
     df = load_log(tmp_path)
     np.testing.assert_allclose(results["gns"], pandas_gns(df, names, 0.95), rtol=1e-12)
-    np.testing.assert_allclose(results["gns_layernorm"], pandas_gns(df, ["h.0.ln_attn.weight", "h.1.ln_attn.weight"], 0.95), rtol=1e-12)
+    np.testing.assert_allclose(
+        results["gns_layernorm"], pandas_gns(df, ["h.0.ln_attn.weight", "h.1.ln_attn.weight"], 0.95), rtol=1e-12
+    )
     assert ga.main([str(tmp_path), "--no-plots"]) == 0
     assert re.search(r"^all\s+5\s", capsys.readouterr().out, re.MULTILINE)
 
@@ -641,8 +700,10 @@ def test_ddp_gns_is_formed_from_the_raw_columns_with_the_given_alpha(tmp_path, c
         assert printed(out, "Final DDP GNS") == f"{expected.iloc[-1]:.4f}"
         groups = {g: len(m) for g, m in results.attrs["groups"].items() if m}
         covered = ", ".join(f"{g} {n}" for g, n in groups.items())
-        assert (f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}), from "
-                "per-example norms; Final DDP GNS every trainable parameter") in out
+        assert (
+            f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}), from "
+            "per-example norms; Final DDP GNS every trainable parameter"
+        ) in out
 
 
 def test_a_log_without_tokens_is_measured_in_examples(tmp_path, capsys):
@@ -650,12 +711,19 @@ def test_a_log_without_tokens_is_measured_in_examples(tmp_path, capsys):
     log = LogWrapper(out_dir=str(tmp_path))
     norms = synthetic_norms(10)
     for step in range(10):
-        log.log({f"train/gns/{p}/{m}": v for p in NOT_TIED
-                 for m, v in (("norm", norms[p][0][step]), ("pegn", norms[p][1][step]), ("batch_size", 16))})
+        log.log(
+            {
+                f"train/gns/{p}/{m}": v
+                for p in NOT_TIED
+                for m, v in (("norm", norms[p][0][step]), ("pegn", norms[p][1][step]), ("batch_size", 16))
+            }
+        )
         log.step()
     log.close()
     results = ga.analyze_gns(str(tmp_path))
-    assert results.attrs["x"] == "examples_processed" and results["examples_processed"].tolist() == [16 * (i + 1) for i in range(10)]
+    assert results.attrs["x"] == "examples_processed" and results["examples_processed"].tolist() == [
+        16 * (i + 1) for i in range(10)
+    ]
     assert ga.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "Total examples processed: 160 (the log has no tokens_processed column)" in out
@@ -675,14 +743,20 @@ def test_what_the_gns_means_for_the_batch_size(tmp_path, capsys):
     assert f"critical batch ~ GNS = {gns:.1f} examples" in out
     assert f"at this run's B = 64: {1 + gns / 64:.2f}x the minimum number of optimizer steps" in out
     assert f"and {1 + 64 / gns:.2f}x the minimum number of examples" in out
-    assert f"within 10% of the fewest steps: B >= {gns / 0.1:.0f}; within 10% of the fewest examples: B <= {gns * 0.1:.1f}" in out
+    assert (
+        f"within 10% of the fewest steps: B >= {gns / 0.1:.0f}; within 10% of the fewest examples: B <= {gns * 0.1:.1f}"
+        in out
+    )
 
 
-@pytest.mark.parametrize("gns, steps, examples", [
-    (0.0317, "every batch (B >= 1)", "no batch (it would take B <= 0.0032: the GNS is that small)"),
-    (5.0, "B >= 50", "no batch (it would take B <= 0.5: the GNS is that small)"),
-    (30.0, "B >= 300", "B <= 3.0"),
-])
+@pytest.mark.parametrize(
+    "gns, steps, examples",
+    [
+        (0.0317, "every batch (B >= 1)", "no batch (it would take B <= 0.0032: the GNS is that small)"),
+        (5.0, "B >= 50", "no batch (it would take B <= 0.5: the GNS is that small)"),
+        (30.0, "B >= 300", "B <= 3.0"),
+    ],
+)
 def test_the_batch_size_advice_says_something_for_a_small_gns(gns, steps, examples):
     """A GNS below 0.1 example made the steps bound read "B >= 0", and below 10 the examples bound "B <= 0.x"."""
     results = pd.DataFrame({"gns": [gns], "batch_size": [16]})

@@ -1,7 +1,7 @@
 """
 Per-example norms under DDP and FSDP2 (torchrun, gloo on CPU) against one process on the same global batch.
 
-    python -m pytest tests/test_ddp.py -q
+    python -m pytest tests/test_monitor_distributed.py -q
 """
 
 import json
@@ -20,8 +20,17 @@ def run_worker(tmp_path, name, nproc=None, engine="ddp", n_layer=2):
     if nproc is None:
         cmd = [sys.executable, WORKER, str(out), engine, str(n_layer)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER,
-               str(out), engine, str(n_layer)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            WORKER,
+            str(out),
+            engine,
+            str(n_layer),
+        ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

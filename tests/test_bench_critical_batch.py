@@ -2,7 +2,7 @@
 bench/critical_batch.py: the McCandlish fit recovers S_min and E_min from data made by the formula, and the
 --quick run trains its sweep and schedules to the target and writes the fit and the figures.
 
-    python -m pytest -q tests/test_critical_batch.py
+    python -m pytest -q tests/test_bench_critical_batch.py
 """
 
 import math
@@ -11,7 +11,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "bench"))

@@ -3,19 +3,19 @@ SOGNS, the approximate per-example norms (sogns.py): the buffers hold the
 defining formula, it is exact where it should be (T = 1, bias), the `gns+sogns`
 class keeps the exact numbers, and train.py logs both under their own prefixes.
 
-    python -m pytest -q tests/test_sogns.py
+    python -m pytest -q tests/test_layers_sogns.py
 """
 
 import pytest
 import torch
+from conftest import TINY, run_script
+from oracle import per_example_sqnorms_by_loop
 
 from nanogns import monitor as gnstracking
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.layers.linear import PEGradNormLinear
-from conftest import TINY, run_script
-from nanogns.runlog.reader import load_csv
-from oracle import per_example_sqnorms_by_loop
 from nanogns.layers.sogns import ExactAndSOGNSLinear, SOGNSLinear
+from nanogns.runlog.reader import load_csv
 
 
 def defining_formula(x, g):
@@ -38,7 +38,9 @@ def test_buffers_hold_the_defining_formula(cls, shape):
     g = torch.randn(*shape[:-1], 5, dtype=torch.float64)
     layer(x).backward(g)
     weight, bias = defining_formula(x, g)
-    torch.testing.assert_close(layer.weight_sogns_upegsqnorm, torch.tensor([weight.sum(), shape[0]], dtype=torch.float32))
+    torch.testing.assert_close(
+        layer.weight_sogns_upegsqnorm, torch.tensor([weight.sum(), shape[0]], dtype=torch.float32)
+    )
     torch.testing.assert_close(layer.bias_sogns_upegsqnorm, torch.tensor([bias.sum(), shape[0]], dtype=torch.float32))
 
 
@@ -86,8 +88,16 @@ def test_sogns_buffers_stay_float32_under_bf16():
 @pytest.mark.slow
 @pytest.mark.parametrize("linearclass", ["sogns", "gns+sogns"])
 def test_train_logs_exact_and_approximate_side_by_side(tmp_path, linearclass, shakespeare_data):
-    out = run_script("train.py", *TINY, "--max_iters=4", "--eval_interval=4", "--lnclass=gns", "--embeddingclass=gns",
-                     f"--linearclass={linearclass}", f"--out_dir={tmp_path}")
+    out = run_script(
+        "train.py",
+        *TINY,
+        "--max_iters=4",
+        "--eval_interval=4",
+        "--lnclass=gns",
+        "--embeddingclass=gns",
+        f"--linearclass={linearclass}",
+        f"--out_dir={tmp_path}",
+    )
     assert out.returncode == 0, out.stderr
     # gns+sogns: the tied matrix is logged exactly, and SOGNS says nothing false of it; sogns: the head records
     # approximate norms only, so the tied matrix cannot be measured exactly, and the warning says so

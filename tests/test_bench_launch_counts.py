@@ -5,7 +5,7 @@ today both are + 1, held here too, split examples included),
 counted by bench/launch_counts.py (aten ops that launch work, seen by a
 TorchDispatchMode, plus each Triton launch; views and allocations excluded).
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_launches.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_bench_launch_counts.py
 """
 
 import math
@@ -21,8 +21,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import launch_counts  # noqa: E402
 
 DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 (kernels on CPU) or a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs TRITON_INTERPRET=1 (kernels on CPU) or a CUDA GPU"
+)
 EXTRA = {"LayerNorm": 2, "LayerNorm no bias": 2, "RMSNorm": 2, "Linear": 3, "Linear no bias": 3}
 
 
@@ -42,7 +43,9 @@ def test_fused_backward_launches_at_most_torch_plus_a_few(dtype, split, monkeypa
         assert kernels == 2, f"{label}: {dict(fused_count.counts)}"
         # torch's RMSNorm backward is a dozen small ops; the fused one is held to LayerNorm's count
         limit = (1 if label == "RMSNorm" else plain_count.total()) + EXTRA[label]
-        assert fused_count.total() <= limit, f"{label}: {dict(fused_count.counts)} against torch's {plain_count.total()}"
+        assert fused_count.total() <= limit, (
+            f"{label}: {dict(fused_count.counts)} against torch's {plain_count.total()}"
+        )
         assert fused_count.total() <= limit - EXTRA[label] + 1, f"{label}: {dict(fused_count.counts)} (was torch's + 1)"
         for name, p in fused.named_parameters():  # still a backward: the gradients and buffers were written
             assert p.grad is not None and fused.pe_buffer(name)[1] > 0, f"{label}: {name}"

@@ -6,7 +6,7 @@ run eagerly (on the CPU, in Triton's interpreter). The compiled model equals
 the eager one: outputs, input and parameter gradients, and the per-example
 norm buffers.
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_compile_fused.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_layers_fused_compile.py
 
 How the test knows the ops are in the graph: a custom aot_autograd backend
 keeps the forward and backward FX graphs it is handed, and the test looks for
@@ -22,8 +22,9 @@ import torch.nn as nn
 from nanogns.layers import fused as fused_gns
 
 DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 (kernels on CPU) or a CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs TRITON_INTERPRET=1 (kernels on CPU) or a CUDA GPU"
+)
 
 
 class Block(nn.Module):
@@ -46,7 +47,9 @@ def capturing_backend(graphs):
         def compiler(gm, example_inputs):
             graphs.setdefault(name, []).append(gm)
             return make_boxed_func(gm.forward)
+
         return compiler
+
     return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
 
 
@@ -73,8 +76,9 @@ def test_compiled_fused_layers_equal_eager_with_kernels_as_custom_ops(backend):
     model.load_state_dict(eager.state_dict())
     torch._dynamo.reset()
     graphs = {}
-    compiled = torch.compile(model, backend=capturing_backend(graphs) if backend == "capture" else "inductor",
-                             fullgraph=True)  # fullgraph: a graph break would raise
+    compiled = torch.compile(
+        model, backend=capturing_backend(graphs) if backend == "capture" else "inductor", fullgraph=True
+    )  # fullgraph: a graph break would raise
     for step in range(2):  # buffers accumulate over two backward passes
         x = torch.randn(3, 5, D, device=DEVICE)
         g = torch.randn(3, 5, D, device=DEVICE)
@@ -93,8 +97,11 @@ def test_compiled_fused_layers_equal_eager_with_kernels_as_custom_ops(backend):
         torch.testing.assert_close(b, b_eager, rtol=1e-5, atol=1e-6, msg=name)
     if backend == "capture":
         assert ops_in(graphs["forward"]) == {"nanogns.norm_fwd.default"}
-        assert ops_in(graphs["backward"]) == {"nanogns.norm_bwd.default", "nanogns.linear_dw_db.default",
-                                              "nanogns.linear_dw.default"}
+        assert ops_in(graphs["backward"]) == {
+            "nanogns.norm_bwd.default",
+            "nanogns.linear_dw_db.default",
+            "nanogns.linear_dw.default",
+        }
 
 
 def test_compile_after_a_monitored_forward_traces_in_one_graph(monkeypatch):

@@ -5,7 +5,7 @@ full wave, the rest split into chunks of examples so the last waves fill too
 (one example's rows stay in one program, which is what keeps its norm exact),
 for GPT-2 124M's Linear shapes on an H100 (132 SMs).
 
-    python -m pytest -q tests/test_linear_schedule.py
+    python -m pytest -q tests/test_layers_fused_linear_plan.py
 """
 
 import pytest
@@ -13,8 +13,13 @@ import torch
 
 from nanogns.layers import fused as fused_gns
 
-GPT2 = {"c_attn": (768, 2304), "attn.c_proj": (768, 768), "c_fc": (768, 3072), "mlp.c_proj": (3072, 768),
-        "lm_head": (768, 50304)}
+GPT2 = {
+    "c_attn": (768, 2304),
+    "attn.c_proj": (768, 768),
+    "c_fc": (768, 3072),
+    "mlp.c_proj": (3072, 768),
+    "lm_head": (768, 50304),
+}
 H100 = dict(capability=(9, 0), sm_count=132)
 TILE = fused_gns.LinearConfig(128, 128, 64, 8, 3)  # the first bf16 candidate: one program per SM
 
@@ -30,8 +35,9 @@ def modelled_s(N, T, tiles_l, tiles_k, K, split, slots=132):
     """plan_linear_split's model of a split's time for TILE in bf16 (seconds)."""
     tile_s = 2 * T * 128 * 128 / fused_gns.SM_FLOPS["16-bit"]
     front, chunks, per_chunk = split
-    time = fused_gns.makespan([(front * tiles_k, N * tile_s), ((tiles_l - front) * tiles_k * chunks, per_chunk * tile_s)],
-                              slots)
+    time = fused_gns.makespan(
+        [(front * tiles_k, N * tile_s), ((tiles_l - front) * tiles_k * chunks, per_chunk * tile_s)], slots
+    )
     return time + (chunks * (tiles_l - front) * 8 * 128 * K / fused_gns.MEMORY_BYTES_PER_S if chunks > 1 else 0)
 
 

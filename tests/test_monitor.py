@@ -1,7 +1,7 @@
 """
 Measurements, the tracker and the GNS estimator of gnstracking.py.
 
-    python -m pytest tests/test_gnstracking.py -q
+    python -m pytest tests/test_monitor.py -q
 """
 
 import math
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from nanogns import estimator
 from nanogns import monitor as gnstracking
 from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
-from nanogns.runlog.record import read_parameter_record
 from nanogns.layers.embedding import PEGradNormShimEmbedding
 from nanogns.layers.layernorm import PEGradNormLayerNorm
 from nanogns.layers.linear import PEGradNormLinear
+from nanogns.runlog.record import read_parameter_record
 
 
 def test_unbiased_stats_formula_and_batch_of_one():
@@ -87,7 +87,7 @@ def test_tracker_matches_per_example_loop_with_accumulation():
     for ids, y in zip(micro_batches, targets):
         for i in range(ids.shape[0]):
             net.zero_grad()
-            F.mse_loss(net(ids[i:i + 1]), y[i:i + 1]).backward()
+            F.mse_loss(net(ids[i : i + 1]), y[i : i + 1]).backward()
             for n, p in net.named_parameters():
                 per_example[n].append(p.grad.pow(2).sum().item())
     names = [m.metadata["name"] for m in measurements]
@@ -142,7 +142,11 @@ def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
 
     tracker = gnstracking.GNSMonitor(Tied())
     assert [name for name, _, _ in tracker.tracked] == ["wte.weight+lm_head.weight"] and tracker.untracked == {}
-    assert [c for _, _, c in tracker.tracked[0][2]] == [1.0, 1.0, 2.0]  # embedding, head, 2 x cross term (tests/test_tied.py)
+    assert [c for _, _, c in tracker.tracked[0][2]] == [
+        1.0,
+        1.0,
+        2.0,
+    ]  # embedding, head, 2 x cross term (tests/test_layers_tied.py)
 
 
 def test_summed_sqnorms_and_running_gns():
@@ -169,7 +173,7 @@ def test_gns_matches_analytic_least_squares(T):
     with torch.no_grad():
         layer.weight.copy_(w_star + torch.randn(1, d, dtype=torch.float64) / math.sqrt(d))  # |w - w*| ~ 1
     delta_sq = (layer.weight - w_star).pow(2).sum().item()
-    expected = ((d + 1) + d * s ** 2 / delta_sq) / T
+    expected = ((d + 1) + d * s**2 / delta_sq) / T
     tracker = gnstracking.GNSMonitor(layer)
     gtgs, trsigmas = [], []
     for _ in range(steps):
@@ -191,8 +195,9 @@ class Blocks(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = PEGradNormShimEmbedding(13, 8)
-        self.h = nn.ModuleList([nn.ModuleDict(dict(ln_attn=PEGradNormLayerNorm(8), norm_proj=PEGradNormLinear(8, 8)))
-                                for _ in range(2)])
+        self.h = nn.ModuleList(
+            [nn.ModuleDict(dict(ln_attn=PEGradNormLayerNorm(8), norm_proj=PEGradNormLinear(8, 8))) for _ in range(2)]
+        )
         self.head = PEGradNormLinear(8, 5)
 
     def forward(self, ids):
@@ -204,9 +209,15 @@ class Blocks(nn.Module):
 
 def test_record_says_each_parameters_kind_and_block_from_the_model_not_its_name():
     record = gnstracking.GNSMonitor(Blocks()).describe()
-    assert record["h.1.ln_attn.weight"] == {"kind": "LayerNorm", "group": "LayerNorm", "layer": "PEGradNormLayerNorm",
-                                            "block": 1,
-                                            "names": ["h.1.ln_attn.weight"], "numel": 8, "bank_slices": None}
+    assert record["h.1.ln_attn.weight"] == {
+        "kind": "LayerNorm",
+        "group": "LayerNorm",
+        "layer": "PEGradNormLayerNorm",
+        "block": 1,
+        "names": ["h.1.ln_attn.weight"],
+        "numel": 8,
+        "bank_slices": None,
+    }
     assert record["h.0.norm_proj.bias"]["kind"] == "Linear" and record["h.0.norm_proj.bias"]["block"] == 0
     assert record["h.0.norm_proj.bias"]["group"] == "Linear"
     assert record["emb.weight"]["kind"] == "Embedding" and record["emb.weight"]["block"] is None
@@ -261,6 +272,7 @@ def test_a_parametrized_weight_is_skipped_with_the_reason():
 
     with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
         from model import GPT, GPTConfig
+
         model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=4, vocab_size=11, spectral_c_attn=[1]))
     tracker = gnstracking.GNSMonitor(model)
     name = "transformer.h.1.attn.c_attn.parametrizations.weight.original"
@@ -277,8 +289,11 @@ def test_a_wrong_batch_size_is_an_error_not_a_dropped_parameter():
     gns = gnstracking.GNSMonitor(lc.convert(model).model)
     for _ in range(2):
         model(torch.randn(4, 3)).pow(2).mean().backward()
-    with pytest.raises(ValueError, match=r"0.weight's buffer counted 8 examples but step\(batch_size=4\); pass the "
-                                         r"number of examples of the whole step"):
+    with pytest.raises(
+        ValueError,
+        match=r"0.weight's buffer counted 8 examples but step\(batch_size=4\); pass the "
+        r"number of examples of the whole step",
+    ):
         gns.step(batch_size=4)
     assert not gns.dropped
 
@@ -288,6 +303,10 @@ def test_step_read_takes_a_few_ops_whatever_the_depth():
     LayerNorm-only or every layer tracked (bench/read_ops.py prints these beside a plain step's)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import read_ops
-    found = {(n, choice): read_ops.counts(choice, n)[1] for n in (12, 24) for choice in ("LayerNorm-only gns",
-                                                                                          "all-layer gns")}
+
+    found = {
+        (n, choice): read_ops.counts(choice, n)[1]
+        for n in (12, 24)
+        for choice in ("LayerNorm-only gns", "all-layer gns")
+    }
     assert max(found.values()) <= 40 and len(set(found.values())) == 1, found

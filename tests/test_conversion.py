@@ -3,22 +3,22 @@ layer_config.convert (swap the torch layers of a model built elsewhere) and
 functional.py (per-example norm functions for layers that are not nn modules),
 checked against a brute-force loop over examples.
 
-    python -m pytest -q tests/test_convert.py
+    python -m pytest -q tests/test_conversion.py
 """
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from oracle import per_example_sqnorms_by_loop
 
-from nanogns.layers import functional
-from nanogns import monitor as gnstracking
 import nanogns as lc
+from nanogns import monitor as gnstracking
 from nanogns.conversion import probe as swapcheck
+from nanogns.layers import functional
 from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding
 from nanogns.layers.linear import PEGradNormLinear
-from oracle import per_example_sqnorms_by_loop
 
 
 class Nested(nn.Module):
@@ -28,8 +28,9 @@ class Nested(nn.Module):
     def __init__(self, vocab=13, d=6):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
-                                     for _ in range(2)])
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(2)]
+        )
         self.norm = nn.RMSNorm(d)
         self.bare_norm = nn.RMSNorm(d, elementwise_affine=False)
         self.proj = nn.Linear(d, d, bias=False)
@@ -55,7 +56,7 @@ def brute_force_pe(model, ids, targets):
     per_example = {n: 0.0 for n, _ in model.named_parameters()}
     for i in range(ids.shape[0]):
         model.zero_grad(set_to_none=True)
-        loss_fn(model, ids[i:i + 1], targets[i:i + 1]).backward()
+        loss_fn(model, ids[i : i + 1], targets[i : i + 1]).backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
                 per_example[n] += p.grad.double().pow(2).sum().item() / ids.shape[0]
@@ -81,7 +82,7 @@ def test_converted_model_matches_brute_force(classes, shape):
     gen = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(1, 13, (2, *shape), generator=gen)
     B = shape[0]
-    for part in ([slice(0, B)] if B == 1 else [slice(0, B // 2), slice(B // 2, B)]):  # accumulation
+    for part in [slice(0, B)] if B == 1 else [slice(0, B // 2), slice(B // 2, B)]:  # accumulation
         n = ids[part].shape[0]
         (loss_fn(model, ids[part], targets[part]) * n / B).backward()
     measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
@@ -91,13 +92,26 @@ def test_converted_model_matches_brute_force(classes, shape):
         for n, p in model.named_parameters():
             p.copy_(weights[n])
     expected = brute_force_pe(model, ids, targets)
-    assert set(measurements) == {"emb.weight+head.weight", "blocks.0.0.weight", "blocks.0.0.bias", "blocks.0.1.weight",
-                                 "blocks.0.1.bias", "blocks.0.3.weight", "blocks.0.3.bias", "blocks.1.0.weight",
-                                 "blocks.1.0.bias", "blocks.1.1.weight", "blocks.1.1.bias", "blocks.1.3.weight",
-                                 "blocks.1.3.bias", "norm.weight", "proj.weight"}
+    assert set(measurements) == {
+        "emb.weight+head.weight",
+        "blocks.0.0.weight",
+        "blocks.0.0.bias",
+        "blocks.0.1.weight",
+        "blocks.0.1.bias",
+        "blocks.0.3.weight",
+        "blocks.0.3.bias",
+        "blocks.1.0.weight",
+        "blocks.1.0.bias",
+        "blocks.1.1.weight",
+        "blocks.1.1.bias",
+        "blocks.1.3.weight",
+        "blocks.1.3.bias",
+        "norm.weight",
+        "proj.weight",
+    }
     for name, m in measurements.items():
         reference = expected[name.split("+")[0]]
-        assert m.small_batch_norm ** 2 == pytest.approx(reference, rel=1e-6), name
+        assert m.small_batch_norm**2 == pytest.approx(reference, rel=1e-6), name
 
 
 def test_convert_keeps_device_dtype_and_training_mode():
@@ -130,12 +144,13 @@ def test_a_module_used_twice_per_forward_is_dropped_with_a_warning():
 # -----------------------------------------------------------------------------
 # functional API
 
+
 class TransposedLinear(PESqNormBuffersMixin, nn.Module):
     """W stored (in, out), used as x @ W cast to the input dtype: modded-nanogpt's layout."""
 
     def __init__(self, d_in, d_out):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
         functional.register_buffers(self, "weight")
 
     def forward(self, x):
@@ -159,7 +174,7 @@ def per_example_by_loop(model, inputs, grad_out):
     out = {n: [] for n, _ in model.named_parameters()}
     for i in range(inputs.shape[0]):
         model.zero_grad(set_to_none=True)
-        model(inputs[i:i + 1]).backward(grad_out[i:i + 1])
+        model(inputs[i : i + 1]).backward(grad_out[i : i + 1])
         for n, p in model.named_parameters():
             out[n].append(p.grad.double().pow(2).sum().item())
     return {n: sum(v) for n, v in out.items()}
@@ -208,7 +223,7 @@ def test_functional_embedding_with_padding_idx(padding_idx):
     expected_grad, table.grad = table.grad, None
     expected = 0.0
     for i in range(ids.shape[0]):
-        F.embedding(ids[i:i + 1], table, padding_idx=padding_idx).backward(g[i:i + 1])
+        F.embedding(ids[i : i + 1], table, padding_idx=padding_idx).backward(g[i : i + 1])
         expected += table.grad.pow(2).sum().item()
         if i == 0:
             assert table.grad[padding_idx].abs().sum() == 0
@@ -249,7 +264,7 @@ def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
         ids, targets = torch.randint(0, 13, (2, *shape), generator=gen)
         ids[:, ::2] = 0  # padding in every example
         B = shape[0]
-        for part in ([slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]):
+        for part in [slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]:
             (loss_fn(model, ids[part], targets[part]) * ids[part].shape[0] / B).backward()
         measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
         model.zero_grad(set_to_none=True)
@@ -257,7 +272,7 @@ def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
         assert ("emb.weight+head.weight" in measurements) == tied
         assert len(measurements) == len(expected)
         for name, m in measurements.items():
-            assert m.small_batch_norm ** 2 == pytest.approx(expected[name.split("+")[0]], rel=1e-6), (tied, name)
+            assert m.small_batch_norm**2 == pytest.approx(expected[name.split("+")[0]], rel=1e-6), (tied, name)
 
 
 def test_functional_under_bf16_autocast_within_tolerance():
@@ -290,6 +305,7 @@ def test_functional_layers_are_found_by_the_monitor():
 
 # -----------------------------------------------------------------------------
 # modules convert does not know by class: swapped when the probe (swapcheck.py) passes
+
 
 class NanoGPTLayerNorm(nn.Module):
     """nanoGPT's LayerNorm(ndim, bias): F.layer_norm with eps 1e-5, stored nowhere."""
@@ -341,7 +357,7 @@ class InOutLinear(nn.Module):
 
     def __init__(self, d_in, d_out):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
         self.bias = nn.Parameter(torch.randn(d_out))
 
     def forward(self, x):
@@ -409,11 +425,19 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     monitor = lc.convert(model, lnclass=lnclass)
     assert torch.equal(torch.get_rng_state(), rng)  # the probe draws from its own generator
     assert not monitor.unconverted and not monitor.untracked
-    ln, rms, conv1d = (lc.get_layer_class(k, c) for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass),
-                                                             ("Conv1D", "gns")))
+    ln, rms, conv1d = (
+        lc.get_layer_class(k, c) for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass), ("Conv1D", "gns"))
+    )
     expected = dict(ln=ln, ln_nobias=ln, proj=conv1d, rms=rms, gemma=rms, out=PEGradNormLinear, sub=ln)
-    originals = dict(ln=NanoGPTLayerNorm, ln_nobias=NanoGPTLayerNorm, proj=InOutLinear, rms=HandRMSNorm,
-                     gemma=HandRMSNorm, out=nn.Linear, sub=SameLayerNorm)
+    originals = dict(
+        ln=NanoGPTLayerNorm,
+        ln_nobias=NanoGPTLayerNorm,
+        proj=InOutLinear,
+        rms=HandRMSNorm,
+        gemma=HandRMSNorm,
+        out=nn.Linear,
+        sub=SameLayerNorm,
+    )
     for name, module in model.named_children():  # the variant's forward, and still an instance of its own class
         assert isinstance(module, expected[name]) and isinstance(module, originals[name]), name
     assert (model.rms.eps, model.rms.weight_offset, model.gemma.eps, model.gemma.weight_offset) == (1e-7, 0, 1e-6, 1)
@@ -495,9 +519,11 @@ class Gate(nn.Module):
         return self.drop(x) * self.gain
 
 
-@pytest.mark.parametrize("make", [lambda: EpsOutsideRMSNorm(6), lambda: HiddenEpsRMSNorm(6),
-                                  lambda: NormWithMask(6), lambda: TwoWeights(6), Gate],
-                         ids=["EpsOutsideRMSNorm", "HiddenEpsRMSNorm", "NormWithMask", "TwoWeights", "Gate"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: EpsOutsideRMSNorm(6), lambda: HiddenEpsRMSNorm(6), lambda: NormWithMask(6), lambda: TwoWeights(6), Gate],
+    ids=["EpsOutsideRMSNorm", "HiddenEpsRMSNorm", "NormWithMask", "TwoWeights", "Gate"],
+)
 def test_a_norm_no_layer_computes_keeps_its_forward_and_is_exact(make):
     """No kind's layer computes these (eps outside the root, an eps found nowhere, a forward with a second input,
     two scales, a child module), but their parameters only scale every row: followed with their own forward (the
@@ -528,7 +554,7 @@ class Router(nn.Module):
 
     def __init__(self, d=6, experts=4):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(experts, d) / d ** 0.5)
+        self.weight = nn.Parameter(torch.randn(experts, d) / d**0.5)
 
     def forward(self, x):
         logits = F.linear(x.reshape(-1, x.shape[-1]), self.weight)
@@ -543,8 +569,11 @@ class CastingLinear(nn.Linear):
         return F.linear(x, self.weight.to(x.dtype).t().T)
 
 
-@pytest.mark.parametrize("make", [lambda: ScaledEmbedding(10, 6), Router, lambda: CastingLinear(6, 5, bias=False)],
-                         ids=["ScaledEmbedding", "Router", "CastingLinear"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ScaledEmbedding(10, 6), Router, lambda: CastingLinear(6, 5, bias=False)],
+    ids=["ScaledEmbedding", "Router", "CastingLinear"],
+)
 def test_a_module_keeping_its_own_forward_is_exact(make):
     """A subclass whose forward scales its output, a router returning a tuple, a Linear casting its weight: each
     keeps its forward (and class, and buffers), and its parameter's uses through F.linear / F.embedding are
@@ -571,7 +600,7 @@ def test_a_module_keeping_its_own_forward_is_exact(make):
     loop = 0.0
     for i in range(5):
         model.zero_grad()
-        output(x[i:i + 1]).backward(g[i:i + 1])
+        output(x[i : i + 1]).backward(g[i : i + 1])
         loop += module.weight.grad.pow(2).sum().item()
     assert count == 5 and total == pytest.approx(loop, rel=1e-6)
 
@@ -598,15 +627,19 @@ def test_torch_subclasses_are_probed_as_their_base_kind():
 def test_treat_as_names_a_kind_and_its_options():
     model = nn.Sequential(HiddenEpsRMSNorm(6), NanoGPTLayerNorm(6, bias=False))
     with pytest.warns(UserWarning, match="1 module\\(s\\) not converted"):
-        monitor = lc.convert(model, treat_as={HiddenEpsRMSNorm: ("RMSNorm", {"eps": 3e-7}),
-                                              NanoGPTLayerNorm: "RMSNorm"})  # wrongly named
+        monitor = lc.convert(
+            model, treat_as={HiddenEpsRMSNorm: ("RMSNorm", {"eps": 3e-7}), NanoGPTLayerNorm: "RMSNorm"}
+        )  # wrongly named
     assert isinstance(model[0], lc.get_layer_class("RMSNorm", "gns")) and model[0].eps == 3e-7
     assert type(model[1]) is NanoGPTLayerNorm
     assert "computes none of RMSNorm on a probe input" in monitor.unconverted["1"]
-    for bad, match in [({HiddenEpsRMSNorm: "Norm"}, "unknown kind 'Norm'"), ({nn.Linear: "Linear"}, "by its class"),
-                       ({HiddenEpsRMSNorm: ("RMSNorm", {"bias": True})}, "takes options"),
-                       ({"HiddenEpsRMSNorm": "RMSNorm"}, "nn.Module classes"),
-                       ({HiddenEpsRMSNorm: ("RMSNorm", 1e-7)}, "a kind or \\(kind, ")]:
+    for bad, match in [
+        ({HiddenEpsRMSNorm: "Norm"}, "unknown kind 'Norm'"),
+        ({nn.Linear: "Linear"}, "by its class"),
+        ({HiddenEpsRMSNorm: ("RMSNorm", {"bias": True})}, "takes options"),
+        ({"HiddenEpsRMSNorm": "RMSNorm"}, "nn.Module classes"),
+        ({HiddenEpsRMSNorm: ("RMSNorm", 1e-7)}, "a kind or \\(kind, "),
+    ]:
         with pytest.raises(ValueError, match=match):
             lc.convert(nn.Sequential(HiddenEpsRMSNorm(6)), treat_as=bad)
 
@@ -623,8 +656,11 @@ class ScaleRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.scale
 
 
-@pytest.mark.parametrize("treat_as", [None, {ScaleRMSNorm: "RMSNorm"}, {ScaleRMSNorm: ("RMSNorm", {"weight": "scale"})}],
-                         ids=["probed", "kind", "kind-and-parameter"])
+@pytest.mark.parametrize(
+    "treat_as",
+    [None, {ScaleRMSNorm: "RMSNorm"}, {ScaleRMSNorm: ("RMSNorm", {"weight": "scale"})}],
+    ids=["probed", "kind", "kind-and-parameter"],
+)
 @pytest.mark.parametrize("lnclass", ["gns", "shim"])
 def test_a_norm_whose_parameter_is_named_scale_is_converted_and_exact(treat_as, lnclass):
     """Matched by what it computes (its only parameter is its gain), or named; its `scale` logged under its own name
@@ -677,8 +713,11 @@ def test_a_module_on_the_meta_device_is_probed_on_the_cpu():
 def test_nn_for_a_kind_leaves_its_lookalikes_alone_unlisted():
     model = nn.Sequential(HandRMSNorm(6), nn.LayerNorm(6))
     monitor = lc.convert(model, lnclass="nn")
-    assert type(model[0]) is HandRMSNorm and not monitor.unconverted and set(monitor.untracked) == {
-        "0.weight", "1.weight", "1.bias"}
+    assert (
+        type(model[0]) is HandRMSNorm
+        and not monitor.unconverted
+        and set(monitor.untracked) == {"0.weight", "1.weight", "1.bias"}
+    )
 
 
 class Float32OnlyRMSNorm(HandRMSNorm):
@@ -713,8 +752,10 @@ def test_excluded_modules_are_left_alone_and_listed():
         monitor = lc.convert(model, exclude=["1", "2"])
     assert type(model[1][0]) is nn.LayerNorm and type(model[1][1]) is nn.Linear and type(model[2]) is nn.Linear
     assert isinstance(model[0], PEGradNormLinear)
-    assert monitor.unconverted == {"1": "Sequential excluded by the caller (convert(exclude=...))",
-                                   "2": "Linear excluded by the caller (convert(exclude=...))"}
+    assert monitor.unconverted == {
+        "1": "Sequential excluded by the caller (convert(exclude=...))",
+        "2": "Linear excluded by the caller (convert(exclude=...))",
+    }
     assert [t.name for t in monitor.tracked] == ["0.weight", "0.bias"]
     model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))
     monitor = lc.convert(model, exclude=[nn.LayerNorm])

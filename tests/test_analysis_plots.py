@@ -6,7 +6,12 @@ from nanogns.analysis import plots as plot
 
 
 def write_run(tmp_path, n_params=30):
-    columns = {"step": [0, 1, 2], "iter_num": [0, 1, 2], "tokens_processed": [8, 16, 24], "train/lossf": [3.0, 2.5, 2.2]}
+    columns = {
+        "step": [0, 1, 2],
+        "iter_num": [0, 1, 2],
+        "tokens_processed": [8, 16, 24],
+        "train/lossf": [3.0, 2.5, 2.2],
+    }
     for i in range(n_params):
         for key in ("norm", "pegn", "batch_size"):
             columns[f"train/gns/h.{i}.weight/{key}"] = [1.0, 2.0, 3.0]

@@ -5,7 +5,7 @@ of the fused Linear surviving candidates that fail or run out of memory, a
 ragged output width masked in the kernel (no padded copy), and the benchmarks'
 TF32 matching train.py's.
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_gpu_paths.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/test_layers_fused_gpu_paths.py
 """
 
 import contextlib
@@ -25,8 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import train_settings  # noqa: E402
 
-needs_interpreter = pytest.mark.skipif(not fused_gns.kernels_interpreted(),
-                                       reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)")
+needs_interpreter = pytest.mark.skipif(
+    not fused_gns.kernels_interpreted(), reason="needs TRITON_INTERPRET=1 (runs the kernels on CPU)"
+)
 
 
 def test_tf32_flag_read_through_either_api():
@@ -78,8 +79,10 @@ def test_every_launch_is_on_its_tensors_device(monkeypatch):
     from nanogns import kernels as normgnorm
 
     for kernel in [getattr(normgnorm, name) for name in normgnorm.__all__]:
+
         def check(*args, kernel=kernel, **kwargs):
             seen.append((kernel.__name__, current[-1] if current else None))
+
         monkeypatch.setattr(kernel, "pre_run_hooks", [check])
     x = torch.randn(3, 5, 40, requires_grad=True)
     norm, linear = fused_gns.PEGradNormFusedLayerNorm(40), fused_gns.PEGradNormFusedLinear(40, 24)
@@ -92,8 +95,10 @@ def test_timed_choice_skips_candidates_that_fail(monkeypatch):
     from triton import CompilationError
 
     config = fused_gns.LINEAR_CANDIDATES["16-bit"][0]
-    errors = {"materialise": torch.OutOfMemoryError("CUDA out of memory"),
-              config: CompilationError("kernel.py", None, "no compile")}
+    errors = {
+        "materialise": torch.OutOfMemoryError("CUDA out of memory"),
+        config: CompilationError("kernel.py", None, "no compile"),
+    }
     timed = []
     monkeypatch.setattr(fused_gns, "_linear_choices", {})
     monkeypatch.setattr(fused_gns, "_benchmark_ms", lambda fn: fn())
@@ -144,8 +149,9 @@ def test_ragged_output_width_masked_not_copied(monkeypatch):
     from nanogns import kernels as normgnorm
 
     pointers = []
-    monkeypatch.setattr(normgnorm.linear._linear_bwd_dw_pesq, "pre_run_hooks",
-                        [lambda *args, **kw: pointers.append(args[1].data_ptr())])
+    monkeypatch.setattr(
+        normgnorm.linear._linear_bwd_dw_pesq, "pre_run_hooks", [lambda *args, **kw: pointers.append(args[1].data_ptr())]
+    )
     linear = fused_gns.PEGradNormFusedLinear(32, 40)
     x = torch.randn(3, 5, 32)
     g = torch.randn(3, 5, 40)
@@ -165,11 +171,14 @@ def test_buffers_viewed_in_one_flat_tensor(monkeypatch):
     other one: the finishing kernel still gets only aligned pointers (the compiled specialisation) and updates
     the right elements."""
     import compile_gate
+
     from nanogns import kernels as normgnorm
 
     kernel = normgnorm.finish._pe_sqnorm_finish
     launches = []
-    monkeypatch.setattr(kernel, "pre_run_hooks", [lambda *args, **kw: launches.append(dict(zip(kernel.arg_names, args)))])
+    monkeypatch.setattr(
+        kernel, "pre_run_hooks", [lambda *args, **kw: launches.append(dict(zip(kernel.arg_names, args)))]
+    )
     torch.manual_seed(0)
     layers = [fused_gns.PEGradNormFusedLayerNorm(32), fused_gns.PEGradNormFusedLinear(32, 24)]
     reference = [fused_gns.PEGradNormFusedLayerNorm(32), fused_gns.PEGradNormFusedLinear(32, 24)]
@@ -178,7 +187,7 @@ def test_buffers_viewed_in_one_flat_tensor(monkeypatch):
         twin.load_state_dict(layer.state_dict())
         for j, name in enumerate(("weight_upegsqnorm", "bias_upegsqnorm")):
             start = 2 + 4 * i + 2 * j  # odd pairs: 8 bytes past an aligned address
-            layer._buffers[name] = flat[start:start + 2]
+            layer._buffers[name] = flat[start : start + 2]
     x = torch.randn(3, 5, 32)
     for model in (layers, reference):
         model[1](model[0](x)).sum().backward()
@@ -215,8 +224,8 @@ def test_benchmarks_set_tf32_as_train_py():
 def test_fused_gpt_under_the_monitor_equals_gns():
     """A GPT with fused Linear and LayerNorm read by GNSMonitor (its buffers re-homed in one flat tensor, which
     the finishing kernel updates) measures what the gns layers measure, over two accumulated steps."""
-    from nanogns import monitor as gnstracking
     import nanogns as lc
+    from nanogns import monitor as gnstracking
     from nanogns.layers.buffers import zero_sqgradnorm_buffers
 
     measured = {}
@@ -224,6 +233,7 @@ def test_fused_gpt_under_the_monitor_equals_gns():
         torch.manual_seed(0)
         with lc.set_contextual_config(**lc.layer_classes(kind, "gns", kind)):
             from model import GPT, GPTConfig
+
             model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8, vocab_size=67, dropout=0.0))
         monitor = gnstracking.GNSMonitor(model)
         generator = torch.Generator().manual_seed(1)
