@@ -31,7 +31,7 @@ glue keeps multiples of 16 except the ragged L, K and D above, compiled without
 the hint; tests/test_bench_compile_gate.py checks that it does).
 Registers, spills and stack come from ptxas's own -v report for the cubin
 Triton builds; shared memory from Triton's metadata, against the target's
-per-block limit (fused_gns.shared_memory_limit). Triton must not be in
+per-block limit (fused_linear_plan.shared_memory_limit). Triton must not be in
 interpreter mode here (TRITON_INTERPRET is dropped); compiles go to a fresh
 cache directory, so each runs ptxas, spread over --jobs processes.
 """
@@ -61,6 +61,10 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nanogns import kernels as normgnorm  # noqa: E402
 from nanogns.layers import fused as fused_gns  # noqa: E402
+from nanogns.layers.fused import finish as fused_finish
+from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.layers.fused import norms as fused_norms
+from nanogns.layers.fused import runtime as fused_runtime
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 NORM_FLAVOURS = ((False, True), (False, False), (True, False))  # (IS_RMS, HAS_BIAS): LayerNorm, no bias, RMSNorm
@@ -123,7 +127,7 @@ SIGNATURES = {
         SUM_CHUNKS="i32",
     ),
 }
-FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_gns.finish_block_w
+FINISH_BLOCK_WS = (64, 128, 256, 512)  # every value of fused_finish.finish_block_w
 FINISH_WARPS = 4
 
 
@@ -162,20 +166,24 @@ def all_jobs(archs):
     """Every (kernel, dtype, constexprs, warps, stages) the glue can launch, per target."""
     block_ds = sorted(
         {
-            fused_gns.norm_launch_config(D)
-            for D in [2**i for i in range(fused_gns.MAX_NORM_FEATURES.bit_length())] + [fused_gns.MAX_NORM_FEATURES]
+            fused_norms.norm_launch_config(D)
+            for D in [2**i for i in range(fused_runtime.MAX_NORM_FEATURES.bit_length())]
+            + [fused_runtime.MAX_NORM_FEATURES]
         }
     )
     for arch in archs:
         capability = divmod(arch, 10)
         for dtype, name in TYPE_NAMES.items():
             for allow_tf32 in (False, True) if dtype == torch.float32 else (True,):
-                # L and K multiples of 16 or ragged, as fused_gns.linear_ragged passes them for each (dtype, dots)
+                # L and K multiples of 16 or ragged, as fused_linear_plan.linear_ragged passes them for each (dtype, dots)
                 unaligned_sets = sorted(
-                    {fused_gns.linear_ragged(L, K, dtype, allow_tf32) for L, K in itertools.product((32, 40), repeat=2)}
+                    {
+                        fused_linear_plan.linear_ragged(L, K, dtype, allow_tf32)
+                        for L, K in itertools.product((32, 40), repeat=2)
+                    }
                 )
                 for unaligned in unaligned_sets:
-                    for c in fused_gns.linear_candidates(dtype, capability, allow_tf32, unaligned):
+                    for c in fused_linear_plan.linear_candidates(dtype, capability, allow_tf32, unaligned):
                         flags = (
                             ("INPUT_PRECISION", "tf32" if allow_tf32 else "ieee"),
                             ("DOT_IN_FP32", False),
@@ -185,11 +193,11 @@ def all_jobs(archs):
                         )
                         yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
             for block_w, squares in itertools.product(FINISH_BLOCK_WS, (False, True)):
-                flags = (("A_SQUARES", squares), ("BLOCK_W", block_w), ("SUM_BLOCK", fused_gns.FINISH_SUM_BLOCK))
+                flags = (("A_SQUARES", squares), ("BLOCK_W", block_w), ("SUM_BLOCK", fused_finish.FINISH_SUM_BLOCK))
                 yield Job("_pe_sqnorm_finish", name, flags, FINISH_WARPS, 0, arch)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))
-                ragged = ((), ("STRIDE",)) if block_d <= fused_gns.NORM_RAGGED_MAX else ((),)  # wider: padded
+                ragged = ((), ("STRIDE",)) if block_d <= fused_runtime.NORM_RAGGED_MAX else ((),)  # wider: padded
                 for kernel, unaligned in itertools.product(("_ln_fwd", "_ln_bwd_dx_pesq"), ragged):
                     yield Job(kernel, name, flags, num_warps, 0, arch, unaligned)  # D a multiple of 16, and ragged
 
@@ -248,7 +256,7 @@ def problems(job, result):
             f"spills {result['spill_stores']} B stored / {result['spill_loads']} B loaded, "
             f"stack frame {result['stack']} B"
         )
-    limit = fused_gns.shared_memory_limit(divmod(job.arch, 10))
+    limit = fused_linear_plan.shared_memory_limit(divmod(job.arch, 10))
     if result["shared"] > limit:
         found.append(f"shared memory {result['shared']} B > {limit} B")
     return found

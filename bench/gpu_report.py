@@ -45,6 +45,9 @@ from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
 from nanogns import layers  # noqa: E402
 from nanogns.layers import fused as fused_gns  # noqa: E402
+from nanogns.layers.fused import linear as fused_linear
+from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.layers.fused import runtime as fused_runtime
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest reference value
 GPT2 = [
@@ -104,7 +107,7 @@ def layer_cases():
                 "linear",
                 lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9),
                 linear_twin,
-                (fused_gns, "FUSED_LINEAR_STRATEGY", strategy),
+                (fused_linear, "FUSED_LINEAR_STRATEGY", strategy),
             )
         )
     cases += [
@@ -275,10 +278,10 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
     layer = fused_gns.PEGradNormFusedLinear(K, L).to(device, dtype)
     x = torch.randn(N, T, K, device=device).to(dtype)
     g = torch.randn(N, T, L, device=device).to(dtype)
-    old_tf32 = fused_gns.matmul_allows_tf32()
+    old_tf32 = fused_runtime.matmul_allows_tf32()
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
-        with _with(fused_gns, "FUSED_LINEAR_STRATEGY", config):
+        with _with(fused_linear, "FUSED_LINEAR_STRATEGY", config):
             layer(x).backward(g)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
@@ -290,7 +293,7 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
         sq += dw_i.pow(2).sum().item()
     errors = [_rel_error(layer.weight.grad, dw), abs(layer.weight_upegsqnorm[0].item() - sq) / sq]
     tol = {"16-bit": TOL[torch.bfloat16], "tf32": 5e-3, "ieee": TOL[torch.float32]}[
-        fused_gns.linear_dot_precision(dtype, tf32)
+        fused_linear_plan.linear_dot_precision(dtype, tf32)
     ]
     return max(errors), tol
 
@@ -304,7 +307,7 @@ def check_candidates(device, out=sys.stdout):
     failed = []
     cases = []
     for precision, dtype, tf32 in flavours:
-        for c in fused_gns.LINEAR_CANDIDATES[precision]:
+        for c in fused_linear_plan.LINEAR_CANDIDATES[precision]:
             cases.append(
                 (
                     f"kernel {precision} {c.block_l}x{c.block_k}x{c.block_t} w{c.num_warps} s{c.num_stages}",
@@ -315,7 +318,7 @@ def check_candidates(device, out=sys.stdout):
                 )
             )
     if on_gpu:  # 2 x 21504 x 50257 = 2.16e9 elements of the output gradient (4.3 GB in bf16), GPT-2's ragged vocabulary
-        c = fused_gns.linear_candidates(torch.bfloat16, torch.cuda.get_device_capability(), True, ("L",))[0]
+        c = fused_linear_plan.linear_candidates(torch.bfloat16, torch.cuda.get_device_capability(), True, ("L",))[0]
         cases.append(("kernel past 2**31 elements, bf16", c, torch.bfloat16, True, (2, 21504, 64, 50257)))
     else:
         print("skip kernel past 2**31 elements: needs a GPU (too large for Triton's interpreter)", file=out)
@@ -334,7 +337,7 @@ def check_candidates(device, out=sys.stdout):
 def check_compiled(device, out=sys.stdout):
     """Fused LayerNorm + Linear + RMSNorm under torch.compile (inductor, one graph) against eager."""
     sys.path.insert(0, os.path.join(REPO, "tests"))
-    from test_compile_fused import Block
+    from test_layers_fused_compile import Block
 
     failed = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -398,7 +401,7 @@ def gpu_tables(args):
         "\nfused Linear, strategy timed fastest per shape (N, T, K, L): "
         + "; ".join(
             f"{key[:4]} {choice if isinstance(choice, str) else 'kernel ' + str(choice)}"
-            for key, choice in fused_gns._linear_choices.items()
+            for key, choice in fused_linear._linear_choices.items()
         )
     )
 

@@ -68,22 +68,26 @@ def bench_layernorm(B, T, D, dtype):
 
 def bench_linear_weight_grad(B, T, K, L, dtype):
     from nanogns import layers
-    from nanogns.layers import fused as fused_gns
+    from nanogns.layers.fused import linear as fused_linear
+    from nanogns.layers.fused import linear_plan as fused_linear_plan
+    from nanogns.layers.fused import runtime as fused_runtime
 
     x = torch.randn(B, T, K, device="cuda", dtype=dtype)
     g = torch.randn(B, T, L, device="cuda", dtype=dtype)
     x2, g2 = x.view(-1, K), g.view(-1, L)
     nbytes = (x.numel() + g.numel() + K * L) * x.element_size()
     capability = torch.cuda.get_device_capability()
-    tf32 = fused_gns.matmul_allows_tf32()
+    tf32 = fused_runtime.matmul_allows_tf32()
     plain_ms, plain_mib = measure(lambda: g2.t() @ x2)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
     for strategy in ("gram", "materialise"):
         ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
-    for config in fused_gns.linear_candidates(dtype, capability, tf32, fused_gns.linear_ragged(L, K, dtype, tf32)):
+    for config in fused_linear_plan.linear_candidates(
+        dtype, capability, tf32, fused_linear_plan.linear_ragged(L, K, dtype, tf32)
+    ):
         # what the fused Linear's backward launches for dW and its norms: the kernel and the finishing kernel
-        ms, mib = measure(lambda: fused_gns.linear_weight_grad_finished(x, g, config))
+        ms, mib = measure(lambda: fused_linear.linear_weight_grad_finished(x, g, config))
         report(
             f"  kernel {config.block_l}x{config.block_k}x{config.block_t} w{config.num_warps} s{config.num_stages}",
             ms,
@@ -91,7 +95,7 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
             nbytes,
             mib,
         )
-    choice = fused_gns._linear_choice(x, g)  # the fused Linear's own timed choice
+    choice = fused_linear._linear_choice(x, g)  # the fused Linear's own timed choice
     print(f"{'  fused Linear picks':<44} {choice if isinstance(choice, str) else 'the kernel, ' + str(choice)}")
 
 

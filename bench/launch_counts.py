@@ -7,7 +7,7 @@ not a time (each launch costs a few microseconds of GPU time however small).
 
 Counted: the aten ops the backward dispatches (seen by a TorchDispatchMode)
 that launch work on a GPU, those inside the fused layers' custom ops
-(nanogns::*) included, plus each Triton kernel launch (fused_gns._launch,
+(nanogns::*) included, plus each Triton kernel launch (fused_runtime._launch,
 wrapped here; ops the interpreter issues inside a launch are not counted).
 Views, detach and allocations (empty*) launch nothing and are not counted.
 tests/test_bench_launch_counts.py holds the fused counts at torch's + 2 (LayerNorm) and
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from nanogns.layers import fused as fused_gns  # noqa: E402
+from nanogns.layers.fused import runtime as fused_runtime
 
 # ops that allocate or describe memory and launch no kernel
 NO_LAUNCH = {
@@ -51,7 +52,7 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "nanogns":  # the fused layers' custom ops: count what they run, not the op
             with self:
-                return fused_gns.CUSTOM_OPS[func.name()](*args, **(kwargs or {}))
+                return fused_runtime.CUSTOM_OPS[func.name()](*args, **(kwargs or {}))
         if not self._inside_kernel and not func.is_view and str(func) not in NO_LAUNCH:
             self.counts[str(func)] += 1
         return func(*args, **(kwargs or {}))
@@ -67,7 +68,7 @@ def count_backward(layer, x, grad=None):
     y = layer(x)
     grad = torch.randn_like(y) if grad is None else grad
     counter = LaunchCounter()
-    launch = fused_gns._launch
+    launch = fused_runtime._launch
 
     def counted_launch(kernel, *args, **kwargs):
         counter.counts[f"triton:{kernel.__name__}"] += 1
@@ -77,12 +78,12 @@ def count_backward(layer, x, grad=None):
         finally:
             counter._inside_kernel -= 1
 
-    fused_gns._launch = counted_launch
+    fused_runtime._launch = counted_launch
     try:
         with counter:
             y.backward(grad)
     finally:
-        fused_gns._launch = launch
+        fused_runtime._launch = launch
     return counter
 
 

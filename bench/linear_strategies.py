@@ -94,11 +94,12 @@ def layer_factories(device):
     }
     if device == "cuda":
         from nanogns.layers import fused as fused_gns
+        from nanogns.layers.fused import linear as fused_linear
 
         layers["fused"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L), _plain, buffer_norm)
         layers["fused kernel"] = (
             lambda K, L: fused_gns.PEGradNormFusedLinear(K, L),
-            _forced(fused_gns, "FUSED_LINEAR_STRATEGY", "kernel"),
+            _forced(fused_linear, "FUSED_LINEAR_STRATEGY", "kernel"),
             buffer_norm,
         )
     try:

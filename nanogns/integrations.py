@@ -197,9 +197,9 @@ class LightningGNSCallback(LightningCallback):
             return
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.monitor = _monitor(pl_module, self.ema_decay, scaler, self.convert_options)
-        for child in pl_module.children():
+        for child in pl_module.children():  # the LightningModule's own forward is not called: its children's are
             if any(True for _ in child.parameters()):
-                layout.install(child)
+                layout.install(child, mapper=self.monitor.row_map)
 
     def on_train_start(self, trainer, pl_module):
         # trainer.global_step: 0, or the checkpoint's step under fit(ckpt_path=...), restored by now

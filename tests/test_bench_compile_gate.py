@@ -19,6 +19,10 @@ import pytest
 import torch
 
 from nanogns.layers import fused as fused_gns
+from nanogns.layers.fused import finish as fused_finish
+from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.layers.fused import norms as fused_norms
+from nanogns.layers.fused import runtime as fused_runtime
 from nanogns.layers.layernorm import PEGradNormLayerNorm
 from nanogns.layers.linear import PEGradNormLinear
 
@@ -52,9 +56,9 @@ def test_gate_covers_every_configuration_the_glue_returns():
     jobs = set(compile_gate.all_jobs((80, 90)))
     for arch in (80, 90):
         capability = divmod(arch, 10)
-        for D in range(1, fused_gns.MAX_NORM_FEATURES + 1, 37):
-            block_d, num_warps = fused_gns.norm_launch_config(D)
-            unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_gns.NORM_RAGGED_MAX else ()  # as _masked_rows
+        for D in range(1, fused_runtime.MAX_NORM_FEATURES + 1, 37):
+            block_d, num_warps = fused_norms.norm_launch_config(D)
+            unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_runtime.NORM_RAGGED_MAX else ()  # as _masked_rows
             assert block_d >= D and any(
                 j.kernel == "_ln_bwd_dx_pesq"
                 and j.arch == arch
@@ -64,18 +68,18 @@ def test_gate_covers_every_configuration_the_glue_returns():
                 for j in jobs
             )
         for W in [0, 1, 40, 768, 2304, 50257, 10**6]:
-            assert fused_gns.finish_block_w(W) in compile_gate.FINISH_BLOCK_WS
-        assert fused_gns.FINISH_WARPS == compile_gate.FINISH_WARPS
-        for dtype in fused_gns.KERNEL_DTYPES:
+            assert fused_finish.finish_block_w(W) in compile_gate.FINISH_BLOCK_WS
+        assert fused_finish.FINISH_WARPS == compile_gate.FINISH_WARPS
+        for dtype in fused_runtime.KERNEL_DTYPES:
             for tf32 in (False, True):
                 for N, T, K, L in [(16, 1024, 768, 3072), (4, 64, 40, 72), (1, 1, 8, 8), (64, 256, 768, 50257)]:
-                    choice = fused_gns.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
-                    assert choice == "gram" or choice in fused_gns.linear_candidates(
-                        dtype, capability, tf32, fused_gns.linear_ragged(L, K, dtype, tf32)
+                    choice = fused_linear_plan.linear_default_config(N, T, K, L, dtype, capability, 132, tf32)
+                    assert choice == "gram" or choice in fused_linear_plan.linear_candidates(
+                        dtype, capability, tf32, fused_linear_plan.linear_ragged(L, K, dtype, tf32)
                     )
                 precision = "tf32" if tf32 or dtype != torch.float32 else "ieee"
                 for L, K in [(32, 32), (40, 32), (32, 40), (40, 40), (50257, 768), (8, 40), (40, 1)]:
-                    ragged = fused_gns.linear_ragged(L, K, dtype, tf32)
+                    ragged = fused_linear_plan.linear_ragged(L, K, dtype, tf32)
                     assert ragged == tuple(n for n, w in (("L", L), ("K", K)) if w >= 16 and w % 16)
                     compiled = set()
                     for j in jobs:
@@ -90,9 +94,9 @@ def test_gate_covers_every_configuration_the_glue_returns():
                             compiled.add(
                                 (flags["BLOCK_L"], flags["BLOCK_K"], flags["BLOCK_T"], j.num_warps, j.num_stages)
                             )
-                    for c in fused_gns.linear_candidates(dtype, capability, tf32, ragged):
+                    for c in fused_linear_plan.linear_candidates(dtype, capability, tf32, ragged):
                         assert (c.block_l, c.block_k, c.block_t, c.num_warps, c.num_stages) in compiled
-                        assert c.shared_bytes(dtype.itemsize) <= fused_gns.shared_memory_limit(capability)
+                        assert c.shared_bytes(dtype.itemsize) <= fused_linear_plan.shared_memory_limit(capability)
 
 
 # (kernel, argument) pairs the glue may pass ragged (not a multiple of 16): the Linear's output and input widths, the
@@ -154,9 +158,9 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
                 ragged.append(name)
         assert (kernel.__name__, tuple(ragged)) in compiled, (kernel.__name__, ragged)  # the gate compiled this one
         unpadded[kernel.__name__] = tuple(ragged)
-    norms_unpadded = features % 16 and features <= fused_gns.NORM_RAGGED_MAX
+    norms_unpadded = features % 16 and features <= fused_runtime.NORM_RAGGED_MAX
     assert bool(norms_unpadded) == (unpadded["_ln_fwd"] == unpadded["_ln_bwd_dx_pesq"] == ("STRIDE",)), unpadded
-    assert unpadded["_linear_bwd_dw_pesq"] == fused_gns.linear_ragged(outputs, features, torch.float32, False)
+    assert unpadded["_linear_bwd_dw_pesq"] == fused_linear_plan.linear_ragged(outputs, features, torch.float32, False)
     if features % 16:  # a ragged input width, masked (and a ragged output width with it)
         assert unpadded["_linear_bwd_dw_pesq"] == (("L", "K") if outputs % 16 else ("K",))
     # and the numbers are still right: the zero padding added nothing
@@ -175,8 +179,8 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
 def test_a_ragged_input_width_is_padded_where_no_candidate_is_left(monkeypatch):
     """Should the spill table (RAGGED_SPILLS) leave no candidate with both widths masked, K is zero-padded
     and L alone masked, so the glue never launches a specialisation the gate does not compile."""
-    every_ieee = {("ieee", c) for c in fused_gns.LINEAR_CANDIDATES["ieee"]}
-    monkeypatch.setitem(fused_gns.RAGGED_SPILLS, ("L", "K"), every_ieee)
-    assert fused_gns.linear_ragged(40, 40, torch.float32, False) == ("L",)
-    assert fused_gns.linear_ragged(40, 40, torch.bfloat16, False) == ("L", "K")
-    assert fused_gns.linear_ragged(32, 40, torch.float32, False) == ("K",)
+    every_ieee = {("ieee", c) for c in fused_linear_plan.LINEAR_CANDIDATES["ieee"]}
+    monkeypatch.setitem(fused_linear_plan.RAGGED_SPILLS, ("L", "K"), every_ieee)
+    assert fused_linear_plan.linear_ragged(40, 40, torch.float32, False) == ("L",)
+    assert fused_linear_plan.linear_ragged(40, 40, torch.bfloat16, False) == ("L", "K")
+    assert fused_linear_plan.linear_ragged(32, 40, torch.float32, False) == ("K",)

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from nanogns.layers import fused as fused_gns
+from nanogns.layers.fused import linear_plan as fused_linear_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import gpu_report  # noqa: E402
@@ -27,7 +28,7 @@ def test_report_checks_pass_on_the_cpu(capsys):
     lines = out.getvalue().splitlines()
     assert not failed, "\n".join(line for line in lines if line.startswith("FAIL"))
     checks = [line for line in lines if line.startswith(("ok", "FAIL", "skip"))]
-    candidates = sum(len(c) for c in fused_gns.LINEAR_CANDIDATES.values())
+    candidates = sum(len(c) for c in fused_linear_plan.LINEAR_CANDIDATES.values())
     # layers: float32 and bfloat16, two shapes each; every candidate; compiled in two dtypes; one stated skip
     assert len(checks) == 2 * 2 * len(gpu_report.layer_cases()) + candidates + 2 + 1
     assert [line for line in checks if not line.startswith("ok")] == [

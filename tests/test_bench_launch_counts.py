@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from nanogns.layers import fused as fused_gns
+from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.layers.fused import norms as fused_norms
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import launch_counts  # noqa: E402
@@ -31,8 +33,10 @@ EXTRA = {"LayerNorm": 2, "LayerNorm no bias": 2, "RMSNorm": 2, "Linear": 3, "Lin
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_backward_launches_at_most_torch_plus_a_few(dtype, split, monkeypatch):
     if split:  # several programs per example, as the grid heuristics give on a GPU: partials summed
-        monkeypatch.setattr(fused_gns, "_norm_chunks", lambda N, T, sm_count: (2, math.ceil(T / 2)))
-        monkeypatch.setattr(fused_gns, "_linear_plan", lambda N, *shape: fused_gns.LinearSplit(0, 2, math.ceil(N / 2)))
+        monkeypatch.setattr(fused_norms, "_norm_chunks", lambda N, T, sm_count: (2, math.ceil(T / 2)))
+        monkeypatch.setattr(
+            fused_linear_plan, "_linear_plan", lambda N, *shape: fused_linear_plan.LinearSplit(0, 2, math.ceil(N / 2))
+        )
     torch.manual_seed(0)
     x = torch.randn(3, 5, 48, dtype=dtype, device=DEVICE)
     for label, plain, fused in launch_counts.layer_pairs(48, 40, DEVICE, dtype):  # 40 outputs: a ragged width

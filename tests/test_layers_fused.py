@@ -32,6 +32,11 @@ from oracle import per_example_sqnorms_by_loop
 from nanogns import layers
 from nanogns.layers import buffers as buffered
 from nanogns.layers import fused as fused_gns
+from nanogns.layers.fused import finish as fused_finish
+from nanogns.layers.fused import linear as fused_linear
+from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.layers.fused import norms as fused_norms
+from nanogns.layers.fused import runtime as fused_runtime
 from nanogns.layers.linear import PEGradNormLinear
 
 if fused_gns.kernels_interpreted():
@@ -76,7 +81,7 @@ def assert_close(actual, expected, tol, what=""):
 @pytest.fixture
 def captured(monkeypatch):
     """Record every per-example norm vector the fused layers add to a buffer, keyed by the buffer's id
-    (the kernels report theirs through fused_gns._recorded; layers.linear's torch paths add through
+    (the kernels report theirs through fused_finish._recorded; layers.linear's torch paths add through
     accumulate_pe_sqnorm)."""
     record = {}
     original = buffered.accumulate_pe_sqnorm
@@ -89,7 +94,7 @@ def captured(monkeypatch):
     def kernel_recorded(buffer, pe_sqnorm):  # the fused layers' kernels update the buffers themselves
         record.setdefault(id(buffer), []).append(pe_sqnorm.detach().clone())
 
-    monkeypatch.setattr(fused_gns, "_recorded", kernel_recorded)
+    monkeypatch.setattr(fused_finish, "_recorded", kernel_recorded)
     monkeypatch.setattr(layers.linear, "accumulate_pe_sqnorm", recording)
     return record
 
@@ -191,7 +196,7 @@ def test_norm_widths_the_glue_pads(kind, D, captured):
 @pytest.mark.parametrize("kind", NORM_KINDS)
 def test_norm_split_rows_and_accumulation(kind, captured, monkeypatch):
     """Several programs per example (as on a GPU), and two backward passes adding up."""
-    monkeypatch.setattr(fused_gns, "_norm_chunks", lambda N, T, sm_count: (3, math.ceil(T / 3)))
+    monkeypatch.setattr(fused_norms, "_norm_chunks", lambda N, T, sm_count: (3, math.ceil(T / 3)))
     torch.manual_seed(2)
     fused, ref = make_norm(kind, 40, torch.float32)
     x, g = inputs((3, 17), 40, torch.float32)
@@ -230,7 +235,7 @@ def test_layernorm_autocast_bf16_input():
 @pytest.mark.parametrize("strategy", [None, "gram", "materialise"])  # None: the kernel, on CPU
 def test_linear_small(strategy, bias, dtype, shape, captured, monkeypatch):
     """Every exact way the fused Linear may pick, two backward passes accumulating."""
-    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", strategy)
+    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", strategy)
     torch.manual_seed(5)
     fused, ref = make_linear(40, 72, bias, dtype)
     x, g = inputs(shape, 40, dtype, out_features=72)
@@ -238,7 +243,7 @@ def test_linear_small(strategy, bias, dtype, shape, captured, monkeypatch):
 
 
 GPU_CANDIDATES = sorted(
-    {c for configs in fused_gns.LINEAR_CANDIDATES.values() for c in configs},
+    {c for configs in fused_linear_plan.LINEAR_CANDIDATES.values() for c in configs},
     key=lambda c: (c.block_l, c.block_k, c.block_t),
 )
 
@@ -247,7 +252,7 @@ GPU_CANDIDATES = sorted(
 def test_linear_gpu_candidate_tiles(config, captured, monkeypatch):
     """Each autotune candidate's tiles (run here by the interpreter), on ragged sizes: 2 x 2 tiles of dW
     at least, rows split across row blocks, a last example shorter than one block."""
-    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", config)  # forced on a GPU too, not only timed
+    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", config)  # forced on a GPU too, not only timed
     torch.manual_seed(11)
     K, L = config.block_k + 24, config.block_l + 8
     fused, ref = make_linear(K, L, True, torch.float32)
@@ -260,7 +265,7 @@ def test_linear_gpu_candidate_tiles(config, captured, monkeypatch):
 def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, monkeypatch):
     """A frozen weight or bias gets no gradient and no norms; the input gradient and the trainable
     parameter are still exact."""
-    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", strategy)
+    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", strategy)
     torch.manual_seed(12)
     fused, ref = make_linear(40, 72, True, torch.float32)
     fused.weight.requires_grad_(weight_trainable)
@@ -284,18 +289,18 @@ def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, mo
 def test_fastest_times_each_candidate_once(monkeypatch):
     """The timed choice (GPU): every candidate timed once per key, the fastest kept, nothing timed again."""
     timed = []
-    fake_ms = {"gram": 3.0, "materialise": 5.0, fused_gns.LINEAR_CANDIDATES["16-bit"][0]: 2.0}
-    monkeypatch.setattr(fused_gns, "_linear_choices", {})
-    monkeypatch.setattr(fused_gns, "_benchmark_ms", lambda fn: fn())
+    fake_ms = {"gram": 3.0, "materialise": 5.0, fused_linear_plan.LINEAR_CANDIDATES["16-bit"][0]: 2.0}
+    monkeypatch.setattr(fused_linear, "_linear_choices", {})
+    monkeypatch.setattr(fused_linear, "_benchmark_ms", lambda fn: fn())
 
     def run(candidate):
         timed.append(candidate)
         return fake_ms[candidate]
 
     for _ in range(3):
-        assert fused_gns._fastest("key", list(fake_ms), run) == fused_gns.LINEAR_CANDIDATES["16-bit"][0]
+        assert fused_linear._fastest("key", list(fake_ms), run) == fused_linear_plan.LINEAR_CANDIDATES["16-bit"][0]
     assert timed == list(fake_ms)
-    assert fused_gns._fastest("other", ["gram", "materialise"], run) == "gram"
+    assert fused_linear._fastest("other", ["gram", "materialise"], run) == "gram"
 
 
 @pytest.mark.parametrize("shape", BIG_SHAPES)
@@ -312,11 +317,11 @@ def test_linear_wide(K, L, bias, dtype, shape, captured):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K, L", [(40, 48), (40, 72), (48, 72), (8, 20)])
 def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatch):
-    """Each way the glue passes the widths (fused_gns.linear_ragged): a ragged input width alone, masked; ragged
+    """Each way the glue passes the widths (fused_linear_plan.linear_ragged): a ragged input width alone, masked; ragged
     input and output widths, both masked; a ragged output alone; widths below 16 padded. The kernel sees each
     width unpadded exactly when linear_ragged says so, and the numbers agree."""
-    monkeypatch.setattr(fused_gns, "FUSED_LINEAR_STRATEGY", "kernel")  # on a GPU too, not the timed choice
-    seen, launch = [], fused_gns._launch
+    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", "kernel")  # on a GPU too, not the timed choice
+    seen, launch = [], fused_runtime._launch
 
     def record(kernel, grid, device, *args, **kwargs):
         seen.append(
@@ -324,14 +329,14 @@ def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatc
         )
         launch(kernel, grid, device, *args, **kwargs)
 
-    monkeypatch.setattr(fused_gns, "_launch", record)
+    monkeypatch.setattr(fused_runtime, "_launch", record)
     torch.manual_seed(13)
     fused, ref = make_linear(K, L, True, dtype)
     x, g = inputs((3, 17), K, dtype, out_features=L)
     check_against_oracle(fused, ref, x, g, dtype, captured, passes=2)
     linear = [args for name, args in seen if name == "_linear_bwd_dw_pesq"]
-    ieee = dtype == torch.float32 and not (DEVICE == "cuda" and fused_gns.matmul_allows_tf32())
-    ragged = fused_gns.linear_ragged(L, K, dtype, not ieee)
+    ieee = dtype == torch.float32 and not (DEVICE == "cuda" and fused_runtime.matmul_allows_tf32())
+    ragged = fused_linear_plan.linear_ragged(L, K, dtype, not ieee)
     assert len(linear) == 2 and all(a["K"] == (K if "K" in ragged else -(-K // 16) * 16) for a in linear)
     assert all(a["L"] == (L if "L" in ragged else -(-L // 16) * 16) for a in linear)
     assert ragged == tuple(n for n, w in (("L", L), ("K", K)) if w >= 16 and w % 16)
@@ -340,12 +345,14 @@ def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatc
 @pytest.mark.parametrize("split", [(0, 2, 2), (2, 2, 2), (4, 3, 1), (1, 2, 2)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_split_examples_small_tiles_and_accumulation(bias, split, captured, monkeypatch):
-    """Examples split over programs as on a GPU (fused_gns.LinearSplit: the first rows of tiles owned whole,
+    """Examples split over programs as on a GPU (fused_linear_plan.LinearSplit: the first rows of tiles owned whole,
     the rest in chunks of examples: 2 chunks of 2 for N = 3, or 3 of 1), 16-wide tiles (5 x 3 of them,
     ragged), two T blocks per example, and two backward passes adding up."""
-    monkeypatch.setattr(fused_gns, "_linear_plan", lambda N, *shape: fused_gns.LinearSplit(*split))
+    monkeypatch.setattr(fused_linear_plan, "_linear_plan", lambda N, *shape: fused_linear_plan.LinearSplit(*split))
     monkeypatch.setattr(
-        fused_gns, "_interpreter_linear_config", lambda T, L, K: fused_gns.LinearConfig(16, 16, 16, 4, 1)
+        fused_linear_plan,
+        "_interpreter_linear_config",
+        lambda T, L, K: fused_linear_plan.LinearConfig(16, 16, 16, 4, 1),
     )
     torch.manual_seed(7)
     fused, ref = make_linear(40, 72, bias, torch.float32)
@@ -397,8 +404,8 @@ def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
     x, g = inputs((3, 17), 40, torch.float32)
     y = kernel_layer(x)
     y.backward(g)
-    monkeypatch.setattr(fused_gns, "_warned_reasons", set())
-    monkeypatch.setattr(fused_gns, "kernel_unavailable_reason", lambda x: "a test said so")
+    monkeypatch.setattr(fused_runtime, "_warned_reasons", set())
+    monkeypatch.setattr(fused_runtime, "kernel_unavailable_reason", lambda x: "a test said so")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # second call: no new warning; buffers accumulate twice
@@ -413,7 +420,7 @@ def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
 
 
 def test_float64_falls_back_with_reason(monkeypatch):
-    monkeypatch.setattr(fused_gns, "_warned_reasons", set())
+    monkeypatch.setattr(fused_runtime, "_warned_reasons", set())
     layer = fused_gns.PEGradNormFusedLayerNorm(40).to(DEVICE, torch.float64)
     x = torch.randn(3, 5, 40, dtype=torch.float64, device=DEVICE)
     assert "float64" in fused_gns.kernel_unavailable_reason(x)

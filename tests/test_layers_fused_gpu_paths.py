@@ -20,6 +20,9 @@ import pytest
 import torch
 
 from nanogns.layers import fused as fused_gns
+from nanogns.layers.fused import linear as fused_linear
+from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.layers.fused import runtime as fused_runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -35,24 +38,24 @@ def test_tf32_flag_read_through_either_api():
     (torch 2.13); the glue's reader gives the effective setting. A fresh process: these flags are sticky."""
     script = textwrap.dedent("""
         import torch
-        from nanogns.layers import fused as fused_gns
+        from nanogns.layers.fused import runtime as fused_runtime
         m = torch.backends.cuda.matmul
-        seen = [fused_gns.matmul_allows_tf32()]
+        seen = [fused_runtime.matmul_allows_tf32()]
         torch.backends.fp32_precision = "tf32"  # the new API, global: the matmul inherits it
-        seen.append(fused_gns.matmul_allows_tf32())
+        seen.append(fused_runtime.matmul_allows_tf32())
         try:
             m.allow_tf32  # what the glue read before
             seen.append("legacy read")
         except RuntimeError:
             seen.append("legacy read raises")
         m.fp32_precision = "ieee"
-        seen.append(fused_gns.matmul_allows_tf32())
+        seen.append(fused_runtime.matmul_allows_tf32())
         m.fp32_precision = "tf32"
-        seen.append(fused_gns.matmul_allows_tf32())
+        seen.append(fused_runtime.matmul_allows_tf32())
         m.allow_tf32 = False  # the legacy API after the new one
-        seen.append(fused_gns.matmul_allows_tf32())
+        seen.append(fused_runtime.matmul_allows_tf32())
         m.allow_tf32 = True
-        seen.append(fused_gns.matmul_allows_tf32())
+        seen.append(fused_runtime.matmul_allows_tf32())
         print(seen)
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -74,7 +77,7 @@ def test_every_launch_is_on_its_tensors_device(monkeypatch):
         current.pop()
 
     monkeypatch.setattr(torch.cuda, "device", fake_cuda_device)
-    monkeypatch.setattr(fused_gns, "_device_guard", lambda device: torch.cuda.device(device))
+    monkeypatch.setattr(fused_runtime, "_device_guard", lambda device: torch.cuda.device(device))
     seen = []
     from nanogns import kernels as normgnorm
 
@@ -94,14 +97,14 @@ def test_timed_choice_skips_candidates_that_fail(monkeypatch):
     """A candidate that runs out of memory or fails to compile is skipped with a warning, not the run's end."""
     from triton import CompilationError
 
-    config = fused_gns.LINEAR_CANDIDATES["16-bit"][0]
+    config = fused_linear_plan.LINEAR_CANDIDATES["16-bit"][0]
     errors = {
         "materialise": torch.OutOfMemoryError("CUDA out of memory"),
         config: CompilationError("kernel.py", None, "no compile"),
     }
     timed = []
-    monkeypatch.setattr(fused_gns, "_linear_choices", {})
-    monkeypatch.setattr(fused_gns, "_benchmark_ms", lambda fn: fn())
+    monkeypatch.setattr(fused_linear, "_linear_choices", {})
+    monkeypatch.setattr(fused_linear, "_benchmark_ms", lambda fn: fn())
 
     def run(c):
         timed.append(c)
@@ -109,26 +112,28 @@ def test_timed_choice_skips_candidates_that_fail(monkeypatch):
             raise errors[c]
         return {"gram": 3.0}.get(c, 2.0)
 
-    candidates = ["gram", "materialise", *fused_gns.LINEAR_CANDIDATES["16-bit"]]
+    candidates = ["gram", "materialise", *fused_linear_plan.LINEAR_CANDIDATES["16-bit"]]
     with pytest.warns(RuntimeWarning, match="skipped") as caught:
-        choice = fused_gns._fastest(("k",), candidates, run)
-    assert timed == candidates and choice == fused_gns.LINEAR_CANDIDATES["16-bit"][1]
+        choice = fused_linear._fastest(("k",), candidates, run)
+    assert timed == candidates and choice == fused_linear_plan.LINEAR_CANDIDATES["16-bit"][1]
     assert sum("skipped" in str(w.message) for w in caught) == 2
-    monkeypatch.setattr(fused_gns, "_linear_choices", {})
+    monkeypatch.setattr(fused_linear, "_linear_choices", {})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(RuntimeError, match="every candidate failed"):
-            fused_gns._fastest(("k",), ["materialise"], run)
+            fused_linear._fastest(("k",), ["materialise"], run)
 
 
 def test_gram_candidate_not_tried_when_too_large(monkeypatch):
     """GPT-2's lm_head at B = 12: the Gram trick's fp32 copies take ~2.5 GB; with 3 GB free it is not timed."""
     tried = []
-    monkeypatch.setattr(fused_gns, "_fastest", lambda key, candidates, run: tried.append(candidates) or "materialise")
-    monkeypatch.setattr(fused_gns, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(
+        fused_linear, "_fastest", lambda key, candidates, run: tried.append(candidates) or "materialise"
+    )
+    monkeypatch.setattr(fused_runtime, "_sm_count", lambda device: 132)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     N, T, K, L = 12, 1024, 768, 50257
-    assert 2.4e9 < fused_gns.gram_extra_bytes(N, T, K, L) < 2.7e9
+    assert 2.4e9 < fused_linear.gram_extra_bytes(N, T, K, L) < 2.7e9
 
     class FakeCuda(torch.Tensor):  # a meta tensor that says it is on a GPU: nothing is allocated
         @property
@@ -138,8 +143,8 @@ def test_gram_candidate_not_tried_when_too_large(monkeypatch):
     x = torch.empty(N, T, K, dtype=torch.bfloat16, device="meta").as_subclass(FakeCuda)
     g = torch.empty(N, T, L, dtype=torch.bfloat16, device="meta").as_subclass(FakeCuda)
     for free, has_gram in ((3 * 2**30, False), (80 * 2**30, True)):
-        monkeypatch.setattr(fused_gns, "_free_bytes", lambda device, free=free: free)
-        fused_gns._linear_choice(x, g)
+        monkeypatch.setattr(fused_linear, "_free_bytes", lambda device, free=free: free)
+        fused_linear._linear_choice(x, g)
         assert ("gram" in tried[-1]) == has_gram and "materialise" in tried[-1]
 
 
@@ -212,7 +217,7 @@ def test_benchmarks_set_tf32_as_train_py():
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         train_settings.set_training_precision()
-        assert fused_gns.matmul_allows_tf32() and torch.backends.cudnn.allow_tf32
+        assert fused_runtime.matmul_allows_tf32() and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     for script in ("kernels.py", "linear_strategies.py", "step_overhead.py", "moe_block.py"):

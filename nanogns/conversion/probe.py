@@ -41,8 +41,7 @@ import torch
 import torch.nn as nn
 
 from nanogns import layers
-from nanogns.layers import intercept
-from nanogns.layers.buffers import refused, refused_addresses
+from nanogns.layers import intercept, layout
 from nanogns.layers.registry import adopt
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
@@ -429,10 +428,11 @@ def intercept_problem(module):
     )
     adopt(twin, intercept.InterceptedForward, {"kinds": {}})
     try:
-        got_out, _, got_grads = _forward_backward(lambda p, inp: twin(inp), dict(twin._parameters), x, grad_out)
+        with layout.collecting() as row_map:
+            got_out, _, got_grads = _forward_backward(lambda p, inp: twin(inp), dict(twin._parameters), x, grad_out)
     except Exception as e:
         return f"its forward fails with its parameter uses followed ({type(e).__name__}: {e})"
-    reasons = {name: [refused.pop(a) for a in refused_addresses(twin.pe_buffer(name))] for name in params}
+    reasons = {name: row_map.reasons(twin.pe_buffer(name)) for name in params}
     found = next((r[0] for r in reasons.values() if r), None)
     if found is not None:
         return found

@@ -46,7 +46,6 @@ except ImportError:  # a torch built without distributed
     DTensor = None
 
 BUFFER_SUFFIX = "_upegsqnorm"
-refused = {}  # {buffer's data_ptr: why its step was refused (rows not mapped to examples)}, cleared with the buffers
 # why tensor-parallel layers are refused, wherever that is found (a sharded parameter in a forward, sharded buffers)
 TENSOR_PARALLEL = (
     "each rank would record the norms of its shard of the examples' gradients, which the monitor "
@@ -85,8 +84,9 @@ def zero_sqgradnorm_buffers(model):
     for name, buffer in model.named_buffers():
         if name.endswith(BUFFER_SUFFIX):
             buffer.zero_()
-            for address in refused_addresses(buffer):
-                del refused[address]
+    mapper = layout.mapper_of(model)
+    if mapper is not None:
+        mapper.clear()
 
 
 class PESqNormBuffersMixin:
@@ -161,14 +161,7 @@ def refuse_step(reason, buffers):
         for buffer in buffers:
             if buffer is not None:
                 buffer[..., 1] = math.nan
-                refused[buffer.data_ptr()] = reason
-
-
-def refused_addresses(buffer):
-    """The entries of `refused` that lie in `buffer` (a bank's buffer holds its slices' views)."""
-    start = buffer.data_ptr()
-    end = start + buffer.numel() * buffer.element_size()
-    return [address for address in refused if start <= address < end]
+    layout.note_refusal(reason, buffers)
 
 
 def is_dtensor(t):

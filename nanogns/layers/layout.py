@@ -31,6 +31,7 @@ layout of their own passes `install(model, layout_of=fn)`, fn(args, kwargs) ->
 Layout.
 """
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional
@@ -163,19 +164,80 @@ class Layout:
         )
 
 
-_active = []  # the Layouts of the root forwards running now, innermost last
-_last = None  # the Layout of the last root forward: what activation checkpointing recomputes under in backward
+class RowMapper:
+    """What `install(model)` sets up for a model: the hooks that give each of its forwards a Layout, and the
+    reasons its layers gave for the rows they could not map this step (a buffer's count is then NaN, and the
+    monitor's error says why). The monitor clears the reasons with the buffers after each step.
+
+    Reasons are kept by the address range of the buffer they concern: a bank's buffer holds its slices' views."""
+
+    def __init__(self, layout_of=None):
+        self.layout_of = layout_of
+        self.handles = ()
+        self.refusals = {}  # {buffer's data_ptr: reason}
+
+    def note_refusal(self, reason, buffers):
+        for buffer in buffers:
+            if buffer is not None:
+                self.refusals[buffer.data_ptr()] = reason
+
+    def reasons(self, buffer):
+        """The reasons noted for `buffer` or any view inside it."""
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        return [reason for address, reason in self.refusals.items() if start <= address < end]
+
+    def clear(self):
+        self.refusals.clear()
+
+
+# The forward context every layer reads, per process as torch's autocast state is: the (Layout, RowMapper) of
+# the root forwards running now (innermost last), the last root forward's (what activation checkpointing
+# recomputes under in backward), and collectors of refusals outside any installed model (convert's probes).
+_active = []
+_last = None
+_collectors = []
+
+
+def _in_backward():
+    # Dynamo cannot trace the graph-task query; a traced forward outside any root forward is no recompute
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def current():
     """The Layout layers read now: the innermost running root forward's, or during a backward pass (layers
     recomputed by activation checkpointing) the last root forward's; None outside both."""
     if _active:
-        return _active[-1]
-    # Dynamo cannot trace the graph-task query; a traced forward outside any root forward is no recompute
-    if _last is not None and not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-        return _last
+        return _active[-1][0]
+    if _last is not None and _in_backward():
+        return _last[0]
     return None
+
+
+def note_refusal(reason, buffers):
+    """Keep why these buffers' step is refused, with the RowMapper of the forward running now (or, in backward,
+    of the last one; or the innermost `collecting()`), for the monitor's error. Outside all of them the count
+    of NaN still refuses the step; only the reason is not kept."""
+    if _active:
+        mapper = _active[-1][1]
+    elif _last is not None and _in_backward():
+        mapper = _last[1]
+    elif _collectors:
+        mapper = _collectors[-1]
+    else:
+        return
+    mapper.note_refusal(reason, buffers)
+
+
+@contextlib.contextmanager
+def collecting():
+    """Collect the refusals of layers run outside any installed model (a probe of one module), in a RowMapper."""
+    mapper = RowMapper()
+    _collectors.append(mapper)
+    try:
+        yield mapper
+    finally:
+        _collectors.remove(mapper)
 
 
 def rows_for(shape):
@@ -224,14 +286,19 @@ def _packed_rows(N, kwargs):
     return None
 
 
-def install(model, layout_of=layout_of_inputs):
-    """Set the Layout that `model`'s layers read from every forward of `model` (idempotent).
+def install(model, layout_of=layout_of_inputs, mapper=None):
+    """Set the Layout that `model`'s layers read from every forward of `model` (idempotent); returns the model's
+    RowMapper.
 
     Args:
         layout_of: layout_of(args, kwargs) -> Layout, or None for a forward whose layers then read dim 0.
+        mapper: a RowMapper to share (the children of a LightningModule, whose own forward is not called,
+            note their refusals where the monitor of the whole module reads them).
     """
-    if getattr(model, _HOOK_ATTRIBUTE, None) is not None:
-        return model.__dict__[_HOOK_ATTRIBUTE]
+    found = model.__dict__.get(_HOOK_ATTRIBUTE)
+    if found is not None:
+        return found
+    mapper = mapper if mapper is not None else RowMapper(layout_of)
     sequence_first = any(getattr(m, "batch_first", True) is False for m in model.modules())
 
     def enter(module, args, kwargs):
@@ -239,19 +306,24 @@ def install(model, layout_of=layout_of_inputs):
         found = layout_of(args, kwargs)
         if found is not None and sequence_first:
             found = dataclasses.replace(found, sequence_first=True)
-        _active.append(found)
+        _active.append((found, mapper))
         if found is not None and torch.is_grad_enabled():
-            _last = found
+            _last = (found, mapper)
 
     def leave(module, args, kwargs, output):
         _active.pop()
 
-    handles = (
+    mapper.handles += (
         model.register_forward_pre_hook(enter, with_kwargs=True),
         model.register_forward_hook(leave, with_kwargs=True, always_call=True),
     )
-    model.__dict__[_HOOK_ATTRIBUTE] = handles  # not a submodule or buffer: state_dict and copies stay clean
-    return handles
+    model.__dict__[_HOOK_ATTRIBUTE] = mapper  # not a submodule or buffer: state_dict and copies stay clean
+    return mapper
+
+
+def mapper_of(model):
+    """The RowMapper `install` gave `model`, or None."""
+    return model.__dict__.get(_HOOK_ATTRIBUTE)
 
 
 def clear():

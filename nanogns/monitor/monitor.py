@@ -28,16 +28,28 @@ share of the B examples (so unequal shares are exact).
 
 import math
 import warnings
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Union
+
+import torch
+import torch.nn as nn
 
 from nanogns.estimator import RunningGNS
 from nanogns.layers import layout
-from nanogns.layers.buffers import refused, refused_addresses
 from nanogns.layers.sogns import SOGNS_SUFFIX
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
 from nanogns.monitor.tracked import Measurement, describe_tracked, find_tracked_parameters, summed_sqnorms
 from nanogns.runlog.record import write_parameter_record
 
+if TYPE_CHECKING:
+    import pandas
+
 APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
+
+
+class LogSink(Protocol):
+    """What `log` may be besides a callable: an object with a `log(dict)` method (runlog.LogWrapper)."""
+
+    def log(self, values: Dict[str, Any]) -> Any: ...
 
 
 # -----------------------------------------------------------------------------
@@ -62,7 +74,7 @@ class GNSMonitor:
     for gns-analysis.py.
 
     What it knows, each said once (as warnings, and here): `unconverted` {module path: why} from
-    layer_config.convert; `untracked` {parameter: why} for every trainable parameter it does not measure (and
+    convert(); `untracked` {parameter: why} for every trainable parameter it does not measure (and
     those it stops measuring during the run, with the step); `tracked`, the Tracked entries it logs.
 
     Args:
@@ -73,18 +85,28 @@ class GNSMonitor:
         ema_decay: decay of the running GNS's EMAs (gns-analysis.py's --alpha).
         out_dir: where to write the record when `log` has no out_dir.
         expect_tracked: raise when no parameter records per-example norms (convert() passes False: it says why).
+        unconverted: {module path: why} of the modules convert() left as they were (its report).
     Under torch.distributed every rank must call `step` (it all-reduces once).
     `state_dict()` / `load_state_dict()` carry the running GNS and the counters across a resume.
     """
 
     def __init__(
-        self, model, log=None, scaler=None, ema_decay=0.95, prefix="train/gns/", out_dir=None, expect_tracked=True
+        self,
+        model: nn.Module,
+        log: Union[None, LogSink, Callable[[Dict[str, Any]], Any]] = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        ema_decay: float = 0.95,
+        prefix: str = "train/gns/",
+        out_dir: Optional[str] = None,
+        expect_tracked: bool = True,
+        unconverted: Optional[Dict[str, str]] = None,
     ):
-        layout.install(model)  # each forward's examples, read by every layer (layout.py)
+        self._warned = set()  # parameters warned about (once each)
+        self.row_map = layout.install(model)  # each forward's examples, read by every layer (layout.py)
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
-        self.unconverted = dict(model.__dict__.get("_pe_unconverted", {}))
+        self.unconverted = dict(unconverted or {})
         if expect_tracked and not self.tracked and not self.approx_tracked:
             raise ValueError(
                 f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
@@ -102,37 +124,36 @@ class GNSMonitor:
         self.record_path = None
         self.write_record(out_dir if out_dir is not None else getattr(log, "out_dir", None))
 
-    def write_record(self, out_dir):
+    def write_record(self, out_dir: Optional[str]) -> None:
         """Write out_dir/PARAMETERS_JSON, what each tracked parameter is (nothing when out_dir is None)."""
         if out_dir:
             self.record_path = write_parameter_record(out_dir, self.describe())
 
     def _warn_once(self, reasons):
-        """Warn about each parameter once per model, however many monitors are made of it."""
-        said = self.model.__dict__.setdefault("_pe_warned", set())
+        """Warn about each parameter once."""
         for name, reason in reasons.items():
-            if name not in said:
-                said.add(name)
+            if name not in self._warned:
+                self._warned.add(name)
                 warnings.warn(f"GNS: not tracking {name}: {reason}")
 
     @property
-    def gns(self):
+    def gns(self) -> float:
         """The running GNS (NaN until a step with B > 1 and a positive |G|^2 EMA)."""
         return self.running.gns
 
     @property
-    def dropped(self):
+    def dropped(self) -> Set[str]:
         """The parameters no longer measured since a step found them used more than once per forward."""
         return {name for name, reason in self.untracked.items() if reason.startswith("used")}
 
-    def describe(self):
+    def describe(self) -> Dict[str, Dict[str, Any]]:
         """{logged name: layer kind, class, block, names, elements} (see describe_tracked)."""
         return describe_tracked(self.model, self.tracked)
 
     def _scaler_on(self):
         return self.scaler is not None and self.scaler.is_enabled()
 
-    def measure(self, batch_size=None, gradients_unscaled=False):
+    def measure(self, batch_size: Optional[int] = None, gradients_unscaled: bool = False) -> List[Measurement]:
         """The exact Measurements of this step (B = batch_size examples over all micro-batches and ranks), without
         zeroing the buffers or logging ([] for a step the GradScaler will skip); the SOGNS ones, where layers record
         them, go to `approx_measurements`.
@@ -223,9 +244,9 @@ class GNSMonitor:
         """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
         if math.isnan(count):
             reasons = {
-                refused[a]
+                reason
                 for module, buffer_name, _ in entry.terms
-                for a in refused_addresses(module._buffers[buffer_name])
+                for reason in self.row_map.reasons(module._buffers[buffer_name])
             }
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
             return ValueError(
@@ -240,13 +261,14 @@ class GNSMonitor:
             f"ranks, or the number of packed sequences)"
         )
 
-    def step(self, batch_size=None, gradients_unscaled=False):
+    def step(self, batch_size: Optional[int] = None, gradients_unscaled: bool = False) -> Dict[str, float]:
         """Measure this step (B = batch_size examples over all micro-batches and ranks; see `measure`), zero the
         buffers, update the running GNS and log the row; returns the row."""
         try:
             exact = self.measure(batch_size, gradients_unscaled)
         finally:
             self.table.zero()  # whatever happened, the next step starts from zero
+            self.row_map.clear()
         approx = self.approx_measurements
         row = {}
         for prefix, found in ((self.prefix, exact), (APPROX_PREFIX, approx)):
@@ -264,7 +286,7 @@ class GNSMonitor:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)
         return row
 
-    def replay(self, frame):
+    def replay(self, frame: "pandas.DataFrame") -> float:
         """Rebuild the running GNS from logged rows (a load_csv DataFrame of this model's earlier steps, oldest
         first) as step() built it, each row's exact norms or else its approximate ones: for a resumed run whose
         checkpoint does not hold state_dict() (a trainer's). Returns the running GNS."""
@@ -284,7 +306,7 @@ class GNSMonitor:
                     break
         return self.gns
 
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, Any]:
         return {
             "running": self.running.state_dict(),
             "step_count": self.step_count,
@@ -293,7 +315,7 @@ class GNSMonitor:
             "dropped": {name: self.untracked[name] for name in sorted(self.dropped)},
         }
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.running.load_state_dict(state["running"])
         self.step_count = state["step_count"]
         self.scaler_skipped_steps = state["scaler_skipped_steps"]

@@ -8,7 +8,7 @@ gradient may be a DTensor: each rank reads its shard (grad_piece).
 import numpy as np
 import torch
 
-from nanogns.layers.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor, refused
+from nanogns.layers.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
 
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters
@@ -105,10 +105,9 @@ class BufferTable:
                 offsets[device] += n
 
     def zero(self):
-        """Zero every buffer (one op per device) and forget the step's refusals."""
+        """Zero every buffer (one op per device)."""
         for flat in self.flats.values():
             flat.zero_()
-        refused.clear()
 
 
 def buffer_table(model):
