@@ -60,3 +60,31 @@ def per_example_loss_sqnorms_by_loop(model, loss_of, batch):
                 total[n] += g / B
     model.zero_grad(set_to_none=True)
     return sq, {n: t.pow(2).sum().item() for n, t in total.items()}
+
+
+def loss_sqnorms_from_batched_forward(model, losses):
+    """Per trainable parameter, (mean_i ||g_i||^2, ||mean_i g_i||^2), g_i the gradient of example i's loss:
+    each example's gradient taken from the batched forward that made its loss, by a backward of that loss alone
+    (retain_graph), in float64. The parameters' .grad are left untouched; a per-example norm layer in `model`
+    records these backwards too, so zero its buffers afterwards (or use a copy of the model).
+
+    Args:
+        losses: (N,) per-example losses of one forward, or a list of them (the micro-batches of one step).
+    Returns:
+        ({name: mean_i ||g_i||^2}, {name: ||mean_i g_i||^2}) as Python floats over all the examples, under
+        named_parameters() names (a tied tensor under its first name); a parameter no loss reaches has 0.0.
+    """
+    parts = [losses] if isinstance(losses, torch.Tensor) else list(losses)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    N = sum(part.shape[0] for part in parts)
+    sq = {n: 0.0 for n, _ in params}
+    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params}
+    for part in parts:
+        for i in range(part.shape[0]):
+            grads = torch.autograd.grad(part[i], [p for _, p in params], retain_graph=True, allow_unused=True)
+            for (n, _), g in zip(params, grads):
+                if g is not None:
+                    g = g.detach().double()
+                    sq[n] += g.pow(2).sum().item() / N
+                    total[n] += g / N
+    return sq, {n: t.pow(2).sum().item() for n, t in total.items()}
