@@ -1,0 +1,248 @@
+"""
+convert(model), which gives a model built elsewhere per-example norm layers.
+
+`convert(model)` turns, in place, every module of a class a kind replaces (torch's
+Linear, Embedding, LayerNorm, RMSNorm, transformers' Conv1D, ...) into that kind's
+chosen variant, and any other module owning parameters into a per-example norm
+layer after probe.py's probe shows it computes the same thing (one Conversion walks the model).
+"""
+
+import warnings
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import torch.nn as nn
+
+from nanogns import layers
+from nanogns.conversion import probe as swapcheck
+from nanogns.layers import intercept
+from nanogns.layers.buffers import BUFFER_SUFFIX
+from nanogns.layers.registry import ROLES, adopt
+from nanogns.monitor.monitor import GNSMonitor
+
+# -----------------------------------------------------------------------------
+# converting a model that was built elsewhere
+
+
+def _known_classes():
+    """{class: kind} of the classes convert swaps by their exact class (only classes already imported)."""
+    return {cls: kind for kind in layers.KINDS.values() for cls in kind.replaced_classes()}
+
+
+def _treat_as_entries(treat_as, known):
+    """{class: (kind, options)} from convert's `treat_as` argument, checked."""
+    entries = {}
+    probed = [name for name, kind in layers.KINDS.items() if kind.probe is not None]
+    for cls, spec in (treat_as or {}).items():
+        label = getattr(cls, "__name__", repr(cls))
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"treat_as keys are nn.Module classes, got {cls!r}")
+        if not (isinstance(spec, str) or isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict)):
+            raise ValueError(f"treat_as[{label}] is a kind or (kind, {{option: value}}), got {spec!r}")
+        kind, options = (spec, {}) if isinstance(spec, str) else spec
+        if cls in known:
+            raise ValueError(f"{label} is converted by its class already; remove it from treat_as")
+        if kind not in probed:
+            raise ValueError(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
+        allowed = set(layers.get(kind).probe.options) | set(ROLES)
+        if set(options) - allowed or any(not isinstance(options[role], str) for role in ROLES if role in options):
+            raise ValueError(
+                f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
+                f"name the parameters playing those roles), got {options}"
+            )
+        entries[cls] = (kind, dict(options))
+    return entries
+
+
+class Conversion:
+    """One convert() call: the user's choices, and the walk over the model's modules that swaps each for a
+    per-example norm layer or notes why not (`unconverted`, {module path: reason})."""
+
+    def __init__(self, choice, treat_as=None, exclude=()):
+        self.choice = choice  # {"linearclass": variant, "embeddingclass": ..., "lnclass": ...}
+        self.known = _known_classes()
+        self.structural = [kind for kind in layers.KINDS.values() if kind.matches is not None]
+        self.named = _treat_as_entries(treat_as, self.known)
+        self.exclude = tuple(exclude)
+        self.visited = set()
+        self.unconverted = {}
+
+    def run(self, model):
+        """Convert every module of `model` in place; returns `unconverted`."""
+        if type(model) in self.known:
+            raise ValueError(
+                f"convert() swaps the layers inside a model; got a bare {type(model).__name__}: "
+                "wrap it in a module (e.g. nn.Sequential(layer)) and convert that"
+            )
+        self.visit(model, "", None, model)
+        if owns_untracked_parameters(model):
+            self.unconverted[""] = (
+                f"{type(model).__name__} owns parameters directly; call functional.py from its forward"
+            )
+        return self.unconverted
+
+    def visit(self, module, path, parent, model):
+        if id(module) in self.visited:  # a module registered under several paths is converted once, stays shared
+            return
+        self.visited.add(id(module))
+        if path and self.excluded(module, path):
+            if any(True for _ in module.parameters()):
+                self.unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
+            return
+        kind = self.known.get(type(module)) or next((k for k in self.structural if k.matches(module)), None)
+        reason = None
+        if kind is not None:
+            reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
+        elif module is not model and owns_untracked_parameters(module):
+            reason = self.convert_probed(module)
+        if reason is not None:
+            self.unconverted[path] = reason
+        if kind is None:  # a kind's layer holds its whole subtree; any other module's children are visited
+            for name, child in module._modules.items():
+                if child is not None:
+                    self.visit(child, path + ("." if path else "") + name, module, model)
+
+    def excluded(self, module, path):
+        return any(
+            (isinstance(e, type) and isinstance(module, e))
+            or (isinstance(e, str) and (path == e or path.startswith(e + ".")))
+            for e in self.exclude
+        )
+
+    def variant_of(self, kind):
+        """(class of the chosen variant, or None for 'nn'; reason when the kind has no such variant)."""
+        name = self.choice[kind.config_key]
+        if name == "nn":
+            return None, None
+        if name not in kind.variants:
+            return None, f"{kind.config_key}={name!r} has no {kind.name} layer; choose from {sorted(kind.variants)}"
+        return kind.layer_class(name), None
+
+    def convert_known(self, module, kind):
+        """None, or why a module of a kind (by its class, or its structure) was not converted."""
+        if not any(True for _ in module.parameters(recurse=False)):
+            return None  # a norm without affine parameters: nothing to record
+        cls, reason = self.variant_of(kind)
+        reason = reason or kind.convertible(module)
+        if cls is not None and reason is None and kind.verify is not None:
+            reason = kind.verify(module, cls)
+            reason = reason and f"{type(module).__name__} not converted, {reason}"
+        if cls is None or reason is not None:
+            return reason
+        adopt(module, cls, kind.options(module))
+        return None
+
+    def convert_probed(self, module):
+        """None, or why a module of a class no kind replaces was not converted: swapped for a kind's layer when
+        the probe shows one computes the same (swap_probed), else kept with its own forward and its parameters'
+        uses followed (intercept.py) when a probe shows that records them all (follow_uses)."""
+        kind_name, options = self.named.get(type(module), (None, {}))
+        base = next((k.name for c, k in self.known.items() if isinstance(module, c)), None)
+        names = [kind_name] if kind_name else [base] if base else swapcheck.probed_kinds()
+        done, problem = self.swap_probed(module, names, options)
+        if done:
+            return problem  # swapped (None), or the reason the chosen kinds give
+        if kind_name is not None:  # the user named a kind: only a layer of it may stand in
+            return f"{type(module).__name__} not converted, {problem}"
+        return self.follow_uses(module, problem)
+
+    def swap_probed(self, module, names, options):
+        """(True, None) when a layer of one of the kinds `names` replaced the module; (True, reason) when the
+        user's choices leave it as it is; (False, why no kind's layer computes what it computes)."""
+        problem = swapcheck.structure_problem(module, options)
+        fitting = swapcheck.fitting_kinds(module, names, options) if problem is None else []
+        if problem is None and not fitting:
+            shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+            problem = f"its parameters {shapes} fit no {' or '.join(names)} layer"
+        if problem is not None:
+            return False, problem
+        chosen = {name: self.variant_of(layers.get(name)) for name in fitting}
+        if all(cls is None and reason is None for cls, reason in chosen.values()):
+            return True, None  # the user chose 'nn' for these kinds
+        usable = [name for name in fitting if chosen[name][0] is not None]
+        if not usable:
+            return True, next(reason for _, reason in chosen.values() if reason is not None)
+        found, problem = swapcheck.find_replacement(module, usable, options)
+        if found is None:
+            return False, problem
+        roles = swapcheck.role_names(module, options)  # parameters named otherwise play their roles
+        adopt(module, chosen[found.kind][0], {**found.options, **roles})
+        return True, None
+
+    def follow_uses(self, module, problem):
+        """None when the module keeps its own forward with its parameters' uses followed (intercept.py), else
+        why neither way works."""
+        kinds = intercept.parameter_kinds(module)
+        if all(self.choice[layers.get(k).config_key] == "nn" for k in kinds.values()):
+            return None  # the user chose 'nn' for the kinds its parameters would be recorded as
+        followed = swapcheck.intercept_problem(module)
+        if followed is None:
+            adopt(module, intercept.InterceptedForward, {"kinds": kinds})
+            return None
+        return (
+            f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
+            f"{followed}. Call functional.py's per-example norm functions from its forward"
+        )
+
+
+def owns_untracked_parameters(module):
+    """Parameters of its own and no per-example norm buffer (layers built with functional.py have one). A
+    parameter that is also its child's (BERT's cls.predictions.bias is decoder.bias) is the child's."""
+    in_children = {id(p) for child in module.children() for p in child.parameters()}
+    own = [p for p in module.parameters(recurse=False) if id(p) not in in_children]
+    return bool(own) and not any(n.endswith(BUFFER_SUFFIX) for n in module._buffers)
+
+
+def check_choice(choice):
+    """Raise ValueError, naming the choices, for a variant name no kind of its key offers."""
+    for key, name in choice.items():
+        kinds = [kind for kind in layers.KINDS.values() if kind.config_key == key]
+        if not any(name in kind.variants for kind in kinds):
+            kinds[0].layer_class(name)  # raises, naming the choices
+
+
+def convert(
+    model: nn.Module,
+    linearclass: str = "gns",
+    embeddingclass: str = "gns",
+    lnclass: str = "gns",
+    treat_as: Optional[Dict[type, Union[str, Tuple[str, dict]]]] = None,
+    exclude: Sequence[Union[str, type]] = (),
+    **monitor: Any,
+) -> GNSMonitor:
+    """Give the layers of an existing model per-example norms, in place.
+
+    Every module whose class is exactly one a layer kind replaces (torch's nn.Linear, nn.Embedding,
+    nn.LayerNorm, nn.RMSNorm with a weight, transformers' Conv1D, ...) becomes that kind's variant chosen by
+    `linearclass`, `embeddingclass` or `lnclass` ('nn' leaves the kind alone). Any other module owning
+    parameters, such as transformers' LlamaRMSNorm, GemmaRMSNorm (scale 1 + weight), T5LayerNorm, nanoGPT's
+    LayerNorm or a subclass of a torch class with its own forward, is converted when a probe shows that a
+    per-example norm layer computes the same output and gradients (probe.py: the kind is found by what the
+    module computes, not by its name; a subclass of a torch class is tried as that class's kind only).
+
+    A converted module stays the same object, with the same Parameters, buffers, hooks, attributes and
+    `state_dict` keys, and an instance of its class (its class gains the variant's forward); weights,
+    devices, dtypes, tied weights and an optimizer built earlier carry over, and a module used in several
+    places stays shared. Modules that cannot be converted are left untouched and listed with the reason in
+    the returned monitor's `unconverted` and in one warning, and their parameters in its `untracked`. Such
+    modules can call nanogns.layers.functional from their forward.
+
+    Args:
+        treat_as: {module class: kind} for classes to probe as one kind only ("RMSNorm", "LayerNorm",
+            "Linear", "Conv1D" or "Embedding"), or {class: (kind, options)} to fix options the probe would
+            otherwise search: eps (RMSNorm, LayerNorm), weight_offset (RMSNorm: 1.0 for a (1 + weight) scale),
+            and "weight"/"bias": the names of the parameters playing those roles ({MyNorm: ("RMSNorm",
+            {"weight": "scale"})}; a module whose only parameter is not named weight is probed with it as its
+            weight anyway). Matched by exact class; the probe still decides.
+        exclude: module paths ("model.layers.3", matching that module and everything under it) or module classes
+            to leave as they are; listed as excluded, their parameters not tracked.
+        monitor: keyword arguments of the GNSMonitor made of the model (log, scaler, ema_decay, out_dir, ...).
+    Returns:
+        GNSMonitor of the converted model, ready to `.step()`; its `unconverted` is this conversion's report.
+    """
+    choice = dict(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
+    check_choice(choice)  # an unknown name is an error before anything changes
+    unconverted = Conversion(choice, treat_as, exclude).run(model)
+    if unconverted:
+        listing = "; ".join(f"{path or '(the model itself)'}: {reason}" for path, reason in unconverted.items())
+        warnings.warn(f"convert(): {len(unconverted)} module(s) not converted, their parameters not tracked: {listing}")
+    return GNSMonitor(model, **{"expect_tracked": False, "unconverted": unconverted, **monitor})

@@ -1,0 +1,265 @@
+"""
+What train.py does differently on one process, under DDP and under FSDP2, behind one small interface, so
+that train.py reads as nanoGPT's loop; and what a checkpoint holds for an exact resume (weights, optimizer,
+every rank's random state and prefetched batch). Adding an engine is one class here.
+
+    engine = engines.start(device, backend, fsdp)   # from torchrun's environment: one process, DDP or FSDP2
+    model = engine.shard(model)                     # before the optimizer is made (FSDP2 shards the blocks)
+    model = engine.wrap(model)                      # after torch.compile (DDP's container)
+    engine.sync_gradients(model, last_micro_step)   # reduce the gradients after the last micro-batch only
+
+The GNS read itself needs nothing from the engine: GNSMonitor finds the process group and the gradients'
+shards by itself (gnstracking.py).
+"""
+
+import gc
+import inspect
+import os
+import random
+import warnings
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict as dcp_state
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nanogns.monitor import ddp as ddpgns
+
+
+class OneProcess:
+    """One process, one device: every collective is the identity."""
+
+    name = 'one process'
+    distributed = False
+    evaluates_on_every_rank = False  # only rank 0 evaluates and logs
+
+    def __init__(self, device):
+        self.device, self.rank, self.local_rank, self.world_size = device, 0, 0, 1
+
+    @property
+    def master_process(self):
+        return self.rank == 0  # this process logs and writes checkpoints
+
+    @property
+    def seed_offset(self):
+        return self.rank  # each process draws its own batches and dropout
+
+    def shard(self, model):
+        return model
+
+    def wrap(self, model):
+        return model
+
+    def unwrap(self, model):
+        """The model itself: without DDP's container and torch.compile's wrapper."""
+        model = getattr(model, 'module', model)
+        return getattr(model, '_orig_mod', model)
+
+    def sync_gradients(self, model, sync):
+        pass
+
+    def gns_hook(self, model):
+        """The cross-rank GNS hook (DDP only: it compares each rank's gradient with the averaged one)."""
+        return None
+
+    def mean(self, value):
+        """The mean of a float over the ranks."""
+        return value
+
+    def full(self, tensor):
+        """A tensor whole on every rank (a sharded gradient norm)."""
+        return tensor
+
+    def gather(self, obj):
+        """[obj of rank 0, obj of rank 1, ...] on every rank."""
+        return [obj]
+
+    def broadcast(self, obj):
+        """Rank 0's obj on every rank."""
+        return obj
+
+    def state_dicts(self, model, optimizer):
+        """(model state, optimizer state), whole, for a checkpoint."""
+        return model.state_dict(), optimizer.state_dict()
+
+    def load_optimizer(self, model, optimizer, state):
+        optimizer.load_state_dict(state)
+
+    def close(self):
+        pass
+
+
+class DataParallel(OneProcess):
+    """DDP: a copy of the model per rank, gradients averaged over the ranks at the last micro-batch."""
+
+    name = 'DDP'
+    distributed = True
+
+    def __init__(self, device, backend):
+        dist.init_process_group(backend=backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ['LOCAL_RANK'])
+        self.holder = None  # a weak reference to the wrapped or sharded model, checked at close()
+        self.device = f'cuda:{self.local_rank}' if device.startswith('cuda') else device
+        if self.device.startswith('cuda'):
+            torch.cuda.set_device(self.device)
+
+    def wrap(self, model):
+        # gns: no buffer broadcast, or rank 0's per-example norm buffers would overwrite the others'
+        # (at init they are synced: all zero then); torch >= 2.12 names the option forward_sync_buffers and
+        # warns on the old name, torch 2.11 (the GPU images) knows only broadcast_buffers
+        device_ids = [self.local_rank] if self.device.startswith('cuda') else None
+        no_sync = (
+            'forward_sync_buffers'
+            if 'forward_sync_buffers' in inspect.signature(DDP.__init__).parameters
+            else 'broadcast_buffers'
+        )
+        model = DDP(model, device_ids=device_ids, **{no_sync: False})
+        self.holder = weakref.ref(model)
+        return model
+
+    def sync_gradients(self, model, sync):
+        # what model.no_sync() toggles, without the context manager
+        model.require_backward_grad_sync = sync
+
+    def gns_hook(self, model):
+        return ddpgns.DDPGradientStatsHook(model)
+
+    def gather(self, obj):
+        found = [None] * self.world_size
+        dist.all_gather_object(found, obj)
+        return found
+
+    def broadcast(self, obj):
+        found = [obj]
+        dist.broadcast_object_list(found, 0)
+        return found[0]
+
+    def close(self):
+        # the caller frees the model first: a DDP or FSDP2 module that outlives its process group until the
+        # interpreter exits can abort a gloo rank at teardown ("terminate called without an active exception")
+        gc.collect()
+        if self.holder is not None and self.holder() is not None:
+            warnings.warn(
+                f"{self.name}: the model is still referenced when its process group is destroyed; drop "
+                "every reference to it (model, optimizer, GNS monitor, the last loss) before close()"
+            )
+        dist.destroy_process_group()
+
+
+class FullyShardedDataParallel(DataParallel):
+    """FSDP2: each block, then the root, sharded over the ranks (parameters, gradients, optimizer state)."""
+
+    name = 'FSDP2'
+    evaluates_on_every_rank = True  # a sharded forward needs every rank
+
+    def shard(self, model):
+        with torch.no_grad():  # rank 0's initial weights everywhere (DDP does this itself; each rank seeded its own)
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, 0)
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        self.holder = weakref.ref(model)
+        return model
+
+    def wrap(self, model):
+        return model
+
+    def sync_gradients(self, model, sync):
+        model.set_requires_gradient_sync(sync)
+
+    def gns_hook(self, model):
+        return None
+
+    def mean(self, value):
+        mean = torch.tensor([value], device=self.device)
+        dist.all_reduce(mean)
+        return mean.item() / self.world_size
+
+    def full(self, tensor):
+        return tensor.full_tensor()
+
+    def state_dicts(self, model, optimizer):
+        options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (
+            dcp_state.get_model_state_dict(model, options=options),
+            dcp_state.get_optimizer_state_dict(model, optimizer, options=options),
+        )
+
+    def load_optimizer(self, model, optimizer, state):
+        # the full (unsharded) optimizer state, keyed by parameter name; each rank keeps its shards
+        dcp_state.set_optimizer_state_dict(
+            model, optimizer, state, options=dcp_state.StateDictOptions(full_state_dict=True)
+        )
+
+
+def start(device, backend, fsdp):
+    """The engine of this process: under torchrun (RANK set) DDP, or FSDP2 with fsdp; else one process (train.py
+    has refused fsdp without torchrun before this)."""
+    if int(os.environ.get('RANK', -1)) == -1:
+        return OneProcess(device)
+    return FullyShardedDataParallel(device, backend) if fsdp else DataParallel(device, backend)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: an exact resume needs every rank's random state and prefetched batch
+
+
+def rank_state(device, batch):
+    """This process's random generators and its prefetched (X, Y), on the CPU."""
+    return dict(
+        torch=torch.get_rng_state(),
+        numpy=np.random.get_state(),
+        python=random.getstate(),
+        cuda=torch.cuda.get_rng_state(device) if 'cuda' in device else None,
+        batch=tuple(t.cpu() for t in batch),
+    )
+
+
+def restore_rank_state(state, device):
+    """Set the random generators as rank_state found them; returns the prefetched (X, Y) on `device`."""
+    torch.set_rng_state(state['torch'])
+    np.random.set_state(state['numpy'])
+    random.setstate(state['python'])
+    if state['cuda'] is not None and 'cuda' in device:
+        torch.cuda.set_rng_state(state['cuda'], device)
+    return tuple(t.to(device) for t in state['batch'])
+
+
+def save_checkpoint(path, checkpoint):
+    """Write `checkpoint` to `path` through a temporary file: a crash while saving keeps the previous one."""
+    torch.save(checkpoint, path + '.tmp')
+    os.replace(path + '.tmp', path)
+
+
+def load_checkpoint(path, fsdp, master_process):
+    """The checkpoint at `path` for a resume, or exit with what is wrong and what to do."""
+    if master_process and os.path.exists(path + '.tmp'):  # left by a crash while saving; path is the previous one
+        print(f"removing {path}.tmp, an unfinished checkpoint")
+        os.remove(path + '.tmp')
+    if not os.path.exists(path):
+        raise SystemExit(
+            f"train.py: cannot resume: no checkpoint {path} (the run stopped before its first "
+            f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir"
+        )
+    try:
+        # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
+        checkpoint = torch.load(path, map_location='cpu', weights_only=False)
+        missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
+    except Exception as e:
+        checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]
+    if missing:
+        raise SystemExit(
+            f"train.py: cannot resume: {path} is not a readable checkpoint (missing or damaged: "
+            f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir"
+        )
+    if checkpoint.get('fsdp', False) != fsdp:
+        raise SystemExit(
+            f"train.py: cannot resume: {path} was written with fsdp={checkpoint.get('fsdp', False)} "
+            f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}"
+        )
+    return checkpoint

@@ -1,0 +1,298 @@
+"""
+The GNS inside the trainers people use: one object per trainer, added in one line.
+
+    transformers.Trainer   trainer.add_callback(TrainerGNSCallback(trainer))
+    Lightning              lightning.Trainer(..., callbacks=[LightningGNSCallback()])
+    Accelerate             gns = AccelerateGNS(accelerator, model); gns.step() before accelerator.clip_grad_norm_
+
+Each converts the model's layers (layer_config.convert, unless they already record per-example norms),
+reads every optimizer step before gradient clipping (the logged `norm` is the unclipped gradient's), writes
+`log.csv` and `gns_parameters.json` to its out_dir on the main process (`python gns-analysis.py OUT_DIR`), and
+sends the running GNS to the trainer's own logger under "gns". Every rank must run it (one all-reduce a step).
+
+What is measured, whatever the trainer's loss weighting: the step's gradient G is a sum of one part per example
+(all micro-batches, all ranks), and example i's gradient is taken to be h_i = B x (its part), so G = mean_i h_i.
+With a loss that is the mean over examples of each example's mean token loss, h_i is the gradient of that
+example's loss (DESIGN.md). transformers.Trainer's default loss instead divides the sum of all token losses of the
+step by their number N (`num_items_in_batch`), so h_i = (n_i / mean_j n_j) x (gradient of example i's mean token
+loss), n_i its label tokens: the two agree when every example has as many label tokens (packed, unpadded blocks).
+README.md ("Trainers") says how to get the per-sequence mean.
+"""
+
+import os
+
+import torch
+
+from nanogns import monitor as gnstracking
+from nanogns.conversion import convert as layer_config
+from nanogns.layers import layout
+from nanogns.layers.buffers import BUFFER_SUFFIX
+from nanogns.runlog.reader import load_csv
+from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
+
+
+def _monitor(model, ema_decay, scaler, convert_options):
+    """The model's GNSMonitor, without a log yet (_open_log gives it one): its layers converted first unless some
+    already record per-example norms."""
+    options = dict(ema_decay=ema_decay, scaler=scaler)
+    if any(name.endswith(BUFFER_SUFFIX) for name, _ in model.named_buffers()):
+        if convert_options:
+            raise ValueError(
+                f"GNS: the model's layers are converted already; convert options {convert_options} "
+                "cannot apply (pass them to the first layer_config.convert instead)"
+            )
+        return gnstracking.GNSMonitor(model, **options)
+    return layer_config.convert(model, **(convert_options or {}), **options)
+
+
+def _open_log(out_dir, main_process, monitor, resume_step):
+    """The run's CSV log, opened as training starts at optimizer step `resume_step` (main process only; the other
+    ranks measure and all-reduce, and log nothing). A new run (step 0) never replaces another run's log. A resumed
+    run continues its log, rows written after the checkpoint set aside (as train.py does), and replays the rows
+    kept into the running GNS, which a trainer's checkpoint does not hold."""
+    if not main_process:
+        return None
+    existing = [f for f in (LOG_CSV, HEADER_TMP) if os.path.exists(os.path.join(out_dir, f))]
+    if resume_step == 0 and existing:
+        raise ValueError(
+            f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}) and a "
+            "new run would replace it: give this run's GNS log another out_dir, move the old log away, "
+            "or resume that run from its checkpoint to continue its log"
+        )
+    log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
+    monitor.write_record(out_dir)
+    if resume_step > 0 and existing:
+        try:
+            kept = load_csv(out_dir)
+        except ValueError:  # no row was written before the checkpoint
+            kept = None
+        if kept is not None:
+            monitor.replay(kept)
+    monitor.log = log
+    return log
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face transformers.Trainer
+
+try:
+    from transformers import TrainerCallback
+except ImportError:  # transformers not installed: TrainerGNSCallback is unavailable
+    TrainerCallback = object
+
+
+class TrainerGNSCallback(TrainerCallback):
+    """transformers.Trainer callback: exact per-example gradient norms and the GNS, read before clipping.
+
+        trainer = Trainer(model=model, args=args, train_dataset=ds)
+        trainer.add_callback(TrainerGNSCallback(trainer))      # before trainer.train()
+
+    Trainer clips the gradients (accelerator.clip_grad_norm_) before any callback event of the step, so this
+    callback wraps that call on the trainer's accelerator (at on_train_begin) and reads the step just before it
+    runs. With max_grad_norm=0 Trainer calls it with an infinite norm, so the step is read there too. A callback
+    event gets no trainer, hence the argument.
+
+    Args:
+        trainer: the transformers.Trainer; its model is converted here (before train() wraps it for DDP).
+        out_dir: where log.csv and gns_parameters.json go (default: args.output_dir). A new run refuses a
+            directory holding another run's log; train(resume_from_checkpoint=...) continues that log from the
+            checkpoint's step, its earlier rows rebuilding the running GNS.
+        ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
+        convert_options: keyword arguments of layer_config.convert (linearclass, exclude, ...).
+    The running GNS goes to Trainer's log (`gns`) at every logging step.
+    """
+
+    def __init__(self, trainer, out_dir=None, ema_decay=0.95, **convert_options):
+        if TrainerCallback is object:
+            raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
+        self.trainer = trainer
+        self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
+        self.log = None  # opened at on_train_begin, when Trainer knows whether it resumes
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        self.monitor = _monitor(trainer.model, ema_decay, scaler, convert_options)
+        self.measured = False  # this optimizer step has been read
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        kind = str(accelerator.distributed_type)
+        if "DEEPSPEED" in kind or ("FSDP" in kind and not getattr(accelerator, "is_fsdp2", False)):
+            raise ValueError(
+                f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
+                "and clips them itself; the GNS is read under one process, DDP and FSDP2"
+            )
+        # state.global_step: 0, or the checkpoint's step under train(resume_from_checkpoint=...)
+        self.log = _open_log(self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step)
+        if getattr(accelerator.clip_grad_norm_, "_gns_reads", False):
+            return  # wrapped already (train() called again)
+        clip = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters, max_norm, norm_type=2):
+            if accelerator.sync_gradients and not self.measured:
+                self.measured = True
+                self.monitor.step()  # before clipping; batch_size from the layers' counts
+            return clip(parameters, max_norm, norm_type=norm_type)
+
+        clip_grad_norm_._gns_reads = True
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self.measured:
+            raise RuntimeError(
+                "TrainerGNSCallback: Trainer did not call accelerator.clip_grad_norm_ before this "
+                "optimizer step (a tensor-parallel mesh or SageMaker clips otherwise), so the "
+                "unclipped gradients were not read; no GNS can be logged for this setup"
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.measured = False
+        if self.log is not None:
+            self.log.log({"iter_num": state.global_step - 1})
+            self.log.step()
+        if control.should_log:  # Trainer's own log entry of this step: Trainer.log clears should_log, so set it
+            self.trainer.log({"gns": self.monitor.gns})
+            control.should_log = True  # again for the loss entry that follows
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+# -----------------------------------------------------------------------------
+# Lightning
+
+try:
+    from lightning.pytorch.callbacks import Callback as LightningCallback
+except ImportError:  # lightning not installed
+    LightningCallback = object
+
+
+class LightningGNSCallback(LightningCallback):
+    """Lightning callback: exact per-example gradient norms and the GNS, read before clipping.
+
+        trainer = lightning.Trainer(..., callbacks=[LightningGNSCallback()])
+
+    Lightning calls `on_before_optimizer_step` after the step's last backward (and, under 16-bit mixed precision,
+    after unscaling) and before `gradient_clip_val` clips: the step is read there. The LightningModule's layers
+    are converted at `setup`, before Lightning wraps it for DDP; the forward of each child module holding
+    parameters (a `self.model` called with input_ids) sets which example each row belongs to.
+
+    Args:
+        out_dir: where log.csv and gns_parameters.json go (default: the trainer's default_root_dir). A new run
+            refuses a directory holding another run's log; fit(ckpt_path=...) continues that log from the
+            checkpoint's step, its earlier rows rebuilding the running GNS.
+        ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
+        convert_options: keyword arguments of layer_config.convert.
+    The running GNS is logged with `pl_module.log("gns", ...)` every step.
+    """
+
+    def __init__(self, out_dir=None, ema_decay=0.95, **convert_options):
+        if LightningCallback is object:
+            raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
+        self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
+        self.monitor = self.log = None
+
+    def setup(self, trainer, pl_module, stage):
+        if stage != "fit" or self.monitor is not None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.monitor = _monitor(pl_module, self.ema_decay, scaler, self.convert_options)
+        for child in pl_module.children():  # the LightningModule's own forward is not called: its children's are
+            if any(True for _ in child.parameters()):
+                layout.install(child, mapper=self.monitor.row_map)
+
+    def on_train_start(self, trainer, pl_module):
+        # trainer.global_step: 0, or the checkpoint's step under fit(ckpt_path=...), restored by now
+        out_dir = self.out_dir if self.out_dir is not None else trainer.default_root_dir
+        self.log = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        row = self.monitor.step(gradients_unscaled=True)  # Lightning unscaled a GradScaler's gradients already
+        if self.log is not None:
+            self.log.log({"iter_num": trainer.global_step})
+            self.log.step()
+        pl_module.log("gns", row["gns"], on_step=True, on_epoch=False, rank_zero_only=True)
+
+    def teardown(self, trainer, pl_module, stage):
+        if self.log is not None:
+            self.log.close()
+            self.log = None
+
+
+# -----------------------------------------------------------------------------
+# Accelerate
+
+
+class AccelerateGNS:
+    """Accelerate: exact per-example gradient norms and the GNS, read where the loop clips.
+
+        gns = AccelerateGNS(accelerator, model)                 # before or after accelerator.prepare
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(loss_of(model, batch))
+                if accelerator.sync_gradients:                  # the last micro-batch of the step
+                    gns.step()                                  # before clipping
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step(); optimizer.zero_grad()
+
+    Args:
+        accelerator: the accelerate.Accelerator (its GradScaler, if fp16, is divided out).
+        model: the model, prepared or not; its layers are converted.
+        out_dir: where log.csv and gns_parameters.json go (main process only).
+        ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
+        resume_step: the optimizer step a resumed loop starts at (after accelerator.load_state): the log in
+            out_dir is continued from there and its earlier rows rebuild the running GNS; 0 starts a new log.
+        convert_options: keyword arguments of layer_config.convert.
+    `step` sends the running GNS to `accelerator.log` (the trackers of accelerator.init_trackers, if any).
+    """
+
+    def __init__(self, accelerator, model, out_dir="out-accelerate", ema_decay=0.95, resume_step=0, **convert_options):
+        self.accelerator = accelerator
+        self.monitor = _monitor(accelerator.unwrap_model(model), ema_decay, accelerator.scaler, convert_options)
+        self.log = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
+        self.steps = resume_step
+
+    @property
+    def gns(self):
+        return self.monitor.gns
+
+    def step(self, gradients_unscaled=False):
+        """Read the step (after the last micro-batch's backward, before clipping), log it; returns the row.
+        gradients_unscaled: True when accelerator.unscale_gradients() ran before (fp16)."""
+        if not self.accelerator.sync_gradients:
+            raise RuntimeError(
+                "AccelerateGNS.step() inside accelerator.accumulate() before the step's last "
+                "micro-batch: its gradients are not complete (nor averaged over the ranks); call it "
+                "under `if accelerator.sync_gradients:`"
+            )
+        row = self.monitor.step(gradients_unscaled=gradients_unscaled)
+        if self.log is not None:
+            self.log.log({"iter_num": self.steps})
+            self.log.step()
+        self.accelerator.log({"gns": row["gns"]}, step=self.steps)
+        self.steps += 1
+        return row
+
+    def close(self):
+        """Write log.csv (also done at exit)."""
+        if self.log is not None:
+            self.log.close()
+
+
+# -----------------------------------------------------------------------------
+# the per-sequence-mean loss (DESIGN.md's definition) for a causal LM
+
+
+def sequence_mean_loss(logits, labels, ignore_index=-100):
+    """Mean over the sequences of each sequence's mean next-token cross-entropy (labels shifted by one, as
+    transformers' causal LM losses; `ignore_index` labels are not counted). A sequence with no label counts 0.
+
+    Args:
+        logits: (B, T, V); labels: (B, T) token ids, ignore_index where no loss is wanted.
+    """
+    logits, labels = logits[:, :-1], labels[:, 1:]
+    token_losses = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="none"
+    ).view(labels.shape)
+    tokens = labels.ne(ignore_index).sum(1).clamp(min=1)  # (B,)
+    return (token_losses.sum(1) / tokens).mean()

@@ -1,0 +1,333 @@
+"""
+Which example each row of a layer's input belongs to.
+
+A layer's input has shape (..., D); its rows are the vectors along the last dim.
+Per-example norms need, for every row, the example (one sequence, one image)
+whose loss it serves. The rule is not "dim 0 is the example" but a map set once
+per forward from what the model was called with, and read by every layer:
+
+  root input             the forward's examples            a layer input's rows
+  (N, T) token ids       N examples of T positions         (N, ...) dim 0 is the example
+                                                           (N*T,)   flattened: row r is example r // T
+  (1, R) packed ids,     N sequences, position_ids         (1, R) or (R,): each row's sequence
+  position_ids restart   restarting at 0 (or cu_seq_lens)
+  (N, ...) any tensor    N examples                        (N, ...) dim 0 is the example
+                                                           (T, N)   sequence-first: dim 1 is (T a length
+                                                                    of the inputs, T != N)
+
+`install(model)` registers hooks on the model (convert() and GNSMonitor call
+it) that read the forward's arguments (`input_ids`, `inputs_embeds`,
+`pixel_values`, ... or the first tensor) and set the current Layout for the
+duration of the forward; layers ask `rows_for(shape)` in their forward. During
+a backward pass, the last forward's Layout stays current, so layers recomputed
+by activation checkpointing read the same map. Outside an installed model's
+forward (a bare layer called in a test) dim 0 is the example.
+
+A layer input that fits none of these (a (1, T) table broadcast over the batch,
+a sequence-first (T, N, D) tensor, rows of no known length) cannot be mapped:
+`rows_for` returns the reason, and the layer records it so that the monitor
+refuses the step with an error naming the layer (never a number). A user with a
+layout of their own passes `install(model, layout_of=fn)`, fn(args, kwargs) ->
+Layout.
+"""
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
+EXAMPLE_ARGUMENTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "idx")
+_HOOK_ATTRIBUTE = "_pe_layout_hook"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How one input's rows map to examples.
+
+    kind: 'dim0'     (N, ...): dim 0 is the example, the other leading dims its positions;
+          'flat'     (N*T,): row r belongs to example r // T (flattened from (N, T));
+          'seqfirst' (T, N): dim 1 is the example (torch's sequence-first layers, batch_first=False);
+          'ragged'   rows in any order, `example_of_row` (R,) giving each row's example.
+    """
+
+    kind: str
+    examples: int
+    positions: int = 0  # 'flat': T
+    example_of_row: Optional[torch.Tensor] = None  # 'ragged': (R,) int64
+    longest: int = 0  # 'ragged': most rows of one example (the padded length)
+    counted: bool = True  # False: these rows' norms add to a buffer whose examples are counted once elsewhere
+
+    def per_example(self, t):
+        """t (rows..., D) as (N, P, D): example i's rows in t[i], zero rows padding a ragged layout."""
+        D = t.shape[-1]
+        if self.kind == "dim0":
+            return t.reshape(self.examples, -1, D)
+        if self.kind == "flat":
+            return t.reshape(self.examples, self.positions, D)
+        if self.kind == "seqfirst":
+            return t.reshape(self.positions, self.examples, D).transpose(0, 1)
+        flat = t.reshape(-1, D)
+        out = flat.new_zeros(self.examples, self.longest, D)
+        out[self.example_of_row, _position_in_example(self.example_of_row, self.examples)] = flat
+        return out
+
+    def example_ids(self, rows, device):
+        """(rows,) the example of each of `rows` rows, in row order."""
+        if self.kind == "ragged":
+            return self.example_of_row.to(device)
+        if self.kind == "seqfirst":
+            return torch.arange(rows, device=device) % self.examples
+        per = rows // self.examples if self.kind == "dim0" else self.positions
+        return torch.arange(rows, device=device) // per
+
+
+def _position_in_example(example_of_row, examples):
+    """(R,) index of each row among its example's rows, in row order."""
+    R = example_of_row.numel()
+    order = torch.argsort(example_of_row, stable=True)
+    counts = torch.bincount(example_of_row, minlength=examples)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.empty(R, dtype=torch.long, device=example_of_row.device)
+    position[order] = torch.arange(R, device=example_of_row.device) - starts[example_of_row[order]]
+    return position
+
+
+def ragged(example_of_row, examples, counted=True):
+    """Rows of `examples` examples in any order (example_of_row (R,) int64)."""
+    example_of_row = example_of_row.reshape(-1).long()
+    longest = int(torch.bincount(example_of_row, minlength=examples).max()) if example_of_row.numel() else 0
+    return Rows("ragged", examples, example_of_row=example_of_row, longest=longest, counted=counted)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The examples of one forward: N, the token lengths of its (N, T) inputs, or packed sequences.
+
+    Attributes:
+        examples: N, the number of examples (sequences) in this forward.
+        lengths: the T of every (N, T) token grid among the forward's inputs (ids, masks, embeddings).
+        packed: for packed sequences (one row of R tokens holding several), the Rows of those R tokens.
+    """
+
+    examples: int
+    lengths: frozenset = frozenset()
+    packed: Optional[Rows] = None
+    sequence_first: bool = False  # the model holds sequence-first layers (torch's batch_first=False)
+
+    def rows_for(self, shape):
+        """Rows for an input of `shape` (..., D), or a str saying why its rows cannot be mapped."""
+        leading = tuple(shape[:-1])
+        rows = 1
+        for n in leading:
+            rows *= n
+        if self.packed is not None:
+            if leading in ((1, self.packed.example_of_row.numel()), (self.packed.example_of_row.numel(),)):
+                return self.packed
+            return (
+                f"its input has rows {leading}, but the forward holds {self.examples} packed sequences of "
+                f"{self.packed.example_of_row.numel()} tokens in all: only (1, R) or (R,) rows can be mapped"
+            )
+        if self.sequence_first and len(leading) == 2 and leading[0] == leading[1] == self.examples:
+            return (
+                f"its input has rows {leading}: {self.examples} examples of {self.examples} positions, in a model "
+                "with sequence-first layers (batch_first=False), could be either way round; use "
+                "batch_first=True, or a batch size other than the sequence length"
+            )
+        if len(leading) == 1 and leading[0] == self.examples and self.examples in self.lengths:
+            return (
+                f"its input has {self.examples} rows and the forward has {self.examples} examples of "
+                f"{self.examples} positions: one row per example and a per-position table broadcast over the "
+                "batch (e.g. position embeddings of torch.arange(T)) cannot be told apart; pass per-example "
+                "rows (positions expanded to (B, T)), or use a batch size other than the sequence length"
+            )
+        if leading and leading[0] == self.examples:
+            return Rows("dim0", self.examples)
+        if len(leading) > 1 and leading[0] == 1:
+            return (
+                f"its input has one row for the forward's {self.examples} examples (shape {leading}), broadcast "
+                "over the batch afterwards (as transformers' default position_ids of GPT-2 and BERT are), so no "
+                "example's gradient can be told apart; pass it expanded to one row per example, e.g. "
+                "model(input_ids, position_ids=torch.arange(T).expand(B, T))"
+            )
+        if len(leading) == 1 and self.examples and rows % self.examples == 0 and rows // self.examples in self.lengths:
+            return Rows("flat", self.examples, positions=rows // self.examples)
+        if len(leading) == 2 and leading[1] == self.examples and leading[0] in self.lengths:
+            return Rows("seqfirst", self.examples, positions=leading[0])
+        lengths = ", ".join(f"({self.examples}, {T})" for T in sorted(self.lengths))
+        return (
+            f"its input has rows {leading or '()'}: dim 0 is not the forward's {self.examples} examples"
+            + (f", nor are they the {lengths} positions flattened" if lengths else "")
+            + " (a table broadcast over the batch, or a sequence-first layout, cannot be told apart per example)"
+        )
+
+
+class RowMapper:
+    """What `install(model)` sets up for a model: the hooks that give each of its forwards a Layout, and the
+    reasons its layers gave for the rows they could not map this step (a buffer's count is then NaN, and the
+    monitor's error says why). The monitor clears the reasons with the buffers after each step.
+
+    Reasons are kept by the address range of the buffer they concern: a bank's buffer holds its slices' views."""
+
+    def __init__(self, layout_of=None):
+        self.layout_of = layout_of
+        self.handles = ()
+        self.refusals = {}  # {buffer's data_ptr: reason}
+
+    def note_refusal(self, reason, buffers):
+        for buffer in buffers:
+            if buffer is not None:
+                self.refusals[buffer.data_ptr()] = reason
+
+    def reasons(self, buffer):
+        """The reasons noted for `buffer` or any view inside it."""
+        start = buffer.data_ptr()
+        end = start + buffer.numel() * buffer.element_size()
+        return [reason for address, reason in self.refusals.items() if start <= address < end]
+
+    def clear(self):
+        self.refusals.clear()
+
+
+# The forward context every layer reads, per process as torch's autocast state is: the (Layout, RowMapper) of
+# the root forwards running now (innermost last), the last root forward's (what activation checkpointing
+# recomputes under in backward), and collectors of refusals outside any installed model (convert's probes).
+_active = []
+_last = None
+_collectors = []
+
+
+def _in_backward():
+    # Dynamo cannot trace the graph-task query; a traced forward outside any root forward is no recompute
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def current():
+    """The Layout layers read now: the innermost running root forward's, or during a backward pass (layers
+    recomputed by activation checkpointing) the last root forward's; None outside both."""
+    if _active:
+        return _active[-1][0]
+    if _last is not None and _in_backward():
+        return _last[0]
+    return None
+
+
+def note_refusal(reason, buffers):
+    """Keep why these buffers' step is refused, with the RowMapper of the forward running now (or, in backward,
+    of the last one; or the innermost `collecting()`), for the monitor's error. Outside all of them the count
+    of NaN still refuses the step; only the reason is not kept."""
+    if _active:
+        mapper = _active[-1][1]
+    elif _last is not None and _in_backward():
+        mapper = _last[1]
+    elif _collectors:
+        mapper = _collectors[-1]
+    else:
+        return
+    mapper.note_refusal(reason, buffers)
+
+
+@contextlib.contextmanager
+def collecting():
+    """Collect the refusals of layers run outside any installed model (a probe of one module), in a RowMapper."""
+    mapper = RowMapper()
+    _collectors.append(mapper)
+    try:
+        yield mapper
+    finally:
+        _collectors.remove(mapper)
+
+
+def rows_for(shape):
+    """Rows of an input of `shape` under the current layout (dim 0 when none is set), or why it cannot be mapped."""
+    found = current()
+    if found is None:
+        return Rows("dim0", shape[0] if len(shape) > 1 else 1)
+    return found.rows_for(shape)
+
+
+def _tensors(args, kwargs):
+    yield from ((None, a) for a in args if isinstance(a, torch.Tensor))
+    yield from ((k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+
+
+def layout_of_inputs(args, kwargs):
+    """The Layout of a forward called with (args, kwargs), or None when it has no tensor argument."""
+    named = [kwargs[k] for k in EXAMPLE_ARGUMENTS if isinstance(kwargs.get(k), torch.Tensor)]
+    tensors = [t for _, t in _tensors(args, kwargs)]
+    main = named[0] if named else (tensors[0] if tensors else None)
+    if main is None or main.dim() == 0:
+        return None
+    N = main.shape[0]
+    lengths = frozenset(
+        t.shape[1] for t in tensors if t.dim() >= 2 and t.shape[0] == N and (not t.is_floating_point() or t.dim() == 3)
+    )  # ids, masks, labels, (N, T, D) embeddings
+    packed = _packed_rows(N, kwargs)
+    if packed is not None:
+        return Layout(packed.examples, lengths, packed)
+    return Layout(N, lengths)
+
+
+def _packed_rows(N, kwargs):
+    """Rows of packed sequences: one row of R tokens whose position_ids restart at 0, or cu_seq_lens_q; else None."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if N == 1 and isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
+        lengths = torch.diff(cu_seq_lens.long())
+        example_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        return ragged(example_of_row, lengths.numel())
+    position_ids = kwargs.get("position_ids")
+    if N == 1 and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        starts = position_ids[0] == 0
+        sequences = int(starts.sum())
+        if sequences > 1 and bool(starts[0]):
+            return ragged(torch.cumsum(starts.long(), 0) - 1, sequences)
+    return None
+
+
+def install(model, layout_of=layout_of_inputs, mapper=None):
+    """Set the Layout that `model`'s layers read from every forward of `model` (idempotent); returns the model's
+    RowMapper.
+
+    Args:
+        layout_of: layout_of(args, kwargs) -> Layout, or None for a forward whose layers then read dim 0.
+        mapper: a RowMapper to share (the children of a LightningModule, whose own forward is not called,
+            note their refusals where the monitor of the whole module reads them).
+    """
+    found = model.__dict__.get(_HOOK_ATTRIBUTE)
+    if found is not None:
+        return found
+    mapper = mapper if mapper is not None else RowMapper(layout_of)
+    sequence_first = any(getattr(m, "batch_first", True) is False for m in model.modules())
+
+    def enter(module, args, kwargs):
+        global _last
+        found = layout_of(args, kwargs)
+        if found is not None and sequence_first:
+            found = dataclasses.replace(found, sequence_first=True)
+        _active.append((found, mapper))
+        if found is not None and torch.is_grad_enabled():
+            _last = (found, mapper)
+
+    def leave(module, args, kwargs, output):
+        _active.pop()
+
+    mapper.handles += (
+        model.register_forward_pre_hook(enter, with_kwargs=True),
+        model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+    )
+    model.__dict__[_HOOK_ATTRIBUTE] = mapper  # not a submodule or buffer: state_dict and copies stay clean
+    return mapper
+
+
+def mapper_of(model):
+    """The RowMapper `install` gave `model`, or None."""
+    return model.__dict__.get(_HOOK_ATTRIBUTE)
+
+
+def clear():
+    """Forget the last layout (tests; a new model)."""
+    global _last
+    _active.clear()
+    _last = None

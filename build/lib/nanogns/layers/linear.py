@@ -1,0 +1,355 @@
+"""
+The Linear kind: torch's nn.Linear (and the maths every Linear-like kind reuses).
+
+For y_t = W x_t + b over the rows t of example i (x inputs (N, T, K), g = dL/dy (N, T, L)):
+
+    dW_i = sum_t g_t x_t^T,   db_i = sum_t g_t
+    ||dW_i||^2 = sum_{s,t} (g_s . g_t)(x_s . x_t)          (the "Gram trick")
+
+The weight's per-example norms come one of two exact ways (Li et al. 2022's
+"book-keeping" analysis, with memory traffic counted as well as FLOPs), for K
+inputs, L outputs, T rows per example and N examples:
+
+    Gram trick:        2*N*T^2*(K+L) FLOPs (the two Gram matrices), N*T^2 memory
+    materialise dW_i:  2*N*T*K*L FLOPs, and N*K*L elements written and read back
+
+The gns Linear sums the materialised dW_i into the weight gradient, so their
+FLOPs replace the plain weight-gradient GEMM and materialising costs only its
+traffic (write dW_i, read it to sum, read it to square); the Gram trick costs its
+FLOPs on top of one plain GEMM. `linear_strategy` converts bytes into FLOPs with
+the device's machine balance (MACHINE_BALANCE, FLOPs per byte: the ratio
+measured by bench/linear_strategies.py), so short sequences take the Gram trick
+even where it has more FLOPs. Materialising goes a chunk of examples at a time
+(at most SIMULTANEOUS_CHUNK_ELEMENTS elements of dW_i), bounding its memory. The
+shim computes the norms on top of PyTorch's own weight gradient, so there
+materialising pays its FLOPs too (`linear_uses_gram`). Every choice is exact and
+works in float32 (float64 for float64): it changes the cost, not the numbers.
+The gns and fused Linear compute neither the gradient nor the norms of a frozen
+weight or bias (requires_grad=False).
+
+Rows are mapped to examples by layout.py (flattened (N*T, K) inputs and packed
+sequences too); the functions here take the per-example views (N, T, K).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanogns.layers.buffers import (
+    PESqNormBuffersMixin,
+    accumulate_pe_sqnorm,
+    autocast_inputs,
+    norm_dtype,
+    on_output_grad,
+)
+from nanogns.layers.registry import LayerKind, Probe, register
+from nanogns.layers.tied import note_head
+
+SIMULTANEOUS_CHUNK_ELEMENTS = 2**22  # per-example weight-gradient elements held at once (16 MB in fp32)
+# Machine balance for the strategy rule: how many FLOPs take as long as moving one byte. "cpu": the crossover
+# bench/linear_strategies.py measured on this project's 2-core machine (bench/RESULTS.md); "cuda": fp32 FLOP/s
+# over memory bytes/s of A100 (12.5) and H100 (20) from their spec sheets, not yet measured
+MACHINE_BALANCE = {"cpu": 12.0, "cuda": 16.0}
+LINEAR_STRATEGY = None  # None: linear_strategy picks per call; "gram" or "materialise" forces one (tests, benchmarks)
+
+
+# -----------------------------------------------------------------------------
+# the maths
+
+
+def _balance(device_type):
+    return MACHINE_BALANCE.get(device_type, MACHINE_BALANCE["cuda"])  # other accelerators: GPU-like
+
+
+def linear_uses_gram(T, in_features, out_features, element_size=4, device_type="cpu"):
+    """Shim rule: True when the Gram trick costs less than materialising per-example dW on top of
+    PyTorch's own weight gradient. Per example: 2*T^2*(K+L) FLOPs and two T x T float32 Grams
+    written and read, against 2*T*K*L FLOPs and K*L elements written and read."""
+    K, L = in_features, out_features
+    balance = _balance(device_type)
+    gram = 2 * T * T * (K + L) + balance * 16 * T * T
+    materialise = 2 * T * K * L + balance * 2 * element_size * K * L
+    return gram < materialise
+
+
+def simultaneous_uses_gram(T, in_features, out_features, element_size=4, device_type="cpu"):
+    """gns rule: True when the Gram trick (a plain weight-gradient GEMM, plus 2*T^2*(K+L) FLOPs and
+    two T x T float32 Grams per example) costs no more than materialising dW_i, whose FLOPs give the
+    weight gradient too but whose K*L elements are written, read to sum and read to square."""
+    K, L = in_features, out_features
+    balance = _balance(device_type)
+    gram = 2 * T * T * (K + L) + balance * 16 * T * T
+    materialise = balance * 3 * element_size * K * L
+    return gram <= materialise
+
+
+def linear_strategy(T, in_features, out_features, element_size=4, device_type="cpu"):
+    """'gram' or 'materialise': how the gns Linear forms its weight gradient and norms (LINEAR_STRATEGY forces one)."""
+    if LINEAR_STRATEGY is not None:
+        assert LINEAR_STRATEGY in ("gram", "materialise"), f"LINEAR_STRATEGY {LINEAR_STRATEGY!r}"
+        return LINEAR_STRATEGY
+    return "gram" if simultaneous_uses_gram(T, in_features, out_features, element_size, device_type) else "materialise"
+
+
+def gram_pe_sqnorm(x, g):
+    """||dW_i||^2 = sum_{s,t} (x_s . x_t)(g_s . g_t) for x (N, T, K), g (N, T, L); (N,) in their dtype."""
+    x_gram = torch.bmm(x, x.transpose(1, 2))  # (N, T, T)
+    g_gram = torch.bmm(g, g.transpose(1, 2))  # (N, T, T)
+    return (x_gram * g_gram).sum(dim=(1, 2))
+
+
+def materialised_pe_grads(x, g, with_sum=True):
+    """Form dW_i = g_i^T x_i (L, K) for x (N, T, K), g (N, T, L) in float32 (float64 for float64), so the
+    norms are those of the Gram trick and the kernel, a chunk of examples at a time (at most
+    SIMULTANEOUS_CHUNK_ELEMENTS elements, one reused workspace); return (sum_i dW_i or None, ||dW_i||^2 (N,))."""
+    N, _, K = x.shape
+    L = g.shape[-1]
+    dtype = norm_dtype(x)
+    chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
+    threads = torch.get_num_threads() if x.device.type == "cpu" else 1
+    if chunk > threads:  # a multiple of the CPU threads sharing each bmm: 7 examples on 2 threads cost 15% more than 6
+        chunk -= chunk % threads
+    work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
+    grad_weight = None
+    weight_sq = torch.empty(N, dtype=dtype, device=x.device)
+    for start in range(0, N, chunk):
+        n = min(chunk, N - start)
+        g_chunk, x_chunk = g[start : start + n].to(dtype), x[start : start + n].to(dtype)  # no copy for float32
+        pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
+        if with_sum:
+            chunk_sum = pe_grad.sum(dim=0)
+            grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)
+        weight_sq[start : start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
+    if with_sum and grad_weight is None:  # no examples
+        grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
+    return grad_weight, weight_sq
+
+
+def linear_pe_sqnorm(x, g):
+    """Per-example squared norms of a Linear weight's gradient, on top of a gradient computed elsewhere (shim).
+
+    Args:
+        x: input per example (N, T, K).
+        g: output gradient per example (N, T, L).
+    Returns:
+        weight_sq (N,), float32 (float64 for float64 input).
+    """
+    dtype = norm_dtype(x)
+    x, g = x.to(dtype), g.to(dtype)
+    N, T, K = x.shape
+    if linear_uses_gram(T, K, g.shape[-1], dtype.itemsize, x.device.type):
+        return gram_pe_sqnorm(x, g)
+    return materialised_pe_grads(x, g, with_sum=False)[1]
+
+
+def bias_pe_grads(g):
+    """Per-example bias gradients (N, L) = sum_t g_t for g (N, T, L), float32 (float64 for float64)."""
+    return g.sum(dim=1, dtype=norm_dtype(g))
+
+
+def linear_weight_grad_and_pe_sqnorm(x, g, strategy=None):
+    """The weight gradient (L, K) in x's dtype and the per-example squared norms (N,) of it (float32,
+    float64 for float64 input), computed together by `strategy` ('gram' or 'materialise'; default
+    `linear_strategy` for these shapes and this device).
+
+    Args:
+        x: input per example (N, T, K).
+        g: output gradient per example (N, T, L), same dtype as x.
+    """
+    _, T, K = x.shape
+    L = g.shape[-1]
+    strategy = strategy or linear_strategy(T, K, L, norm_dtype(x).itemsize, x.device.type)
+    if strategy == "gram":
+        dtype = norm_dtype(x)
+        grad_weight = g.reshape(-1, L).t() @ x.reshape(-1, K)  # the plain weight-gradient GEMM
+        return grad_weight, gram_pe_sqnorm(x.to(dtype), g.to(dtype))
+    assert strategy == "materialise", f"unknown Linear strategy {strategy!r}"
+    grad_weight, weight_sq = materialised_pe_grads(x, g)
+    return grad_weight.to(x.dtype), weight_sq
+
+
+def linear_forward(x, weight, bias):
+    """F.linear(x, weight, bias) written into a fresh tensor, never a view of one: an autograd Function's
+    output that is a view cannot be modified in place (nn.ReLU(inplace=True) after the layer)."""
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    rows = x.reshape(-1, x.shape[-1])
+    if bias is None:
+        torch.mm(rows, weight.t(), out=out.view(-1, weight.shape[0]))
+    else:
+        torch.addmm(bias, rows, weight.t(), out=out.view(-1, weight.shape[0]))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# shim: PyTorch's own gradients, norms from the output gradient
+
+
+def record_linear_norms(x, rows, weight_buffer, bias_buffer):
+    """A hook for the output gradient g that adds the weight's and bias's per-example squared norms to the buffers."""
+
+    def record(g):
+        gs = rows.per_example(g)
+        if weight_buffer is not None:
+            accumulate_pe_sqnorm(weight_buffer, linear_pe_sqnorm(rows.per_example(x), gs))
+        if bias_buffer is not None:
+            accumulate_pe_sqnorm(bias_buffer, bias_pe_grads(gs).pow(2).sum(dim=1))
+
+    return record
+
+
+# -----------------------------------------------------------------------------
+# gns: parameter gradients and norms from the same per-example work
+
+
+def linear_backward(ctx, grad_out):
+    """Backward of a Linear Function whose forward saved (x or None, weight or None), ctx.rows and ctx.buffers:
+    the gradients autograd asks for (ctx.needs_input_grad; a frozen weight or bias gets no gradient and no
+    norms), the weight's and its per-example squared norms from linear_weight_grad_and_pe_sqnorm."""
+    x, weight = ctx.saved_tensors
+    weight_buffer, bias_buffer = ctx.buffers
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    grad_x = grad_out @ weight if needs_x else None
+    grad_weight = grad_bias = None
+    if ctx.rows is None:  # no norms to record (rows not mapped to examples this step): the plain gradients
+        L = grad_out.shape[-1]
+        if needs_weight:
+            grad_weight = grad_out.reshape(-1, L).t() @ x.reshape(-1, x.shape[-1])
+        if needs_bias:
+            grad_bias = grad_out.reshape(-1, L).sum(dim=0)
+        return grad_x, grad_weight, grad_bias, None, None, None
+    gs = ctx.rows.per_example(grad_out) if needs_weight or needs_bias else None  # (N, T, L)
+    if needs_weight:
+        grad_weight, weight_sq = linear_weight_grad_and_pe_sqnorm(ctx.rows.per_example(x), gs)
+        accumulate_pe_sqnorm(weight_buffer, weight_sq, ctx.rows.counted)
+    if needs_bias:
+        pe_grad_bias = bias_pe_grads(gs)  # (N, L)
+        grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
+        accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1), ctx.rows.counted)
+    return grad_x, grad_weight, grad_bias, None, None, None
+
+
+def linear(x, weight, bias, weight_buffer, bias_buffer, rows):
+    """F.linear recording per-example norms (LinearFunction); torch's own F.linear where there is nothing to record
+    (frozen parameters, a refused step: also tensor-parallel DTensors, which only torch's ops take)."""
+    if weight_buffer is None and bias_buffer is None:
+        return F.linear(x, weight, bias)
+    return LinearFunction.apply(x, weight, bias, weight_buffer, bias_buffer, rows)
+
+
+class LinearFunction(torch.autograd.Function):
+    """linear(x, weight, bias, weight_buffer, bias_buffer, rows): y = F.linear(x, weight, bias); backward forms
+    the weight gradient and its per-example norms together (linear_weight_grad_and_pe_sqnorm), and only the
+    gradients autograd asks for. Buffers may be None (then no norms); rows maps x's rows to examples."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_buffer, bias_buffer, rows):
+        # x is needed only for the weight gradient, weight only for the input gradient
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
+        ctx.buffers, ctx.rows = (weight_buffer, bias_buffer), rows
+        return linear_forward(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return linear_backward(ctx, grad_out)
+
+
+# -----------------------------------------------------------------------------
+# the layers
+
+
+class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
+    """nn.Linear whose backward also records per-example norms of weight and bias gradients."""
+
+    pe_kind = "Linear"
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.register_pe_buffers()
+
+    cast_weight = False  # as PEGradNormLinear's
+
+    def forward(self, x):
+        x, weight, bias = autocast_inputs(x, *PEGradNormLinear.pe_weight_and_bias(self, x))
+        out = F.linear(x, weight, bias)
+        rows, (weight_buffer, bias_buffer) = self.pe_rows_and_buffers(x, "weight", "bias")
+        if weight_buffer is not None or bias_buffer is not None:
+            on_output_grad(out, record_linear_norms(x.detach(), rows, weight_buffer, bias_buffer))
+        note_head(weight_buffer, x, rows, out)
+        return out
+
+
+class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
+    """nn.Linear whose backward computes weight/bias gradients and per-example norms together."""
+
+    pe_kind = "Linear"
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.register_pe_buffers()
+
+    cast_weight = False  # True: the weight and bias are cast to the input's dtype first (nanochat's Linear)
+    autocast_promotes = False  # True: under autocast the output takes the parameters' dtype (x @ W + b written out)
+
+    def forward(self, x):
+        x, weight, bias = autocast_inputs(x, *self.pe_weight_and_bias(x))
+        rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
+        with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+            out = linear(x, weight, bias, *buffers, rows)
+        note_head(buffers[0], x, rows, out)
+        return self.pe_promoted(out)
+
+    def pe_promoted(self, out):
+        """out in the dtype a module computing `x @ W + b` by hand returns under autocast (autocast_promotes)."""
+        if not self.autocast_promotes or not torch.is_autocast_enabled(out.device.type):
+            return out
+        return out.to(torch.promote_types(out.dtype, self.weight.dtype))
+
+    def pe_weight_and_bias(self, x):
+        """The parameters as the forward uses them: cast to x's dtype when cast_weight (differentiably)."""
+        if not self.cast_weight:
+            return self.weight, self.bias
+        return self.weight.to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None
+
+
+# -----------------------------------------------------------------------------
+# the registration
+
+# what a probed Linear-like module may do besides F.linear: cast its weight to the input's dtype (nanochat), or
+# compute x @ W + b by hand, whose output under autocast takes the bias's dtype
+LINEAR_OPTIONS = [{}, {"cast_weight": True}, {"autocast_promotes": True}]
+
+
+def fits(weight, bias):
+    """weight (L, K) stored (out, in), bias (L,) or none."""
+    return weight.dim() == 2 and (bias is None or bias.shape == weight.shape[:1])
+
+
+def probe_data(module, generator, weight, bias):
+    K = weight.shape[1]
+    params = {"weight": torch.randn(*weight.shape, generator=generator, dtype=torch.float64) / math.sqrt(K)}
+    if bias is not None:
+        params["bias"] = 0.5 * torch.randn(*bias.shape, generator=generator, dtype=torch.float64)
+    return params, torch.randn(3, 4, K, generator=generator, dtype=torch.float64)
+
+
+KIND = register(
+    LayerKind(
+        name="Linear",
+        config_key="linearclass",
+        group="Linear",
+        variants={
+            "nn": nn.Linear,
+            "shim": PEGradNormShimLinear,
+            "gns": PEGradNormLinear,
+        },  # "fused": layers/fused.py; "sogns", "gns+sogns": layers/sogns.py
+        replaces=(nn.Linear,),
+        probe=Probe(
+            fits=fits,
+            data=probe_data,
+            options=("cast_weight", "autocast_promotes"),
+            candidates=lambda module, options: [dict(options)] if options else LINEAR_OPTIONS,
+        ),
+    )
+)

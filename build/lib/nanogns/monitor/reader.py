@@ -1,0 +1,249 @@
+"""
+A step's numbers in a handful of ops whatever the model's size: every per-example norm buffer is a view of one
+flat tensor (BufferTable), the gradients' norms come from one torch._foreach_norm, the ranks' sums from one
+all-reduce, and the numbers reach the host in one sync (StepReader). Under data parallelism (DDP, FSDP2, HSDP) a
+gradient may be a DTensor: each rank reads its shard (grad_piece).
+"""
+
+import numpy as np
+import torch
+
+from nanogns.layers.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
+
+# -----------------------------------------------------------------------------
+# reading a step: a handful of ops whatever the number of parameters
+
+
+def world_size():
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def grad_piece(grad):
+    """(this rank's part of a gradient, how many ranks hold that same part): a plain gradient is whole on every
+    rank (DDP averaged it); a DTensor's local shard is its part, repeated over the mesh dims it is Replicate on
+    (HSDP's replicas). Partial placements (sums not yet reduced) are refused."""
+    if not is_dtensor(grad):
+        return grad, None
+    return grad._local_tensor, _copies(grad.device_mesh, grad.placements)  # the attribute: no op per parameter
+
+
+_copies_by_layout = {}  # (id(mesh), placements) -> copies: reading a mesh's shape builds a tensor each time
+
+
+def _copies(mesh, placements):
+    key = (id(mesh), tuple(placements))
+    if key not in _copies_by_layout:
+        if any(p.is_partial() for p in placements):
+            raise ValueError(
+                "GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
+                "read the step after the gradients are reduced"
+            )
+        if mesh.size() != world_size():
+            raise ValueError(
+                f"GNS: a DTensor gradient on a mesh of {mesh.size()} ranks in a world of "
+                f"{world_size()}: the monitor adds the ranks' shards over the whole world"
+            )
+        copies = 1
+        for placement, size in zip(placements, mesh.mesh.shape):
+            copies *= size if placement.is_replicate() else 1
+        _copies_by_layout[key] = copies
+    return _copies_by_layout[key]
+
+
+class BufferTable:
+    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
+    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
+
+    A buffer replaced since (model.to(device) moves buffers) is noticed at the next read, and the table rebuilt.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.views = []  # [(module, buffer name, view)]
+        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
+        self.build()
+
+    def current(self):
+        """True when every buffer is still the table's view and no buffer was added."""
+        found = [
+            (m, n)
+            for m in self.model.modules()
+            for n, b in m._buffers.items()
+            if b is not None and n.endswith(BUFFER_SUFFIX)
+        ]
+        return len(found) == len(self.views) and all(m._buffers.get(n) is v for m, n, v in self.views)
+
+    def build(self):
+        entries = [
+            (m, n, b)
+            for m in _unique_modules(self.model)
+            for n, b in m._buffers.items()
+            if b is not None and n.endswith(BUFFER_SUFFIX)
+        ]
+        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
+            raise ValueError(
+                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
+                + TENSOR_PARALLEL
+            )
+        sizes = {}
+        for _, _, b in entries:
+            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
+        self.flats = {
+            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
+        }
+        offsets = {device: 0 for device in sizes}
+        self.views, self.slot = [], {}
+        with torch.no_grad():
+            for module, name, buffer in entries:
+                device, n = buffer.device, buffer.numel()
+                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
+                view.copy_(buffer)
+                module._buffers[name] = view
+                self.views.append((module, name, view))
+                self.slot[(id(module), name)] = (device, offsets[device])
+                offsets[device] += n
+
+    def zero(self):
+        """Zero every buffer (one op per device)."""
+        for flat in self.flats.values():
+            flat.zero_()
+
+
+def buffer_table(model):
+    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
+    buffers and rebuild at every read)."""
+    table = model.__dict__.get("_pe_buffer_table")
+    if table is None:
+        table = model.__dict__["_pe_buffer_table"] = BufferTable(model)
+    return table
+
+
+def _unique_modules(model):
+    seen = set()
+    for module in model.modules():
+        if id(module) not in seen:
+            seen.add(id(module))
+            yield module
+
+
+class StepReader:
+    """The numbers of one step for a list of tracked tensors, in a number of ops that does not grow with them:
+    their gradients' squared norms (torch._foreach_norm), their buffers' sums and counts (one gather each from the
+    BufferTable), one all-reduce of what the ranks add up, one host sync.
+
+    Args:
+        table: the model's BufferTable.
+        tracked: [Tracked(name, ref, terms)].
+        untracked_params: callable -> the parameters whose gradients only the GradScaler's finiteness check reads.
+    """
+
+    def __init__(self, table, tracked, untracked_params):
+        self.table, self.tracked, self.untracked_params = table, tracked, untracked_params
+        self._indices = self._built_for = None
+        self._plans = {}  # the index tensors squared_norms needs, by the gradients' pattern (dtypes, shards, absences)
+
+    def indices(self):
+        """Per device: (term slot of each [sum] (k,), its entry (k,), its coefficient (k,), count slots (n, slices))."""
+        if self._indices is not None and self._built_for is self.table.views:
+            return self._indices
+        n = len(self.tracked)
+        per_device = {}
+        for i, entry in enumerate(self.tracked):
+            for term, (module, name, coefficient) in enumerate(entry.terms):
+                device, offset = self.table.slot[(id(module), name)]
+                numel = module._buffers[name].numel()
+                sums = per_device.setdefault(device, ([], [], [], [[] for _ in range(n)]))
+                for row in range(numel // 2):  # a bank's buffer: one [sum, count] per slice
+                    sums[0].append(offset + 2 * row)
+                    sums[1].append(i)
+                    sums[2].append(coefficient)
+                    if term == 0:
+                        sums[3][i].append(offset + 2 * row + 1)
+        self._indices = {}
+        for device, (slots, entries, coefficients, counts) in per_device.items():
+            pad = self.table.flats[device].numel() - 1  # the zero padding slot
+            width = max(1, max(len(c) for c in counts))
+            count_slots = [c + [pad] * (width - len(c)) for c in counts]
+            self._indices[device] = tuple(torch.tensor(v, device=device) for v in (slots, entries)) + (
+                torch.tensor(coefficients, dtype=torch.float32, device=device),
+                torch.tensor(count_slots, device=device),
+            )
+        self._built_for = self.table.views
+        return self._indices
+
+    def read(self, scaler_on=False):
+        """(values (n, 3) float64 numpy array: ||grad||^2, sum of the buffers' sums over all ranks, examples counted;
+        all gradients finite (computed only when scaler_on, else True); names of tracked tensors without a gradient).
+        The sums are those of the local backward's per-example contributions, added over the ranks."""
+        if not self.table.current():
+            self.table.build()
+        indices = self.indices()
+        n = len(self.tracked)
+        grads, no_grad = [], []
+        for entry in self.tracked:
+            grad = entry.ref.get().grad
+            if grad is None:
+                no_grad.append(entry.name)
+            grads.append(grad)
+        device = next(iter(self.table.flats), torch.device("cpu"))
+        whole_sq, shard_sq = self.squared_norms(grads, device)
+        sums = torch.zeros(n, dtype=torch.float32, device=device)
+        counts = None
+        for flat_device, (slots, entries, coefficients, count_slots) in indices.items():
+            flat = self.table.flats[flat_device]
+            sums.index_add_(0, entries.to(device), (flat[slots] * coefficients).to(device))
+            found = flat[count_slots].amax(dim=1).to(device)
+            counts = found if counts is None else torch.maximum(counts, found)
+        parts = [sums, counts if counts is not None else torch.zeros_like(sums)]
+        parts += [shard_sq.float()] if shard_sq is not None else []
+        if scaler_on:  # GradScaler skips a step where any gradient is inf/nan: the untracked ones too
+            others = list(self.untracked_params())
+            if others:
+                others_whole, others_shard = self.squared_norms(others, device, plan_key="untracked")
+                parts.append(others_whole.sum().reshape(1).float())
+                parts += [others_shard.sum().reshape(1).float()] if others_shard is not None else []
+        reduced = torch.cat(parts)
+        if world_size() > 1:
+            torch.distributed.all_reduce(reduced)
+        values = torch.cat([whole_sq, reduced.double()]).cpu().numpy()  # the one host sync
+        grad_sq = values[:n] + (values[3 * n : 4 * n] if shard_sq is not None else 0.0)
+        table = np.stack([grad_sq, values[n : 2 * n], values[2 * n : 3 * n]], axis=1)
+        rest = values[(4 if shard_sq is not None else 3) * n :]
+        finite = bool(np.isfinite(grad_sq).all() and np.isfinite(rest).all()) if scaler_on else True
+        return table, finite, no_grad
+
+    def squared_norms(self, grads, device, plan_key="tracked"):
+        """(squared norms of the whole gradients (n,) float64, of this rank's shards divided by their copies (n,)
+        float64, or None when no gradient is sharded); zero where a gradient is absent. One _foreach_norm per
+        dtype family (float64 gradients keep float64 norms; any other dtype: float32), index tensors cached."""
+        pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
+        pattern = tuple((t is not None and t.dtype == torch.float64, t is None, copies) for t, copies in pieces)
+        plans = self._plans.setdefault(plan_key, {})
+        if pattern not in plans:
+            groups = []
+            for wide in (False, True):
+                chosen = [i for i, (t, _) in enumerate(pieces) if t is not None and (t.dtype == torch.float64) == wide]
+                if chosen:
+                    copies = torch.tensor([pieces[i][1] or 1 for i in chosen], dtype=torch.float64, device=device)
+                    sharded = torch.tensor([pieces[i][1] is not None for i in chosen], device=device)
+                    groups.append((wide, chosen, torch.tensor(chosen, device=device), copies, sharded))
+            everything = len(groups) == 1 and len(groups[0][1]) == len(grads)
+            plans[pattern] = (groups, everything, any(c is not None for _, c in pieces))
+        groups, everything, any_sharded = plans[pattern]
+        whole = None if everything else torch.zeros(len(grads), dtype=torch.float64, device=device)
+        shard = torch.zeros(len(grads), dtype=torch.float64, device=device) if any_sharded else None
+        for wide, chosen, index, copies, sharded in groups:
+            tensors = [pieces[i][0] for i in chosen]
+            sq = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64 if wide else torch.float32))
+            sq = sq.to(device, torch.float64).pow(2)
+            if any_sharded:
+                shard.index_copy_(0, index, torch.where(sharded, sq / copies, torch.zeros_like(sq)))
+                sq = torch.where(sharded, torch.zeros_like(sq), sq)
+            if everything:
+                whole = sq  # every gradient present, one dtype family: already in order
+            else:
+                whole.index_copy_(0, index, sq)
+        if whole is None:
+            whole = torch.zeros(len(grads), dtype=torch.float64, device=device)
+        return whole, shard
