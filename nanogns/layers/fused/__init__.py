@@ -149,10 +149,11 @@ class PEGradNormFusedConv1D(PEGradNormConv1D):
             return linear.fused_linear(xs, weight.t(), bias, *buffers).view(*x.shape[:-1], self.nf)
 
 
-for _kind, _variant in (
-    ("LayerNorm", PEGradNormFusedLayerNorm),
-    ("RMSNorm", PEGradNormFusedRMSNorm),
-    ("Linear", PEGradNormFusedLinear),
-    ("Conv1D", PEGradNormFusedConv1D),
-):
+KERNEL_KINDS = {
+    "LayerNorm": PEGradNormFusedLayerNorm,
+    "RMSNorm": PEGradNormFusedRMSNorm,
+    "Linear": PEGradNormFusedLinear,
+    "Conv1D": PEGradNormFusedConv1D,
+}  # the kinds whose "fused" variant runs kernels (the other kinds' "fused" is their "gns")
+for _kind, _variant in KERNEL_KINDS.items():
     add_variant(_kind, "fused", _variant)
