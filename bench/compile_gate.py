@@ -1,6 +1,6 @@
 """
 Compile gate: every Triton kernel of this project at every launch configuration
-fused_gns.py can choose, compiled for NVIDIA sm_80 (A100) and sm_90 (H100) on a
+nanogns/layers/fused/ can choose, compiled for NVIDIA sm_80 (A100) and sm_90 (H100) on a
 machine without a GPU, each compiled kernel checked for register spills and for
 shared memory over the target's per-block limit.
 

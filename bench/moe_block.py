@@ -11,7 +11,7 @@ A step is forward and backward of the block on B examples of T tokens, then
 
     plain eager      transformers' experts loop (experts_implementation="eager")
     plain default    transformers' default experts implementation (grouped matmuls where they run)
-    per-example      the block converted by layer_config.convert (router kept with its own forward,
+    per-example      the block converted by nanogns.convert (router kept with its own forward,
                      experts through the per-example Linear, loop over the experts hit)
 
 All choices are built in this one process with the same weights and take turns,

@@ -9,7 +9,7 @@ every rank's random state and prefetched batch). Adding an engine is one class h
     engine.sync_gradients(model, last_micro_step)   # reduce the gradients after the last micro-batch only
 
 The GNS read itself needs nothing from the engine: GNSMonitor finds the process group and the gradients'
-shards by itself (gnstracking.py).
+shards by itself (nanogns/monitor/).
 """
 
 import gc

@@ -2,7 +2,7 @@
 The gradient noise scale (GNS) estimator: unbiased |G|^2 and tr(Sigma) from
 squared gradient norms at two batch sizes, their EMAs, and the GNS. Pure maths
 (numpy, floats, pandas Series alike), used by the running GNS of a training run
-(gnstracking.GNSMonitor) and by the analysis of its log (gns_analysis.py), so
+(monitor.GNSMonitor) and by the analysis of its log (analysis/analyze.py), so
 both give the same numbers.
 
 McCandlish et al. 2018 (arXiv 1812.06162), appendix A: with B_small = 1, the

@@ -5,7 +5,7 @@ The GNS inside the trainers people use: one object per trainer, added in one lin
     Lightning              lightning.Trainer(..., callbacks=[LightningGNSCallback()])
     Accelerate             gns = AccelerateGNS(accelerator, model); gns.step() before accelerator.clip_grad_norm_
 
-Each converts the model's layers (layer_config.convert, unless they already record per-example norms),
+Each converts the model's layers (nanogns.convert, unless they already record per-example norms),
 reads every optimizer step before gradient clipping (the logged `norm` is the unclipped gradient's), writes
 `log.csv` and `gns_parameters.json` to its out_dir on the main process (`python gns-analysis.py OUT_DIR`), and
 sends the running GNS to the trainer's own logger under "gns". Every rank must run it (one all-reduce a step).
@@ -13,7 +13,7 @@ sends the running GNS to the trainer's own logger under "gns". Every rank must r
 What is measured, whatever the trainer's loss weighting: the step's gradient G is a sum of one part per example
 (all micro-batches, all ranks), and example i's gradient is taken to be h_i = B x (its part), so G = mean_i h_i.
 With a loss that is the mean over examples of each example's mean token loss, h_i is the gradient of that
-example's loss (DESIGN.md). transformers.Trainer's default loss instead divides the sum of all token losses of the
+example's loss (the README, "What is logged"). transformers.Trainer's default loss instead divides the sum of all token losses of the
 step by their number N (`num_items_in_batch`), so h_i = (n_i / mean_j n_j) x (gradient of example i's mean token
 loss), n_i its label tokens: the two agree when every example has as many label tokens (packed, unpadded blocks).
 README.md ("Trainers") says how to get the per-sequence mean.
@@ -24,7 +24,7 @@ import os
 import torch
 
 from nanogns import monitor as gnstracking
-from nanogns.conversion import convert as layer_config
+from nanogns.conversion.convert import convert
 from nanogns.layers import layout
 from nanogns.layers.buffers import BUFFER_SUFFIX
 from nanogns.runlog.reader import load_csv
@@ -39,10 +39,10 @@ def _monitor(model, ema_decay, scaler, convert_options):
         if convert_options:
             raise ValueError(
                 f"GNS: the model's layers are converted already; convert options {convert_options} "
-                "cannot apply (pass them to the first layer_config.convert instead)"
+                "cannot apply (pass them to the first nanogns.convert instead)"
             )
         return gnstracking.GNSMonitor(model, **options)
-    return layer_config.convert(model, **(convert_options or {}), **options)
+    return convert(model, **(convert_options or {}), **options)
 
 
 def _open_log(out_dir, main_process, monitor, resume_step):
@@ -98,7 +98,7 @@ class TrainerGNSCallback(TrainerCallback):
             directory holding another run's log; train(resume_from_checkpoint=...) continues that log from the
             checkpoint's step, its earlier rows rebuilding the running GNS.
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
-        convert_options: keyword arguments of layer_config.convert (linearclass, exclude, ...).
+        convert_options: keyword arguments of nanogns.convert (linearclass, exclude, ...).
     The running GNS goes to Trainer's log (`gns`) at every logging step.
     """
 
@@ -182,7 +182,7 @@ class LightningGNSCallback(LightningCallback):
             refuses a directory holding another run's log; fit(ckpt_path=...) continues that log from the
             checkpoint's step, its earlier rows rebuilding the running GNS.
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
-        convert_options: keyword arguments of layer_config.convert.
+        convert_options: keyword arguments of nanogns.convert.
     The running GNS is logged with `pl_module.log("gns", ...)` every step.
     """
 
@@ -242,7 +242,7 @@ class AccelerateGNS:
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         resume_step: the optimizer step a resumed loop starts at (after accelerator.load_state): the log in
             out_dir is continued from there and its earlier rows rebuild the running GNS; 0 starts a new log.
-        convert_options: keyword arguments of layer_config.convert.
+        convert_options: keyword arguments of nanogns.convert.
     `step` sends the running GNS to `accelerator.log` (the trackers of accelerator.init_trackers, if any).
     """
 
@@ -280,7 +280,7 @@ class AccelerateGNS:
 
 
 # -----------------------------------------------------------------------------
-# the per-sequence-mean loss (DESIGN.md's definition) for a causal LM
+# the per-sequence-mean loss (the README's definition, "What is logged") for a causal LM
 
 
 def sequence_mean_loss(logits, labels, ignore_index=-100):

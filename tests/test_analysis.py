@@ -212,7 +212,7 @@ def test_non_finite_steps_are_skipped_without_poisoning_the_ema(tmp_path, capsys
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     assert np.isnan(results["gtg"][7]) and np.isnan(results["trsigma"][12])
     np.testing.assert_allclose(results["gns"], exp[:, 2], rtol=1e-12)
-    # the online estimator in gnstracking skips the same steps the same way
+    # the online estimator in the monitor skips the same steps the same way
     running = RunningGNS(decay=0.95)
     for s in range(25):
         running.update(sum(norms[p][0][s] ** 2 for p in NOT_TIED), sum(norms[p][1][s] ** 2 for p in NOT_TIED), 16)

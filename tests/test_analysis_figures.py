@@ -1,5 +1,5 @@
 """
-figures.py and "Replicating Figures.ipynb", executed headless on small CPU runs of train.py.
+nanogns/analysis/figures.py and "Replicating Figures.ipynb", executed headless on small CPU runs of train.py.
 
     python -m pytest tests/test_analysis_figures.py -q
 """

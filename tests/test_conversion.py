@@ -1,6 +1,6 @@
 """
-layer_config.convert (swap the torch layers of a model built elsewhere) and
-functional.py (per-example norm functions for layers that are not nn modules),
+nanogns.convert (swap the torch layers of a model built elsewhere) and
+nanogns/layers/functional.py (per-example norm functions for layers that are not nn modules),
 checked against a brute-force loop over examples.
 
     python -m pytest -q tests/test_conversion.py
@@ -304,7 +304,7 @@ def test_functional_layers_are_found_by_the_monitor():
 
 
 # -----------------------------------------------------------------------------
-# modules convert does not know by class: swapped when the probe (swapcheck.py) passes
+# modules convert does not know by class: swapped when the probe (conversion/probe.py) passes
 
 
 class NanoGPTLayerNorm(nn.Module):

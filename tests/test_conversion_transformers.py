@@ -1,5 +1,5 @@
 """
-transformers' models through layer_config.convert, against a brute-force loop
+transformers' models through nanogns.convert, against a brute-force loop
 over examples: GPT-2 (Conv1D layers, tied head) and Llama (LlamaRMSNorm) have
 every parameter tracked exactly; transformers' own norm classes (GemmaRMSNorm's
 (1 + weight) scale, T5LayerNorm, LlamaRMSNorm) are swapped after the probe;

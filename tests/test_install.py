@@ -11,6 +11,7 @@ there is not seen, and the test checks that nanogns is imported from the fresh e
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,6 +20,7 @@ import textwrap
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IGNORED = (".git", ".venv", "out*", "build", "*.egg-info", "__pycache__", "*.bin", "*.pt", "wandb", ".pytest_cache")
 
 CONVERT_SCRIPT = """
 import torch
@@ -96,8 +98,10 @@ def test_pip_install_then_the_readme_imports_from_outside_the_checkout(tmp_path)
     ).stdout.strip()
     with open(os.path.join(site, "zz_borrowed_packages.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch, transformers, pandas...: not a site dir
+    source = tmp_path / "checkout"  # a copy: setuptools builds in the source tree, which stays clean
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*IGNORED))
     install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", REPO],
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(source)],
         capture_output=True,
         text=True,
     )

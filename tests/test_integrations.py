@@ -1,5 +1,5 @@
 """
-integrations.py under the trainers themselves: a tiny Llama and a tiny GPT-2 trained for 2 steps by
+nanogns/integrations.py under the trainers themselves: a tiny Llama and a tiny GPT-2 trained for 2 steps by
 transformers.Trainer, Lightning and Accelerate (examples/hf_trainer.py, lightning_gpt.py, accelerate_gpt.py;
 accumulation 2, clipping at 1.0 active, float64), in one process and on 2 CPU processes (torchrun, gloo): every
 logged `norm` and `pegn` equals a brute-force loop over the examples each step used, with the trainer's own

@@ -5,7 +5,7 @@ eager model's, over two optimizer steps of two accumulated micro-batches.
 
     python -m pytest -q tests/test_layers_compile.py
 
-Dynamo traces the autograd Functions of buffered.py, buffer updates in backward
+Dynamo traces the autograd Functions of the gns layers, buffer updates in backward
 included; the Embedding's torch.unique (a data-dependent shape) graph-breaks and
 that Function runs eagerly, as does the tied wte/lm_head cross term's
 backward (tied.py hands a tensor from one node to the other). The fused layers'

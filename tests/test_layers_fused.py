@@ -1,5 +1,5 @@
 """
-The fused Triton layers (fused_gns.py, kernels in normgnorm/) against brute force:
+The fused Triton layers (nanogns/layers/fused/, kernels in nanogns/kernels/) against brute force:
 outputs, input and parameter gradients, and per-example squared gradient norms
 compared to tests/oracle.py's one-example-at-a-time loop.
 

@@ -1,5 +1,5 @@
 """
-The layer registry and the contextual config of layer_config.py.
+The layer registry (nanogns/layers/registry.py) and the contextual config (nanogns/layers/choice.py).
 
     python -m pytest tests/test_layers_registry.py -q
 """

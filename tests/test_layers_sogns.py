@@ -1,5 +1,5 @@
 """
-SOGNS, the approximate per-example norms (sogns.py): the buffers hold the
+SOGNS, the approximate per-example norms (nanogns/layers/sogns.py): the buffers hold the
 defining formula, it is exact where it should be (T = 1, bias), the `gns+sogns`
 class keeps the exact numbers, and train.py logs both under their own prefixes.
 

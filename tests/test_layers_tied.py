@@ -1,5 +1,5 @@
 """
-Tied embedding / output matrix (tied.py): the monitor logs the shared tensor once,
+Tied embedding / output matrix (nanogns/layers/tied.py): the monitor logs the shared tensor once,
 as `<names joined by +>`, with the exact per-example norm of its whole gradient,
 checked against a brute-force loop over examples on small tied GPTs.
 

@@ -36,7 +36,7 @@ def build(layer_names=("nn", "nn", "nn"), **config):
     """A float64 GPT built with the given (linearclass, embeddingclass, lnclass)."""
     try:
         classes = lc.layer_classes(*layer_names)
-    except ModuleNotFoundError as e:  # buffered.py / fused_gns.py not written yet
+    except ModuleNotFoundError as e:  # the layers' modules not importable
         pytest.skip(f"layer classes {layer_names} unavailable: {e}")
     torch.manual_seed(0)
     with lc.set_contextual_config(**classes):

@@ -1,5 +1,5 @@
 """
-Measurements, the tracker and the GNS estimator of gnstracking.py.
+GNSMonitor and its parts (nanogns/monitor/) and the GNS estimator (nanogns/estimator.py).
 
     python -m pytest tests/test_monitor.py -q
 """

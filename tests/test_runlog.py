@@ -1,5 +1,5 @@
 """
-Tests of tracker.LogWrapper and csv_tools.load_csv: the CSV layout, a run in
+The run's CSV log (nanogns/runlog/): LogWrapper and load_csv: the CSV layout, a run in
 progress, a killed run, non-finite values, print formatting, out_dir=None.
 
     python -m pytest -q tests/test_runlog.py

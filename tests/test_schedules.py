@@ -1,5 +1,5 @@
 """
-Batch-size schedules (schedules.py) as pure functions, and one tiny train.py run with
+Batch-size schedules (nanogns/schedules.py) as pure functions, and one tiny train.py run with
 --bs_schedule=linear.
 
     python -m pytest tests/test_schedules.py -q

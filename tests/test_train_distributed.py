@@ -1,6 +1,6 @@
 """
 train.py under torchrun (2 ranks, gloo, CPU), with DDP and with FSDP2 (--fsdp=True): the
-ddp/ columns of the cross-rank GNS (ddpgns.py), and the per-parameter norms against one
+ddp/ columns of the cross-rank GNS (nanogns/monitor/ddp.py), and the per-parameter norms against one
 process that sees the same global batch (--data_seed makes the data order independent of
 the number of ranks).
 

@@ -6,7 +6,7 @@ The paper's figures from run directories (the plotting behind "Replicating Figur
     fig.savefig("gns_by_layer_type.png")
 
 Every function takes out_dirs written by train.py, returns a matplotlib Figure
-and leaves saving to the caller. The numbers come from gns_analysis.py's
+and leaves saving to the caller. The numbers come from analysis/analyze.py's
 `analyze_gns` (the same estimator and EMA), so figures and printed results agree.
 """
 

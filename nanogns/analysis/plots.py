@@ -5,7 +5,7 @@ Terminal plots of any logged metric, and the plotting helper gns-analysis.py sha
     python plot.py OUT_DIR train/lossf val/loss --x tokens_processed --logy
     python plot.py OUT_DIR lr --png lr.png                   # also save a PNG (matplotlib)
 
-Reads finished, running and killed runs alike (csv_tools.load_csv). Points whose
+Reads finished, running and killed runs alike (nanogns.load_csv). Points whose
 x or y is missing or non-finite are left out.
 """
 
@@ -107,8 +107,8 @@ def unknown_columns_message(unknown, columns):
         parameters = sorted({c[len("train/gns/") : c.rindex("/")] for c in per_parameter})
         lines.append(
             f"  and train/gns/<parameter>/{{norm,pegn,batch_size}} for {len(parameters)} parameters, e.g. "
-            f"{per_parameter[0]} (all of them: python -c \"import csv_tools; "
-            f"print(list(csv_tools.load_csv('OUT_DIR').columns))\")"
+            f"{per_parameter[0]} (all of them: python -c \"from nanogns import load_csv; "
+            f"print(list(load_csv('OUT_DIR').columns))\")"
         )
     lines += [f"  did you mean {' or '.join(close)}?"] if close else []
     return "\n".join(lines)

@@ -1,5 +1,5 @@
 """
-Which per-example norm layer can stand in for a module that `layer_config.convert`
+Which per-example norm layer can stand in for a module that `nanogns.convert`
 does not know by its class, decided by what the module computes on a probe input.
 
 A module is probed only when a swap would lose nothing but its forward: its own

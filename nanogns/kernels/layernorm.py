@@ -2,7 +2,7 @@
 Triton kernels for LayerNorm and RMSNorm that also produce, per example, the
 gradients of the affine parameters, so their squared norms come out of the same
 backward pass. The autograd glue (allocation, grids, shape guards) is in
-fused_gns.py.
+nanogns/layers/fused/.
 
 The maths (one row x of D features; "example" i owns the rows t = 1..T of
 input i, every leading dim after the first flattened into t):
@@ -23,7 +23,7 @@ input i, every leading dim after the first flattened into t):
 `_ln_bwd_dx_pesq` runs one program per (example, chunk of that example's rows).
 It writes dx, and keeps dw_i / db_i restricted to its rows in fp32 registers,
 storing them once as a row of the (N * chunks, D) partial buffers. No (N, T, D)
-tensor of per-example partials exists; normgnorm/finish.py then sums the chunks
+tensor of per-example partials exists; kernels/finish.py then sums the chunks
 of each example (N * chunks * D numbers), squares, sums over examples for dw and
 db, and updates the buffers, in one more launch.
 

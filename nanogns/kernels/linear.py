@@ -1,7 +1,7 @@
 """
 Triton kernel for a Linear layer's weight gradient together with the squared
 norm of every example's weight gradient, in one pass over x and dL/dy. The
-autograd glue (launch configurations, autotuning, the bias) is in fused_gns.py.
+autograd glue (launch configurations, autotuning, the bias) is in nanogns/layers/fused/.
 
 The maths: for y = x W^T + b with x (N, T, K) and g = dL/dy (N, T, L),
 
@@ -20,7 +20,7 @@ last row block is in, its tile's squared Frobenius norm is stored to a
 per-(example, tile) partial, dw_i is added to dw and cleared; dW_i never
 reaches memory. A program that owns its tile (all N examples) writes dW in the
 layer's dtype; where a tile's examples are split over programs, each chunk writes
-an fp32 partial of that tile, summed by normgnorm/finish.py, which also sums the
+an fp32 partial of that tile, summed by kernels/finish.py, which also sums the
 (N, tiles) squares per example. The glue owns whole rows of tiles up to a full
 last wave of the GPU and splits only the rows after them (fused_gns.linear_split).
 """

@@ -4,7 +4,7 @@ kind, and the registry that every other part of the project reads (registry.py).
 
 Each kind module holds everything about its kind: the maths (in its docstring),
 the autograd Functions, the layer classes of its variants (shim, gns; fused ones
-in fused_gns.py), how convert() recognises and probes modules of that kind, and
+in layers/fused/), how convert() recognises and probes modules of that kind, and
 its group in the analysis. Adding a kind is a new module and one line here.
 """
 

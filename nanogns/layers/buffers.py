@@ -20,7 +20,7 @@ Vocabulary (used everywhere in this project):
 Why [sum, count]: the step's loss is the mean over its B examples, so backward
 sees g_i / B where g_i is example i's own gradient. The buffer then holds
 [sum_i ||g_i||^2 / B^2, B] and its product is sum_i ||g_i||^2 / B =
-mean_i ||g_i||^2, the quantity the GNS estimator needs (gnstracking.py).
+mean_i ||g_i||^2, the quantity the GNS estimator needs (nanogns/monitor/).
 
 Three flavours per layer kind (registered in layers/):
   shim   the plain layer, plus a backward pre-hook on the node that made its output,
@@ -28,7 +28,7 @@ Three flavours per layer kind (registered in layers/):
          from PyTorch as usual);
   gns    one autograd Function computes the parameter gradients and the norms
          together ("simultaneous"), sharing the per-example work;
-  fused  Triton kernels (fused_gns.py).
+  fused  Triton kernels (layers/fused/).
 All keep the replaced class's constructor, parameter names, order and shapes, its
 output dtype (under autocast too), and allow in-place ops on their output.
 """

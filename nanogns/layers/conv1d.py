@@ -79,7 +79,7 @@ KIND = register(
             "nn": "transformers.pytorch_utils:Conv1D",
             "shim": PEGradNormShimConv1D,
             "gns": PEGradNormConv1D,
-        },  # "fused": layers/fused.py
+        },  # "fused": layers/fused/
         replaces=("transformers.pytorch_utils:Conv1D",),
         probe=Probe(
             fits=lambda weight, bias: weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:]),

@@ -8,10 +8,10 @@ and g_t = dL/dy_t:
     dw_i = sum_t g_t * xhat_t,     db_i = sum_t g_t
 
 The per-example squared norms are ||dw_i||^2 and ||db_i||^2; the batch gradients
-are their sums over examples. The Triton kernels (fused_gns.py, normgnorm/) compute
+are their sums over examples. The Triton kernels (layers/fused/, kernels/) compute
 the same inside the LayerNorm backward.
 
-Probing a module the registry does not know (swapcheck.py): norm-shaped
+Probing a module the registry does not know (conversion/probe.py): norm-shaped
 parameters are tried with each eps the module stores (`eps`,
 `variance_epsilon`, ..., or any float attribute in (0, 1)), then common values.
 The probe input has 12 rows (3 examples of 4 positions): zero-mean rows of scale
@@ -288,7 +288,7 @@ KIND = register(
             "nn": nn.LayerNorm,
             "shim": PEGradNormSeparatedLayerNorm,
             "gns": PEGradNormLayerNorm,
-        },  # "fused": layers/fused.py
+        },  # "fused": layers/fused/
         replaces=(nn.LayerNorm,),
         convertible=convertible,
         options=lambda module: dict(eps=module.eps),

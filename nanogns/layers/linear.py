@@ -343,7 +343,7 @@ KIND = register(
             "nn": nn.Linear,
             "shim": PEGradNormShimLinear,
             "gns": PEGradNormLinear,
-        },  # "fused": layers/fused.py; "sogns", "gns+sogns": layers/sogns.py
+        },  # "fused": layers/fused/; "sogns", "gns+sogns": layers/sogns.py
         replaces=(nn.Linear,),
         probe=Probe(
             fits=fits,

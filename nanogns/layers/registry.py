@@ -2,15 +2,15 @@
 The registry of layer kinds: what the project knows about each kind of layer
 that records per-example gradient norms, stated once, in the kind's own module
 (layers/linear.py, layers/embedding.py, ...), and read by everything else:
-layer_config (which class a user's choice means, which torch classes convert()
-swaps), swapcheck (how to probe a module the registry does not know by class),
-functional.py (the kinds a hand-written layer may declare), gnstracking (the
+choice.py (which class a user's choice means, which torch classes convert()
+swaps), conversion/probe.py (how to probe a module the registry does not know by class),
+functional.py (the kinds a hand-written layer may declare), the monitor (the
 kind of each tracked parameter, for the record beside the log) and
 gns-analysis.py (the group each kind is summed in).
 
 A kind module builds one LayerKind and calls `register` at import; layers/__init__.py
 imports every kind module, one line each. A module that adds a variant to kinds
-registered before it (layers/fused.py, layers/sogns.py) calls `add_variant`. Only a
+registered before it (layers/fused/, layers/sogns.py) calls `add_variant`. Only a
 third-party class that is not always installed (transformers' Conv1D) is named by a
 "module:Class" string, looked up among the modules already imported (a model that
 holds such a class has imported it), so that importing the layers never imports
@@ -28,7 +28,7 @@ CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (
 
 @dataclass
 class Probe:
-    """How swapcheck.py tries a kind on a module it does not know by class (see swapcheck's docstring).
+    """How conversion/probe.py tries a kind on a module it does not know by class (see its docstring).
 
     Attributes:
         fits: fits(weight, bias) -> True when the kind holds parameters of these shapes (bias may be None).
@@ -63,7 +63,7 @@ class LayerKind:
         options: options(module) -> {constructor option: value} of a module of a replaced class (eps, ...).
         in_parent: in_parent(parent, attribute name, module) -> None, or why the module is not converted as used
             by its parent (a lookup table the parent shares across the batch).
-        probe: how swapcheck.py tries this kind on other modules, or None (never probed).
+        probe: how conversion/probe.py tries this kind on other modules, or None (never probed).
         matches: for a kind whose modules come in many classes of one structure (each transformers model defines
             its own experts class): True for a module of this kind. convert() then calls verify(module, variant
             class), which returns None when the variant computes what the module computes, else why not.
@@ -121,7 +121,7 @@ def register(kind):
 
 def add_variant(kind_name, variant, cls):
     """Add variant `variant` (a class) to a registered kind: for a module whose layers build on the kinds'
-    (layers/fused.py's kernels, layers/sogns.py's approximate norms)."""
+    (layers/fused/'s kernels, layers/sogns.py's approximate norms)."""
     kind = get(kind_name)
     assert variant not in kind.variants, f"{kind_name}: variant {variant!r} registered twice"
     kind.variants[variant] = cls

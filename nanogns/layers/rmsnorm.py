@@ -118,7 +118,7 @@ KIND = register(
             "nn": nn.RMSNorm,
             "shim": PEGradNormShimRMSNorm,
             "gns": PEGradNormRMSNorm,
-        },  # "fused": layers/fused.py
+        },  # "fused": layers/fused/
         replaces=(nn.RMSNorm,),
         params=("weight",),
         convertible=lambda module: (

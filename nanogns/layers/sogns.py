@@ -21,12 +21,12 @@ Cost: forward reduces x to one number per example (the layer keeps N floats,
 not x), backward sums g over the sequence: O(N T (K + L)), no GEMM.
 
 Buffers `<param>_sogns_upegsqnorm` = [sum_i SOGNS ||g_i / B||^2, count], read by
-    MeasurementTracker.from_model(model, suffix=SOGNS_SUFFIX)
+GNSMonitor beside the exact ones (find_tracked_parameters(model, suffix=SOGNS_SUFFIX))
 and logged under their own prefix (train.py: `train/sogns/<param>/norm`, `/pegn`,
 `/batch_size`), so a run can log exact and approximate norms side by side;
 `norm` there is the exact batch-gradient norm, `pegn` the approximation.
 
-Layer classes (layer_config.py, `--linearclass=`):
+Layer classes (the Linear kind's variants, `--linearclass=`):
     sogns       nn.Linear + SOGNS norms only (nearly free)
     gns+sogns   the exact `gns` Linear + SOGNS norms, to compare the two on one run
 """

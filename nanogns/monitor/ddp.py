@@ -29,7 +29,7 @@ Usage:
 
 With gloo, a DDP model still alive at destroy_process_group() / interpreter exit
 was seen to abort a rank ("terminate called without an active exception"), with
-or without this hook (seen with tests/scripts/tracker_worker.py: 5 runs in 16), so free
+or without this hook (seen with a worker like tests/scripts/monitor_worker.py: 5 runs in 16), so free
 the DDP model first, as train.py does.
 """
 

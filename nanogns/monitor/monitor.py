@@ -3,11 +3,11 @@ The measurements of a training step: for each tracked parameter p,
     norm = ||p.grad||                    the batch gradient's norm
     pegn = sqrt(mean_i ||g_i||^2)        from the layer's `<p>_upegsqnorm` buffer
     batch_size = B                       examples in the step (all micro-batches, all ranks)
-(see buffered.py for how the buffers are filled, estimator.py for the GNS made of them).
+(see layers/buffers.py for how the buffers are filled, estimator.py for the GNS made of them).
 
 One object does it all in a training loop, GNSMonitor:
 
-    gns = GNSMonitor(model, log=log)     # or gns = layer_config.convert(model, log=log)
+    gns = GNSMonitor(model, log=log)     # or gns = nanogns.convert(model, log=log)
     ...backward of every micro-batch...
     gns.step(batch_size=B)               # before clipping, scaler.step and zero_grad: measure, zero, log
 
@@ -110,7 +110,7 @@ class GNSMonitor:
         if expect_tracked and not self.tracked and not self.approx_tracked:
             raise ValueError(
                 f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
-                "it first (layer_config.convert(model)) or build it with per-example norm layer classes"
+                "it first (nanogns.convert(model)) or build it with per-example norm layer classes"
             )
         self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
         self.table = buffer_table(model)

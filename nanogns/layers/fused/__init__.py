@@ -1,16 +1,16 @@
 """
-Fused layers: Triton kernels (normgnorm/) compute the parameter gradients and
+Fused layers: Triton kernels (nanogns/kernels/) compute the parameter gradients and
 the exact per-example squared gradient norms in one backward pass.
 
     PEGradNormFusedLayerNorm(ndim, bias=True, eps=1e-5)   forward + backward kernels
     PEGradNormFusedRMSNorm(ndim, eps=1e-6, weight_offset=0.0)   same kernels, no mean, no bias
     PEGradNormFusedLinear(in_features, out_features, bias=True, device=None, dtype=None)
         forward is F.linear, dX is a matmul, dW + its per-example norms come from one
-        kernel (or from buffered.py's torch strategies where they are faster), db in torch
+        kernel (or from the gns Linear's torch strategies (layers/linear.py) where they are faster), db in torch
     PEGradNormFusedConv1D(nf, nx, bias=True)             transformers' Conv1D (weight (in, out)), same kernel
 
 They have the parameters, `<param>_upegsqnorm` buffers and semantics of
-buffered.py's classes (they subclass them), and the autograd functions are
+the gns layers' classes (they subclass them), and the autograd functions are
 exposed as `fused_layer_norm`, `fused_rms_norm` and `fused_linear`.
 
 Launch configurations are pure functions of shapes, dtype and the GPU's
@@ -19,7 +19,7 @@ capability and SM count (`norm_launch_config`, `linear_candidates`,
 them for sm_80 and sm_90 without a GPU and check registers, spills and shared
 memory. The fused Linear picks, once per shape on a GPU, the fastest of the
 kernel's candidate tile configurations and the two torch strategies of
-buffered.py (all exact) by timing each, as Triton's autotuner does (a
+the gns Linear (all exact) by timing each, as Triton's autotuner does (a
 candidate that fails or runs out of memory is skipped); on the CPU the choice
 is `_interpreter_linear_config`. Which tiles one program owns and which are
 split into chunks of examples is `linear_split`, a cost model of the GPU's
@@ -30,7 +30,7 @@ linear_dw_db, linear_dw): torch.compile keeps each as one node of its graph and
 runs it eagerly, so the timed choice and Triton's interpreter work under
 torch.compile too. A backward launches two kernels (norms) or a matmul, the
 weight-gradient kernel, a bias reduction and one finishing kernel (Linear):
-normgnorm/finish.py does the per-example sums, squares and buffer updates.
+kernels/finish.py does the per-example sums, squares and buffer updates.
 
 Where the kernel can run is decided per call (`kernel_unavailable_reason`):
 a CUDA tensor with Triton installed on a GPU it supports, or a CPU tensor while
@@ -38,7 +38,7 @@ Triton's interpreter is active (TRITON_INTERPRET=1 set before triton is first
 imported; this is how the tests run the kernels on CPU). Which of the two Triton
 chose is read from Triton itself: its jitted functions are then interpreter
 functions.
-Anywhere else a layer falls back to the buffered.py torch computation (the same
+Anywhere else a layer falls back to the gns layers' torch computation (the same
 numbers) and warns once per process per reason. Shapes the kernels cannot take
 raise RuntimeError here, before any kernel is launched.
 """

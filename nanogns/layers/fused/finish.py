@@ -12,7 +12,7 @@ from nanogns.layers.fused.runtime import kernels, triton
 # -----------------------------------------------------------------------------
 # finishing: per-example norms, gradients and buffer updates in one launch
 
-_counters = {}  # device -> int32 counter of normgnorm.finish (0 between launches; launches on one stream)
+_counters = {}  # device -> int32 counter of kernels.finish (0 between launches; launches on one stream)
 
 
 def _counter(device):

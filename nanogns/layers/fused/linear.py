@@ -139,7 +139,7 @@ def _free_bytes(device):
 
 
 def _linear_choice(x, grad_out):
-    """'gram', 'materialise' (buffered.py's torch strategies) or the kernel's linear_plan.LinearConfig for this call:
+    """'gram', 'materialise' (the gns Linear's torch strategies (layers/linear.py)) or the kernel's linear_plan.LinearConfig for this call:
     forced by FUSED_LINEAR_STRATEGY; the interpreter's config on CPU (the kernel is what is under test);
     linear_plan.linear_default_config while torch.compile traces; otherwise the fastest, timed once per shape."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
@@ -260,7 +260,7 @@ def _fused_linear_backward(ctx, grad_out):
 class FusedLinearFunction(torch.autograd.Function):
     """fused_linear(x (N, ..., K), weight (L, K), bias (L,) or None, weight_buffer, bias_buffer);
     buffers may be None. x, weight and bias share one dtype (PEGradNormFusedLinear casts under autocast).
-    Forward, the input gradient and the bias are buffered.py's; the weight gradient and its norms come
+    Forward, the input gradient and the bias are the gns Linear's; the weight gradient and its norms come
     from the kernel or a torch strategy (_linear_choice). Frozen parameters get no gradient and no norms."""
 
     @staticmethod

@@ -130,7 +130,7 @@ def linear_tiles(L, K, config):
 
 
 def linear_default_config(N, T, K, L, dtype, capability, sm_count, allow_tf32, allow_gram=True):
-    """The untimed choice (under torch.compile): 'gram' where buffered.py's rule prefers it on a GPU, else the
+    """The untimed choice (under torch.compile): 'gram' where the gns Linear's rule prefers it on a GPU, else the
     largest-tile candidate whose tiles alone give every SM a program (chunks of examples fill the rest)."""
     if allow_gram and simultaneous_uses_gram(T, K, L, 4, "cuda"):  # torch strategies work in float32
         return "gram"

@@ -36,7 +36,7 @@ _warned_reasons = set()
 
 def _interpreted_flags():
     """(our kernels interpreted?, Triton's own tl.* helpers interpreted?): both are fixed when decorated,
-    ours when normgnorm is imported, Triton's when triton is."""
+    ours when nanogns.kernels is imported, Triton's when triton is."""
     from triton.runtime.interpreter import InterpretedFunction
 
     return (
@@ -92,7 +92,7 @@ def _use_kernel(layer, x):
     if reason not in _warned_reasons:
         _warned_reasons.add(reason)
         warnings.warn(
-            f"{type(layer).__name__}: Triton kernel not used ({reason}); falling back to buffered.py's "
+            f"{type(layer).__name__}: Triton kernel not used ({reason}); falling back to the gns layer's "
             f"torch computation, which gives the same numbers more slowly.",
             RuntimeWarning,
             stacklevel=3,
