@@ -557,7 +557,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="the tiny CI version (a few minutes at most)")
+    p.add_argument("--quick", action="store_true", help="the tiny CI version (about 20 s on 2 cores)")
     p.add_argument(
         "--out_dir",
         default=None,
@@ -565,7 +565,7 @@ def main(argv=None):
         " or, with --quick, out-critical-batch-quick)",
     )
     p.add_argument("--no_schedules", action="store_true", help="the sweep and fit only")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     task = QUICK if args.quick else FULL

@@ -1,6 +1,7 @@
 """
-One command for whoever has a CUDA GPU (written for one H100, torch 2.11,
-Triton 3.6, no network, under 10 minutes; not yet run on one): check the fused
+One command for whoever has a CUDA GPU (no network, under 10 minutes on one H100; written for
+the torch and Triton of the GPU images, 2.11 and 3.6, and runs with the ones installed, whose versions it
+prints at the top of its tables; not yet run on a GPU): check the fused
 layers on the GPU, then measure what exact norms cost on GPT-2 124M in bf16,
 and print tables ready for bench/RESULTS.md.
 

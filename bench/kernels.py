@@ -102,12 +102,15 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="default: bfloat16"
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="compute dtype (default: bfloat16)",
     )
-    parser.add_argument("--batch-size", type=int, default=12, help="B, default: 12")
-    parser.add_argument("--block-size", type=int, default=1024, help="T, default: 1024")
-    parser.add_argument("--n-embd", type=int, default=768, help="D, default: 768")
-    parser.add_argument("--vocab-size", type=int, default=50304, help="V, default: 50304")
+    parser.add_argument("--batch_size", type=int, default=12, help="B, examples (default: 12)")
+    parser.add_argument("--block_size", type=int, default=1024, help="T, tokens per example (default: 1024)")
+    parser.add_argument("--n_embd", type=int, default=768, help="D, model width (default: 768)")
+    parser.add_argument("--vocab_size", type=int, default=50304, help="V, vocabulary (default: 50304)")
     args = parser.parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     if not torch.cuda.is_available():

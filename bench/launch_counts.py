@@ -105,13 +105,18 @@ def layer_pairs(D, L, device, dtype):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu (with TRITON_INTERPRET=1) or cuda (default: cpu)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="default: float32"
+    )
     parser.add_argument("--shape", default="3,5,48,40", help="N,T,D,L (default: 3,5,48,40; GPT-2: 12,1024,768,3072)")
     args = parser.parse_args(argv)
     N, T, D, L = (int(v) for v in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
     x = torch.randn(N, T, D, device=args.device, dtype=dtype)
+    reason = fused_gns.kernel_unavailable_reason(x)
+    if reason is not None:  # the fused layers would run their torch fallback: its launches are not the kernels'
+        sys.exit(f"bench/launch_counts.py: the fused kernels cannot run here ({reason}), so there is nothing to count")
     print(f"launches of one backward, {args.device} {args.dtype}, x ({N}, {T}, {D}), Linear {D} -> {L}")
     print("| layer | torch | fused | fused ops |")
     print("|---|---|---|---|")

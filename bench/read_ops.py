@@ -7,7 +7,7 @@ for GPT-2's structure at growing depth: a count, not a time (each op is about on
 
 The model is GPT-2's shape at a tiny width (the counts do not depend on the width): tied head, biases on.
 A plain step is forward + backward + AdamW with torch's layers; the read is what per-example norms add after
-the backward. The read's count should stay flat as the model gets deeper (issue 23: at most 40).
+the backward. The read's count should stay flat as the model gets deeper (tests/test_monitor_distributed.py holds it at most 40).
 """
 
 import argparse
