@@ -12,11 +12,19 @@ give |G|^2 = (B |g_B|^2 - |g_1|^2) / (B - 1) and tr(Sigma) = (|g_1|^2 - |g_B|^2)
 """
 
 import math
+from typing import TYPE_CHECKING, Dict, Tuple, Union
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import pandas
 
-def two_batch_stats(sq_norm_small, sq_norm_big, small_batch_size, big_batch_size):
+Number = Union[float, np.ndarray, "pandas.Series"]  # the functions work on each alike
+
+
+def two_batch_stats(
+    sq_norm_small: Number, sq_norm_big: Number, small_batch_size: Number, big_batch_size: Number
+) -> Tuple[Number, Number]:
     """Unbiased |G|^2 and tr(Sigma) from the squared norms of a small-batch and a big-batch gradient.
 
     McCandlish et al. 2018 (arXiv 1812.06162) eq. A.2, with b examples in each small
@@ -40,7 +48,7 @@ def two_batch_stats(sq_norm_small, sq_norm_big, small_batch_size, big_batch_size
     return gtg, trsigma
 
 
-def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
+def unbiased_stats(sq_norm: Number, pe_sqnorm: Number, batch_size: Number) -> Tuple[Number, Number]:
     """Unbiased |G|^2 and tr(Sigma) from one step's squared norms: `two_batch_stats` with small batches
     of one example, i.e. the Bessel-corrected sample statistics of the per-example gradients:
         |G|^2     = (B * |g_B|^2 - mean_i |g_i|^2) / (B - 1)
@@ -57,7 +65,7 @@ def unbiased_stats(sq_norm, pe_sqnorm, batch_size):
     return two_batch_stats(pe_sqnorm, sq_norm, 1, batch_size)
 
 
-def gns_from_emas(gtg_ema, trsigma_ema):
+def gns_from_emas(gtg_ema: Number, trsigma_ema: Number) -> Number:
     """GNS = EMA(tr(Sigma)) / EMA(|G|^2); NaN where the |G|^2 EMA is not positive.
 
     (The paper's script clips the denominator at 1e-6 instead, which turns a
@@ -73,11 +81,11 @@ class EMA:
     `ewm(alpha=1 - decay, adjust=False, ignore_na=True)` does for NaN), so one bad step does not
     poison it. `value` is NaN until the first finite update."""
 
-    def __init__(self, decay):
+    def __init__(self, decay: float):
         self.decay = decay
         self.value = math.nan
 
-    def update(self, x):
+    def update(self, x: float) -> float:
         if not math.isfinite(x):
             return self.value
         self.value = x if math.isnan(self.value) else self.decay * self.value + (1 - self.decay) * x
@@ -90,15 +98,15 @@ class RunningGNS:
     Feed it the summed squared norms of each step; `gns` is the current estimate
     (NaN until a step with B > 1 and a positive |G|^2 EMA)."""
 
-    def __init__(self, decay=0.95):
+    def __init__(self, decay: float = 0.95):
         self.gtg = EMA(decay)
         self.trsigma = EMA(decay)
 
-    def update(self, sq_norm, pe_sqnorm, batch_size):
+    def update(self, sq_norm: float, pe_sqnorm: float, batch_size: int) -> float:
         """Add one step of per-example norms: sum of norm^2, sum of pegn^2, B."""
         return self.add(*unbiased_stats(sq_norm, pe_sqnorm, batch_size))
 
-    def add(self, gtg, trsigma):
+    def add(self, gtg: float, trsigma: float) -> float:
         """Add one step's unbiased |G|^2 and tr(Sigma) (a step where either is not finite is skipped)."""
         if math.isfinite(gtg) and math.isfinite(trsigma):
             self.gtg.update(gtg)
@@ -106,11 +114,11 @@ class RunningGNS:
         return self.gns
 
     @property
-    def gns(self):
+    def gns(self) -> float:
         return gns_from_emas(self.gtg.value, self.trsigma.value)
 
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, float]:
         return {"decay": self.gtg.decay, "gtg": self.gtg.value, "trsigma": self.trsigma.value}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Dict[str, float]) -> None:
         self.gtg.value, self.trsigma.value = state["gtg"], state["trsigma"]

@@ -15,7 +15,7 @@ the benchmarks all look them up there.
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict, Iterator
 
 import torch.nn as nn
 
@@ -34,12 +34,12 @@ config = LayerConfig()
 CHOICES = ("linearclass", "embeddingclass", "lnclass")  # the user's choices; each kind is picked by one of them
 
 
-def get_layer_class(kind, name):
+def get_layer_class(kind: str, name: str) -> type:
     """The class registered as variant `name` ('nn', 'shim', 'gns', 'fused', ...) of layer kind `kind`."""
     return registry.get(kind).layer_class(name)
 
 
-def layer_classes(linearclass="nn", embeddingclass="nn", lnclass="nn"):
+def layer_classes(linearclass: str = "nn", embeddingclass: str = "nn", lnclass: str = "nn") -> Dict[str, type]:
     """Keyword arguments for `set_contextual_config` from the three config names."""
     return dict(
         Linear=get_layer_class("Linear", linearclass),
@@ -48,13 +48,13 @@ def layer_classes(linearclass="nn", embeddingclass="nn", lnclass="nn"):
     )
 
 
-def tracks_per_example_norms(linearclass="nn", embeddingclass="nn", lnclass="nn"):
+def tracks_per_example_norms(linearclass: str = "nn", embeddingclass: str = "nn", lnclass: str = "nn") -> bool:
     """True when any of the three choices records per-example norms."""
     return any(name != "nn" for name in (linearclass, embeddingclass, lnclass))
 
 
 @contextlib.contextmanager
-def set_contextual_config(**classes):
+def set_contextual_config(**classes: type) -> Iterator[LayerConfig]:
     """Build modules with these layer classes inside the `with` block, restoring the old ones after."""
     unknown = set(classes) - set(LayerConfig.__dataclass_fields__)
     if unknown:

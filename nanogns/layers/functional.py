@@ -35,8 +35,12 @@ forward counts its examples twice, and the monitor then stops tracking the bank
 with a warning (the norm of a sum of uses needs cross terms), as for any layer.
 """
 
+from typing import Optional
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch import Tensor
 
 from nanogns.layers import embedding as embedding_kind
 from nanogns.layers import layernorm as layernorm_kind
@@ -44,11 +48,12 @@ from nanogns.layers import linear as linear_kind
 from nanogns.layers import registry
 from nanogns.layers.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
 from nanogns.layers.layernorm import torch_layer_norm
+from nanogns.layers.layout import Rows
 from nanogns.layers.rmsnorm import torch_rms_norm
 from nanogns.layers.tied import note_embedding, note_head
 
 
-def register_buffers(module, *param_names, kind=None, bank_dims=0):
+def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] = None, bank_dims: int = 0) -> None:
     """Give `module` a `<name>_upegsqnorm` buffer for each of its parameters `param_names`.
 
     Args:
@@ -75,7 +80,14 @@ def register_buffers(module, *param_names, kind=None, bank_dims=0):
             module.__dict__.setdefault("_pe_kinds", {})[name] = kind
 
 
-def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None):
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    weight_buffer: Optional[Tensor] = None,
+    bias_buffer: Optional[Tensor] = None,
+    rows: Optional[Rows] = None,
+) -> Tensor:
     """F.linear(x, weight, bias), weight (out, in), recording per-example norms of weight and bias gradients.
     rows: which example each row of x belongs to (layout.Rows), when the layer knows better than the layout
     (tokens routed to an expert); default: the layout's."""
@@ -91,7 +103,9 @@ def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None
     return out
 
 
-def embedding(ids, weight, weight_buffer=None, padding_idx=None):
+def embedding(
+    ids: Tensor, weight: Tensor, weight_buffer: Optional[Tensor] = None, padding_idx: Optional[int] = None
+) -> Tensor:
     """F.embedding(ids, weight, padding_idx) (no max_norm), recording per-example norms of the weight gradient."""
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]  # F.embedding's convention
@@ -101,7 +115,14 @@ def embedding(ids, weight, weight_buffer=None, padding_idx=None):
     return out
 
 
-def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=None):
+def layer_norm(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    weight_buffer: Optional[Tensor] = None,
+    bias_buffer: Optional[Tensor] = None,
+) -> Tensor:
     """F.layer_norm over the last dim with an affine weight (and bias), recording their per-example norms."""
     out_dtype = autocast_result_dtype(torch_layer_norm, x, weight, bias)
     if torch.is_autocast_enabled(x.device.type):
@@ -111,7 +132,7 @@ def layer_norm(x, weight, bias=None, eps=1e-5, weight_buffer=None, bias_buffer=N
         return layernorm_kind.layer_norm(x, weight, bias, eps, *buffers, rows, out_dtype)
 
 
-def rms_norm(x, weight, eps=None, weight_buffer=None):
+def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = None, weight_buffer: Optional[Tensor] = None) -> Tensor:
     """F.rms_norm over the last dim times weight, recording per-example norms of the weight gradient."""
     out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
