@@ -1,6 +1,11 @@
 """
-The brute-force oracle every per-example norm test compares against (as opacus
-does): one forward and backward per example, batch size 1, plain autograd.
+The brute-force oracle every per-example norm test compares against (as opacus does): example i's gradient is
+taken from the one batched forward, by a backward of example i's part of the output (or of its loss) alone, in
+plain autograd. A batch of one is not always the same computation as a row of a batch (torch's
+MultiheadAttention differs by ~1%), so the forward is never rerun per example.
+
+    per_example_sqnorms_by_loop(module, inputs, grad_out)    a layer or model, output dim 0 = example
+    loss_sqnorms_from_batched_forward(model, losses)          a model, from its examples' losses
 """
 
 import torch
@@ -10,56 +15,30 @@ def per_example_sqnorms_by_loop(module, inputs, grad_out):
     """Squared norm of each example's gradient for every parameter of `module`.
 
     Args:
-        module: any module; it is run on one example at a time.
+        module: any module whose output's dim 0 indexes the examples of `inputs`.
         inputs: tensor (N, ...) whose dim 0 indexes examples (float input or token ids).
-        grad_out: tensor shaped like module(inputs): the upstream gradient. Example
-            i's gradient is the vector-Jacobian product with grad_out[i:i+1].
+        grad_out: tensor shaped like module(inputs): the upstream gradient. Example i's gradient is the
+            vector-Jacobian product of output row i with grad_out[i], from the one batched forward.
     Returns:
-        {parameter name: float64 tensor (N,)} of squared per-example gradient norms.
+        {parameter name: float64 tensor (N,)} of squared per-example gradient norms (0 for a frozen parameter).
     """
-    names = [name for name, _ in module.named_parameters()]
-    sqnorms = {name: [] for name in names}
+    named = list(module.named_parameters())
+    trainable = [p for _, p in named if p.requires_grad]
+    x = inputs.detach().requires_grad_(True) if inputs.is_floating_point() else inputs
+    out = module(x)
+    sqnorms = {name: [] for name, _ in named}
     for i in range(inputs.shape[0]):
-        module.zero_grad(set_to_none=True)
-        x = inputs[i : i + 1]
-        if x.is_floating_point():
-            x = x.detach().requires_grad_(True)
-        module(x).backward(grad_out[i : i + 1])
-        for name, param in module.named_parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            sqnorms[name].append(grad.double().pow(2).sum())
-    module.zero_grad(set_to_none=True)
+        grads = iter(
+            torch.autograd.grad(
+                out[i], trainable, grad_outputs=grad_out[i].to(out.dtype), retain_graph=True, allow_unused=True
+            )
+        )
+        for name, param in named:
+            grad = next(grads) if param.requires_grad else None
+            sqnorms[name].append(
+                grad.double().pow(2).sum() if grad is not None else torch.zeros((), dtype=torch.float64)
+            )
     return {name: torch.stack(values) for name, values in sqnorms.items()}
-
-
-def per_example_loss_sqnorms_by_loop(model, loss_of, batch):
-    """Mean over examples of each trainable parameter's squared per-example gradient norm, and the
-    squared norm of the batch gradient (the mean of the examples' gradients), by one backward per example.
-
-    Args:
-        model: the model; its parameters' .grad are cleared before and after.
-        loss_of: callable(model, example batch) -> the loss of that batch, a mean over its examples
-            (each example's loss being the mean over its tokens).
-        batch: a tensor or a tuple of tensors whose dim 0 indexes the B examples.
-    Returns:
-        ({name: mean_i ||g_i||^2}, {name: ||mean_i g_i||^2}) as Python floats, for every parameter
-        with requires_grad (named_parameters() names; a tied tensor under its first name).
-    """
-    batch = batch if isinstance(batch, tuple) else (batch,)
-    B = batch[0].shape[0]
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sq = {n: 0.0 for n, _ in params}
-    total = {n: torch.zeros_like(p, dtype=torch.float64) for n, p in params}
-    for i in range(B):
-        model.zero_grad(set_to_none=True)
-        loss_of(model, *[t[i : i + 1] for t in batch]).backward()
-        for n, p in params:
-            if p.grad is not None:
-                g = p.grad.detach().double()
-                sq[n] += g.pow(2).sum().item() / B
-                total[n] += g / B
-    model.zero_grad(set_to_none=True)
-    return sq, {n: t.pow(2).sum().item() for n, t in total.items()}
 
 
 def loss_sqnorms_from_batched_forward(model, losses):

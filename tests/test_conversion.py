@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from oracle import per_example_sqnorms_by_loop
+from oracle import loss_sqnorms_from_batched_forward, per_example_sqnorms_by_loop
 
 import nanogns as lc
 from nanogns import monitor as gnstracking
@@ -47,20 +47,20 @@ class Nested(nn.Module):
         return self.head(self.proj(self.bare_norm(self.norm(h))))
 
 
-def loss_fn(model, ids, targets):
+def example_losses(model, ids, targets):
+    """Each example's mean token loss (a 1-D batch of ids: one token per example)."""
     logits = model(ids)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return losses.view(ids.shape[0], -1).mean(dim=1)
+
+
+def loss_fn(model, ids, targets):
+    return example_losses(model, ids, targets).mean()
 
 
 def brute_force_pe(model, ids, targets):
-    per_example = {n: 0.0 for n, _ in model.named_parameters()}
-    for i in range(ids.shape[0]):
-        model.zero_grad(set_to_none=True)
-        loss_fn(model, ids[i : i + 1], targets[i : i + 1]).backward()
-        for n, p in model.named_parameters():
-            if p.grad is not None:
-                per_example[n] += p.grad.double().pow(2).sum().item() / ids.shape[0]
-    model.zero_grad(set_to_none=True)
+    """{name: mean_i ||g_i||^2} by the oracle (each example's gradient from the batched forward)."""
+    per_example, _ = loss_sqnorms_from_batched_forward(model, example_losses(model, ids, targets))
     zero_sqgradnorm_buffers(model)
     return per_example
 
@@ -171,13 +171,8 @@ class FunctionalNorms(PESqNormBuffersMixin, nn.Module):
 
 
 def per_example_by_loop(model, inputs, grad_out):
-    out = {n: [] for n, _ in model.named_parameters()}
-    for i in range(inputs.shape[0]):
-        model.zero_grad(set_to_none=True)
-        model(inputs[i : i + 1]).backward(grad_out[i : i + 1])
-        for n, p in model.named_parameters():
-            out[n].append(p.grad.double().pow(2).sum().item())
-    return {n: sum(v) for n, v in out.items()}
+    """{name: sum_i ||g_i||^2} by the oracle."""
+    return {n: v.sum().item() for n, v in per_example_sqnorms_by_loop(model, inputs, grad_out).items()}
 
 
 @pytest.mark.parametrize("shape", [(4, 7), (1, 7), (3, 5, 7), (2, 3, 2, 7)], ids=str)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from oracle import per_example_loss_sqnorms_by_loop
+from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
 from nanogns import monitor as gnstracking
@@ -23,9 +23,18 @@ from nanogns.layers.embedding import PEGradNormEmbedding
 VOCAB, D = 11, 6
 
 
-def lm_loss(model, ids, targets):
+def lm_losses(model, ids, targets):
+    """Each example's mean token loss."""
     logits = model(ids)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return (
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+        .view(ids.shape[0], -1)
+        .mean(dim=1)
+    )
+
+
+def lm_loss(model, ids, targets):
+    return lm_losses(model, ids, targets).mean()
 
 
 def data(B, T=5, seed=1):
@@ -36,6 +45,7 @@ def data(B, T=5, seed=1):
 def measure(monitor, model, ids, targets, micro_batches=2):
     """Forward/backward over `micro_batches` parts of the batch (gradient accumulation), then one monitor step."""
     B = ids.shape[0]
+    model.zero_grad(set_to_none=True)  # a step's gradient starts from none
     for part in torch.arange(B).chunk(micro_batches):
         (lm_loss(model, ids[part], targets[part]) * len(part) / B).backward()
     measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
@@ -44,7 +54,7 @@ def measure(monitor, model, ids, targets, micro_batches=2):
 
 
 def assert_matches_brute_force(model, measurements, ids, targets, rel=1e-6):  # buffers are float32
-    pe_sq, batch_sq = per_example_loss_sqnorms_by_loop(model, lm_loss, (ids, targets))
+    pe_sq, batch_sq = loss_sqnorms_from_batched_forward(model, lm_losses(model, ids, targets))
     zero_sqgradnorm_buffers(model)
     for name, m in measurements.items():
         first = name.split("+")[0]

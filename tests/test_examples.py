@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import per_example_sqnorms_by_loop
+from oracle import loss_sqnorms_from_batched_forward, per_example_sqnorms_by_loop
 
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.monitor import GNSMonitor
@@ -195,21 +195,12 @@ def test_casted_linear_bf16_autocast_close_to_float32():
 
 
 def brute_force(model, x, y):
-    """{name: (|mean_i g_i|^2, mean_i |g_i|^2)} for every parameter (a tied tensor under its first name)."""
-
-    def backward(xs, ys):
-        model.zero_grad(set_to_none=True)
-        F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
-
-    backward(x, y)
-    result = {n: [p.grad.pow(2).sum().item(), 0.0] for n, p in model.named_parameters()}
-    for i in range(x.size(0)):
-        backward(x[i : i + 1], y[i : i + 1])
-        for n, p in model.named_parameters():
-            result[n][1] += p.grad.pow(2).sum().item() / x.size(0)
-    model.zero_grad(set_to_none=True)
+    """{name: (|mean_i g_i|^2, mean_i |g_i|^2)} for every parameter (a tied tensor under its first name), by the
+    oracle: each example's gradient (its mean token loss) from one batched forward."""
+    losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(dim=1)
+    per_example, batch = loss_sqnorms_from_batched_forward(model, losses)
     zero_sqgradnorm_buffers(model)
-    return result
+    return {n: (batch[n], per_example[n]) for n in batch}
 
 
 def accumulated_step(model, monitor, x, y, split):
