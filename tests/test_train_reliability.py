@@ -135,7 +135,7 @@ def test_log_wrapper_resume_step_sets_later_rows_aside(tmp_path):
         t.log({"a": float(s)})
         t.step()
     t._data.close()  # as if killed: no close(), the tmp files hold rows 0..4
-    atexit.unregister(t.close)
+    atexit.unregister(t._close_at_exit)
     t = LogWrapper(out_dir=str(tmp_path), resume=True, resume_step=3)
     assert t.step_count == 3
     t.log({"a": 30.0})
