@@ -17,11 +17,17 @@ RECORD_FORMAT = 2
 
 
 def write_parameter_record(out_dir, record):
-    """out_dir/PARAMETERS_JSON, written atomically (a resumed run rewrites the same facts)."""
+    """out_dir/PARAMETERS_JSON, written atomically (a resumed run rewrites the same facts); a write that fails ends
+    the process with one line (SystemExit)."""
     path = os.path.join(out_dir, PARAMETERS_JSON)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"format": RECORD_FORMAT, "parameters": record}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"format": RECORD_FORMAT, "parameters": record}, f, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError as e:  # a full disk, an unwritable directory: one line, as the log's writes
+        raise SystemExit(
+            f"record: cannot write {path} ({e.strerror or e}); free some space or choose a writable out_dir"
+        )
     return path
 
 

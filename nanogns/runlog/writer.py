@@ -224,7 +224,8 @@ class LogWrapper:
             first = header.readline()
             columns = next(csv.reader([first]), None) if first.endswith("\n") else None
             if columns:
-                assert columns[0] == "step", f"{header_path} does not start with a step column"
+                if columns[0] != "step":
+                    raise SystemExit(f"log: cannot continue {header_path}: its first column is not step")
                 self.columns = columns
             lines = open(data_path, newline="") if data_path else header  # log.csv: its rows follow its header
             aside, last, last_kept, n_aside = None, None, -1, 0
