@@ -1,7 +1,6 @@
 """
 Tests of tracker.LogWrapper and csv_tools.load_csv: the CSV layout, a run in
-progress, a killed run, non-finite values, print formatting, out_dir=None, a long
-log streamed by close() and a resume, a full disk.
+progress, a killed run, non-finite values, print formatting, out_dir=None.
 
     python -m pytest -q tests/test_runlog.py
 """

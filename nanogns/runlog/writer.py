@@ -32,11 +32,11 @@ in first-seen order. A key not logged in a step is an empty cell. Rows written
 before a column first appeared are shorter than the header. Floats are written
 with repr precision; non-finite ones as nan, inf, -inf; None as an empty cell.
 
-Recovering a killed run: nanogns.runlog.reader.load_csv(out_dir) reads the two
-.tmp files directly (short rows padded with NaN, a truncated last line dropped).
-To turn them into a log.csv by hand:
+Recovering a killed run: csv_tools.load_csv(out_dir) reads the two .tmp files
+directly (short rows padded with NaN, a truncated last line dropped). To turn
+them into a log.csv by hand:
 
-    python -c "from nanogns.runlog.reader import load_csv; load_csv('OUT_DIR').to_csv('OUT_DIR/log.csv', index=False)"
+    python -c "import csv_tools; csv_tools.load_csv('OUT_DIR').to_csv('OUT_DIR/log.csv', index=False)"
     rm OUT_DIR/log_header.csv.tmp OUT_DIR/log_data.csv.tmp
 
 or, with no Python at hand, `cat log_header.csv.tmp log_data.csv.tmp > log.csv`
