@@ -4,6 +4,7 @@ The GNS of a run, from its log: the command line of gns_analysis.py, where the l
 
     python gns-analysis.py OUT_DIR [--alpha 0.95] [--prefix train/gns]
                            [--approx-prefix train/sogns] [--no-plots]
+                           [--output-dir DIR]
 """
 
 import sys

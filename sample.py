@@ -6,15 +6,18 @@ Sample from a model trained with train.py (nanoGPT's sample.py, reading this for
 The checkpoint holds plain weights: the per-example norm buffers are not saved, so
 the model is built with torch's layers. Besides nanoGPT's keys it carries
 `tokens_processed` (a buffer of the run's token count, dropped here) and, for
-character-level data, the vocabulary comes from the dataset's meta.pkl.
+character-level data, the vocabulary comes from the dataset's meta.json (an older
+meta.pkl is read as plain data only). Both files are read as data, never run: see
+"What is trusted" in README.md.
 """
 import os
-import pickle
 from contextlib import nullcontext
 
 import torch
 
 from model import GPTConfig, GPT
+from nanogns import engines # gns: checkpoints are read as data (torch.load with weights_only=True)
+from nanogns.dataset import load_meta
 
 # -----------------------------------------------------------------------------
 out_dir = 'out' # the run's directory, holding ckpt.pt
@@ -26,7 +29,7 @@ top_k = 200 # retain only the top_k most likely tokens, clamp others to have 0 p
 seed = 1337
 device = 'cuda' if torch.cuda.is_available() else 'cpu' # examples: 'cpu', 'cuda', 'cuda:0', 'mps'
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float32' # 'float32', 'bfloat16', or 'float16'
-exec(open('configurator.py').read()) # overrides from command line or config file
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read()) # overrides from command line or config file
 # -----------------------------------------------------------------------------
 
 torch.manual_seed(seed)
@@ -39,7 +42,12 @@ ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 if not os.path.exists(ckpt_path):
     raise SystemExit(f"sample.py: no checkpoint {ckpt_path}; train first (python train.py ...) or pass the run's "
                      f"--out_dir (a run writes ckpt.pt at every eval_interval)")
-checkpoint = torch.load(ckpt_path, map_location='cpu', weights_only=False)
+try:
+    checkpoint = engines.read_checkpoint(ckpt_path)
+except ValueError as e:
+    raise SystemExit(f"sample.py: {e}")
+if not isinstance(checkpoint.get('model_args'), dict):
+    raise SystemExit(f"sample.py: {ckpt_path} is not a checkpoint of train.py (it has no model_args)")
 model_args = {k: v for k, v in checkpoint['model_args'].items() if k in GPTConfig.__dataclass_fields__}
 model = GPT(GPTConfig(**model_args))
 state_dict = checkpoint['model']
@@ -50,19 +58,27 @@ model.load_state_dict(state_dict)
 model.eval()
 model.to(device)
 
-# the encoding: the dataset's own vocabulary (meta.pkl) if it has one, else GPT-2's BPE
+# the encoding: the dataset's own vocabulary (meta.json) if it has one, else GPT-2's BPE
 dataset = checkpoint.get('config', {}).get('dataset')
-meta_path = os.path.join('data', dataset, 'meta.pkl') if dataset else None
-if meta_path and os.path.exists(meta_path):
-    print(f"Loading meta from {meta_path}...")
-    with open(meta_path, 'rb') as f:
-        meta = pickle.load(f)
+# data/<dataset> where train.py read it (the current directory), else beside this script
+data_dirs = [os.path.join(d, 'data', dataset) for d in ('', os.path.dirname(os.path.abspath(__file__)))] if dataset else []
+data_dir = next((d for d in data_dirs if os.path.isdir(d)), None)
+try:
+    meta = load_meta(data_dir) if data_dir else None
+except ValueError as e:
+    raise SystemExit(f"sample.py: {e}; re-run the dataset's prepare.py")
+if meta is None and model_args.get('vocab_size', 50304) < 50257:
+    raise SystemExit(f"sample.py: the model has a {model_args['vocab_size']}-token vocabulary, but no meta.json of "
+                     f"dataset {dataset!r} was found (looked in {', '.join(data_dirs) or 'no data dir'}); run from the "
+                     f"directory train.py ran in, or prepare the dataset there")
+if meta is not None and 'stoi' in meta:
+    print(f"Loading meta from {data_dir}...")
     stoi, itos = meta['stoi'], meta['itos']
     encode = lambda s: [stoi[c] for c in s]
     decode = lambda l: ''.join([itos[i] for i in l])
 else:
     import tiktoken
-    print("No meta.pkl found, assuming GPT-2 encodings...")
+    print("No meta.json found, assuming GPT-2 encodings...")
     enc = tiktoken.get_encoding("gpt2")
     encode = lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})
     decode = lambda l: enc.decode(l)

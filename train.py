@@ -21,7 +21,6 @@ $ torchrun --standalone --nproc_per_node=4 train.py --fsdp=True
 import os
 import sys
 import time
-import pickle
 from contextlib import nullcontext
 
 import numpy as np
@@ -33,6 +32,10 @@ import gnstracking
 from tracker import LogWrapper
 from nanogns import schedules
 from nanogns import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
+from nanogns import settings # gns: the valid range of every setting
+from nanogns.dataset import load_meta # gns: the dataset's vocabulary, read as data (meta.json)
+from nanogns.runlog.lock import RunLock, DirectoryInUse # gns: one run per out_dir
+from model import PEAK_FLOPS
 
 # -----------------------------------------------------------------------------
 # default config values designed to train a gpt2 (124M) on OpenWebText
@@ -108,6 +111,10 @@ def fail(message):
         sys.exit(1)
     sys.exit(0)
 
+# gns: every value in its range before anything starts (one line naming the flag and its range)
+problem = settings.check(config, device_names=PEAK_FLOPS)
+if problem:
+    fail(problem)
 # gns: check the layer choice before anything starts, and say why B = 1 cannot work
 layer_choice = dict(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
 try:
@@ -181,12 +188,6 @@ if tracked and examples_per_iter < 2: # (a schedule starts at its smallest batch
          "gradients with their mean; at B = 1 it is undefined): raise batch_size or "
          "gradient_accumulation_steps, or set all layer classes to 'nn'")
 
-# gns: a new run never mixes its log, checkpoint or schedule into another run's out_dir
-run_files = [f for f in ('log.csv', 'log_header.csv.tmp', 'ckpt.pt', schedules.SCHEDULE_FILE)
-             if os.path.exists(os.path.join(out_dir, f))]
-if init_from != 'resume' and run_files:
-    raise SystemExit(f"train.py: out_dir {out_dir!r} already holds another run ({', '.join(run_files)}); "
-                     f"choose another --out_dir, delete the old one, or continue it with --init_from=resume")
 torch.manual_seed(1337 + seed_offset)
 torch.backends.cuda.matmul.allow_tf32 = True # allow tf32 on matmul
 torch.backends.cudnn.allow_tf32 = True # allow tf32 on cudnn
@@ -197,14 +198,20 @@ ctx = nullcontext() if device_type == 'cpu' and dtype == 'float32' else torch.am
 
 # poor man's data loader
 data_dir = os.path.join('data', dataset)
+# gns: how to make the data: its prepare.py where there is one, else what the files are
+prepare = os.path.join(data_dir, 'prepare.py')
+known = [d for d in sorted(os.listdir('data')) if os.path.isfile(os.path.join('data', d, 'prepare.py'))] if os.path.isdir('data') else []
+prepare = (f"python {prepare}" if os.path.isfile(prepare) else f"{data_dir} has no prepare.py: put train.bin and val.bin "
+           f"there (uint16 token ids, as nanoGPT's prepare scripts write them), with a meta.json for a character vocabulary, "
+           f"or choose a --dataset with a prepare.py ({', '.join(known) or 'none in ./data'})")
 for split in ('train', 'val'):
     if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
-        raise SystemExit(f"train.py: missing {os.path.join(data_dir, f'{split}.bin')}; "
-                         f"prepare the dataset first: python data/{dataset}/prepare.py")
+        raise SystemExit(f"train.py: missing {os.path.join(data_dir, f'{split}.bin')}; prepare the dataset first: {prepare}")
     n_tokens = os.path.getsize(os.path.join(data_dir, f'{split}.bin')) // 2 # uint16 tokens
-    if n_tokens <= block_size:
+    if n_tokens < batch_size * (block_size + 1): # gns: else every batch repeats text (its examples would not be distinct)
         raise SystemExit(f"train.py: {os.path.join(data_dir, f'{split}.bin')} holds {n_tokens} tokens, too few for "
-                         f"block_size={block_size} (a batch needs block_size + 1); lower --block_size or use more data")
+                         f"block_size={block_size} with batch_size={batch_size}: a batch reads batch_size x (block_size + 1) = "
+                         f"{batch_size * (block_size + 1):,} tokens; lower --block_size or --batch_size, or use more data")
 def get_batch(split, index=None):
     # We recreate np.memmap every batch to avoid a memory leak, as per
     # https://stackoverflow.com/questions/45132940/numpy-memmap-memory-usage-want-to-iterate-once/61472122#61472122
@@ -228,21 +235,38 @@ def get_batch(split, index=None):
 iter_num = 0
 best_val_loss = 1e9
 
-# attempt to derive vocab_size from the dataset
-meta_path = os.path.join(data_dir, 'meta.pkl')
+# attempt to derive vocab_size from the dataset (gns: meta.json, or an older meta.pkl read as plain data only)
 meta_vocab_size = None
-if os.path.exists(meta_path):
-    try:
-        with open(meta_path, 'rb') as f:
-            meta = pickle.load(f)
-        meta_vocab_size = int(meta['vocab_size'])
-    except Exception as e:
-        raise SystemExit(f"train.py: cannot read vocab_size from {meta_path} ({type(e).__name__}: {e}); "
-                         f"the file is damaged: re-run python data/{dataset}/prepare.py")
-    print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
+try:
+    meta = load_meta(data_dir)
+except ValueError as e:
+    raise SystemExit(f"train.py: {e}; make it again: {prepare}")
+if meta is not None:
+    meta_vocab_size = meta['vocab_size']
+    print(f"found vocab_size = {meta_vocab_size} (inside {meta['path']})")
 
-if master_process: # only now: bad input above leaves no empty out_dir behind
-    os.makedirs(out_dir, exist_ok=True)
+# gns: only now (bad input above leaves no empty out_dir behind), rank 0 locks out_dir until its process ends: a
+# second run or a resume while this one runs is refused; and a new run never mixes its log, checkpoint or schedule
+# into another run's out_dir
+refusal = None
+if master_process:
+    try:
+        run_lock = RunLock(out_dir)
+    except DirectoryInUse as e:
+        refusal = str(e)
+    except OSError as e:
+        refusal = (f"--out_dir={out_dir!r} is a file, not a directory" if os.path.isfile(out_dir) else
+                   f"cannot write --out_dir={out_dir!r} ({e.strerror}: {e.filename})") + "; choose another --out_dir"
+    else:
+        run_files = [f for f in ('log.csv', 'log_header.csv.tmp', 'ckpt.pt', schedules.SCHEDULE_FILE)
+                     if os.path.exists(os.path.join(out_dir, f))]
+        if init_from != 'resume' and run_files:
+            refusal = (f"out_dir {out_dir!r} already holds another run ({', '.join(run_files)}); "
+                       f"choose another --out_dir, delete the old one, or continue it with --init_from=resume")
+refusal = engine.broadcast(refusal) # every rank leaves together, rank 0 saying why
+if refusal:
+    engine.close()
+    fail(refusal)
 # gns: the 'linear' schedule's file, written once (a resumed run keeps it, a user may edit it) and read by rank 0
 accum_schedule = None
 if bs_schedule == 'linear' and master_process:
@@ -296,11 +320,22 @@ with lc.set_contextual_config(**layer_classes):
         iter_num = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
         resume_log_step = checkpoint.get('log_step', iter_num) # gns: the log rows the weights have seen
+        if not eval_only and (iter_num >= max_iters or tokens_processed >= max_tokens): # gns: a finished run stays as it is
+            print(f"train.py: nothing left to do: the checkpoint in {out_dir} is at iteration {iter_num} and "
+                  f"{tokens_processed:,} tokens, where max_iters={max_iters} or max_tokens={max_tokens:,} ends the run; "
+                  f"its files are left untouched (raise --max_iters or --max_tokens to train further)")
+            engine.close()
+            sys.exit(0)
     elif init_from.startswith('gpt2'):
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         # initialize from OpenAI GPT-2 weights
         override_args = dict(dropout=dropout)
-        model = GPT.from_pretrained(init_from, override_args)
+        try: # gns: one line when the weights cannot be had (offline, no cache)
+            model = GPT.from_pretrained(init_from, override_args)
+        except Exception as e:
+            fail(f"cannot load the {init_from} weights ({type(e).__name__}: {str(e).strip().splitlines()[0][:300]}); "
+                 f"transformers downloads them from the Hugging Face hub on first use: run once with a network, or "
+                 f"copy them into its cache (HF_HOME)")
         # read off the created config params, so we can store them into checkpoint correctly
         for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
             model_args[k] = getattr(model.config, k)

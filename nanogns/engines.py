@@ -15,7 +15,10 @@ shards by itself (nanogns/monitor/).
 import gc
 import inspect
 import os
+import pickle
 import random
+import re
+import shutil
 import warnings
 import weakref
 
@@ -210,11 +213,18 @@ def start(device, backend, fsdp):
 
 
 def rank_state(device, batch):
-    """This process's random generators and its prefetched (X, Y), on the CPU."""
+    """This process's random generators and its prefetched (X, Y), on the CPU, as tensors and plain containers
+    (a checkpoint loads with torch.load(weights_only=True): see read_checkpoint)."""
+    numpy_state = np.random.get_state(legacy=False)
     return dict(
         torch=torch.get_rng_state(),
-        numpy=np.random.get_state(),
-        python=random.getstate(),
+        numpy=dict(
+            key=torch.from_numpy(numpy_state['state']['key'].astype(np.int64)),  # MT19937's 624 uint32 words
+            pos=int(numpy_state['state']['pos']),
+            has_gauss=int(numpy_state['has_gauss']),
+            gauss=float(numpy_state['gauss']),
+        ),
+        python=random.getstate(),  # (version, a tuple of 625 ints, gauss_next)
         cuda=torch.cuda.get_rng_state(device) if 'cuda' in device else None,
         batch=tuple(t.cpu() for t in batch),
     )
@@ -223,17 +233,75 @@ def rank_state(device, batch):
 def restore_rank_state(state, device):
     """Set the random generators as rank_state found them; returns the prefetched (X, Y) on `device`."""
     torch.set_rng_state(state['torch'])
-    np.random.set_state(state['numpy'])
-    random.setstate(state['python'])
+    numpy_state = state['numpy']
+    if isinstance(numpy_state, dict):
+        key = numpy_state['key'].numpy().astype(np.uint32)
+        numpy_state = ('MT19937', key, numpy_state['pos'], numpy_state['has_gauss'], numpy_state['gauss'])
+    np.random.set_state(numpy_state)  # (a checkpoint of an earlier version holds numpy's own tuple)
+    random.setstate(tuple(state['python']))
     if state['cuda'] is not None and 'cuda' in device:
         torch.cuda.set_rng_state(state['cuda'], device)
     return tuple(t.to(device) for t in state['batch'])
 
 
 def save_checkpoint(path, checkpoint):
-    """Write `checkpoint` to `path` through a temporary file: a crash while saving keeps the previous one."""
-    torch.save(checkpoint, path + '.tmp')
-    os.replace(path + '.tmp', path)
+    """Write `checkpoint` to `path` through a temporary file: a crash while saving keeps the previous one. A
+    write that fails (a full disk, an unwritable directory) ends the run with one line; the previous checkpoint
+    and the log are kept."""
+    try:
+        torch.save(checkpoint, path + '.tmp')
+        os.replace(path + '.tmp', path)
+    except (OSError, RuntimeError) as e:  # torch's writer raises RuntimeError (basic_ios::clear: iostream error)
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        kept = 'the previous checkpoint and the log are' if os.path.exists(path) else 'the log is'
+        raise SystemExit(
+            f"train.py: cannot write the checkpoint {path} ({reason}; {free / 2**20:,.0f} MiB free on its disk): "
+            f"{kept} kept; free some space, then continue with --init_from=resume"
+        ) from None
+
+
+def _numpy_array_types():
+    """What pickling numpy's random state (a uint32 array, in checkpoints of earlier versions) names: the array's
+    class, its dtype and the function that rebuilds it from its bytes. None of them runs code of the file's
+    choosing."""
+    multiarray = getattr(np, '_core', None) or np.core
+    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_checkpoint(path):
+    """The checkpoint at `path`, loaded as data: tensors, numpy arrays and plain containers (dict, list, tuple,
+    str, numbers), with torch.load(weights_only=True). Anything else (an object whose unpickling could run
+    code) is refused before it is built.
+
+    Raises:
+        ValueError: the file is not a readable checkpoint, or holds more than data (the message says which).
+    """
+    try:
+        # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
+        with torch.serialization.safe_globals(_numpy_array_types()):
+            checkpoint = torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        try:
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # read, not run
+        except Exception:  # not a zip checkpoint (torch's legacy format): the name torch's error gives
+            names = re.findall(r'GLOBAL ([\w.]+)', str(e))
+        allowed = {f'{t.__module__}.{t.__qualname__}' for t in _numpy_array_types()}
+        names = [n for n in names if n not in allowed]
+        if not names:  # damaged rather than unsafe
+            raise ValueError(f"{path} is not a readable checkpoint ({str(e).splitlines()[-1][:200]})") from None
+        raise ValueError(
+            f"{path} holds objects other than tensors and plain data ({', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''}): it was not loaded, as loading them could run code "
+            "(a checkpoint train.py writes never holds them)"
+        ) from None
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path} is not a checkpoint of train.py (it holds a {type(checkpoint).__name__})")
+    return checkpoint
 
 
 def load_checkpoint(path, fsdp, master_process):
@@ -247,11 +315,10 @@ def load_checkpoint(path, fsdp, master_process):
             f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir"
         )
     try:
-        # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
-        checkpoint = torch.load(path, map_location='cpu', weights_only=False)
-        missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
-    except Exception as e:
-        checkpoint, missing = None, [f"{type(e).__name__}: {str(e)[:200]}"]
+        checkpoint = read_checkpoint(path)
+    except ValueError as e:
+        raise SystemExit(f"train.py: cannot resume: {e}; restore it from a backup or start again in a fresh out_dir")
+    missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
     if missing:
         raise SystemExit(
             f"train.py: cannot resume: {path} is not a readable checkpoint (missing or damaged: "

@@ -27,6 +27,7 @@ from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
 from nanogns.layers import layout
 from nanogns.layers.buffers import BUFFER_SUFFIX
+from nanogns.runlog.lock import DirectoryInUse, RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
 
@@ -46,18 +47,27 @@ def _monitor(model, ema_decay, scaler, convert_options):
 
 
 def _open_log(out_dir, main_process, monitor, resume_step):
-    """The run's CSV log, opened as training starts at optimizer step `resume_step` (main process only; the other
-    ranks measure and all-reduce, and log nothing). A new run (step 0) never replaces another run's log. A resumed
-    run continues its log, rows written after the checkpoint set aside (as train.py does), and replays the rows
-    kept into the running GNS, which a trainer's checkpoint does not hold."""
+    """(the run's CSV log, the lock of its directory), opened as training starts at optimizer step `resume_step`
+    (main process only: (None, None) on the other ranks, which measure and all-reduce, and log nothing). The
+    directory is locked until the log closes (or the process ends): a second run on it is refused, in one line
+    naming its pid. A new run (step 0) never replaces another run's log. A resumed run continues its log, rows
+    written after the checkpoint set aside (as train.py does), and replays the rows kept into the running GNS,
+    which a trainer's checkpoint does not hold. A refusal is one line (SystemExit), not a traceback."""
     if not main_process:
-        return None
+        return None, None
+    try:
+        lock = RunLock(out_dir)
+    except DirectoryInUse as e:
+        raise SystemExit(f"GNS: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"GNS: cannot write the GNS log's directory {out_dir!r} ({e.strerror}); pass another out_dir")
     existing = [f for f in (LOG_CSV, HEADER_TMP) if os.path.exists(os.path.join(out_dir, f))]
     if resume_step == 0 and existing:
-        raise ValueError(
-            f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}) and a "
-            "new run would replace it: give this run's GNS log another out_dir, move the old log away, "
-            "or resume that run from its checkpoint to continue its log"
+        lock.release()
+        raise SystemExit(
+            f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}), which this new run "
+            "would replace: give this run another output directory, or move the old log away (to continue that "
+            "run's log instead, resume it from a checkpoint it saved)"
         )
     log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
     monitor.write_record(out_dir)
@@ -69,7 +79,15 @@ def _open_log(out_dir, main_process, monitor, resume_step):
         if kept is not None:
             monitor.replay(kept)
     monitor.log = log
-    return log
+    return log, lock
+
+
+def _close_log(log, lock):
+    """Write log.csv and release the directory."""
+    if log is not None:
+        log.close()
+    if lock is not None:
+        lock.release()
 
 
 # -----------------------------------------------------------------------------
@@ -96,7 +114,8 @@ class TrainerGNSCallback(TrainerCallback):
         trainer: the transformers.Trainer; its model is converted here (before train() wraps it for DDP).
         out_dir: where log.csv and gns_parameters.json go (default: args.output_dir). A new run refuses a
             directory holding another run's log; train(resume_from_checkpoint=...) continues that log from the
-            checkpoint's step, its earlier rows rebuilding the running GNS.
+            checkpoint's step, its earlier rows rebuilding the running GNS. It is locked while training (one
+            run per directory: another is refused, in one line naming its pid).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         convert_options: keyword arguments of nanogns.convert (linearclass, exclude, ...).
     The running GNS goes to Trainer's log (`gns`) at every logging step.
@@ -107,7 +126,7 @@ class TrainerGNSCallback(TrainerCallback):
             raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
         self.trainer = trainer
         self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
-        self.log = None  # opened at on_train_begin, when Trainer knows whether it resumes
+        self.log = self.lock = None  # opened at on_train_begin, when Trainer knows whether it resumes
         scaler = getattr(trainer.accelerator, "scaler", None)
         self.monitor = _monitor(trainer.model, ema_decay, scaler, convert_options)
         self.measured = False  # this optimizer step has been read
@@ -121,7 +140,9 @@ class TrainerGNSCallback(TrainerCallback):
                 "and clips them itself; the GNS is read under one process, DDP and FSDP2"
             )
         # state.global_step: 0, or the checkpoint's step under train(resume_from_checkpoint=...)
-        self.log = _open_log(self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step)
+        self.log, self.lock = _open_log(
+            self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step
+        )
         if getattr(accelerator.clip_grad_norm_, "_gns_reads", False):
             return  # wrapped already (train() called again)
         clip = accelerator.clip_grad_norm_
@@ -153,9 +174,8 @@ class TrainerGNSCallback(TrainerCallback):
             control.should_log = True  # again for the loss entry that follows
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        _close_log(self.log, self.lock)
+        self.log = self.lock = None
 
 
 # -----------------------------------------------------------------------------
@@ -180,7 +200,8 @@ class LightningGNSCallback(LightningCallback):
     Args:
         out_dir: where log.csv and gns_parameters.json go (default: the trainer's default_root_dir). A new run
             refuses a directory holding another run's log; fit(ckpt_path=...) continues that log from the
-            checkpoint's step, its earlier rows rebuilding the running GNS.
+            checkpoint's step, its earlier rows rebuilding the running GNS. It is locked while training (one
+            run per directory: another is refused, in one line naming its pid).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         convert_options: keyword arguments of nanogns.convert.
     The running GNS is logged with `pl_module.log("gns", ...)` every step.
@@ -190,7 +211,7 @@ class LightningGNSCallback(LightningCallback):
         if LightningCallback is object:
             raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
         self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
-        self.monitor = self.log = None
+        self.monitor = self.log = self.lock = None
 
     def setup(self, trainer, pl_module, stage):
         if stage != "fit" or self.monitor is not None:
@@ -204,7 +225,7 @@ class LightningGNSCallback(LightningCallback):
     def on_train_start(self, trainer, pl_module):
         # trainer.global_step: 0, or the checkpoint's step under fit(ckpt_path=...), restored by now
         out_dir = self.out_dir if self.out_dir is not None else trainer.default_root_dir
-        self.log = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
+        self.log, self.lock = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         row = self.monitor.step(gradients_unscaled=True)  # Lightning unscaled a GradScaler's gradients already
@@ -214,9 +235,8 @@ class LightningGNSCallback(LightningCallback):
         pl_module.log("gns", row["gns"], on_step=True, on_epoch=False, rank_zero_only=True)
 
     def teardown(self, trainer, pl_module, stage):
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        _close_log(self.log, self.lock)
+        self.log = self.lock = None
 
 
 # -----------------------------------------------------------------------------
@@ -238,7 +258,8 @@ class AccelerateGNS:
     Args:
         accelerator: the accelerate.Accelerator (its GradScaler, if fp16, is divided out).
         model: the model, prepared or not; its layers are converted.
-        out_dir: where log.csv and gns_parameters.json go (main process only).
+        out_dir: where log.csv and gns_parameters.json go (main process only), locked until close() (one run per
+            directory: another is refused, in one line naming its pid).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         resume_step: the optimizer step a resumed loop starts at (after accelerator.load_state): the log in
             out_dir is continued from there and its earlier rows rebuild the running GNS; 0 starts a new log.
@@ -249,7 +270,7 @@ class AccelerateGNS:
     def __init__(self, accelerator, model, out_dir="out-accelerate", ema_decay=0.95, resume_step=0, **convert_options):
         self.accelerator = accelerator
         self.monitor = _monitor(accelerator.unwrap_model(model), ema_decay, accelerator.scaler, convert_options)
-        self.log = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
+        self.log, self.lock = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
         self.steps = resume_step
 
     @property
@@ -274,9 +295,9 @@ class AccelerateGNS:
         return row
 
     def close(self):
-        """Write log.csv (also done at exit)."""
-        if self.log is not None:
-            self.log.close()
+        """Write log.csv and release the directory (also done at exit)."""
+        _close_log(self.log, self.lock)
+        self.log = self.lock = None
 
 
 # -----------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def shakespeare_data():
     data_dir = os.path.join(REPO, "data", "shakespeare_char")
     with open(os.path.join(data_dir, ".prepare.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(os.path.join(data_dir, "meta.pkl")):  # prepare.py writes meta.pkl last
+        if not os.path.exists(os.path.join(data_dir, "meta.json")):  # prepare.py writes meta.json last
             subprocess.run(
                 [sys.executable, "data/shakespeare_char/prepare.py"], cwd=REPO, check=True, capture_output=True
             )

@@ -215,7 +215,7 @@ def test_trainer_resume_continues_the_log_and_the_running_gns(tmp_path):
     pd.testing.assert_frame_equal(resumed[measured], whole[measured], rtol=1e-9, atol=0)
     set_aside = pd.read_csv(tmp_path / "log_after_step_2.csv")
     assert list(set_aside["step"]) == [2, 3]
-    with pytest.raises(ValueError, match="already holds the GNS log of another run"):
+    with pytest.raises(SystemExit, match="already holds the GNS log of another run"):
         trainer_example.main(flags)
     pd.testing.assert_frame_equal(load_csv(str(tmp_path)), resumed)
 
@@ -232,7 +232,7 @@ def test_lightning_and_accelerate_keep_another_runs_log_and_accelerate_resumes(t
         flags = ["--steps=2", "--batch_size=2", "--dtype=float64", f"--out_dir={out_dir}"]
         integrations_worker.example(name).main(flags)
         before = load_csv(str(out_dir))
-        with pytest.raises(ValueError, match="already holds the GNS log of another run"):
+        with pytest.raises(SystemExit, match="already holds the GNS log of another run"):
             integrations_worker.example(name).main(flags)
         pd.testing.assert_frame_equal(load_csv(str(out_dir)), before)
     model = build_model("llama", vocab_size=256, block_size=32).double()
@@ -261,3 +261,29 @@ def test_lightning_resume_continues_the_log_and_the_running_gns(tmp_path):
 
     results = analyze_gns(str(tmp_path), alpha=0.95)
     assert resumed["gns"].iloc[-1] == pytest.approx(results["gns"].iloc[-1], rel=1e-9)
+
+
+def test_a_refused_directory_is_one_line_under_the_trainers(tmp_path):
+    """A new run over another run's log stops with one line naming the directory and the fix, also under
+    Lightning, which runs callbacks inside its own exception handling; a directory another process is training
+    in is refused with that process's pid."""
+    from accelerate import Accelerator
+    from test_runlog_lock import hold
+
+    from nanogns.integrations import AccelerateGNS
+
+    (tmp_path / "log.csv").write_text("step,gns\n0,1.0\n")
+    flags = ["--steps=2", "--batch_size=2", "--dtype=float64", f"--out_dir={tmp_path}"]
+    proc = run_script("examples/lightning_gpt.py", *flags)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "GNS" in line] == [
+        f"GNS: {str(tmp_path)!r} already holds the GNS log of another run (log.csv), which this new run would "
+        "replace: give this run another output directory, or move the old log away (to continue that run's log "
+        "instead, resume it from a checkpoint it saved)"
+    ]
+    holder = hold(tmp_path / "held")
+    model = build_model("llama", vocab_size=256, block_size=32).double()
+    with pytest.raises(SystemExit, match=rf"^GNS: '{tmp_path}/held' is in use by another run \(pid {holder.pid} "):
+        AccelerateGNS(Accelerator(cpu=True), model, out_dir=str(tmp_path / "held"))
+    holder.stdin.close()
+    assert holder.wait() == 0

@@ -9,8 +9,8 @@ torch layers with the same weights (float64, so the tolerance can be tight).
 """
 
 import itertools
+import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -352,8 +352,9 @@ def test_prepare_shakespeare_char_offline(tmp_path):
         [sys.executable, str(data_dir / "prepare.py")], capture_output=True, text=True, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
-    with open(data_dir / "meta.pkl", "rb") as f:
-        meta = pickle.load(f)
+    assert not (data_dir / "meta.pkl").exists()
+    with open(data_dir / "meta.json") as f:
+        meta = json.load(f)
     assert meta["vocab_size"] == 65 and len(meta["itos"]) == len(meta["stoi"]) == 65
     train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
     val = np.fromfile(data_dir / "val.bin", dtype=np.uint16)

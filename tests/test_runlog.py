@@ -12,8 +12,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 
 import numpy as np
+import pandas as pd
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,3 +225,65 @@ def test_sigkilled_run_loads_every_completed_row(tmp_path):
         proc.stdout.close()
     df = load_csv(tmp_path)
     _check_rows(df, 26)
+
+
+# -----------------------------------------------------------------------------
+# a log as long as a long run's: close() and a resume's rewrite stream it; a full disk is one line
+
+
+def _write_log_tmp_files(out_dir, rows, columns):
+    """A killed run's .tmp files of `rows` steps, each with `columns` values, the first half of the rows short
+    (written before the later columns appeared)."""
+    names = [f"train/gns/p{i}/norm" for i in range(columns)]
+    with open(os.path.join(out_dir, HEADER_TMP), "w") as f:
+        f.write(",".join(["step", *names]) + "\n")
+    with open(os.path.join(out_dir, DATA_TMP), "w") as f:
+        for s in range(rows):
+            width = columns if s >= rows // 2 else columns // 2
+            f.write(",".join([str(s)] + [repr(0.1 + s + i * 1e-3) for i in range(width)]) + "\n")
+    return os.path.getsize(os.path.join(out_dir, DATA_TMP))
+
+
+def test_close_and_a_resumes_rewrite_stream_the_rows(tmp_path, capsys):
+    """Their peak Python memory is a few rows', not the log's (bench/log_writer_memory.py measures a 1 GB log)."""
+    size = _write_log_tmp_files(tmp_path, rows=4000, columns=100)
+    assert size > 3e6
+    tracemalloc.start()
+    t = LogWrapper(out_dir=str(tmp_path), resume=True, resume_step=3000)
+    resumed = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    t.log({"train/gns/p0/norm": 7.0, "new": 1.0})
+    t.step()
+    t.close()
+    closed = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert resumed < 1e6 and closed < 1e6, (resumed, closed, size)  # reading the whole log would take > size
+    assert "log: 1000 row(s) written after the checkpoint (step >= 3000) moved to" in capsys.readouterr().out
+    df = load_csv(tmp_path)
+    assert df["step"].tolist() == list(range(3001)) and df["new"].notna().tolist() == [False] * 3000 + [True]
+    assert df.loc[10, "train/gns/p49/norm"] == 0.1 + 10 + 49e-3 and np.isnan(df.loc[10, "train/gns/p50/norm"])
+    assert df.loc[2999, "train/gns/p99/norm"] == 0.1 + 2999 + 99e-3
+    aside = pd.read_csv(tmp_path / "log_after_step_3000.csv")
+    assert aside["step"].tolist() == list(range(3000, 4000)) and aside.shape[1] == 101
+
+
+FULL_DISK = """
+import resource, sys
+from nanogns.runlog.writer import LogWrapper
+t = LogWrapper(out_dir=sys.argv[1], config={"a": 1})
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))  # files stop growing at 20 kB, as on a full disk
+for s in range(100000):
+    t.log({"a": float(s), "b": "x" * 100})
+    t.step()
+"""
+
+
+def test_a_full_disk_is_one_line_and_the_rows_written_before_are_kept(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"log: cannot write {tmp_path / DATA_TMP} (File too large): logging stopped; the rows")
+    df = load_csv(tmp_path)  # the .tmp files: every row written before, a row cut by the full disk dropped
+    assert len(df) > 100 and df["step"].tolist() == list(range(len(df))) and df["b"].notna().all()
+    assert df["a"].tolist() == [float(s) for s in range(len(df))]

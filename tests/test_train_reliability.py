@@ -135,7 +135,7 @@ def test_log_wrapper_resume_step_sets_later_rows_aside(tmp_path):
         t.log({"a": float(s)})
         t.step()
     t._data.close()  # as if killed: no close(), the tmp files hold rows 0..4
-    atexit.unregister(t.close)
+    atexit.unregister(t._close_at_exit)
     t = LogWrapper(out_dir=str(tmp_path), resume=True, resume_step=3)
     assert t.step_count == 3
     t.log({"a": 30.0})
@@ -264,19 +264,11 @@ def make_dataset(root, train_tokens=1000, val_tokens=1000, meta=b"ok"):
 
 
 @pytest.mark.slow
-def test_missing_train_bin(tmp_path):
-    make_dataset(tmp_path, train_tokens=None)
-    proc = train(f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
-    assert_clean_error(proc, "missing data/shakespeare_char/train.bin", "python data/shakespeare_char/prepare.py")
-    assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.slow
 def test_truncated_meta_pkl(tmp_path):
     good = pickle.dumps({"vocab_size": 65, "itos": {i: chr(i) for i in range(65)}})
     make_dataset(tmp_path, meta=good[: len(good) // 2])
     proc = train(f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
-    assert_clean_error(proc, "cannot read vocab_size from data/shakespeare_char/meta.pkl", "prepare.py")
+    assert_clean_error(proc, "cannot read data/shakespeare_char/meta.pkl (UnpicklingError: ", "make it again: ")
     assert not (tmp_path / "o").exists()
 
 

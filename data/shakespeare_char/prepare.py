@@ -1,13 +1,14 @@
 """
 Prepare the Shakespeare dataset for character-level language modeling.
 So instead of encoding with GPT-2 BPE tokens, we just map characters to ints.
-Will save train.bin, val.bin containing the ids, and meta.pkl containing the
+Will save train.bin, val.bin containing the ids, and meta.json containing the
 encoder and decoder and some other related info. All files go next to this script.
+(meta.json, not nanoGPT's meta.pkl: metadata is data, and loading a pickle can run code.)
 
     python data/shakespeare_char/prepare.py
 """
+import json
 import os
-import pickle
 import sys
 import urllib.request
 
@@ -64,14 +65,14 @@ val_ids = np.array(val_ids, dtype=np.uint16)
 train_ids.tofile(os.path.join(here, 'train.bin'))
 val_ids.tofile(os.path.join(here, 'val.bin'))
 
-# save the meta information as well, to help us encode/decode later
+# save the meta information as well, to help us encode/decode later (itos as a list: JSON keys are strings)
 meta = {
     'vocab_size': vocab_size,
-    'itos': itos,
+    'itos': [itos[i] for i in range(vocab_size)],
     'stoi': stoi,
 }
-with open(os.path.join(here, 'meta.pkl'), 'wb') as f:
-    pickle.dump(meta, f)
+with open(os.path.join(here, 'meta.json'), 'w', encoding='utf-8') as f:
+    json.dump(meta, f)
 
 # length of dataset in characters:  1115394
 # all the unique characters:

@@ -4,6 +4,7 @@ gns-analysis.py, importable (`import gns_analysis; gns_analysis.analyze_gns(out_
 
     python gns-analysis.py OUT_DIR [--alpha 0.95] [--prefix train/gns]
                            [--approx-prefix train/sogns] [--no-plots]
+                           [--output-dir DIR]
 
 For each step, over the chosen parameters p (columns `<prefix>/<p>/norm`,
 `/pegn`, `/batch_size`):
@@ -45,6 +46,13 @@ column as the paper's reference code logs it (one use's per-example norm with
 the whole gradient's norm): it is left out. With a record, every recorded
 parameter counts (an untied wte or lm_head is an ordinary parameter).
 
+The log is read as steps, not lines (analysis/steps.py): rows in step order, a
+step logged twice taken from its last row (as a resume rewrites it), a last line
+cut off mid-write dropped, and a step with a bad cell (text for a number, a
+negative norm, a batch size below 2) skipped; each with a warning naming the
+step, the column and the file. A malformed gns_parameters.json is refused in
+one line naming it.
+
 DDP: train.py logs each step's raw cross-rank quantities under ddp/; the DDP
 GNS is formed here from them with the same --alpha (estimator.two_batch_stats).
 It covers every trainable parameter, the per-example GNS only the tracked ones
@@ -78,27 +86,32 @@ exactly), the batch-size trade-off, tables by group and by block, LayerNorm-only
 against all parameters and approximate against exact. Writes OUT_DIR/gns_analysis.csv and the PNG
 figures gns_emas.png, gns_phase.png, gns_over_tokens.png, gns_groups.png,
 gns_layernorm_vs_all.png (when LayerNorms are logged) and gns_sogns_vs_exact.png
-(when approximate norms are logged).
+(when approximate norms are logged). With --output-dir they go there instead; when
+OUT_DIR is read-only, to a new temporary directory, with a note naming it. OUT_DIR
+may be given as the path of its log.csv.
 """
 
 import argparse
 import os
 import re
 import sys
+import tempfile
 
 import numpy as np
 import pandas as pd
 
 from nanogns.analysis.plots import save_png, terminal_plot
+from nanogns.analysis.steps import in_step_order
 from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
 from nanogns.runlog.reader import load_csv
-from nanogns.runlog.record import read_parameter_record
+from nanogns.runlog.record import GROUPS, read_parameter_record
+from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
-GROUPS = ("LayerNorm", "Linear", "Embedding", "Other")
 OVERHEAD = 0.10  # the batch-size trade-off reports the batches that keep each overhead under this
 METRICS = ("norm", "pegn", "batch_size")
 TIED_MARKERS = ("wte", "lm_head")
 TIED_JOIN = "+"
+DDP_RAW = ("ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size")
 _LN_COMPONENT = re.compile(r"ln(_f|_\d+)?")
 _INDEX = re.compile(r"[0-9]+")
 
@@ -277,10 +290,21 @@ def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
     """
     print(f"Loading data from {out_dir}")
     df = load_csv(out_dir)
+    path = df.attrs.get("path", out_dir)
+    if df.attrs.get("cut_line"):
+        print(f"warning: {path}: its last line was cut off mid-write (it ends {df.attrs['cut_line']!r}); dropped")
     record = read_parameter_record(out_dir)
     params = find_params(df.columns, prefix)
     if not params:
         raise ValueError(_no_columns_message(df.columns, prefix, approx_prefix))
+    numbers = ["tokens_processed", *DDP_RAW] + [
+        column
+        for p in (prefix, approx_prefix)
+        if p
+        for columns in find_params(df.columns, p).values()
+        for column in columns.values()
+    ]
+    df = in_step_order(df, numbers, path, df.attrs.get("first_line", 2))
     chosen = _usable(params, prefix, record)
     if not chosen:
         raise ValueError(
@@ -361,9 +385,8 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
     groups = {g: {p: chosen[p] for p in chosen if facts[p][0] == g} for g in GROUPS}
     for g, members in groups.items():
         results[f"gns_{g.lower()}"] = estimate(df, members, alpha)["gns"] if members else np.nan
-    ddp_raw = ["ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size"]
-    if all(c in df for c in ddp_raw):
-        gtg, trsigma = two_batch_stats(*(df[c] for c in ddp_raw))
+    if all(c in df for c in DDP_RAW):
+        gtg, trsigma = two_batch_stats(*(df[c] for c in DDP_RAW))
         finite = np.isfinite(gtg) & np.isfinite(trsigma)
         results["ddp_gns"] = gns_from_emas(ema(gtg.where(finite), alpha), ema(trsigma.where(finite), alpha))
     elif "ddp/gns" in df:  # the paper's reference code logs only its own EMA's GNS: shown as logged
@@ -654,9 +677,45 @@ def save_plots(results, out_dir):
     ]
 
 
+def _run_dir(path):
+    """The run directory named by `path`: itself, or the directory of a log file given instead."""
+    if os.path.isfile(path):
+        if os.path.basename(path) in (LOG_CSV, HEADER_TMP, DATA_TMP):
+            return os.path.dirname(path) or "."
+        raise ValueError(
+            f"{path} is a file: gns-analysis.py reads a run directory (the one holding log.csv and "
+            "gns_parameters.json, e.g. out-shakespeare-char)"
+        )
+    return path
+
+
+def _writable(directory):
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
+def _output_dir(run_dir, output_dir):
+    """(where the results go, a note or None): output_dir if given (made if absent), else the run directory,
+    or a new temporary directory when the run directory cannot be written."""
+    if output_dir is not None:
+        os.makedirs(output_dir, exist_ok=True)
+        return output_dir, None
+    if _writable(run_dir):
+        return run_dir, None
+    elsewhere = tempfile.mkdtemp(prefix="gns-analysis-")
+    return elsewhere, f"note: {run_dir} is read-only: the results go to {elsewhere} instead (choose with --output-dir)"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Gradient noise scale of a run from its CSV log.")
-    parser.add_argument("out_dir", help="run directory holding log.csv (or the .tmp files of a running/killed run)")
+    parser.add_argument(
+        "out_dir",
+        help="run directory holding log.csv (or the .tmp files of a running/killed run); a path to its log.csv "
+        "is read as its directory",
+    )
     parser.add_argument(
         "--alpha",
         type=float,
@@ -675,12 +734,19 @@ def main(argv=None):
     parser.add_argument(
         "--no-plots", action="store_true", help="skip the terminal plots (PNG figures are always written)"
     )
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        help="where gns_analysis.csv and the PNG figures go (default: the run directory, or a new temporary "
+        "directory, with a note, when the run directory is read-only)",
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.alpha < 1:
         parser.error(f"--alpha must be in [0, 1), got {args.alpha}")
 
     try:
-        results = analyze_gns(args.out_dir, args.alpha, args.prefix, args.approx_prefix)
+        run_dir = _run_dir(args.out_dir)
+        results = analyze_gns(run_dir, args.alpha, args.prefix, args.approx_prefix)
     except (FileNotFoundError, ValueError) as e:
         print(f"gns-analysis.py: error: {e}", file=sys.stderr)
         return 1
@@ -699,8 +765,11 @@ def main(argv=None):
             print(line)
     if not args.no_plots:
         print_plots(results)
-    paths = save_plots(results, args.out_dir)
-    output_path = os.path.join(args.out_dir, "gns_analysis.csv")
+    output_dir, note = _output_dir(run_dir, args.output_dir)
+    if note:
+        print(f"\n{note}")
+    paths = save_plots(results, output_dir)
+    output_path = os.path.join(output_dir, "gns_analysis.csv")
     results.to_csv(output_path, index=False)
     print(f"\nFigures saved to: {', '.join(paths)}")
     print(f"Detailed results saved to: {output_path}")

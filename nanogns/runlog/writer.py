@@ -21,6 +21,11 @@ Files in out_dir (nothing is written when out_dir is None):
     log.csv               after close(): header + every row padded to full width;
                           the two .tmp files are then removed
 
+close() and a resume's rewrite stream the rows, one line at a time, so their
+memory does not grow with the log (bench/log_writer_memory.py). A write that
+fails (a full disk, an unwritable directory) ends the process with one line
+(SystemExit) naming the file; the rows written before stay in the .tmp files.
+
 Columns are `step` (this tracker's counter: the number of step() calls before
 this one, plus the last step of a resumed log) and then every key ever logged,
 in first-seen order. A key not logged in a step is an empty cell. Rows written
@@ -49,6 +54,7 @@ kept for inspection but out of the log.
 """
 
 import atexit
+import contextlib
 import csv
 import io
 import json
@@ -56,6 +62,7 @@ import math
 import numbers
 import os
 import string
+import sys
 
 HEADER_TMP = "log_header.csv.tmp"
 DATA_TMP = "log_data.csv.tmp"
@@ -95,9 +102,38 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def _complete_lines(text):
-    """Drop a last line that was cut off (no trailing newline)."""
-    return text[: text.rfind("\n") + 1]
+def _rows(lines):
+    """(line, its step) for each complete, non-empty row of a log's lines; a last line cut off (no trailing newline)
+    is not a row. One line at a time: memory does not grow with the log."""
+    for line in lines:
+        if not line.endswith("\n"):
+            return
+        if line.strip():
+            try:
+                step = int(float(line.split(",", 1)[0]))  # the step: an integer, never quoted
+            except ValueError:
+                raise ValueError(line[:40]) from None
+            yield line, step
+
+
+def _padded(line, width):
+    """A CSV line with empty cells appended up to `width` cells (a row written before later columns appeared)."""
+    n = len(next(csv.reader([line]))) if '"' in line else line.count(",") + 1
+    return line if n >= width else line.rstrip("\r\n") + "," * (width - n) + "\n"
+
+
+class _Replacement:
+    """A file written beside `path` and moved over it at commit() (fsync'd first): a kill meanwhile keeps the old."""
+
+    def __init__(self, path):
+        self.path = path
+        self.file = open(path + ".writing", "w", newline="")
+
+    def commit(self):
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.path + ".writing", self.path)
 
 
 class LogWrapper:
@@ -109,6 +145,9 @@ class LogWrapper:
         out_dir: directory for the CSV files; None writes no files at all.
         resume: continue the log already in out_dir instead of replacing it.
         resume_step: with resume, the step to continue at (rows from it on are set aside).
+
+    A write that fails (a full disk, an unwritable directory) raises SystemExit with one line naming the file;
+    the rows written before it stay in the .tmp files, which load_csv reads and a resumed run continues.
     """
 
     def __init__(self, logf=None, config=None, out_dir=None, resume=False, resume_step=None):
@@ -122,66 +161,115 @@ class LogWrapper:
         self.closed = False
         self._data = None  # open handle to log_data.csv.tmp
         if out_dir is not None:
-            os.makedirs(out_dir, exist_ok=True)
+            with self._writing(out_dir):
+                os.makedirs(out_dir, exist_ok=True)
             if config is not None:
-                _write_atomic(self._path(CONFIG_JSON), json.dumps(config, indent=2, default=str) + "\n")
-            rows = self._read_existing() if resume else []
+                with self._writing(self._path(CONFIG_JSON)):
+                    _write_atomic(self._path(CONFIG_JSON), json.dumps(config, indent=2, default=str) + "\n")
+            with self._writing(self._path(DATA_TMP)):
+                # data first: a kill between the two leaves the old header (or log.csv) with the same columns
+                if resume:
+                    self._continue(int(resume_step) if resume_step is not None else None)
+                else:
+                    _write_atomic(self._path(DATA_TMP), "")
+            with self._writing(self._path(HEADER_TMP)):
+                _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
+                self._data = open(self._path(DATA_TMP), "a", newline="")
             self._known = set(self.columns)
-            if rows:
-                self.step_count = int(float(rows[-1][0])) + 1
-            if resume and resume_step is not None:
-                rows = self._set_aside(rows, int(resume_step))
-                self.step_count = int(resume_step)
-            # data first: a kill between the two leaves the old header (or log.csv) with the same columns
-            _write_atomic(self._path(DATA_TMP), "".join(_csv_line(r) for r in rows))
-            _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
-            self._data = open(self._path(DATA_TMP), "a", newline="")
-        atexit.register(self.close)
+        atexit.register(self._close_at_exit)
 
     def _path(self, name):
         return os.path.join(self.out_dir, name)
 
-    def _read_existing(self):
-        """Rows of the log already in out_dir (tmp files first), setting self.columns."""
-        if os.path.exists(self._path(HEADER_TMP)):
-            header_path, data_path = self._path(HEADER_TMP), self._path(DATA_TMP)
-        elif os.path.exists(self._path(LOG_CSV)):
-            header_path, data_path = self._path(LOG_CSV), None
-        else:
-            return []
-        with open(header_path, newline="") as f:
-            lines = list(csv.reader(io.StringIO(_complete_lines(f.read()))))
-        if not lines:
-            return []
-        self.columns, rows = lines[0], lines[1:]
-        assert self.columns[0] == "step", f"{header_path} does not start with a step column"
-        if data_path is not None and os.path.exists(data_path):
-            with open(data_path, newline="") as f:
-                rows = list(csv.reader(io.StringIO(_complete_lines(f.read()))))
-        return [r for r in rows if r]
+    @contextlib.contextmanager
+    def _writing(self, path):
+        """Turn a failed write of `path` into one line (SystemExit); logging stops, the rows so far are kept."""
+        try:
+            yield
+        except OSError as e:
+            self.closed = True
+            atexit.unregister(self._close_at_exit)
+            if self._data is not None:
+                try:
+                    self._data.close()
+                except OSError:
+                    pass
+            raise SystemExit(
+                f"log: cannot write {path} ({e.strerror or e}): logging stopped; the rows logged before are "
+                f"kept in {self.out_dir} ({HEADER_TMP} and {DATA_TMP}, which load_csv reads and a resumed run "
+                "continues); free some space or choose a writable out_dir"
+            ) from None
 
-    def _set_aside(self, rows, resume_step):
-        """Rows before resume_step; later ones are written to a side file first."""
-        keep = [r for r in rows if int(float(r[0])) < resume_step]
-        later = [r for r in rows if int(float(r[0])) >= resume_step]
-        if later:
-            name = f"log_after_step_{resume_step}"
-            path, n = self._path(name + ".csv"), 0
-            while os.path.exists(path):
-                n += 1
-                path = self._path(f"{name}_{n}.csv")
-            width = len(self.columns)
-            _write_atomic(
-                path, _csv_line(self.columns) + "".join(_csv_line(r + [""] * (width - len(r))) for r in later)
-            )
-            print(f"log: {len(later)} row(s) written after the checkpoint (step >= {resume_step}) moved to {path}")
-        last = int(float(keep[-1][0])) if keep else -1
-        if last != resume_step - 1:
+    def _source(self):
+        """(header file, data file or None) of the log already in out_dir: a running or killed run's .tmp files
+        first, else a finished log.csv (its rows follow its header); None without a log."""
+        if os.path.exists(self._path(HEADER_TMP)):
+            data = self._path(DATA_TMP)
+            return self._path(HEADER_TMP), data if os.path.exists(data) else None
+        if os.path.exists(self._path(LOG_CSV)):
+            return self._path(LOG_CSV), None
+        return None
+
+    def _continue(self, resume_step):
+        """Rewrite the log already in out_dir as this run's data file, row by row (memory does not grow with the
+        log), setting self.columns and self.step_count. With resume_step, rows from that step on are moved to a
+        side file first (see the module docstring)."""
+        source = self._source()
+        data = _Replacement(self._path(DATA_TMP))
+        if source is None:
+            data.commit()
+            return
+        header_path, data_path = source
+        with open(header_path, newline="") as header:
+            first = header.readline()
+            columns = next(csv.reader([first]), None) if first.endswith("\n") else None
+            if columns:
+                if columns[0] != "step":
+                    raise SystemExit(f"log: cannot continue {header_path}: its first column is not step")
+                self.columns = columns
+            lines = open(data_path, newline="") if data_path else header  # log.csv: its rows follow its header
+            aside, last, last_kept, n_aside = None, None, -1, 0
+            try:
+                for line, step in _rows(lines if columns else []):
+                    last = step
+                    if resume_step is None or step < resume_step:
+                        data.file.write(line)
+                        last_kept = step
+                        continue
+                    if aside is None:
+                        aside = _Replacement(self._aside_path(resume_step))
+                        aside.file.write(_csv_line(self.columns))
+                    aside.file.write(_padded(line, len(self.columns)))
+                    n_aside += 1
+            except ValueError as e:
+                raise SystemExit(
+                    f"log: cannot continue the log in {self.out_dir}: a row of {lines.name} has no step number "
+                    f"in its first cell ({str(e)!r}); repair or move the file"
+                ) from None
+            finally:
+                if lines is not header:
+                    lines.close()
+        if aside is not None:  # side file first: a kill before the data's commit keeps every row somewhere
+            aside.commit()
+            print(f"log: {n_aside} row(s) written after the checkpoint (step >= {resume_step}) moved to {aside.path}")
+        data.commit()
+        if resume_step is None:
+            self.step_count = last + 1 if last is not None else 0
+            return
+        if last_kept != resume_step - 1:
             print(
-                f"log: warning: the log ends at step {last} but the checkpoint was saved at step {resume_step}; "
-                f"steps {last + 1}..{resume_step - 1} are missing from the log"
+                f"log: warning: the log ends at step {last_kept} but the checkpoint was saved at step {resume_step}; "
+                f"steps {last_kept + 1}..{resume_step - 1} are missing from the log"
             )
-        return keep
+        self.step_count = resume_step
+
+    def _aside_path(self, resume_step):
+        name = f"log_after_step_{resume_step}"
+        path, n = self._path(name + ".csv"), 0
+        while os.path.exists(path):
+            n += 1
+            path = self._path(f"{name}_{n}.csv")
+        return path
 
     def log(self, values):
         """Cache values for the current step; a key logged twice keeps the later value."""
@@ -200,11 +288,13 @@ class LogWrapper:
                     # header first: a kill between the two writes leaves a short row, which loads
                     self.columns.extend(new)
                     self._known.update(new)
-                    _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
+                    with self._writing(self._path(HEADER_TMP)):
+                        _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
                 cells = [str(self.step_count)] + [format_value(self.log_dict.get(k)) for k in self.columns[1:]]
-                self._data.write(_csv_line(cells))  # one write call per row
-                self._data.flush()
-                os.fsync(self._data.fileno())
+                with self._writing(self._path(DATA_TMP)):
+                    self._data.write(_csv_line(cells))  # one write call per row
+                    self._data.flush()
+                    os.fsync(self._data.fileno())
             if self.logf is not None:
                 self.logf(dict(self.log_dict))
             self.log_dict = {}
@@ -247,22 +337,32 @@ class LogWrapper:
         )
 
     def close(self):
-        """Write pending values as a last row, then log.csv atomically; remove the tmp files.
+        """Write pending values as a last row, then log.csv atomically, row by row (memory does not grow with the
+        log); remove the tmp files.
 
-        Registered with atexit; calling it again does nothing."""
+        Runs at exit too; calling it again does nothing."""
         if self.closed:
             return
         if self.log_dict:
             self.step()
         self.closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         if self.out_dir is None:
             return
         self._data.close()
-        with open(self._path(DATA_TMP), newline="") as f:
-            rows = [r for r in csv.reader(io.StringIO(_complete_lines(f.read()))) if r]
         width = len(self.columns)
-        body = "".join(_csv_line(r + [""] * (width - len(r))) for r in rows)
-        _write_atomic(self._path(LOG_CSV), _csv_line(self.columns) + body)
+        with self._writing(self._path(LOG_CSV)):
+            log = _Replacement(self._path(LOG_CSV))
+            log.file.write(_csv_line(self.columns))
+            with open(self._path(DATA_TMP), newline="") as data:
+                for line, _ in _rows(data):
+                    log.file.write(_padded(line, width))
+            log.commit()
         for name in (HEADER_TMP, DATA_TMP):
             os.remove(self._path(name))
+
+    def _close_at_exit(self):
+        try:
+            self.close()
+        except SystemExit as e:  # an exception in an atexit function would print a traceback: the line alone
+            print(e, file=sys.stderr)

@@ -1,0 +1,91 @@
+"""
+Every train.py setting in its range (nanogns/settings.py): each bad value is one line naming the flag and its
+valid range, and train.py's own defaults and configs pass. The end-to-end check that such a line is all train.py
+prints, and that it creates nothing, is in tests/test_train_hostile.py.
+
+    python -m pytest -q tests/test_settings.py
+"""
+
+import os
+import runpy
+
+import pytest
+from conftest import REPO
+
+from model import PEAK_FLOPS
+from nanogns import settings
+
+
+def train_defaults():
+    """train.py's config block (between its first two rulers), run on its own."""
+    with open(os.path.join(REPO, "train.py")) as f:
+        source = f.read()
+    block = source.split("# -----------------------------------------------------------------------------\n")[1]
+    scope = {}
+    exec("import torch\n" + block, scope)
+    return {k: v for k, v in scope.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, list))}
+
+
+DEFAULTS = train_defaults()
+PEAK = sorted(PEAK_FLOPS)
+
+
+@pytest.mark.parametrize("config", ["defaults", *sorted(os.listdir(os.path.join(REPO, "config")))])
+def test_the_defaults_and_every_config_pass(config):
+    values = dict(DEFAULTS, device_name="cpu")
+    if config != "defaults":
+        values.update({k: v for k, v in runpy.run_path(os.path.join(REPO, "config", config)).items() if k in DEFAULTS})
+    assert settings.check(values, device_names=PEAK) is None
+
+
+CASES = [
+    # the issue's cases
+    ({"grad_clip": -1.0}, "--grad_clip=-1.0 is out of range: it must be a number in [0, inf) (0 disables clipping"),
+    ({"n_layer": 0}, "--n_layer=0 is out of range: it must be an integer >= 1"),
+    ({"n_layer": -1}, "--n_layer=-1 is out of range: it must be an integer >= 1"),
+    ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps=0 is out of range: it must be an integer >= 1"),
+    ({"gradient_accumulation_steps": -2}, "--gradient_accumulation_steps=-2 is out of range"),
+    ({"max_iters": -5}, "--max_iters=-5 is out of range: it must be an integer >= 1"),
+    ({"eval_iters": 0}, "--eval_iters=0 is out of range: it must be an integer >= 1"),
+    ({"gns_ema_decay": 1.0}, "--gns_ema_decay=1.0 is out of range: it must be a number in (0, 1)"),
+    ({"block_size": -1}, "--block_size=-1 is out of range: it must be an integer >= 1"),
+    ({"n_embd": 0}, "--n_embd=0 is out of range: it must be an integer >= 1"),
+    ({"n_head": 5}, "--n_embd=768 is not divisible by --n_head=5: each head gets n_embd / n_head channels"),
+    ({"dtype": "float64"}, "unknown dtype 'float64'; choose from ['float32', 'bfloat16', 'float16']"),
+    ({"eval_interval": 0}, "--eval_interval=0 is out of range: it must be an integer >= 1"),
+    ({"learning_rate": -1.0}, "--learning_rate=-1.0 is out of range: it must be a number in (0, inf)"),
+    ({"dropout": 2.0}, "--dropout=2.0 is out of range: it must be a number in [0, 1) (a probability)"),
+    ({"init_from": "gpt3"}, "unknown init_from 'gpt3'; choose from ['scratch', 'resume', 'gpt2', 'gpt2-medium'"),
+    # and beside them
+    ({"batch_size": 0}, "--batch_size=0 is out of range: it must be an integer >= 1"),
+    ({"n_head": 0}, "--n_head=0 is out of range: it must be an integer >= 1"),
+    ({"max_tokens": 0}, "--max_tokens=0 is out of range"),
+    ({"log_interval": 0}, "--log_interval=0 is out of range"),
+    ({"dropout": 1.0}, "--dropout=1.0 is out of range: it must be a number in [0, 1)"),
+    ({"gns_ema_decay": 0.0}, "--gns_ema_decay=0.0 is out of range: it must be a number in (0, 1)"),
+    ({"beta1": 1.0}, "--beta1=1.0 is out of range: it must be a number in [0, 1)"),
+    ({"beta2": -0.1}, "--beta2=-0.1 is out of range: it must be a number in [0, 1)"),
+    ({"weight_decay": -0.1}, "--weight_decay=-0.1 is out of range: it must be a number in [0, inf)"),
+    ({"learning_rate": float("inf")}, "--learning_rate=inf is out of range"),
+    ({"min_lr": 1.0}, "--min_lr=1.0 is above --learning_rate=0.0006: the decay goes down to min_lr"),
+    ({"warmup_tokens": -1}, "--warmup_tokens=-1 is out of range: it must be an integer >= 0"),
+    ({"lr_decay_tokens": 10, "warmup_tokens": 10}, "--lr_decay_tokens=10 must be above --warmup_tokens=10"),
+    ({"bs_schedule": "cosine"}, "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns']"),
+    ({"bs_gns_factor": 0.0}, "--bs_gns_factor=0.0 is out of range: it must be a number in (0, inf)"),
+    ({"bs_min_accum_steps": 0}, "--bs_min_accum_steps=0 is out of range: it must be an integer >= 1"),
+    ({"cos_attn": [12]}, "--cos_attn=[12]: block indices must be integers in [0, n_layer=12), got [12]"),
+    ({"fp32_attention_layers": ["1"]}, "--fp32_attention_layers=['1']: block indices must be integers"),
+    ({"device_name": "TPU"}, f"unknown device_name 'TPU' (the MFU's peak FLOPS); choose from {PEAK}"),
+]
+
+
+@pytest.mark.parametrize("changes, message", CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) for c, _ in CASES])
+def test_each_bad_value_is_one_line_naming_the_flag_and_its_range(changes, message):
+    problem = settings.check({**DEFAULTS, "device_name": "A100", **changes}, device_names=PEAK)
+    assert problem is not None and problem.startswith(message), problem
+    assert "\n" not in problem
+
+
+def test_lr_decay_tokens_may_equal_the_warmup_without_decay():
+    values = dict(DEFAULTS, device_name="A100", lr_decay_tokens=10, warmup_tokens=10, decay_lr=False)
+    assert settings.check(values, device_names=PEAK) is None
