@@ -135,7 +135,8 @@ def test_the_readmes_notebook_command_shows_the_figures_inline_and_writes_into_t
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert set(os.listdir(REPO)) == before
+    # (.cache is the tokenizer cache tests/test_data_openwebtext.py may make meanwhile, on the other worker)
+    assert set(os.listdir(REPO)) - {".cache"} == before - {".cache"}
     executed = nbformat.read(run / "Replicating Figures.ipynb", as_version=4)
     assert len(images(executed)) == 3  # the schedule comparison needs runs to compare: skipped, and says so
     assert "schedule comparison skipped" in str([c.outputs for c in executed.cells if c.cell_type == "code"])
