@@ -371,7 +371,7 @@ tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else
                      resume_step=resume_log_step if init_from == 'resume' else None)
 # gns: one object reads every layer's per-example norms after a step's backward, zeroes them and logs them
 # (on every rank: it all-reduces once); it also writes out_dir/gns_parameters.json, what each parameter is
-gns = gnstracking.GNSMonitor(model, log=tracker, scaler=scaler, ema_decay=gns_ema_decay) if tracked else None
+monitor = gnstracking.GNSMonitor(model, log=tracker, scaler=scaler, ema_decay=gns_ema_decay) if tracked else None
 
 # compile the model
 if compile:
@@ -389,7 +389,7 @@ def scheduled_accum_steps():
     if bs_schedule == 'linear':
         total = accum_schedule(tokens_processed) if master_process else 1
     else: # 'gns': the running GNS from the last step (NaN early on keeps the current value)
-        total = schedules.gns_steps(gradient_accumulation_steps * ddp_world_size, gns.gns, batch_size, bs_gns_factor,
+        total = schedules.gns_steps(gradient_accumulation_steps * ddp_world_size, monitor.gns, batch_size, bs_gns_factor,
                                     bs_min_accum_steps, bs_max_accum_steps, max_delta=ddp_world_size)
     return engine.broadcast(schedules.per_rank_steps(total, ddp_world_size)) # every rank runs the same number
 
@@ -444,7 +444,7 @@ def save_checkpoint():
         'scaler': scaler.state_dict(),
         'log_step': tracker.step_count, # gns: rows of the log before this checkpoint
         'fsdp': fsdp,
-        'gns': gns.state_dict() if gns is not None else None, # gns: the running GNS's EMAs
+        'gns': monitor.state_dict() if monitor is not None else None, # gns: the running GNS's EMAs
         'accum_steps': gradient_accumulation_steps, # gns: where a batch-size schedule stands
         'ranks': ranks, # gns: every rank's random state and prefetched batch, for an exact resume
     }
@@ -455,8 +455,8 @@ def save_checkpoint():
 X, Y = get_batch('train', (iter_num, 0)) # fetch the very first batch
 raw_model = engine.unwrap(model) # unwrap DDP container if needed, and the compile wrapper
 if init_from == 'resume': # gns: continue exactly where the checkpoint was written
-    if checkpoint.get('gns') is not None and gns is not None:
-        gns.load_state_dict(checkpoint['gns'])
+    if checkpoint.get('gns') is not None and monitor is not None:
+        monitor.load_state_dict(checkpoint['gns'])
     if bs_schedule != 'none' and 'accum_steps' in checkpoint:
         gradient_accumulation_steps = checkpoint['accum_steps']
     if len(checkpoint.get('ranks', [])) == ddp_world_size:
@@ -504,8 +504,8 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
         # backward pass, with gradient scaling if training in fp16
         scaler.scale(loss).backward()
     # gns: record + zero after the last backward (before clipping, which would change the batch gradient's norm)
-    if gns is not None:
-        gns.step(batch_size=examples_per_iter)
+    if monitor is not None:
+        monitor.step(batch_size=examples_per_iter)
     if ddp_grad_stats is not None:
         tracker.log(ddp_grad_stats.get_msg(batch_size * gradient_accumulation_steps, examples_per_iter,
                                            scaler.get_scale() if scaler.is_enabled() else 1.0))
@@ -560,9 +560,9 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
             save_checkpoint()
 
 tracker.close()
-if gns is not None and master_process and (gns.scaler_skipped_steps or gns.nonfinite_steps):
-    print(f"GNS: {gns.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
-          f"{gns.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
+if monitor is not None and master_process and (monitor.scaler_skipped_steps or monitor.nonfinite_steps):
+    print(f"GNS: {monitor.scaler_skipped_steps} step(s) skipped by the GradScaler (not measured), "
+          f"{monitor.nonfinite_steps} step(s) with non-finite norms (logged as nan/inf)")
 # gns: whatever holds the model is freed before its process group (gloo can abort at teardown otherwise)
-model = raw_model = optimizer = gns = ddp_grad_stats = logits = loss = None
+model = raw_model = optimizer = monitor = ddp_grad_stats = logits = loss = None
 engine.close()

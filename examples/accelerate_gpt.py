@@ -31,7 +31,7 @@ def train(args, watch=None):
     model = build_model(args.model, vocab_size, block_size=BLOCK_SIZE).to(getattr(torch, args.dtype))
     if watch is not None:
         watch(model)
-    gns = AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY)  # gns: convert, log here
+    monitor = AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY)  # gns: convert, log here
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -44,7 +44,7 @@ def train(args, watch=None):
                 loss = sequence_mean_loss(model(**batch).logits, labels)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    gns.step()  # gns: after the step's last backward, before clipping
+                    monitor.step()  # gns: after the step's last backward, before clipping
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -52,17 +52,17 @@ def train(args, watch=None):
                 steps += 1
                 if steps == args.steps:
                     break
-    gns.close()
-    return gns
+    monitor.close()
+    return monitor
 
 
 def main(argv=None):
     args = parse_args(argv)
-    gns = train(args)
-    if gns.accelerator.is_main_process:
+    monitor = train(args)
+    if monitor.accelerator.is_main_process:
         print(
-            f"accelerate_gpt: {args.model}, {args.steps} steps, {len(gns.monitor.tracked)} parameters tracked: "
-            f"final running GNS {gns.gns:.4f}"
+            f"accelerate_gpt: {args.model}, {args.steps} steps, {len(monitor.tracked)} parameters tracked: "
+            f"final running GNS {monitor.gns:.4f}"
         )
 
 

@@ -127,22 +127,22 @@ def main(argv=None):
 
     # gns: a later cell converts the finished model (a tied pair is found and logged once); one object per step
     log = LogWrapper(out_dir=args.out_dir)
-    gns = convert(model, log=log, ema_decay=EMA_DECAY)
+    monitor = convert(model, log=log, ema_decay=EMA_DECAY)
 
     for step in range(args.steps):
         x, y = next(batches)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
+        monitor.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
-    tied = [entry.name for entry in gns.tracked if "+" in entry.name]
+    tied = [entry.name for entry in monitor.tracked if "+" in entry.name]
     print(
-        f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(gns.tracked)} tensors "
-        f"(tied: {', '.join(tied)}): final running GNS {gns.gns:.4f}"
+        f"gpt2_notebook: {args.steps} steps, loss {loss.item():.3f}, from {len(monitor.tracked)} tensors "
+        f"(tied: {', '.join(tied)}): final running GNS {monitor.gns:.4f}"
     )
 
 

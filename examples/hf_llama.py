@@ -56,9 +56,9 @@ def main(argv=None):
 
     # gns: swap Linear, Embedding and (after the probe) LlamaRMSNorm for per-example norm layers
     log = LogWrapper(out_dir=args.out_dir)
-    gns = convert(model, log=log, ema_decay=EMA_DECAY)  # one object: the conversion report, the steps
-    assert not gns.unconverted and not gns.untracked, (gns.unconverted, gns.untracked)
-    norm_names = [name for name, facts in gns.describe().items() if facts["kind"] == "RMSNorm"]
+    monitor = convert(model, log=log, ema_decay=EMA_DECAY)  # one object: the conversion report, the steps
+    assert not monitor.unconverted and not monitor.untracked, (monitor.unconverted, monitor.untracked)
+    norm_names = [name for name, facts in monitor.describe().items() if facts["kind"] == "RMSNorm"]
     norm_gns = estimator.RunningGNS(decay=EMA_DECAY)  # the paper's estimate: normalisation layers only
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -66,16 +66,16 @@ def main(argv=None):
         x, y = next(batches)
         loss = F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten())
         loss.backward()
-        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
-        norm_gns.update(*summed_sqnorms([m for m in gns.measurements if m.metadata["name"] in norm_names]))
+        monitor.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
+        norm_gns.update(*summed_sqnorms([m for m in monitor.measurements if m.metadata["name"] in norm_names]))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
         log.step()
     log.close()
     print(
-        f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(gns.tracked)} parameters tracked: "
-        f"final running GNS {gns.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {norm_gns.gns:.4f}"
+        f"hf_llama: {args.steps} steps, loss {loss.item():.3f}, all {len(monitor.tracked)} parameters tracked: "
+        f"final running GNS {monitor.gns:.4f}, RMSNorm-only ({len(norm_names)} weights) {norm_gns.gns:.4f}"
     )
 
 

@@ -73,11 +73,11 @@ def main(argv=None):
     args = parse_args(argv)
     trainer = make_trainer(args)
     trainer.train(resume_from_checkpoint=args.resume or None)
-    gns = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TrainerGNSCallback)).monitor
+    monitor = next(c for c in trainer.callback_handler.callbacks if isinstance(c, TrainerGNSCallback)).monitor
     if trainer.is_world_process_zero():
         print(
-            f"hf_trainer: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
-            f"final running GNS {gns.gns:.4f}"
+            f"hf_trainer: {args.model}, {args.steps} steps, {len(monitor.tracked)} parameters tracked: "
+            f"final running GNS {monitor.gns:.4f}"
         )
 
 

@@ -94,11 +94,11 @@ def main(argv=None):
     args = parse_args(argv)
     trainer, module, loader = make_trainer(args)
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)
-    gns = next(c for c in trainer.callbacks if isinstance(c, LightningGNSCallback)).monitor
+    monitor = next(c for c in trainer.callbacks if isinstance(c, LightningGNSCallback)).monitor
     if trainer.is_global_zero:
         print(
-            f"lightning_gpt: {args.model}, {args.steps} steps, {len(gns.tracked)} parameters tracked: "
-            f"final running GNS {gns.gns:.4f}"
+            f"lightning_gpt: {args.model}, {args.steps} steps, {len(monitor.tracked)} parameters tracked: "
+            f"final running GNS {monitor.gns:.4f}"
         )
 
 

@@ -16,7 +16,7 @@ gns-analysis.py reads.
     python gns-analysis.py out-modded --no-plots
 
 The token embedding is a plain nn.Embedding, left untracked on purpose: the
-monitor lists it in `gns.untracked`, and the GNS comes from the
+monitor lists it in `monitor.untracked`, and the GNS comes from the
 CastedLinear weights and the bank. (functional.embedding would track it the same way.)
 """
 
@@ -109,7 +109,7 @@ def main(argv=None):
 
     # gns: the CastedLinear and bank buffers are found by name; the plain embedding is listed as skipped
     log = LogWrapper(out_dir=args.out_dir)
-    gns = GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
+    monitor = GNSMonitor(model, log=log, ema_decay=EMA_DECAY)
 
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for step in range(args.steps):
@@ -118,7 +118,7 @@ def main(argv=None):
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         loss.backward()
-        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
+        monitor.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})
@@ -126,10 +126,10 @@ def main(argv=None):
     log.close()
     print(
         f"modded_block: {args.steps} steps under bf16 autocast, loss {loss.item():.3f}, from "
-        f"{len(gns.tracked)} tensors (CastedLinear weights and the {model.mlp_bank.shape[0] * 2}-slice "
-        f"mlp_bank): final running GNS {gns.gns:.4f}"
+        f"{len(monitor.tracked)} tensors (CastedLinear weights and the {model.mlp_bank.shape[0] * 2}-slice "
+        f"mlp_bank): final running GNS {monitor.gns:.4f}"
     )
-    print(f"not tracked: {', '.join(gns.untracked)} (a plain nn.Embedding)")
+    print(f"not tracked: {', '.join(monitor.untracked)} (a plain nn.Embedding)")
 
 
 if __name__ == "__main__":

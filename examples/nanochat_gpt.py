@@ -146,8 +146,8 @@ def main(argv=None):
 
     # gns: swap nn.Linear / nn.Embedding for per-example norm layers (there are no norm weights to swap)
     log = LogWrapper(out_dir=args.out_dir)
-    gns = convert(model, log=log, ema_decay=EMA_DECAY)
-    assert not gns.untracked, gns.untracked  # every parameter is a Linear or Embedding weight
+    monitor = convert(model, log=log, ema_decay=EMA_DECAY)
+    assert not monitor.untracked, monitor.untracked  # every parameter is a Linear or Embedding weight
 
     matrices = list(model.transformer.h.parameters())  # all 2-D
     optimizers = [Muon(matrices), torch.optim.AdamW([model.transformer.wte.weight, model.lm_head.weight], lr=3e-3)]
@@ -155,7 +155,7 @@ def main(argv=None):
         x, y = next(batches)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        gns.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
+        monitor.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -164,7 +164,7 @@ def main(argv=None):
     log.close()
     print(
         f"nanochat_gpt: {args.steps} steps, loss {loss.item():.3f}, "
-        f"from {len(gns.tracked)} Linear/Embedding weights: final running GNS {gns.gns:.4f}"
+        f"from {len(monitor.tracked)} Linear/Embedding weights: final running GNS {monitor.gns:.4f}"
     )
     print(
         "no norm weights: the RMSNorms have no parameters, so the LayerNorm-only GNS is unavailable for this "

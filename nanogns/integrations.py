@@ -3,7 +3,7 @@ The GNS inside the trainers people use: one object per trainer, added in one lin
 
     transformers.Trainer   trainer.add_callback(TrainerGNSCallback(trainer))
     Lightning              lightning.Trainer(..., callbacks=[LightningGNSCallback()])
-    Accelerate             gns = AccelerateGNS(accelerator, model); gns.step() before accelerator.clip_grad_norm_
+    Accelerate             monitor = AccelerateGNS(accelerator, model); monitor.step() before clip_grad_norm_
 
 Each converts the model's layers (nanogns.convert, unless they already record per-example norms),
 reads every optimizer step before gradient clipping (the logged `norm` is the unclipped gradient's), writes
@@ -246,12 +246,12 @@ class LightningGNSCallback(LightningCallback):
 class AccelerateGNS:
     """Accelerate: exact per-example gradient norms and the GNS, read where the loop clips.
 
-        gns = AccelerateGNS(accelerator, model)                 # before or after accelerator.prepare
+        monitor = AccelerateGNS(accelerator, model)             # before or after accelerator.prepare
         for batch in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(loss_of(model, batch))
                 if accelerator.sync_gradients:                  # the last micro-batch of the step
-                    gns.step()                                  # before clipping
+                    monitor.step()                              # before clipping
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step(); optimizer.zero_grad()
 
@@ -272,6 +272,11 @@ class AccelerateGNS:
         self.monitor = _monitor(accelerator.unwrap_model(model), ema_decay, accelerator.scaler, convert_options)
         self.log, self.lock = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
         self.steps = resume_step
+
+    @property
+    def tracked(self):
+        """The tracked tensors (the monitor's Tracked entries)."""
+        return self.monitor.tracked
 
     @property
     def gns(self):

@@ -7,13 +7,13 @@ The measurements of a training step: for each tracked parameter p,
 
 One object does it all in a training loop, GNSMonitor:
 
-    gns = GNSMonitor(model, log=log)     # or gns = nanogns.convert(model, log=log)
+    monitor = GNSMonitor(model, log=log)     # or monitor = nanogns.convert(model, log=log)
     ...backward of every micro-batch...
-    gns.step(batch_size=B)               # before clipping, scaler.step and zero_grad: measure, zero, log
+    monitor.step(batch_size=B)               # before clipping, scaler.step and zero_grad: measure, zero, log
 
 Which parameters are tracked: every trainable one whose layer keeps a
 `<name>_upegsqnorm` buffer (find_tracked_parameters). The others are listed in
-`gns.untracked` with the reason; frozen parameters (requires_grad=False) are never
+`monitor.untracked` with the reason; frozen parameters (requires_grad=False) are never
 measurements. Parameters are looked up on their modules at every read, so a model
 sharded after the monitor was made (FSDP2) is read correctly.
 
@@ -59,10 +59,10 @@ class LogSink(Protocol):
 class GNSMonitor:
     """What a training loop adds for the GNS: make it once, call `step` once per optimizer step.
 
-        gns = GNSMonitor(model, log=log)     # after convert(model), or a model built with per-example norm layers
+        monitor = GNSMonitor(model, log=log)  # after convert(model), or a model built with per-example norm layers
         for ...:
             ...forward/backward of every micro-batch...
-            gns.step(batch_size=B)           # after the last backward, before clipping and optimizer.step()
+            monitor.step(batch_size=B)        # after the last backward, before clipping and optimizer.step()
             optimizer.step(); optimizer.zero_grad()
 
     `step` reads every per-example norm buffer and gradient norm (a handful of ops, one host sync), zeroes the
