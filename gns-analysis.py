@@ -9,7 +9,7 @@ The GNS of a run, from its log: the command line of gns_analysis.py, where the l
 
 import sys
 
-from nanogns.analysis.analyze import main
+from nanogns.analysis.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

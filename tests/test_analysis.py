@@ -22,6 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanogns.analysis import analyze as ga
+from nanogns.analysis import cli as analysis_cli
+from nanogns.analysis import parameters as analysis_parameters
+from nanogns.analysis import report as analysis_report
 from nanogns.estimator import RunningGNS, unbiased_stats  # noqa: E402
 from nanogns.runlog.record import write_parameter_record  # noqa: E402
 from nanogns.runlog.writer import LogWrapper  # noqa: E402
@@ -111,7 +114,7 @@ def printed(text, label):
 def test_printed_numbers_match_independent_computation(tmp_path, capsys):
     norms = synthetic_norms(40)
     write_run(tmp_path, norms, batch_size=32, eval_every=10)
-    assert ga.main([str(tmp_path), "--alpha", "0.9", "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--alpha", "0.9", "--no-plots"]) == 0
     out = capsys.readouterr().out
     exp = expected_gns(norms, NOT_TIED, 32, 0.9)
     assert printed(out, "Final GNS") == f"{exp[-1, 2]:.4f}"
@@ -127,7 +130,7 @@ def test_printed_numbers_match_independent_computation(tmp_path, capsys):
 
 def test_default_alpha_is_095_and_help_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        ga.main(["--help"])
+        analysis_cli.main(["--help"])
     assert "(default: 0.95)" in capsys.readouterr().out
     norms = synthetic_norms(15, seed=1)
     write_run(tmp_path, norms)
@@ -154,7 +157,7 @@ def test_default_alpha_is_095_and_help_says_so(tmp_path, capsys):
     ],
 )
 def test_param_group(name, group):
-    assert ga.param_group(name) == group
+    assert analysis_parameters.param_group(name) == group
 
 
 @pytest.mark.parametrize(
@@ -174,13 +177,13 @@ def test_param_group(name, group):
     ],
 )
 def test_param_block(name, block):
-    assert ga.param_block(name) == block
+    assert analysis_parameters.param_block(name) == block
 
 
 def test_group_columns_and_table(tmp_path, capsys):
     norms = synthetic_norms(30, seed=2)
     write_run(tmp_path, norms)
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     groups = {
@@ -202,7 +205,7 @@ def test_non_finite_steps_are_skipped_without_poisoning_the_ema(tmp_path, capsys
     norms["transformer.h.0.attn.c_attn.weight"][0][7] = np.inf
     norms["transformer.wpe.weight"][1][12] = np.nan
     write_run(tmp_path, norms, batch_size=16)
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     exp = expected_gns(norms, NOT_TIED, 16, 0.95)
     assert np.isfinite(exp[-1]).all()
@@ -254,7 +257,7 @@ def write_reference_log(out_dir, n_steps=30, seed=4):
 
 def test_reference_format_log_gives_the_reference_numbers(tmp_path, capsys):
     df, _ = write_reference_log(tmp_path)
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     gtg_ema, tr_ema, gns = reference_method(df, 0.95)
     assert np.isfinite(gns).all() and (gtg_ema > 1e-6).all()  # where the clip would not act
@@ -276,7 +279,7 @@ def test_exact_tied_column_is_included_in_embedding_and_compared_without_it(tmp_
     norms[TIED] = norms.pop("transformer.wte.weight")
     del norms["lm_head.weight"]
     write_run(tmp_path, norms, batch_size=32)
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     exp = expected_gns(norms, NOT_TIED + [TIED], 32, 0.95)[:, 2]
@@ -332,7 +335,7 @@ def block_norms(params, n_steps, seed):
 def test_block_columns_and_table(tmp_path, capsys):
     norms = block_norms(BLOCK_PARAMS, 25, seed=7)
     write_run(tmp_path, norms, batch_size=16)
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     df = pd.read_csv(tmp_path / "log.csv")
@@ -375,7 +378,7 @@ def test_blocks_in_another_naming_scheme(tmp_path):
 
 def test_no_block_index_is_said_in_one_line(tmp_path, capsys):
     write_run(tmp_path, block_norms(["transformer.wpe.weight", "transformer.ln_f.weight"], 6, seed=9))
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     assert "GNS by block: no parameter name has a block index" in capsys.readouterr().out
     assert not [c for c in pd.read_csv(tmp_path / "gns_analysis.csv").columns if c.startswith("gns_block_")]
 
@@ -383,7 +386,7 @@ def test_no_block_index_is_said_in_one_line(tmp_path, capsys):
 def test_layernorm_vs_all_line_and_figure(tmp_path, capsys):
     norms = block_norms(BLOCK_PARAMS, 40, seed=10)
     write_run(tmp_path, norms, batch_size=16)
-    assert ga.main([str(tmp_path)]) == 0
+    assert analysis_cli.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     df = pd.read_csv(tmp_path / "log.csv")
     ln = ["transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight", "transformer.ln_f.weight"]
@@ -405,7 +408,7 @@ def test_layernorm_vs_all_line_and_figure(tmp_path, capsys):
 def test_compare_counts_only_steps_where_both_are_finite():
     a = pd.Series([1.0, 2.0, np.nan, 4.0, -1.0, 8.0])
     b = pd.Series([1.0, 2.5, 3.0, np.inf, 2.0, 6.0])
-    c = ga.compare(a, b)
+    c = analysis_report.compare(a, b)
     both = [0, 1, 4, 5]
     assert c["steps"] == 4
     assert c["corr"] == pytest.approx(a[both].corr(b[both]), rel=1e-12)
@@ -416,7 +419,7 @@ def test_compare_counts_only_steps_where_both_are_finite():
 
 def test_run_without_layernorm_says_so_and_skips_its_figure(tmp_path, capsys):
     write_run(tmp_path, block_norms(["transformer.h.0.attn.c_attn.weight", "transformer.wpe.weight"], 8, seed=11))
-    assert ga.main([str(tmp_path)]) == 0
+    assert analysis_cli.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "LayerNorm-only vs all parameters: no LayerNorm columns in the log; comparison and plot skipped" in out
     assert not (tmp_path / "gns_layernorm_vs_all.png").exists()
@@ -449,7 +452,7 @@ def comparison_line(head, approx_gns, exact_gns):
 def test_sogns_compared_with_exact_over_the_same_parameters(tmp_path, capsys):
     norms = block_norms(BLOCK_PARAMS, 30, seed=12)
     write_run(tmp_path, norms, batch_size=16, approx=approximate(norms, LINEAR, seed=13))
-    assert ga.main([str(tmp_path)]) == 0
+    assert analysis_cli.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     df = pd.read_csv(tmp_path / "log.csv")
@@ -470,7 +473,7 @@ def test_sogns_without_exact_norms_for_its_parameters_is_compared_with_all_param
     norms = block_norms(BLOCK_PARAMS, 30, seed=14)
     exact_ln = {p: norms[p] for p in BLOCK_PARAMS if p not in LINEAR}  # exact LayerNorm (+ wpe), approximate Linear
     write_run(tmp_path, exact_ln, batch_size=16, approx=approximate(norms, LINEAR, seed=15))
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     df = pd.read_csv(tmp_path / "log.csv")
@@ -489,12 +492,12 @@ def test_sogns_without_exact_norms_for_its_parameters_is_compared_with_all_param
 def test_sogns_only_log_is_analysed_with_its_prefix(tmp_path, capsys):
     norms = block_norms(BLOCK_PARAMS, 12, seed=16)
     write_run(tmp_path, norms, prefix="train/sogns")
-    assert ga.main([str(tmp_path), "--no-plots"]) == 1
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 1
     assert re.search(
         r"no 'train/gns/<param>/norm' columns.*'train/sogns/<param>/norm'.*--prefix train/sogns",
         capsys.readouterr().err,
     )
-    assert ga.main([str(tmp_path), "--no-plots", "--prefix", "train/sogns"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots", "--prefix", "train/sogns"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     df = pd.read_csv(tmp_path / "log.csv")
@@ -523,7 +526,7 @@ def test_skipped_and_partial_steps_are_not_counted_as_non_finite(tmp_path, capsy
         t.log(row)
         t.step()
     t.close()
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert "warning: 1 step(s) have non-finite norms (logged as nan/inf); skipped by the EMAs" in out
     assert "warning: 1 step(s) lack some parameter's columns (not logged at that step); skipped" in out
@@ -538,7 +541,7 @@ def test_skipped_and_partial_steps_are_not_counted_as_non_finite(tmp_path, capsy
 
 def test_files_written_and_terminal_plots(tmp_path, capsys):
     write_reference_log(tmp_path, n_steps=12)
-    assert ga.main([str(tmp_path)]) == 0
+    assert analysis_cli.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "GNS over tokens" in out and "Legend" in out and "GNS (ddp)" in out
     for name in ("gns_emas.png", "gns_phase.png", "gns_over_tokens.png", "gns_groups.png", "gns_layernorm_vs_all.png"):
@@ -674,7 +677,7 @@ def test_groups_and_blocks_come_from_the_record_not_the_names(tmp_path, capsys):
     np.testing.assert_allclose(
         results["gns_layernorm"], pandas_gns(df, ["h.0.ln_attn.weight", "h.1.ln_attn.weight"], 0.95), rtol=1e-12
     )
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     assert re.search(r"^all\s+5\s", capsys.readouterr().out, re.MULTILINE)
 
 
@@ -695,7 +698,7 @@ def test_ddp_gns_is_formed_from_the_raw_columns_with_the_given_alpha(tmp_path, c
         expected = (ema(trsigma) / ema(gtg)).where(ema(gtg) > 0)
         results = ga.analyze_gns(str(tmp_path), alpha=alpha)
         np.testing.assert_allclose(results["ddp_gns"], expected, rtol=1e-12)
-        assert ga.main([str(tmp_path), "--no-plots", "--alpha", str(alpha)]) == 0
+        assert analysis_cli.main([str(tmp_path), "--no-plots", "--alpha", str(alpha)]) == 0
         out = capsys.readouterr().out
         assert printed(out, "Final DDP GNS") == f"{expected.iloc[-1]:.4f}"
         groups = {g: len(m) for g, m in results.attrs["groups"].items() if m}
@@ -724,7 +727,7 @@ def test_a_log_without_tokens_is_measured_in_examples(tmp_path, capsys):
     assert results.attrs["x"] == "examples_processed" and results["examples_processed"].tolist() == [
         16 * (i + 1) for i in range(10)
     ]
-    assert ga.main([str(tmp_path)]) == 0
+    assert analysis_cli.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "Total examples processed: 160 (the log has no tokens_processed column)" in out
     plots = out.split("no tokens_processed column)")[1].split("Figures saved")[0]
@@ -732,13 +735,13 @@ def test_a_log_without_tokens_is_measured_in_examples(tmp_path, capsys):
 
 
 def test_what_the_gns_means_for_the_batch_size(tmp_path, capsys):
-    t = ga.batch_size_tradeoff(100.0, 25)
+    t = analysis_report.batch_size_tradeoff(100.0, 25)
     assert t == {"steps_overhead": 5.0, "examples_overhead": 1.25, "steps_within_b": 1000.0, "examples_within_b": 10.0}
-    assert all(math.isnan(v) for v in ga.batch_size_tradeoff(-3.0, 25).values())
+    assert all(math.isnan(v) for v in analysis_report.batch_size_tradeoff(-3.0, 25).values())
     write_run(tmp_path, synthetic_norms(30), batch_size=64)
     results = ga.analyze_gns(str(tmp_path))
     gns = results["gns"].iloc[-1]
-    assert ga.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     out = capsys.readouterr().out
     assert f"critical batch ~ GNS = {gns:.1f} examples" in out
     assert f"at this run's B = 64: {1 + gns / 64:.2f}x the minimum number of optimizer steps" in out
@@ -760,7 +763,7 @@ def test_what_the_gns_means_for_the_batch_size(tmp_path, capsys):
 def test_the_batch_size_advice_says_something_for_a_small_gns(gns, steps, examples):
     """A GNS below 0.1 example made the steps bound read "B >= 0", and below 10 the examples bound "B <= 0.x"."""
     results = pd.DataFrame({"gns": [gns], "batch_size": [16]})
-    line = ga.tradeoff_lines(results)[-1]
+    line = analysis_report.tradeoff_lines(results)[-1]
     assert line == f"  within 10% of the fewest steps: {steps}; within 10% of the fewest examples: {examples}"
 
 

@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO
 from test_analysis import synthetic_norms, write_run
 
-from nanogns.analysis import analyze as ga
+from nanogns.analysis import cli as analysis_cli
 from nanogns.runlog.record import PARAMETERS_JSON, write_parameter_record
 
 N_STEPS = 12
@@ -30,7 +30,7 @@ BATCH = "train/gns/transformer.h.0.attn.c_attn.weight/batch_size"
 def no_figures(monkeypatch):
     """The PNG figures take seconds each and are tested elsewhere: written only where a test looks at them (it
     undoes this with monkeypatch.undo())."""
-    monkeypatch.setattr(ga, "save_plots", lambda results, out_dir: [])
+    monkeypatch.setattr(analysis_cli, "save_plots", lambda results, out_dir: [])
 
 
 @pytest.fixture
@@ -49,21 +49,21 @@ def with_log(directory, df):
 
 def analyse(directory, capsys):
     """(results, printed warnings) of gns-analysis on `directory`, through its command line (no plots)."""
-    assert ga.main([str(directory), "--no-plots"]) == 0
+    assert analysis_cli.main([str(directory), "--no-plots"]) == 0
     out = capsys.readouterr().out
     results = pd.read_csv(os.path.join(directory, "gns_analysis.csv"))
     return results, [line for line in out.splitlines() if line.startswith(("warning:", "note:"))]
 
 
 def final_lines(directory, capsys):
-    ga.main([str(directory), "--no-plots"])
+    analysis_cli.main([str(directory), "--no-plots"])
     out = capsys.readouterr().out
     return [line for line in out.splitlines() if line.startswith(("Final", "Total", "Average"))]
 
 
 def refusal(directory, capsys):
     """The one line gns-analysis prints when it refuses `directory` (exit status 1)."""
-    assert ga.main([str(directory), "--no-plots"]) == 1
+    assert analysis_cli.main([str(directory), "--no-plots"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("gns-analysis.py: error: "), err
     return err
@@ -241,7 +241,7 @@ def test_a_read_only_run_directory_gets_its_results_elsewhere_with_a_note(run, r
     directory, _ = run
     before = sorted(os.listdir(directory))
     read_only(directory)
-    assert ga.main([str(directory)]) == 0  # with the plots
+    assert analysis_cli.main([str(directory)]) == 0  # with the plots
     out = capsys.readouterr().out
     notes = [line for line in out.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and notes[0].startswith(f"note: {directory} is read-only: the results go to "), notes
@@ -254,7 +254,7 @@ def test_a_read_only_run_directory_gets_its_results_elsewhere_with_a_note(run, r
 
 def test_output_dir_takes_the_results(run, tmp_path, capsys):
     directory, _ = run
-    assert ga.main([str(directory), "--no-plots", "--output-dir", str(tmp_path / "results")]) == 0
+    assert analysis_cli.main([str(directory), "--no-plots", "--output-dir", str(tmp_path / "results")]) == 0
     assert (tmp_path / "results" / "gns_analysis.csv").exists() and not (directory / "gns_analysis.csv").exists()
 
 

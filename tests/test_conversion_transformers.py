@@ -27,7 +27,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 from transformers.pytorch_utils import Conv1D
 
 import nanogns as lc
-from nanogns.analysis import analyze as gns_analysis
+from nanogns.analysis import cli as analysis_cli
 from nanogns.layers import fused as fused_gns
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
 from nanogns.runlog.reader import load_csv
@@ -316,7 +316,7 @@ def test_example_logs_every_parameter_and_gns_analysis_reads_it(name, tmp_path, 
         for metric in ("norm", "pegn", "batch_size"):
             column = f"train/gns/{param}/{metric}"
             assert column in df.columns and df[column].notna().all(), column
-    assert gns_analysis.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
     assert "Final GNS: " in capsys.readouterr().out
 
 

@@ -33,6 +33,7 @@ import nanogns as lc  # noqa: E402
 from nanogns import estimator  # noqa: E402
 from nanogns import monitor as gnstracking  # noqa: E402
 from nanogns.analysis import analyze as ga
+from nanogns.analysis import cli as analysis_cli
 from nanogns.layers.buffers import zero_sqgradnorm_buffers  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
@@ -314,7 +315,7 @@ def test_gns_analysis_on_dirs_without_a_usable_log(tmp_path, capsys):
     (killed / HEADER_TMP).write_text("step\n")
     (killed / DATA_TMP).write_text("")
     for d, message in [(empty, "no log in"), (zero, "is empty"), (killed, "has no rows")]:
-        assert ga.main([str(d), "--no-plots"]) == 1
+        assert analysis_cli.main([str(d), "--no-plots"]) == 1
         err = capsys.readouterr().err
         assert message in err and "gns-analysis.py: error:" in err
         assert not (d / "gns_analysis.csv").exists()

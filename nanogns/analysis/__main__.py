@@ -3,6 +3,6 @@ checkout's gns-analysis.py, for an installed package)."""
 
 import sys
 
-from nanogns.analysis.analyze import main
+from nanogns.analysis.cli import main
 
 sys.exit(main())

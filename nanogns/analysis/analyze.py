@@ -1,6 +1,6 @@
 """
-Gradient noise scale (GNS) of a run, from the per-parameter norms in its log: the logic of
-gns-analysis.py, importable (`import gns_analysis; gns_analysis.analyze_gns(out_dir)`).
+Gradient noise scale (GNS) of a run, from the per-parameter norms in its log: importable as
+`from nanogns.analysis.analyze import analyze_gns` (the command line is cli.py).
 
     python gns-analysis.py OUT_DIR [--alpha 0.95] [--prefix train/gns]
                            [--approx-prefix train/sogns] [--no-plots]
@@ -91,76 +91,23 @@ OUT_DIR is read-only, to a new temporary directory, with a note naming it. OUT_D
 may be given as the path of its log.csv.
 """
 
-import argparse
-import os
-import re
-import sys
-import tempfile
-
 import numpy as np
 import pandas as pd
 
-from nanogns.analysis.plots import save_png, terminal_plot
+from nanogns.analysis.parameters import (
+    METRICS,
+    blocks_of,
+    find_params,
+    is_exact_tied,
+    parameter_facts,
+    usable_parameters,
+)
 from nanogns.analysis.steps import in_step_order
 from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.record import GROUPS, read_parameter_record
-from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
-OVERHEAD = 0.10  # the batch-size trade-off reports the batches that keep each overhead under this
-METRICS = ("norm", "pegn", "batch_size")
-TIED_MARKERS = ("wte", "lm_head")
-TIED_JOIN = "+"
 DDP_RAW = ("ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size")
-_LN_COMPONENT = re.compile(r"ln(_f|_\d+)?")
-_INDEX = re.compile(r"[0-9]+")
-
-
-def _module_path(name):
-    """The module path components of a parameter (of its first name, for a tied tensor)."""
-    return name.split(TIED_JOIN)[0].split(".")[:-1]
-
-
-def param_group(name):
-    """'LayerNorm', 'Embedding' or 'Linear' for a parameter name, in logs without a record (see module docstring)."""
-    components = [c.lower() for c in _module_path(name)]
-    if any(_LN_COMPONENT.fullmatch(c) or "norm" in c for c in components):
-        return "LayerNorm"
-    if any(c in ("wte", "wpe") or "emb" in c for c in components):
-        return "Embedding"
-    return "Linear"
-
-
-def param_block(name):
-    """Block index of a parameter name, or None, in logs without a record (see module docstring)."""
-    path = _module_path(name)
-    for before, component in zip(path, path[1:]):
-        if before == "h" and _INDEX.fullmatch(component):
-            return int(component)
-    return next((int(c) for c in path if _INDEX.fullmatch(c)), None)
-
-
-def is_exact_tied(name):
-    """A tied tensor logged exactly, under its names joined by '+'."""
-    return TIED_JOIN in name
-
-
-def is_reference_tied(name):
-    """A tied column as the reference code logs it: one use's per-example norm, not the tensor's."""
-    return not is_exact_tied(name) and any(marker in name for marker in TIED_MARKERS)
-
-
-def find_params(columns, prefix):
-    """{param name: {metric: column}} for every `<prefix>/<param>/<metric>` column."""
-    params = {}
-    start = prefix.rstrip("/") + "/"
-    for col in columns:
-        if not isinstance(col, str) or not col.startswith(start):
-            continue
-        param, _, metric = col[len(start) :].rpartition("/")
-        if param and metric in METRICS:
-            params.setdefault(param, {})[metric] = col
-    return params
 
 
 def ema(series, alpha):
@@ -190,59 +137,6 @@ def estimate(df, params, alpha):
     out["trsigma_ema"] = ema(out["trsigma"], alpha)
     out["gns"] = gns_from_emas(out["gtg_ema"], out["trsigma_ema"])
     return out
-
-
-# the group of each layer kind in records of format 1, which did not write it (nanogns.layers' registry has it)
-FORMAT_1_GROUPS = {
-    "Linear": "Linear",
-    "Conv1D": "Linear",
-    "Conv": "Linear",
-    "Experts": "Linear",
-    "MultiheadAttention": "Linear",
-    "Embedding": "Embedding",
-    "Embedding+Linear": "Embedding",
-    "LayerNorm": "LayerNorm",
-    "RMSNorm": "LayerNorm",
-}
-
-
-def record_group(facts):
-    """The analysis group of one entry of a run's record: what it says, or (format 1) its kind's group."""
-    return facts.get("group") or FORMAT_1_GROUPS.get(facts["kind"], "Other")
-
-
-def parameter_facts(names, record):
-    """{name: (group, block)}: from the run's record where it has the name, else from the name itself."""
-    facts = {}
-    for name in names:
-        if record is not None and name in record:
-            facts[name] = (record_group(record[name]), record[name]["block"])
-        else:
-            facts[name] = (param_group(name), param_block(name))
-    return facts
-
-
-def blocks_of(params, facts):
-    """{block index: {name: columns}} for the parameters in a block, in block order."""
-    blocks = {}
-    for name in params:
-        index = facts[name][1]
-        if index is not None:
-            blocks.setdefault(index, {})[name] = params[name]
-    return {index: blocks[index] for index in sorted(blocks)}
-
-
-def _usable(params, prefix, record=None):
-    """The parameters a GNS can sum over: all three metrics logged, and not a reference-style tied column
-    (a recorded parameter is what the record says, whatever its name)."""
-    usable = {}
-    for name in sorted(params):
-        if len(params[name]) < len(METRICS):
-            missing = [m for m in METRICS if m not in params[name]]
-            print(f"warning: parameter {name} under '{prefix}' lacks {missing} columns; skipped")
-        elif (record is not None and name in record) or not is_reference_tied(name):
-            usable[name] = params[name]
-    return usable
 
 
 def _no_columns_message(columns, prefix, approx_prefix):
@@ -284,7 +178,7 @@ def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
     Returns:
         (rows, params, chosen, facts): rows with at least one logged norm (eval-only
         and skipped steps dropped), every {name: {metric: column}} found, those
-        the GNS sums over (see _usable), and {name: (group, block)} for those.
+        the GNS sums over (see usable_parameters), and {name: (group, block)} for those.
     Raises ValueError when there is nothing to sum over; approx_prefix only
     shapes that message.
     """
@@ -305,7 +199,7 @@ def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
         for column in columns.values()
     ]
     df = in_step_order(df, numbers, path, df.attrs.get("first_line", 2))
-    chosen = _usable(params, prefix, record)
+    chosen = usable_parameters(params, prefix, record)
     if not chosen:
         raise ValueError(
             f"only tied-weight columns ({', '.join(sorted(params))}) under '{prefix}': each holds one use's "
@@ -328,7 +222,7 @@ def _approximate(df, chosen, prefix, approx_prefix, alpha):
     """
     if not approx_prefix or approx_prefix.rstrip("/") == prefix.rstrip("/"):
         return {}, None
-    approx = _usable(find_params(df.columns, approx_prefix), approx_prefix)
+    approx = usable_parameters(find_params(df.columns, approx_prefix), approx_prefix)
     if not approx:
         return {}, None
     columns = {"gns_sogns": estimate(df, approx, alpha)["gns"]}
@@ -413,368 +307,3 @@ def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/so
     numel = [record[p].get("numel") for p in chosen if p in record] if record else []
     results.attrs["elements"] = sum(numel) if numel and None not in numel and len(numel) == len(chosen) else None
     return results
-
-
-def _fmt_tokens(value):
-    return f"{int(value):,}" if np.isfinite(value) else "nan"
-
-
-def summary(results):
-    """The 'GNS Analysis Results' block, as printed."""
-    last = results.iloc[-1]
-    lines = [
-        "GNS Analysis Results:",
-        "====================",
-        f"Final GNS: {last['gns']:.4f}",
-        f"Final G^TG (EMA): {last['gtg_ema']:.4f}",
-        f"Final tr(Σ) (EMA): {last['trsigma_ema']:.4f}",
-    ]
-    tied = results.attrs.get("tied", [])
-    if tied:
-        without = last["gns_without_tied"]
-        noun, verb = ("tied matrix", "changes") if len(tied) == 1 else ("tied matrices", "change")
-        lines.append(
-            f"GNS without the {noun} ({', '.join(tied)}): {without:.4f} "
-            f"({noun} {verb} the final GNS by {(last['gns'] / without - 1) * 100:+.1f}%)"
-        )
-    if "ddp_gns" in results and results["ddp_gns"].notna().any():
-        lines.append(f"Final DDP GNS: {results['ddp_gns'].dropna().iloc[-1]:.4f}")
-        groups = {g: len(m) for g, m in results.attrs.get("groups", {}).items() if m}
-        covered = ", ".join(f"{g} {n}" for g, n in groups.items())
-        elements = results.attrs.get("elements")
-        size = f", {elements:,} elements" if elements else ""
-        lines.append(
-            f"  (what each covers: Final GNS the {sum(groups.values())} tracked parameters ({covered}{size}), "
-            "from per-example norms; Final DDP GNS every trainable parameter, from each rank's gradient "
-            "against their average)"
-        )
-    lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")
-    x = results.attrs.get("x", "tokens_processed")
-    lines.append(
-        f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]))}"
-        + ("" if x == "tokens_processed" else " (the log has no tokens_processed column)")
-    )
-    return "\n".join(lines)
-
-
-def batch_size_tradeoff(gns, batch_size):
-    """What a batch of `batch_size` examples costs at a critical batch ~ gns (McCandlish et al. 2018, arXiv 1812.06162).
-
-    Returns a dict: steps_overhead = S / S_min = 1 + gns / B, examples_overhead = E / E_min = 1 + B / gns, and
-    the batch sizes that keep either overhead within OVERHEAD: steps for B >= gns / OVERHEAD, examples for
-    B <= gns * OVERHEAD. NaN everywhere when the GNS is not a positive number.
-    """
-    if not (np.isfinite(gns) and gns > 0):
-        nan = float("nan")
-        return dict(steps_overhead=nan, examples_overhead=nan, steps_within_b=nan, examples_within_b=nan)
-    return dict(
-        steps_overhead=1 + gns / batch_size,
-        examples_overhead=1 + batch_size / gns,
-        steps_within_b=gns / OVERHEAD,
-        examples_within_b=gns * OVERHEAD,
-    )
-
-
-def tradeoff_lines(results):
-    """The batch-size trade-off of the final GNS at the run's last batch size, as printed."""
-    gns, B = float(results["gns"].iloc[-1]), float(results["batch_size"].iloc[-1])
-    t = batch_size_tradeoff(gns, B)
-    if not np.isfinite(t["steps_overhead"]):
-        return [
-            f"Batch size: the final GNS ({gns:.4f}) is not a positive number yet, so it says nothing about the batch size"
-        ]
-    # a GNS below OVERHEAD puts every batch within the steps bound; one below 1 / OVERHEAD, no batch within the other
-    steps = f"B >= {t['steps_within_b']:.0f}" if t["steps_within_b"] >= 1 else "every batch (B >= 1)"
-    examples = (
-        f"B <= {t['examples_within_b']:.1f}"
-        if t["examples_within_b"] >= 1
-        else f"no batch (it would take B <= {t['examples_within_b']:.2g}: the GNS is that small)"
-    )
-    return [
-        f"Batch size (McCandlish et al. 2018, critical batch ~ GNS = {gns:.1f} examples):",
-        f"  at this run's B = {B:.0f}: {t['steps_overhead']:.2f}x the minimum number of optimizer steps "
-        f"(S = S_min (1 + GNS/B)) and {t['examples_overhead']:.2f}x the minimum number of examples (E = E_min (1 + B/GNS))",
-        f"  within {OVERHEAD:.0%} of the fewest steps: {steps}; within {OVERHEAD:.0%} of the fewest examples: {examples}",
-    ]
-
-
-_TABLE_HEADER = f"{'params':>8}{'final GNS':>14}{'corr w/ all':>14}"
-
-
-def _table_row(label, n_params, gns, all_gns):
-    if n_params == 0 or gns.isna().all():
-        return f"{label:<12}{n_params:>8}{'-':>14}{'-':>14}"
-    return f"{label:<12}{n_params:>8}{gns.iloc[-1]:>14.4f}{all_gns.corr(gns):>14.4f}"
-
-
-def group_table(results):
-    """Final GNS per group and the Pearson correlation of its series with the all-parameter GNS."""
-    groups = results.attrs.get("groups", {})
-    lines = [
-        "GNS by parameter group:",
-        f"{'group':<12}{_TABLE_HEADER}",
-        _table_row("all", sum(len(m) for m in groups.values()), results["gns"], results["gns"]),
-    ]
-    for g in GROUPS:
-        if g != "Other" or groups.get(g):  # Other: parameters of a kind the record does not know
-            lines.append(_table_row(g, len(groups.get(g, [])), results[f"gns_{g.lower()}"], results["gns"]))
-    return "\n".join(lines)
-
-
-def block_table(results):
-    """Final GNS per block and the Pearson correlation of its series with the all-parameter GNS."""
-    blocks = results.attrs.get("blocks", {})
-    if not blocks:
-        return "GNS by block: no parameter name has a block index"
-    lines = ["GNS by block:", f"{'block':<12}{_TABLE_HEADER}"]
-    for index, names in blocks.items():
-        lines.append(_table_row(str(index), len(names), results[f"gns_block_{index}"], results["gns"]))
-    return "\n".join(lines)
-
-
-def compare(series, reference):
-    """How `series` tracks `reference` over the steps where both are finite.
-
-    Returns a dict: steps (how many such steps), corr (Pearson), log10_corr
-    (Pearson of the log10s, over those steps where both are positive),
-    median_rel_diff (median |series / reference - 1|), and final and
-    final_reference (the values at the last row, as every 'final' printed).
-    """
-    a = pd.Series(np.asarray(series, dtype=np.float64))
-    b = pd.Series(np.asarray(reference, dtype=np.float64))
-    both = np.isfinite(a) & np.isfinite(b)
-    positive = both & (a > 0) & (b > 0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rel = (a[both] / b[both] - 1).abs()
-    return {
-        "steps": int(both.sum()),
-        "corr": a[both].corr(b[both]),
-        "log10_corr": np.log10(a[positive]).corr(np.log10(b[positive])),
-        "median_rel_diff": rel[np.isfinite(rel)].median(),
-        "final": a.iloc[-1],
-        "final_reference": b.iloc[-1],
-    }
-
-
-def layernorm_line(results):
-    """LayerNorm-only GNS against the all-parameter GNS (the paper's claim), or a note that there is none."""
-    if not results.attrs.get("groups", {}).get("LayerNorm"):
-        return "LayerNorm-only vs all parameters: no LayerNorm columns in the log; comparison and plot skipped"
-    c = compare(results["gns_layernorm"], results["gns"])
-    return (
-        f"LayerNorm-only vs all parameters: corr {c['corr']:.3f} (log10: {c['log10_corr']:.3f}) "
-        f"over {c['steps']} steps, final ratio LN/all {c['final'] / c['final_reference']:.3f}"
-    )
-
-
-def approx_line(results):
-    """Approximate (SOGNS) GNS against the exact one, or None when the log has no approximate norms."""
-    approx = results.attrs.get("approx")
-    if not approx:
-        return None
-    n = len(approx["params"])
-    if "gns_exact_same_params" in results:
-        head = f"Approximate (SOGNS) vs exact GNS over the same {n} parameters"
-        c = compare(results["gns_sogns"], results["gns_exact_same_params"])
-    else:
-        head = (
-            f"Approximate (SOGNS) GNS over {n} parameters vs exact GNS over all {approx['n_exact']} parameters "
-            f"(not the same parameters: {approx['exact_prefix']} lacks {len(approx['exact_lacks'])} of the {n})"
-        )
-        c = compare(results["gns_sogns"], results["gns"])
-    return (
-        f"{head}: final {c['final']:.4f} vs {c['final_reference']:.4f} "
-        f"({(c['final'] / c['final_reference'] - 1) * 100:+.1f}%), "
-        f"median |relative difference| {c['median_rel_diff'] * 100:.1f}% over {c['steps']} steps, "
-        f"corr {c['corr']:.3f}"
-    )
-
-
-def _log10(series):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log10(series.to_numpy(dtype=np.float64))
-
-
-def _figures(results):
-    """(file stem, title, series, x_label, y_label, scatter) for every figure the results allow."""
-    x_column = results.attrs.get("x", "tokens_processed")
-    tokens, x_label = results[x_column], x_column.split("_")[0]
-    gns = [("GNS (estimated)", tokens, results["gns"])]
-    if "gns_without_tied" in results:
-        gns.append(("GNS without the tied matrix", tokens, results["gns_without_tied"]))
-    if "ddp_gns" in results:
-        gns.append(("GNS (ddp)", tokens, results["ddp_gns"]))
-    groups = [("all", tokens, results["gns"])] + [
-        (g, tokens, results[f"gns_{g.lower()}"]) for g in GROUPS if results[f"gns_{g.lower()}"].notna().any()
-    ]
-    figures = [
-        (
-            "gns_emas",
-            f"log_10(tr(Σ)) and log_10(G^TG) over {x_label}",
-            [
-                ("G^TG (EMA)", tokens, _log10(results["gtg_ema"])),
-                ("tr(Σ) (EMA)", tokens, _log10(results["trsigma_ema"])),
-            ],
-            x_label,
-            "log10",
-            False,
-        ),
-        (
-            "gns_phase",
-            "Phase plot: log_10(tr(Σ)) vs log_10(G^TG)",
-            [("EMAs", _log10(results["gtg_ema"]), _log10(results["trsigma_ema"]))],
-            "log10 G^TG (EMA)",
-            "log10 tr(Σ) (EMA)",
-            True,
-        ),
-        ("gns_over_tokens", f"GNS over {x_label}", gns, x_label, "GNS", False),
-        ("gns_groups", f"GNS per parameter group over {x_label}", groups, x_label, "GNS", False),
-    ]
-    if results.attrs.get("groups", {}).get("LayerNorm"):
-        figures.append(
-            (
-                "gns_layernorm_vs_all",
-                f"GNS from LayerNorm only vs all parameters, over {x_label}",
-                [("all parameters", tokens, results["gns"]), ("LayerNorm only", tokens, results["gns_layernorm"])],
-                x_label,
-                "GNS",
-                False,
-            )
-        )
-    if "gns_sogns" in results:
-        exact = (
-            ("exact, same parameters", tokens, results["gns_exact_same_params"])
-            if "gns_exact_same_params" in results
-            else ("exact, all parameters", tokens, results["gns"])
-        )
-        figures.append(
-            (
-                "gns_sogns_vs_exact",
-                f"GNS from approximate (SOGNS) vs exact norms, over {x_label}",
-                [exact, ("approximate (SOGNS)", tokens, results["gns_sogns"])],
-                x_label,
-                "GNS",
-                False,
-            )
-        )
-    return figures
-
-
-def print_plots(results):
-    for _, title, series, x_label, y_label, scatter in _figures(results):
-        print(f"\n{title}:")
-        print("=" * (len(title) + 1))
-        print(terminal_plot(series, x_label=x_label, y_label=y_label, scatter=scatter))
-
-
-def save_plots(results, out_dir):
-    """The same figures as PNG files in out_dir; returns their paths."""
-    return [
-        save_png(
-            os.path.join(out_dir, f"{name}.png"), series, x_label=x_label, y_label=y_label, title=title, scatter=scatter
-        )
-        for name, title, series, x_label, y_label, scatter in _figures(results)
-    ]
-
-
-def _run_dir(path):
-    """The run directory named by `path`: itself, or the directory of a log file given instead."""
-    if os.path.isfile(path):
-        if os.path.basename(path) in (LOG_CSV, HEADER_TMP, DATA_TMP):
-            return os.path.dirname(path) or "."
-        raise ValueError(
-            f"{path} is a file: gns-analysis.py reads a run directory (the one holding log.csv and "
-            "gns_parameters.json, e.g. out-shakespeare-char)"
-        )
-    return path
-
-
-def _writable(directory):
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            return True
-    except OSError:
-        return False
-
-
-def _output_dir(run_dir, output_dir):
-    """(where the results go, a note or None): output_dir if given (made if absent), else the run directory,
-    or a new temporary directory when the run directory cannot be written."""
-    if output_dir is not None:
-        os.makedirs(output_dir, exist_ok=True)
-        return output_dir, None
-    if _writable(run_dir):
-        return run_dir, None
-    elsewhere = tempfile.mkdtemp(prefix="gns-analysis-")
-    return elsewhere, f"note: {run_dir} is read-only: the results go to {elsewhere} instead (choose with --output-dir)"
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="Gradient noise scale of a run from its CSV log.")
-    parser.add_argument(
-        "out_dir",
-        help="run directory holding log.csv (or the .tmp files of a running/killed run); a path to its log.csv "
-        "is read as its directory",
-    )
-    parser.add_argument(
-        "--alpha",
-        type=float,
-        default=0.95,
-        help="EMA decay of G^TG and tr(Σ); the EMA weight of a new step is 1 - alpha (default: 0.95)",
-    )
-    parser.add_argument(
-        "--prefix", default="train/gns", help="column prefix of the per-parameter norms (default: train/gns)"
-    )
-    parser.add_argument(
-        "--approx-prefix",
-        default="train/sogns",
-        help="column prefix of approximate (SOGNS) per-parameter norms, compared with the exact "
-        "ones when the log has them (default: train/sogns)",
-    )
-    parser.add_argument(
-        "--no-plots", action="store_true", help="skip the terminal plots (PNG figures are always written)"
-    )
-    parser.add_argument(
-        "--output-dir",
-        default=None,
-        help="where gns_analysis.csv and the PNG figures go (default: the run directory, or a new temporary "
-        "directory, with a note, when the run directory is read-only)",
-    )
-    args = parser.parse_args(argv)
-    if not 0 <= args.alpha < 1:
-        parser.error(f"--alpha must be in [0, 1), got {args.alpha}")
-
-    try:
-        run_dir = _run_dir(args.out_dir)
-        results = analyze_gns(run_dir, args.alpha, args.prefix, args.approx_prefix)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"gns-analysis.py: error: {e}", file=sys.stderr)
-        return 1
-
-    print()
-    print(summary(results))
-    print()
-    print("\n".join(tradeoff_lines(results)))
-    print()
-    print(group_table(results))
-    print()
-    print(block_table(results))
-    print()
-    for line in (layernorm_line(results), approx_line(results)):
-        if line:
-            print(line)
-    if not args.no_plots:
-        print_plots(results)
-    output_dir, note = _output_dir(run_dir, args.output_dir)
-    if note:
-        print(f"\n{note}")
-    paths = save_plots(results, output_dir)
-    output_path = os.path.join(output_dir, "gns_analysis.csv")
-    results.to_csv(output_path, index=False)
-    print(f"\nFigures saved to: {', '.join(paths)}")
-    print(f"Detailed results saved to: {output_path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

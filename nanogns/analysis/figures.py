@@ -21,6 +21,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from nanogns.analysis import analyze as gns_analysis  # noqa: E402
+from nanogns.analysis.parameters import blocks_of  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 
 GROUP_COLUMNS = {
@@ -104,7 +105,7 @@ def per_layer_gns(out_dir, alpha=0.95):
     out = {x: df[x] if x in df else df[[c["batch_size"] for c in chosen.values()]].max(axis=1).cumsum()}
     for name, columns in chosen.items():
         out[name] = gns_analysis.estimate(df, {name: columns}, alpha)["gns"]
-    for index, members in gns_analysis.blocks_of(chosen, facts).items():
+    for index, members in blocks_of(chosen, facts).items():
         out[f"block {index}"] = gns_analysis.estimate(df, members, alpha)["gns"]
     table = pd.DataFrame(out).reset_index(drop=True)
     table.attrs["groups"] = {name: group for name, (group, _) in facts.items()}
