@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nanogns.monitor import ddp as ddpgns
 
 
-class OneProcess:
+class OneProcessEngine:
     """One process, one device: every collective is the identity."""
 
     name = 'one process'
@@ -95,7 +95,7 @@ class OneProcess:
         pass
 
 
-class DataParallel(OneProcess):
+class DDPEngine(OneProcessEngine):
     """DDP: a copy of the model per rank, gradients averaged over the ranks at the last micro-batch."""
 
     name = 'DDP'
@@ -153,7 +153,7 @@ class DataParallel(OneProcess):
         dist.destroy_process_group()
 
 
-class FullyShardedDataParallel(DataParallel):
+class FSDPEngine(DDPEngine):
     """FSDP2: each block, then the root, sharded over the ranks (parameters, gradients, optimizer state)."""
 
     name = 'FSDP2'
@@ -204,8 +204,8 @@ def start(device, backend, fsdp):
     """The engine of this process: under torchrun (RANK set) DDP, or FSDP2 with fsdp; else one process (train.py
     has refused fsdp without torchrun before this)."""
     if int(os.environ.get('RANK', -1)) == -1:
-        return OneProcess(device)
-    return FullyShardedDataParallel(device, backend) if fsdp else DataParallel(device, backend)
+        return OneProcessEngine(device)
+    return FSDPEngine(device, backend) if fsdp else DDPEngine(device, backend)
 
 
 # -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ README.md ("Trainers") says how to get the per-sequence mean.
 """
 
 import os
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
@@ -30,6 +31,10 @@ from nanogns.layers.buffers import BUFFER_SUFFIX
 from nanogns.runlog.lock import DirectoryInUse, RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
+
+if TYPE_CHECKING:
+    import accelerate
+    import transformers
 
 
 def _monitor(model, ema_decay, scaler, convert_options):
@@ -121,7 +126,13 @@ class TrainerGNSCallback(TrainerCallback):
     The running GNS goes to Trainer's log (`gns`) at every logging step.
     """
 
-    def __init__(self, trainer, out_dir=None, ema_decay=0.95, **convert_options):
+    def __init__(
+        self,
+        trainer: "transformers.Trainer",
+        out_dir: Optional[str] = None,
+        ema_decay: float = 0.95,
+        **convert_options: Any,
+    ):
         if TrainerCallback is object:
             raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
         self.trainer = trainer
@@ -207,7 +218,7 @@ class LightningGNSCallback(LightningCallback):
     The running GNS is logged with `pl_module.log("gns", ...)` every step.
     """
 
-    def __init__(self, out_dir=None, ema_decay=0.95, **convert_options):
+    def __init__(self, out_dir: Optional[str] = None, ema_decay: float = 0.95, **convert_options: Any):
         if LightningCallback is object:
             raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
         self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
@@ -267,7 +278,15 @@ class AccelerateGNS:
     `step` sends the running GNS to `accelerator.log` (the trackers of accelerator.init_trackers, if any).
     """
 
-    def __init__(self, accelerator, model, out_dir="out-accelerate", ema_decay=0.95, resume_step=0, **convert_options):
+    def __init__(
+        self,
+        accelerator: "accelerate.Accelerator",
+        model: torch.nn.Module,
+        out_dir: str = "out-accelerate",
+        ema_decay: float = 0.95,
+        resume_step: int = 0,
+        **convert_options: Any,
+    ):
         self.accelerator = accelerator
         self.monitor = _monitor(accelerator.unwrap_model(model), ema_decay, accelerator.scaler, convert_options)
         self.log, self.lock = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
@@ -282,7 +301,7 @@ class AccelerateGNS:
     def gns(self):
         return self.monitor.gns
 
-    def step(self, gradients_unscaled=False):
+    def step(self, gradients_unscaled: bool = False) -> Dict[str, float]:
         """Read the step (after the last micro-batch's backward, before clipping), log it; returns the row.
         gradients_unscaled: True when accelerator.unscale_gradients() ran before (fp16)."""
         if not self.accelerator.sync_gradients:
@@ -309,7 +328,7 @@ class AccelerateGNS:
 # the per-sequence-mean loss (the README's definition, "What is logged") for a causal LM
 
 
-def sequence_mean_loss(logits, labels, ignore_index=-100):
+def sequence_mean_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean over the sequences of each sequence's mean next-token cross-entropy (labels shifted by one, as
     transformers' causal LM losses; `ignore_index` labels are not counted). A sequence with no label counts 0.
 

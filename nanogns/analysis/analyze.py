@@ -238,7 +238,9 @@ def _approximate(df, chosen, prefix, approx_prefix, alpha):
     }
 
 
-def analyze_gns(out_dir, alpha=0.95, prefix="train/gns", approx_prefix="train/sogns"):
+def analyze_gns(
+    out_dir: str, alpha: float = 0.95, prefix: str = "train/gns", approx_prefix: str = "train/sogns"
+) -> pd.DataFrame:
     """The GNS estimate for every step of the run in out_dir, as a DataFrame.
 
     Columns: step, tokens_processed (or examples_processed, the running sum of

@@ -46,7 +46,7 @@ def _described(df, path, first_line, cut):
     return df
 
 
-def load_csv(out_dir):
+def load_csv(out_dir: str) -> pd.DataFrame:
     """The run's log as a DataFrame.
 
     Raises:

@@ -11,12 +11,13 @@ not valid JSON, or not of this shape, is refused with one line naming the file a
 
 import json
 import os
+from typing import Any, Dict, Optional
 
 PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv
 RECORD_FORMAT = 2
 
 
-def write_parameter_record(out_dir, record):
+def write_parameter_record(out_dir: str, record: Dict[str, Dict[str, Any]]) -> str:
     """out_dir/PARAMETERS_JSON, written atomically (a resumed run rewrites the same facts); a write that fails ends
     the process with one line (SystemExit)."""
     path = os.path.join(out_dir, PARAMETERS_JSON)
@@ -55,7 +56,7 @@ def _shape_problem(record):
     return None
 
 
-def read_parameter_record(out_dir):
+def read_parameter_record(out_dir: str) -> Optional[Dict[str, Dict[str, Any]]]:
     """{logged name: facts} from out_dir/PARAMETERS_JSON, or None for a log without one (e.g. the paper's code).
 
     Raises ValueError naming the file when it is not valid JSON or not a record of the shape above."""

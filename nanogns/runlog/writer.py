@@ -63,6 +63,7 @@ import numbers
 import os
 import string
 import sys
+from typing import Any, Callable, Dict, Optional
 
 HEADER_TMP = "log_header.csv.tmp"
 DATA_TMP = "log_data.csv.tmp"
@@ -70,7 +71,7 @@ LOG_CSV = "log.csv"
 CONFIG_JSON = "config.json"
 
 
-def format_value(value):
+def format_value(value: Any) -> str:
     """One CSV cell: repr precision for floats, nan/inf/-inf, '' for None."""
     if value is None:
         return ""
@@ -150,7 +151,14 @@ class LogWrapper:
     the rows written before it stay in the .tmp files, which load_csv reads and a resumed run continues.
     """
 
-    def __init__(self, logf=None, config=None, out_dir=None, resume=False, resume_step=None):
+    def __init__(
+        self,
+        logf: Optional[Callable[[Dict[str, Any]], Any]] = None,
+        config: Optional[Dict[str, Any]] = None,
+        out_dir: Optional[str] = None,
+        resume: bool = False,
+        resume_step: Optional[int] = None,
+    ):
         self.logf = logf
         self.config = config
         self.out_dir = out_dir
@@ -271,13 +279,13 @@ class LogWrapper:
             path = self._path(f"{name}_{n}.csv")
         return path
 
-    def log(self, values):
+    def log(self, values: Dict[str, Any]) -> None:
         """Cache values for the current step; a key logged twice keeps the later value."""
         if self.closed:
             raise RuntimeError("LogWrapper.log() after close()")
         self.log_dict.update(values)
 
-    def step(self):
+    def step(self) -> None:
         """Write the cached values as one row (if any), call logf, clear the cache."""
         if self.closed:
             raise RuntimeError("LogWrapper.step() after close()")
@@ -300,7 +308,7 @@ class LogWrapper:
             self.log_dict = {}
         self.step_count += 1
 
-    def print(self, fmt, prefix=None):
+    def print(self, fmt: str, prefix: Optional[str] = None) -> str:
         """Print `fmt` formatted against the cached values, and return the line.
 
         `{name:spec}` prints the value, `{name=:spec}` prints `key=value`. A '/'
@@ -336,7 +344,7 @@ class LogWrapper:
             f"available: {sorted(self.log_dict)}"
         )
 
-    def close(self):
+    def close(self) -> None:
         """Write pending values as a last row, then log.csv atomically, row by row (memory does not grow with the
         log); remove the tmp files.
 
