@@ -131,14 +131,36 @@ def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
         lc.convert(model, linearclass="fast")
 
 
-def test_a_module_used_twice_per_forward_is_dropped_with_a_warning():
+def test_a_module_used_twice_per_forward_sums_its_uses_exactly():
+    """A Linear applied twice per forward: example i's gradient is the sum of both uses' (layers/uses.py), against
+    the loop over examples (float64)."""
+    from oracle import per_example_loss_sqnorms_by_loop
+
+    torch.manual_seed(0)
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    loss_of = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    want, batch = per_example_loss_sqnorms_by_loop(model, loss_of, x)
     monitor = lc.convert(model)
-    model(torch.randn(3, 4)).sum().backward()
+    loss_of(model, x).backward()
+    measured = {m.metadata["name"]: m for m in monitor.measure(batch_size=3)}
+    assert set(measured) == {"0.weight", "0.bias", "3.weight", "3.bias"} and not monitor.untracked
+    for name, m in measured.items():
+        assert m.small_batch_norm**2 == pytest.approx(want[name], rel=1e-6), name
+        assert m.big_batch_norm**2 == pytest.approx(batch[name], rel=1e-9), name
+
+
+def test_a_module_whose_kind_gives_no_factors_used_twice_is_dropped_with_a_warning():
+    """A convolution applied twice per forward (the Conv kind hands over no per-example gradients to sum): its
+    parameters stop being measured, with the reason; the others are measured."""
+    shared = nn.Conv1d(4, 4, 3, padding=1)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Flatten(), nn.Linear(20, 2))
+    monitor = lc.convert(model)
+    model(torch.randn(3, 4, 5)).sum().backward()
     with pytest.warns(UserWarning, match="not tracking 0.weight: used 2 times per example"):
         names = [m.metadata["name"] for m in monitor.measure(batch_size=3)]
-    assert names == ["3.weight", "3.bias"]
+    assert names == ["4.weight", "4.bias"]
 
 
 # -----------------------------------------------------------------------------

@@ -167,14 +167,16 @@ def test_a_bank_of_slices_is_logged_once_and_exactly():
     assert_matches_brute_force(model, measurements, ids[:1], targets[:1])
 
 
-def test_a_bank_slice_used_twice_per_forward_stops_being_tracked():
+def test_a_bank_slice_used_three_times_per_forward_is_summed_exactly():
+    """One slice of the bank used by every block: its uses' gradients are summed (layers/uses.py), as the other
+    slices' norms are added."""
     torch.manual_seed(0)
-    model = BankGPT(reuse_slice=True)
+    model = BankGPT(reuse_slice=True).double()
     monitor = lc.convert(model)
     ids, targets = data(4)
-    with pytest.warns(UserWarning, match="not tracking mlp_bank: used 3 times per example"):
-        measurements = measure(monitor, model, ids, targets)
-    assert "mlp_bank" not in measurements and "head.weight" in measurements
+    measurements = measure(monitor, model, ids, targets)
+    assert "mlp_bank" in measurements and not monitor.untracked
+    assert_matches_brute_force(model, measurements, ids, targets)
 
 
 def test_bank_registration_errors():

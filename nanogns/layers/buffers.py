@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from nanogns.layers import layout
+from nanogns.layers import layout, uses
 
 try:
     from torch.distributed.tensor import DTensor
@@ -72,6 +72,8 @@ def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     forward's examples once, itself, as a mixture of experts does for its experts)."""
     if buffer is None:
         return
+    if counted and uses.multiple(buffer):  # a tensor used several times, by a layer that gives no factors
+        uses.add_direct(buffer)
     with torch.no_grad():
         buffer[0] += pe_sqnorm.sum().to(buffer.dtype)
         if counted:
@@ -149,6 +151,7 @@ def rows_or_refuse(shape, buffers, params=()):
     if isinstance(rows, str):
         refuse_step(rows, buffers)
         return None, tuple(None for _ in buffers)
+    layout.note_uses(buffers)
     return rows, buffers
 
 

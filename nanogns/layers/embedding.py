@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanogns.layers import uses
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.layers.registry import LayerKind, Probe, register
 from nanogns.layers.tied import note_embedding
@@ -57,8 +58,12 @@ def record_embedding_norms(ids, rows, num_embeddings, padding_idx, weight_buffer
     """A hook for the output gradient that adds the weight's per-example squared norms to the buffer."""
 
     def record(g):
-        weight_sq = embedding_pe_sqnorm(ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+        factor = lambda: uses.EmbeddingFactor(ids, g, rows, num_embeddings, padding_idx)  # noqa: E731
+        if not uses.hand_over(weight_buffer, factor):
+            weight_sq = embedding_pe_sqnorm(
+                ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx
+            )
+            accumulate_pe_sqnorm(weight_buffer, weight_sq)
 
     return record
 
@@ -90,8 +95,9 @@ class EmbeddingFunction(torch.autograd.Function):
         grad_weight.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, dim))
         if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
             grad_weight[ctx.padding_idx] = 0
-        if ctx.weight_buffer is not None:
-            rows = ctx.rows
+        rows = ctx.rows
+        factor = lambda: uses.EmbeddingFactor(ids, grad_out, rows, num_embeddings, ctx.padding_idx)  # noqa: E731
+        if ctx.weight_buffer is not None and not uses.hand_over(ctx.weight_buffer, factor):
             weight_sq = embedding_pe_sqnorm(
                 ids_per_example(rows, ids), rows.per_example(grad_out), num_embeddings, ctx.padding_idx
             )

@@ -169,12 +169,16 @@ class RowMapper:
     reasons its layers gave for the rows they could not map this step (a buffer's count is then NaN, and the
     monitor's error says why). The monitor clears the reasons with the buffers after each step.
 
-    Reasons are kept by the address range of the buffer they concern: a bank's buffer holds its slices' views."""
+    Reasons are kept by the address range of the buffer they concern: a bank's buffer holds its slices' views.
+    `shared` lists the tensors whose uses are summed together although several modules record them (a matrix
+    tied between an embedding and a head): see layers/uses.py."""
 
     def __init__(self, layout_of=None):
         self.layout_of = layout_of
         self.handles = ()
         self.refusals = {}  # {buffer's data_ptr: reason}
+        self.shared = []  # [SharedTensor]: tensors recorded by several modules' buffers (uses.py)
+        self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
 
     def note_refusal(self, reason, buffers):
         for buffer in buffers:
@@ -190,10 +194,66 @@ class RowMapper:
     def clear(self):
         self.refusals.clear()
 
+    def finish(self):
+        """Record what the last forward's uses left pending (uses.py); the monitor calls it before reading a step."""
+        if self.last_pass is not None:
+            self.last_pass.finish()
 
-# The forward context every layer reads, per process as torch's autocast state is: the (Layout, RowMapper) of
-# the root forwards running now (innermost last), the last root forward's (what activation checkpointing
-# recomputes under in backward), and collectors of refusals outside any installed model (convert's probes).
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """One tensor whose per-example gradient several modules' buffers record (a tied embedding and head).
+
+    Attributes:
+        members: ((module, buffer name), ...), the first one's buffer records the sum of every use's gradient.
+        pairwise: True when each member used once is measured by the members' own norms and a cross term (tied.py).
+    """
+
+    members: tuple
+    pairwise: bool = False
+
+    def addresses(self):
+        return tuple(module._buffers[name].data_ptr() for module, name in self.members)
+
+    def target(self):
+        module, name = self.members[0]
+        return module._buffers[name]
+
+
+class Pass:
+    """One forward of an installed model, and the backward that follows it: its Layout, the model's RowMapper,
+    how many times the forward used each recorded tensor (by its buffer's address; `counting` is False for a
+    recompute by activation checkpointing, which is no use), and the per-example gradients that tensors used more
+    than once gather until their last use's backward (uses.py)."""
+
+    def __init__(self, layout, mapper, counting):
+        self.layout, self.mapper, self.counting = layout, mapper, counting
+        self.uses = {}  # {buffer's data_ptr: uses in this forward}
+        self.pending = {}  # {key: what uses.py gathers for a tensor used more than once}
+        self.groups = {}  # {buffer's data_ptr: SharedTensor}
+        if counting:
+            for shared in mapper.shared:
+                for address in shared.addresses():
+                    self.groups[address] = shared
+
+    def note_uses(self, buffers):
+        if not self.counting:
+            return
+        for buffer in buffers:
+            if buffer is not None:
+                address = buffer.data_ptr()
+                self.uses[address] = self.uses.get(address, 0) + 1
+
+    def finish(self):
+        """Record every tensor whose uses are still pending (a use whose backward never came adds nothing)."""
+        pending, self.pending = self.pending, {}
+        for gathered in pending.values():
+            gathered.finish()
+
+
+# The forward context every layer reads, per process as torch's autocast state is: the Passes of the root forwards
+# running now (innermost last), the last root forward's (what activation checkpointing recomputes under in
+# backward), and collectors of refusals outside any installed model (convert's probes).
 _active = []
 _last = None
 _collectors = []
@@ -204,24 +264,37 @@ def _in_backward():
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
+def current_pass():
+    """The Pass layers record into now: the innermost running root forward's, or during a backward pass (layers
+    recomputed by activation checkpointing, backward functions) the last root forward's; None outside both."""
+    if _active:
+        return _active[-1]
+    if _last is not None and _in_backward():
+        return _last
+    return None
+
+
 def current():
     """The Layout layers read now: the innermost running root forward's, or during a backward pass (layers
     recomputed by activation checkpointing) the last root forward's; None outside both."""
-    if _active:
-        return _active[-1][0]
-    if _last is not None and _in_backward():
-        return _last[0]
-    return None
+    found = current_pass()
+    return found.layout if found is not None else None
+
+
+def note_uses(buffers):
+    """Count a use of each of these buffers' tensors by the forward running now (not by a recompute in backward,
+    nor outside an installed model's forward; not under torch.compile, which traces no such bookkeeping)."""
+    if _active and not torch.compiler.is_compiling():
+        _active[-1].note_uses(buffers)
 
 
 def note_refusal(reason, buffers):
     """Keep why these buffers' step is refused, with the RowMapper of the forward running now (or, in backward,
     of the last one; or the innermost `collecting()`), for the monitor's error. Outside all of them the count
     of NaN still refuses the step; only the reason is not kept."""
-    if _active:
-        mapper = _active[-1][1]
-    elif _last is not None and _in_backward():
-        mapper = _last[1]
+    found = current_pass()
+    if found is not None:
+        mapper = found.mapper
     elif _collectors:
         mapper = _collectors[-1]
     else:
@@ -306,9 +379,12 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         found = layout_of(args, kwargs)
         if found is not None and sequence_first:
             found = dataclasses.replace(found, sequence_first=True)
-        _active.append((found, mapper))
-        if found is not None and torch.is_grad_enabled():
-            _last = (found, mapper)
+        recompute = _in_backward()  # activation checkpointing running the whole model again: no new uses
+        this = Pass(found, mapper, counting=torch.is_grad_enabled() and not recompute)
+        if found is not None and this.counting:
+            mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
+            mapper.last_pass = _last = this
+        _active.append(this)
 
     def leave(module, args, kwargs, output):
         _active.pop()

@@ -37,7 +37,13 @@ from nanogns.estimator import RunningGNS
 from nanogns.layers import layout
 from nanogns.layers.sogns import SOGNS_SUFFIX
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
-from nanogns.monitor.tracked import Measurement, describe_tracked, find_tracked_parameters, summed_sqnorms
+from nanogns.monitor.tracked import (
+    Measurement,
+    describe_tracked,
+    find_tracked_parameters,
+    shared_tensors,
+    summed_sqnorms,
+)
 from nanogns.runlog.record import write_parameter_record
 
 if TYPE_CHECKING:
@@ -105,6 +111,7 @@ class GNSMonitor:
         self.row_map = layout.install(model)  # each forward's examples, read by every layer (layout.py)
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
+        self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (layers/uses.py)
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self.unconverted = dict(unconverted or {})
         if expect_tracked and not self.tracked and not self.approx_tracked:
@@ -166,6 +173,7 @@ class GNSMonitor:
         Raises ValueError when a buffer's count of examples is not batch_size (or a forward's rows could not be
         mapped to its examples), when a parameter whose layer recorded examples has no gradient, and when one
         with a gradient had no example recorded."""
+        self.row_map.finish()  # what the last forward's uses left pending (layers/uses.py)
         values, finite, no_grad = self.reader.read(self._scaler_on())
         self.step_count += 1
         self.measurements, self.approx_measurements = [], []
