@@ -19,6 +19,7 @@ from nanogns.layers import functional
 from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding
 from nanogns.layers.linear import PEGradNormLinear
+from nanogns.layers.replay import ReplayedForward
 
 
 class Nested(nn.Module):
@@ -493,26 +494,45 @@ class DiagonalNorm(HandRMSNorm):
         return x @ torch.diag(self.weight)
 
 
-@pytest.mark.parametrize("module", [DiagonalNorm(6), MaxNormEmbedding(10, 6)], ids=lambda m: type(m).__name__)
-def test_a_module_that_can_neither_be_swapped_nor_followed_is_listed_and_left_alone(module):
-    """Listed with why no layer stands in (the closest candidate and its max relative difference) and why its own
-    forward cannot be followed; the module, its parameters and its output are untouched (the probes run on
-    copies)."""
+def test_a_module_that_changes_its_parameters_is_listed_and_left_alone():
+    """Listed with why no layer stands in, why its own forward cannot be followed, and why it is not replayed
+    per example (its forward renormalises its weight in place); the module, its parameters and its output are
+    untouched (the probes run on copies)."""
     torch.manual_seed(0)
+    module = MaxNormEmbedding(10, 6)
     with torch.no_grad():
         module.weight.add_(0.1 * torch.randn_like(module.weight))
-    x = torch.randint(0, 10, (3, 4)) if isinstance(module, nn.Embedding) else torch.randn(3, 4, 6) * 1e-3
+    x = torch.randint(0, 10, (3, 4))
     before = module(x).detach()  # (MaxNormEmbedding renormalises its weight here, once)
     weight = module.weight.detach().clone()
     reason, now = probe_failure(module)
     assert now is module and type(module).__module__ == __name__
-    if isinstance(module, MaxNormEmbedding):
-        assert "changes its parameters in place" in reason and "embedding with max_norm" not in reason, reason
-    else:
-        assert "as a layer, computes none of LayerNorm, RMSNorm on a probe input; closest" in reason, reason
-        assert "with its own forward kept, its forward uses its weight in torch.diag" in reason, reason
+    assert "changes its parameters in place" in reason and "embedding with max_norm" not in reason, reason
+    assert "nor replayed per example" in reason, reason
     assert torch.equal(module.weight, weight) and module.weight.grad is None
     assert torch.equal(module(x), before)
+
+
+def test_a_module_no_layer_computes_nor_follows_is_replayed_per_example_exactly():
+    """A diagonal matmul by its weight: no kind's layer computes it and per-example norms do not follow
+    torch.diag, so its forward is replayed per example in backward (layers/replay.py), against the loop."""
+    torch.manual_seed(0)
+    module = DiagonalNorm(6).double()
+    with torch.no_grad():
+        module.weight.add_(0.1 * torch.randn_like(module.weight))
+    model = nn.Sequential(nn.Linear(6, 6), module).double()
+    x, g = torch.randn(5, 4, 6, dtype=torch.float64), torch.randn(5, 4, 6, dtype=torch.float64)
+    before = model(x)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and isinstance(module, ReplayedForward) and torch.equal(model(x), before)
+    for part in (slice(0, 2), slice(2, 5)):
+        model(x[part]).backward(g[part])
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
+    zero_sqgradnorm_buffers(model)
+    loop = per_example_sqnorms_by_loop(model, x, g)
+    assert set(recorded) == set(loop) and monitor.describe()["1.weight"]["kind"] == "Replayed"
+    for name, (total, count) in recorded.items():
+        assert count == 5 and total == pytest.approx(loop[name].sum().item(), rel=1e-6), name
 
 
 class NormWithMask(HandRMSNorm):
@@ -755,8 +775,9 @@ def test_a_module_that_refuses_float64_is_probed_in_its_own_dtype():
     model = nn.Sequential(Float32OnlyRMSNorm(6, tiny=1e-5))
     monitor = lc.convert(model)
     assert not monitor.unconverted and model[0].eps == 1e-5 and model[0].weight_offset == 0
-    reason, _ = probe_failure(Float32OnlyRMSNorm(6, tiny=1e-5).double())
-    assert "no candidate ran on a probe input" in reason and "float64 is not supported" in reason
+    model = nn.Sequential(nn.Linear(6, 6), Float32OnlyRMSNorm(6, tiny=1e-5).double())
+    monitor = lc.convert(model)  # in float64 no probe runs its forward: it is replayed per example instead
+    assert not monitor.unconverted and isinstance(model[1], ReplayedForward)
 
 
 def test_convert_keeps_every_training_mode():

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from nanogns import layers
 from nanogns.conversion import probe as swapcheck
-from nanogns.layers import intercept
+from nanogns.layers import intercept, replay
 from nanogns.layers.buffers import BUFFER_SUFFIX
 from nanogns.layers.registry import ROLES, adopt
 from nanogns.monitor.monitor import GNSMonitor
@@ -96,7 +96,8 @@ class Conversion:
             reason = self.convert_probed(module)
         if reason is not None:
             self.unconverted[path] = reason
-        if kind is None:  # a kind's layer holds its whole subtree; any other module's children are visited
+        if kind is None and not isinstance(module, replay.ReplayedForward):  # a kind's layer, or a module replayed
+            # per example, holds its whole subtree; any other module's children are visited
             for name, child in module._modules.items():
                 if child is not None:
                     self.visit(child, path + ("." if path else "") + name, module, model)
@@ -169,8 +170,8 @@ class Conversion:
         return True, None
 
     def follow_uses(self, module, problem):
-        """None when the module keeps its own forward with its parameters' uses followed (intercept.py), else
-        why neither way works."""
+        """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that
+        records them all, else its forward replayed per example in backward, children included (replay.py)."""
         kinds = intercept.parameter_kinds(module)
         if all(self.choice[layers.get(k).config_key] == "nn" for k in kinds.values()):
             return None  # the user chose 'nn' for the kinds its parameters would be recorded as
@@ -178,10 +179,14 @@ class Conversion:
         if followed is None:
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
             return None
-        return (
-            f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
-            f"{followed}. Call functional.py's per-example norm functions from its forward"
-        )
+        if swapcheck.CHANGES_PARAMETERS in (problem or ""):  # a replay would change them again
+            return (
+                f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
+                f"{followed}; nor replayed per example, as its forward changes its parameters"
+            )
+        # the generic path: its forward (children included) replayed per example in backward (replay.py)
+        adopt(module, replay.ReplayedForward, {})
+        return None
 
 
 def owns_untracked_parameters(module):

@@ -48,6 +48,7 @@ from nanogns.layers.registry import adopt
 # enough for TF32 matmuls on a GPU, ~1e-3)
 PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 5e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 ROLES = ("weight", "bias")  # the parameter roles a probed module may have
+CHANGES_PARAMETERS = "it changes its parameters in place (e.g. max_norm), which a swap would drop"
 
 
 @dataclass
@@ -100,12 +101,23 @@ def structure_problem(module, options=None):
         return "its parameters are not floating point"
     if any(child is not None for child in module._modules.values()):
         return "it has submodules, which a swap would drop"
-    if not _takes_one_input(module):
-        try:
-            return f"its forward{inspect.signature(module.forward)} takes more than one input"
+    if not _takes_only_its_input(module):  # MambaRMSNormGated's forward(hidden_states, gate=None): a one-input
+        try:  # layer would drop the gate (or crash on the model's own call)
+            return f"its forward{inspect.signature(module.forward)} takes more than its input"
         except (TypeError, ValueError):
             return "its forward's signature cannot be read"
     return None
+
+
+def _takes_only_its_input(module):
+    """True when module.forward takes exactly one argument, its input: a layer of a kind takes nothing else, so
+    a module whose forward takes more (even with a default, even through *args or **kwargs) is never swapped."""
+    try:
+        inputs = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(inputs) == 1 and inputs[0].kind in positional
 
 
 def _takes_one_input(module):
@@ -269,7 +281,7 @@ class _Probe:
                     autocast_dtype=setting.autocast,
                 )
                 if not all(torch.equal(p, values[role]) for role, p in zip(values, params.values())):
-                    raise RuntimeError("it changes its parameters in place (e.g. max_norm), which a swap would drop")
+                    raise RuntimeError(CHANGES_PARAMETERS)
                 self._reference[key] = (values, x, out, grad_out, grads)
             except Exception as e:  # any failure of the user's forward means: not this setting
                 self._reference[key] = e

@@ -40,6 +40,7 @@ from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, n
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
 _FOLLOWED = {
     torch.Tensor.to,
+    torch.Tensor.type,
     torch.Tensor.type_as,
     torch.Tensor.float,
     torch.Tensor.half,
@@ -74,6 +75,17 @@ _BROADCAST = {
     torch.sub,
     torch.mul,
     torch.div,
+}
+# a parameter shifted by a number (Gemma's 1 + weight written out): each example's gradient keeps its norm
+_SHIFTS = {
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.Tensor.add,
+    torch.Tensor.sub,
+    torch.add,
+    torch.sub,
 }
 # calls through which no gradient flows
 _IGNORED = {
@@ -144,6 +156,11 @@ class _ParameterUses(TorchFunctionMode):
             expanded = self.broadcast(args[0], _sizes(args[1:]))
             if expanded is not None:
                 return expanded.expand(*args[1:], **kwargs)
+        elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:
+            out = func(*args)  # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
+            self.tracked[id(out)] = names[0]
+            self.derived.append(out)
+            return out
         elif func in _BROADCAST and len(args) == 2 and sum(n is not None for n in names) == 1 and not kwargs:
             i = 0 if names[0] is not None else 1
             other = args[1 - i]
@@ -198,6 +215,10 @@ class _ParameterUses(TorchFunctionMode):
             )
             refuse_step(reason, [self.module.pe_buffer(name)])
         return out
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _sizes(args):
