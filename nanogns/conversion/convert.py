@@ -120,7 +120,7 @@ class Conversion:
 
     def convert_known(self, module, kind):
         """None, or why a module of a kind (by its class, or its structure) was not converted."""
-        if not any(True for _ in module.parameters(recurse=False)):
+        if not any(True for _ in module.parameters(recurse=kind.matches is not None)):  # (DBRX's banks: in a child)
             return None  # a norm without affine parameters: nothing to record
         cls, reason = self.variant_of(kind)
         reason = reason or kind.convertible(module)

@@ -14,6 +14,7 @@ from nanogns.layers import (
     conv1d,  # noqa: F401,E402
     embedding,  # noqa: F401,E402
     experts,  # noqa: F401,E402
+    experts_dbrx,  # noqa: F401,E402
     fused,  # noqa: F401,E402  (adds the Triton variants)
     layernorm,  # noqa: F401,E402
     linear,  # noqa: F401,E402  (each import registers its kind)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanogns.layers import functional
+from nanogns.layers import functional, layout, uses
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
@@ -129,6 +129,7 @@ class _ParameterUses(TorchFunctionMode):
         self.module = module
         self.tracked = {id(p): name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
         self.derived = []  # tensors followed from a parameter: kept alive so that their ids stay theirs
+        self.signs = {}  # id(derived tensor) -> -1 where its gradient is minus the parameter's (c - W)
 
     def name_of(self, t):
         return self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -145,9 +146,7 @@ class _ParameterUses(TorchFunctionMode):
             out = func(*args, **kwargs)
             name = self.name_of(args[0])
             if name is not None and sum(n is not None for n in names) == 1 and isinstance(out, torch.Tensor):
-                self.tracked[id(out)] = name
-                self.derived.append(out)
-                return out
+                return self.follow(out, args[0])
         elif func is F.linear:
             return self.linear(*args, **kwargs)
         elif func is F.embedding:
@@ -157,10 +156,8 @@ class _ParameterUses(TorchFunctionMode):
             if expanded is not None:
                 return expanded.expand(*args[1:], **kwargs)
         elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:
-            out = func(*args)  # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
-            self.tracked[id(out)] = names[0]
-            self.derived.append(out)
-            return out
+            # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
+            return self.follow(func(*args), args[0], -1 if func is torch.Tensor.__rsub__ else 1)
         elif func in _BROADCAST and len(args) == 2 and sum(n is not None for n in names) == 1 and not kwargs:
             i = 0 if names[0] is not None else 1
             other = args[1 - i]
@@ -169,11 +166,17 @@ class _ParameterUses(TorchFunctionMode):
                 return func(*((expanded, other) if i == 0 else (other, expanded)))
         return self.refuse(func, names, func(*args, **kwargs))
 
+    def follow(self, out, source, sign=1):
+        """Track `out`, computed from the parameter (or derived tensor) `source` with a Jacobian of +-1 (a cast, a
+        transpose, a shift by a number): a use of `out` is a use of the parameter."""
+        self.tracked[id(out)] = self.tracked[id(source)]
+        self.signs[id(out)] = self.signs.get(id(source), 1) * sign
+        self.derived.append(out)
+        return out
+
     def broadcast(self, param, target_shape):
         """The parameter as one copy per example of the forward, (N, ...), when an op broadcasts it over a target
         whose dim 0 holds the N examples (the op then gives each example's gradient to its own copy); else None."""
-        from nanogns.layers import layout
-
         if target_shape is None or len(target_shape) < param.dim() or not len(target_shape):
             return None
         current = layout.current()
@@ -181,7 +184,8 @@ class _ParameterUses(TorchFunctionMode):
         leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
         if target_shape[0] != examples or leading[0] != 1 or (current is not None and current.packed is not None):
             return None
-        return BroadcastOverExamples.apply(param.view(leading), examples, self.buffer(param))
+        sign = self.signs.get(id(param), 1)
+        return BroadcastOverExamples.apply(param.view(leading), examples, self.buffer(param), sign)
 
     def buffer(self, t):
         name = self.name_of(t)
@@ -227,19 +231,22 @@ def _sizes(args):
 
 
 class BroadcastOverExamples(torch.autograd.Function):
-    """broadcast(param (1, ...), N, buffer) -> (N, ...) copies: backward receives each example's gradient of the
-    parameter in its own copy, records their squared norms and returns their sum."""
+    """broadcast(param (1, ...), N, buffer, sign) -> (N, ...) copies: backward receives each example's gradient of
+    the parameter in its own copy (times sign: -1 for c - W), records their squared norms (or hands them to
+    uses.py, flattened, when the forward used the parameter more than once) and returns their sum."""
 
     @staticmethod
-    def forward(ctx, param, examples, buffer):
-        ctx.buffer, ctx.shape = buffer, param.shape
+    def forward(ctx, param, examples, buffer, sign=1):
+        ctx.buffer, ctx.shape, ctx.sign = buffer, param.shape, sign
+        layout.note_uses([buffer])
         return param.expand(examples, *param.shape[1:]).clone()  # a copy: an output may not be a view of an input
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.buffer is not None:
+        factor = lambda: uses.DenseFactor(grad.flatten(1) * ctx.sign)  # noqa: E731
+        if ctx.buffer is not None and not uses.hand_over(ctx.buffer, factor):
             accumulate_pe_sqnorm(ctx.buffer, grad.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
-        return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None
+        return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None, None
 
 
 class InterceptedForward(PESqNormBuffersMixin):

@@ -169,7 +169,7 @@ class Gathered:
             with torch.no_grad():
                 buffer[1] = math.nan
             return
-        shape = factors[0].shape
+        shape = max((f.shape for f in factors), key=len)  # a flattened use's gradient takes another's shape
         dtype = torch.float64 if any(f.dtype == torch.float64 for f in factors) else torch.float32
         device = factors[0].device
         chunk = _chunk(examples, math.prod(shape))
@@ -177,8 +177,14 @@ class Gathered:
         for start in range(0, examples, chunk):
             n = min(chunk, examples - start)
             work = torch.zeros(n, *shape, dtype=dtype, device=device)
-            for factor in factors:
-                _add_oriented(factor, work, start, shape)
+            try:
+                for factor in factors:
+                    _add_oriented(factor, work, start, shape)
+            except _Mismatch as e:
+                layout.note_refusal(f"it is used several times per forward, but {e}", [buffer])
+                with torch.no_grad():
+                    buffer[1] = math.nan
+                return
             total += work.flatten(1).pow(2).sum()
         with torch.no_grad():
             buffer[0] += total.to(buffer.dtype)
@@ -186,13 +192,20 @@ class Gathered:
 
 
 def _add_oriented(factor, work, start, shape):
-    """Add a factor whose gradient may be the transpose of the first use's (a matrix used as W and as W.t())."""
+    """Add a factor whose gradient may be the transpose of the first use's (a matrix used as W and as W.t()), or
+    flattened (a parameter broadcast over the examples, intercept.py)."""
     if tuple(factor.shape) == tuple(shape):
         factor.add_into(work, start)
     elif len(shape) == 2 and tuple(factor.shape) == tuple(shape[::-1]) and not isinstance(factor, EmbeddingFactor):
         factor.add_into(work.transpose(1, 2), start)
+    elif math.prod(factor.shape) == math.prod(shape) and len(factor.shape) == 1:
+        factor.add_into(work.view(work.shape[0], -1), start)
     else:
-        raise RuntimeError(f"a use's per-example gradient has shape {factor.shape}, another's {shape}")
+        raise _Mismatch(f"its uses' per-example gradients have shapes {tuple(factor.shape)} and {tuple(shape)}")
+
+
+class _Mismatch(Exception):
+    pass
 
 
 # -----------------------------------------------------------------------------

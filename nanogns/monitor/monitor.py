@@ -258,10 +258,9 @@ class GNSMonitor:
             }
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
             return ValueError(
-                f"GNS: {entry.name}: this step is not measured: its layer's input rows could not be "
-                f"mapped to the forward's examples ({why}). See layout.py for the rows that can be "
-                f"mapped; for a layout of your own, pass layout.install(model, layout_of=...); to "
-                f"leave the layer untracked, convert(model, exclude=[its path])"
+                f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
+                f"See layout.py for the rows that can be mapped; for a layout of your own, pass "
+                f"layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
         return ValueError(
             f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
