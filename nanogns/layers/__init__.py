@@ -10,6 +10,7 @@ its group in the analysis. Adding a kind is a new module and one line here.
 
 from nanogns.layers import (
     attention,  # noqa: F401,E402
+    batchnorm,  # noqa: F401,E402
     conv,  # noqa: F401,E402
     conv1d,  # noqa: F401,E402
     embedding,  # noqa: F401,E402

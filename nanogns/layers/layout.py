@@ -177,6 +177,7 @@ class RowMapper:
         self.layout_of = layout_of
         self.handles = ()
         self.refusals = {}  # {buffer's data_ptr: reason}
+        self.mixing = {}  # {layer: why} of this step's layers that mixed the examples (batchnorm.py): no number
         self.shared = []  # [SharedTensor]: tensors recorded by several modules' buffers (uses.py)
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
 
@@ -191,8 +192,12 @@ class RowMapper:
         end = start + buffer.numel() * buffer.element_size()
         return [reason for address, reason in self.refusals.items() if start <= address < end]
 
+    def note_mixing(self, layer, reason):
+        self.mixing[layer] = reason
+
     def clear(self):
         self.refusals.clear()
+        self.mixing.clear()
 
     def finish(self):
         """Record what the last forward's uses left pending (uses.py); the monitor calls it before reading a step."""

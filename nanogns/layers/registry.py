@@ -161,6 +161,12 @@ def adopted_class(variant_cls, original_cls, roles=()):
     return _adopted_classes[key]
 
 
+def own_class_name(module):
+    """The name of the class a module had before it was adopted ("BatchNorm2d", not "PEGradNormBatchNorm(...)")."""
+    name = type(module).__name__
+    return name[name.index("(") + 1 : -1] if name.endswith(")") and "(" in name else name
+
+
 def adopt(module, variant_cls, options):
     """Turn `module` into a layer of `variant_cls` in place: the same object, Parameters, buffers, hooks and
     attributes, plus the options the variant's forward reads (eps, ...) and its per-example norm buffers.

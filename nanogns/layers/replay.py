@@ -39,6 +39,7 @@ from nanogns.layers.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
+from nanogns.layers.registry import own_class_name
 
 REPLAY_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 KIND = "Replayed"  # the layer kind recorded for its parameters (analysis group "Other")
@@ -225,7 +226,7 @@ class _Held:
             diff = ((replayed.double() - batch.double()).abs().max() / scale).item()
             if not diff <= REPLAY_TOLERANCE.get(batch.dtype, 3e-2):
                 raise _Mixing(
-                    f"{_class_name(self.module)}'s output for one example alone differs from that example's rows "
+                    f"{own_class_name(self.module)}'s output for one example alone differs from that example's rows "
                     f"in the batch by {diff:.1e} (relative): it mixes the examples of a batch (batch statistics) "
                     "or draws at random (dropout), so no example's own gradient can be told apart"
                 )
@@ -280,12 +281,6 @@ class _Held:
             for name, g in zip(names, got):
                 found[name].append(torch.zeros_like(values[name]) if g is None else g)
         return [torch.stack(o) for o in outs], {name: torch.stack(g) for name, g in found.items()}
-
-
-def _class_name(module):
-    """The module's own class name (not the adopted class's, "ReplayedForward(Cls)")."""
-    name = type(module).__name__
-    return name[name.index("(") + 1 : -1] if name.startswith("ReplayedForward(") else name
 
 
 class _Mixing(Exception):

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.estimator import RunningGNS
-from nanogns.layers import layout
+from nanogns.layers import batchnorm, layout
 from nanogns.layers.sogns import SOGNS_SUFFIX
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
 from nanogns.monitor.tracked import (
@@ -109,6 +109,7 @@ class GNSMonitor:
     ):
         self._warned = set()  # parameters warned about (once each)
         self.row_map = layout.install(model)  # each forward's examples, read by every layer (layout.py)
+        batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
         self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (layers/uses.py)
@@ -173,6 +174,12 @@ class GNSMonitor:
         Raises ValueError when a buffer's count of examples is not batch_size (or a forward's rows could not be
         mapped to its examples), when a parameter whose layer recorded examples has no gradient, and when one
         with a gradient had no example recorded."""
+        if self.row_map.mixing:  # every rank's model mixes alike: each refuses here, before the all-reduce
+            (layer, why), *others = self.row_map.mixing.items()
+            raise ValueError(
+                f"GNS: this step is not measured: {layer} mixes the examples of the batch: {why}"
+                + (f" (and {len(others)} more such layers)" if others else "")
+            )
         self.row_map.finish()  # what the last forward's uses left pending (layers/uses.py)
         values, finite, no_grad = self.reader.read(self._scaler_on())
         self.step_count += 1
