@@ -31,6 +31,7 @@ refuses a bfloat16 input with float32 weights, and so does the candidate). A
 module whose forward fails in float64 is probed in its own dtype only.
 """
 
+import collections
 import copy
 import inspect
 import math
@@ -41,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from nanogns import layers
-from nanogns.layers import intercept, layout
+from nanogns.layers import intercept, layout, shared
 from nanogns.layers.registry import adopt
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
@@ -404,8 +405,10 @@ def intercept_problem(module):
         return "its parameters are not floating point"
     # a subclass of torch's Linear or Embedding, or parameters shaped to broadcast over the batch (a ViT's class
     # token): when no probe can run its forward, its uses are checked at every step instead
-    checked_at_each_step = isinstance(module, (nn.Linear, nn.Embedding)) or all(
-        p.dim() >= 2 and p.shape[0] == 1 for p in params.values()
+    checked_at_each_step = (
+        isinstance(module, (nn.Linear, nn.Embedding))
+        or all(p.dim() >= 2 and p.shape[0] == 1 for p in params.values())
+        or _inputs(module) == []  # a forward of no input computes tables the examples share (Swin's bias)
     )
     if not _takes_one_input(module):
         return (
@@ -434,14 +437,21 @@ def intercept_problem(module):
         _parameters={name: nn.Parameter(v.clone()) for name, v in values.items()},
         _buffers=dict(module._buffers),
         _forward_hooks={},
-        _forward_pre_hooks={},
+        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
         _backward_hooks={},
         _backward_pre_hooks={},
     )
     adopt(twin, intercept.InterceptedForward, {"kinds": {}})
+    tables = []  # outputs that are tables the examples share (shared.py): their uses count where they meet them
+
+    def forward(p, inp):
+        out = twin(inp)
+        tables.append(shared.is_shared(out))
+        return out
+
     try:
         with layout.collecting() as row_map:
-            got_out, _, got_grads = _forward_backward(lambda p, inp: twin(inp), dict(twin._parameters), x, grad_out)
+            got_out, _, got_grads = _forward_backward(forward, dict(twin._parameters), x, grad_out)
     except Exception as e:
         return f"its forward fails with its parameter uses followed ({type(e).__name__}: {e})"
     reasons = {name: row_map.reasons(twin.pe_buffer(name)) for name in params}
@@ -453,9 +463,17 @@ def intercept_problem(module):
     if diff > PROBE_TOLERANCE[torch.float64]:
         return f"its forward with its parameter uses followed differs in the {where} by {diff:.1e}"
     unused = [name for name in params if twin.pe_buffer(name)[1].item() == 0]
-    if unused:
+    if unused and not any(tables):
         return f"its forward does not use its {', '.join(unused)} through F.linear or F.embedding"
     return None
+
+
+def _inputs(module):
+    """The parameters of module.forward (None when its signature cannot be read)."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 def _signature(module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers import uses
+from nanogns.layers import layout, shared, uses
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.layers.registry import LayerKind, Probe, register
 from nanogns.layers.tied import note_embedding
@@ -133,15 +133,26 @@ class _PEGradNormEmbeddingBase(PESqNormBuffersMixin, nn.Embedding):
         self.register_pe_buffers("weight")
 
     def pe_rows_and_buffers(self, ids, *param_names):
-        return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names)  # rows are the ids themselves
+        if self.__dict__.get("pe_shared_rows"):  # its parent feeds it a table shared by the examples (T5's buckets)
+            return layout.Rows("shared", 0), tuple(None for _ in param_names)
+        return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names, lookup=True)  # rows: the ids themselves
+
+    def pe_shared_lookup(self, ids, rows):
+        """A table shared by the examples (layers/shared.py) when the ids are one for all examples, else None."""
+        if rows is None or rows.kind != "shared":
+            return None
+        return shared.lookup(ids, self.weight, self.padding_idx, self.pe_buffer("weight"))
 
 
 class PEGradNormShimEmbedding(_PEGradNormEmbeddingBase):
     """nn.Embedding whose backward also records per-example norms of the weight gradient."""
 
     def forward(self, ids):
-        out = F.embedding(ids, self.weight, self.padding_idx)
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
+        table = self.pe_shared_lookup(ids, rows)
+        if table is not None:
+            return table
+        out = F.embedding(ids, self.weight, self.padding_idx)
         if weight_buffer is not None:
             on_output_grad(out, record_embedding_norms(ids, rows, self.num_embeddings, self.padding_idx, weight_buffer))
         note_embedding(weight_buffer, ids, rows, out)
@@ -153,6 +164,9 @@ class PEGradNormEmbedding(_PEGradNormEmbeddingBase):
 
     def forward(self, ids):
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
+        table = self.pe_shared_lookup(ids, rows)
+        if table is not None:
+            return table
         out = embedding(ids, self.weight, self.padding_idx, weight_buffer, rows)
         note_embedding(weight_buffer, ids, rows, out)
         return out
@@ -170,13 +184,15 @@ def convertible(module):
 # attribute names under which transformers' models keep an Embedding fed a table shared by the whole batch
 SHARED_TABLES = {
     "relative_attention_bias": "its input is a (query, key) table of relative-position buckets that the attention "
-    "shares across the batch (T5 and its kin), so no row belongs to one example",
+    "shares across the batch (T5 and its kin)",
 }
 
 
 def in_parent(parent, name, module):
+    """None: converted; an Embedding its parent feeds a table shared by the batch is marked so, and looks up a
+    table shared by the examples (layers/shared.py)."""
     if name in SHARED_TABLES and getattr(parent, "has_relative_attention_bias", True):
-        return f"{type(module).__name__} not converted: {SHARED_TABLES[name]}"
+        module.__dict__["pe_shared_rows"] = True
     return None
 
 

@@ -28,6 +28,7 @@ Linear whatever the setting, after a probe in float64 shows it computes what the
 module computes (outputs and every gradient).
 """
 
+import collections
 import math
 
 import torch
@@ -190,7 +191,7 @@ def _probe(module, variant_cls, dtype, tolerance):
         _parameters=dict(module._parameters),
         _buffers=dict(module._buffers),
         _forward_hooks={},
-        _forward_pre_hooks={},
+        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
         _backward_hooks={},
         _backward_pre_hooks={},
     )

@@ -12,6 +12,7 @@ backward. Parameters this large get a kind rather than the generic replay (repla
 example's gradient of every expert.
 """
 
+import collections
 import copy
 import math
 
@@ -106,7 +107,9 @@ def verify(module, variant_cls):
     mlp = copy.copy(module.mlp)
     mlp.__dict__.update(_parameters=dict(module.mlp._parameters), _buffers=dict(module.mlp._buffers))
     mlp.__dict__.pop("_pe_kinds", None)
-    twin.__dict__.update(_modules={**module._modules, "mlp": mlp}, _forward_hooks={}, _forward_pre_hooks={})
+    twin.__dict__.update(
+        _modules={**module._modules, "mlp": mlp}, _forward_hooks={}, _forward_pre_hooks=collections.OrderedDict()
+    )
     adopt(twin, variant_cls, {})
 
     def run(forward):

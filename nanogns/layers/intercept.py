@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanogns.layers import functional, layout, uses
+from nanogns.layers import functional, layout, shared, uses
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
@@ -151,6 +151,10 @@ class _ParameterUses(TorchFunctionMode):
             return self.linear(*args, **kwargs)
         elif func is F.embedding:
             return self.embedding(*args, **kwargs)
+        elif func is torch.Tensor.__getitem__ and names[0] is not None and sum(n is not None for n in names) == 1:
+            found = self.index(*args)
+            if found is not None:
+                return found
         elif func is torch.Tensor.expand and names[0] is not None and sum(n is not None for n in names) == 1:
             expanded = self.broadcast(args[0], _sizes(args[1:]))
             if expanded is not None:
@@ -186,6 +190,27 @@ class _ParameterUses(TorchFunctionMode):
             return None
         sign = self.signs.get(id(param), 1)
         return BroadcastOverExamples.apply(param.view(leading), examples, self.buffer(param), sign)
+
+    def index(self, weight, index):
+        """W[ids] for a tensor of ids: an embedding lookup (functional.embedding: per example, or a table shared by
+        the examples); W[a:b] (no tensor in the index): rows of the parameter that every example shares, a table
+        (shared.py, Whisper's positions); else None."""
+        if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+            if self.constant(index):  # ids stored in the module (Swin's relative-position index): a shared table
+                param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
+                return shared.table(weight[index], [(param, self.buffer(weight))])
+            if weight.dim() == 2:
+                return functional.embedding(index, weight, self.buffer(weight))
+            return None
+        if any(isinstance(t, torch.Tensor) for t in _tensors(index)):
+            return None
+        param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
+        return shared.table(weight[index], [(param, self.buffer(weight))])
+
+    def constant(self, t):
+        """True when t's storage is one of the module's buffers (ids it holds, not the forward's data)."""
+        storage = t.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == storage for b in self.module.buffers(recurse=False))
 
     def buffer(self, t):
         name = self.name_of(t)

@@ -39,6 +39,10 @@ from typing import Optional
 import torch
 
 # keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
+BUFFER_SUFFIX = "_upegsqnorm"  # buffers.py's (which imports this module)
+# layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
+# (transformers' Swin blocks: window_partition of (N, H, W, C) into (N * windows, ws, ws, C)), and join them back
+WINDOWED = ("SwinLayer", "Swinv2Layer")
 EXAMPLE_ARGUMENTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "idx")
 _HOOK_ATTRIBUTE = "_pe_layout_hook"
 
@@ -50,7 +54,8 @@ class Rows:
     kind: 'dim0'     (N, ...): dim 0 is the example, the other leading dims its positions;
           'flat'     (N*T,): row r belongs to example r // T (flattened from (N, T));
           'seqfirst' (T, N): dim 1 is the example (torch's sequence-first layers, batch_first=False);
-          'ragged'   rows in any order, `example_of_row` (R,) giving each row's example.
+          'ragged'   rows in any order, `example_of_row` (R,) giving each row's example;
+          'shared'   (1, ...): one row for all N examples, a table they share (layers/shared.py).
     """
 
     kind: str
@@ -117,8 +122,10 @@ class Layout:
     packed: Optional[Rows] = None
     sequence_first: bool = False  # the model holds sequence-first layers (torch's batch_first=False)
 
-    def rows_for(self, shape):
-        """Rows for an input of `shape` (..., D), or a str saying why its rows cannot be mapped."""
+    def rows_for(self, shape, windows=False):
+        """Rows for an input of `shape` (..., D), or a str saying why its rows cannot be mapped. windows: inside a
+        layer known to split each example into windows (WINDOWED), a dim 0 of k * N rows holds the examples'
+        windows one example after the other."""
         leading = tuple(shape[:-1])
         rows = 1
         for n in leading:
@@ -145,17 +152,14 @@ class Layout:
             )
         if leading and leading[0] == self.examples:
             return Rows("dim0", self.examples)
-        if len(leading) > 1 and leading[0] == 1:
-            return (
-                f"its input has one row for the forward's {self.examples} examples (shape {leading}), broadcast "
-                "over the batch afterwards (as transformers' default position_ids of GPT-2 and BERT are), so no "
-                "example's gradient can be told apart; pass it expanded to one row per example, e.g. "
-                "model(input_ids, position_ids=torch.arange(T).expand(B, T))"
-            )
+        if len(leading) > 1 and leading[0] == 1:  # one row for the N examples: a table they share (shared.py)
+            return Rows("shared", self.examples)
         if len(leading) == 1 and self.examples and rows % self.examples == 0 and rows // self.examples in self.lengths:
             return Rows("flat", self.examples, positions=rows // self.examples)
         if len(leading) == 2 and leading[1] == self.examples and leading[0] in self.lengths:
             return Rows("seqfirst", self.examples, positions=leading[0])
+        if windows and leading and self.examples and leading[0] % self.examples == 0:
+            return Rows("flat", self.examples, positions=rows // self.examples)  # example-major windows
         lengths = ", ".join(f"({self.examples}, {T})" for T in sorted(self.lengths))
         return (
             f"its input has rows {leading or '()'}: dim 0 is not the forward's {self.examples} examples"
@@ -179,6 +183,8 @@ class RowMapper:
         self.refusals = {}  # {buffer's data_ptr: reason}
         self.mixing = {}  # {layer: why} of this step's layers that mixed the examples (batchnorm.py): no number
         self.shared = []  # [SharedTensor]: tensors recorded by several modules' buffers (uses.py)
+        self.model = None  # the model installed (its parameters' buffers: buffer_of)
+        self._buffers_of = {}  # {id(parameter): its buffer}
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
 
     def note_refusal(self, reason, buffers):
@@ -198,6 +204,17 @@ class RowMapper:
     def clear(self):
         self.refusals.clear()
         self.mixing.clear()
+
+    def buffer_of(self, param):
+        """The `<name>_upegsqnorm` buffer recording parameter `param` on the model's modules, or None."""
+        if id(param) not in self._buffers_of and self.model is not None:
+            self._buffers_of = {
+                id(p): module._buffers.get(name + BUFFER_SUFFIX)
+                for module in self.model.modules()
+                for name, p in module.named_parameters(recurse=False)
+            }
+        found = self._buffers_of.get(id(param))
+        return found if found is not None and param.requires_grad else None
 
     def finish(self):
         """Record what the last forward's uses left pending (uses.py); the monitor calls it before reading a step."""
@@ -236,6 +253,7 @@ class Pass:
         self.uses = {}  # {buffer's data_ptr: uses in this forward}
         self.pending = {}  # {key: what uses.py gathers for a tensor used more than once}
         self.groups = {}  # {buffer's data_ptr: SharedTensor}
+        self.windows = 0  # > 0 while a layer splitting its examples into windows runs (WINDOWED)
         if counting:
             for shared in mapper.shared:
                 for address in shared.addresses():
@@ -320,10 +338,16 @@ def collecting():
 
 def rows_for(shape):
     """Rows of an input of `shape` under the current layout (dim 0 when none is set), or why it cannot be mapped."""
-    found = current()
-    if found is None:
+    found = current_pass()
+    if found is None or found.layout is None:
         return Rows("dim0", shape[0] if len(shape) > 1 else 1)
-    return found.rows_for(shape)
+    return found.layout.rows_for(shape, windows=found.windows > 0)
+
+
+def in_windows():
+    """True while a layer known to split each example into windows runs (WINDOWED)."""
+    found = current_pass()
+    return found is not None and found.windows > 0
 
 
 def _tensors(args, kwargs):
@@ -377,6 +401,7 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
     if found is not None:
         return found
     mapper = mapper if mapper is not None else RowMapper(layout_of)
+    mapper.model = mapper.model or model
     sequence_first = any(getattr(m, "batch_first", True) is False for m in model.modules())
 
     def enter(module, args, kwargs):
@@ -398,8 +423,26 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         model.register_forward_pre_hook(enter, with_kwargs=True),
         model.register_forward_hook(leave, with_kwargs=True, always_call=True),
     )
+    for module in model.modules():
+        if type(module).__name__.endswith(WINDOWED):
+            mapper.handles += (
+                module.register_forward_pre_hook(_windows_entered),
+                module.register_forward_hook(_windows_left, always_call=True),
+            )
     model.__dict__[_HOOK_ATTRIBUTE] = mapper  # not a submodule or buffer: state_dict and copies stay clean
     return mapper
+
+
+def _windows_entered(module, args):
+    found = current_pass()  # in backward too: a recompute by activation checkpointing
+    if found is not None:
+        found.windows += 1
+
+
+def _windows_left(module, args, output):
+    found = current_pass()
+    if found is not None:
+        found.windows = max(0, found.windows - 1)
 
 
 def mapper_of(model):

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from nanogns.layers import shared
+
 VARIANTS = ("nn", "shim", "gns", "fused")  # the layer choices every kind offers ('nn' = the plain torch layer)
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
 
@@ -175,6 +177,9 @@ def adopt(module, variant_cls, options):
     options.pop("weight", None), options.pop("bias", None)
     module.__class__ = adopted_class(variant_cls, type(module), roles)
     module.pe_adopt(options)
+    if not module.__dict__.get("_pe_tables_hooked"):  # a parameter as its input: a table (shared.py)
+        module.__dict__["_pe_tables_hooked"] = True
+        module.register_forward_pre_hook(shared.parameters_as_tables)
     return module
 
 

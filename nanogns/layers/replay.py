@@ -133,8 +133,8 @@ def _rows(t, examples, lengths):
         return None
     if t.shape[0] == examples:
         return 1
-    if examples and t.shape[0] % examples == 0 and t.shape[0] // examples in lengths:
-        return t.shape[0] // examples
+    if examples and t.shape[0] % examples == 0 and (t.shape[0] // examples in lengths or layout.in_windows()):
+        return t.shape[0] // examples  # (inside a layer splitting its examples into windows: k windows each)
     return None
 
 
