@@ -96,8 +96,8 @@ class Conversion:
             reason = self.convert_probed(module)
         if reason is not None:
             self.unconverted[path] = reason
-        if kind is None and not isinstance(module, replay.ReplayedForward):  # a kind's layer, or a module replayed
-            # per example, holds its whole subtree; any other module's children are visited
+        if kind is None and not module.__dict__.get("_pe_subtree"):  # a kind's layer, or a module replayed per
+            # example with its subtree (replay.py), holds its whole subtree; any other module's children are visited
             for name, child in module._modules.items():
                 if child is not None:
                     self.visit(child, path + ("." if path else "") + name, module, model)

@@ -158,7 +158,7 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
         )
         return None, tuple(None for _ in buffers)
-    if getattr(type(x), "pe_shared", False):
+    if getattr(type(x), "pe_shared", False) or layout.replaying():  # a table, or a module's replay (replay.py)
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
     rows = layout.rows_for(shape)

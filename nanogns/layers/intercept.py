@@ -279,7 +279,7 @@ class InterceptedForward(PESqNormBuffersMixin):
 
     def forward(self, *args, **kwargs):
         forward = super().forward
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or layout.replaying():
             return forward(*args, **kwargs)
         with _ParameterUses(self):
             return forward(*args, **kwargs)

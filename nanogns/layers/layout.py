@@ -254,6 +254,7 @@ class Pass:
         self.pending = {}  # {key: what uses.py gathers for a tensor used more than once}
         self.groups = {}  # {buffer's data_ptr: SharedTensor}
         self.windows = 0  # > 0 while a layer splitting its examples into windows runs (WINDOWED)
+        self.replaying = 0  # > 0 while a module's forward is replayed per example (replay.py): layers plain
         if counting:
             for shared in mapper.shared:
                 for address in shared.addresses():
@@ -342,6 +343,25 @@ def rows_for(shape):
     if found is None or found.layout is None:
         return Rows("dim0", shape[0] if len(shape) > 1 else 1)
     return found.layout.rows_for(shape, windows=found.windows > 0)
+
+
+def replaying():
+    """True while a module's forward is replayed per example (replay.py): layers under it compute plainly."""
+    found = current_pass()
+    return found is not None and found.replaying > 0
+
+
+@contextlib.contextmanager
+def replay():
+    """Mark the current pass as replaying a module's forward per example (its backward's, usually)."""
+    found = current_pass()
+    if found is not None:
+        found.replaying += 1
+    try:
+        yield
+    finally:
+        if found is not None:
+            found.replaying -= 1
 
 
 def in_windows():

@@ -28,6 +28,9 @@ The module's children stay as they are (plain torch layers): it is one unit, who
 `<name>_upegsqnorm` buffer on the module that owns it.
 """
 
+import inspect
+import re
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -51,17 +54,19 @@ class ReplayedForward(PESqNormBuffersMixin):
     pe_kind = KIND
 
     def pe_adopt(self, options):
-        for module in self.modules():
+        # its whole subtree is one unit when its code reads a child's parameters itself (Mamba's mixer passes
+        # conv1d.weight to a kernel); else only its own parameters are replayed, its children converted as usual
+        self.__dict__["_pe_subtree"] = reads_children_parameters(self)
+        for module in self.modules() if self._pe_subtree else [self]:
             names = [name for name, _ in module.named_parameters(recurse=False)]
             register_pe_sqnorm_buffers(module, names)
             module.__dict__.setdefault("_pe_kinds", {}).update({name: KIND for name in names})
-        self.__dict__["_pe_replaying"] = False
         self.__dict__["_pe_vmap"] = True  # False once vmap failed on this module's forward: one by one
 
     def pe_parameters(self):
-        """[(name under this module, parameter, its buffer or None when frozen)]."""
+        """[(name under this module, parameter, its buffer or None when frozen)]: its subtree's, or its own."""
         found = []
-        for name, param in self.named_parameters():
+        for name, param in self.named_parameters(recurse=self.__dict__.get("_pe_subtree", True)):
             owner, _, attr = name.rpartition(".")
             module = self.get_submodule(owner) if owner else self
             buffer = module._buffers.get(attr + "_upegsqnorm") if param.requires_grad else None
@@ -69,7 +74,7 @@ class ReplayedForward(PESqNormBuffersMixin):
         return found
 
     def forward(self, *args, **kwargs):
-        if self.__dict__.get("_pe_replaying"):
+        if layout.replaying():  # this module, or a parent, replayed per example: its plain forward
             return super().forward(*args, **kwargs)
         params = self.pe_parameters()
         buffers = [b for _, _, b in params if b is not None]
@@ -119,6 +124,23 @@ class _Boundary(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.held.replay(grads)
         return (None, *grads)
+
+
+def reads_children_parameters(module):
+    """True when the code of the module's class reads a parameter of one of its children itself
+    (`self.conv1d.weight`), rather than calling the child; True when the code cannot be read."""
+    own = next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns"))  # before adopt
+    try:
+        source = inspect.getsource(own)
+    except (OSError, TypeError):
+        return True
+    for child_name, child in module.named_children():
+        for path, _ in child.named_parameters():
+            if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b", source):
+                return True
+        if re.search(rf"self\.{re.escape(child_name)}\.parameters\(", source):
+            return True
+    return False
 
 
 def _first_dim(args, kwargs):
@@ -251,16 +273,13 @@ class _Held:
             return outs, found
 
         module = self.module
-        module.__dict__["_pe_replaying"] = True
-        try:
+        with layout.replay():  # layers under it compute plainly, recording nothing
             if module.__dict__.get("_pe_vmap", True):
                 try:
                     return torch.func.vmap(one, in_dims=(in_dims, 0))(inputs, grads)
                 except Exception:  # vmap cannot run this forward: replay the examples one by one
                     module.__dict__["_pe_vmap"] = False
             return self.one_by_one(inputs, grads, values, names)
-        finally:
-            module.__dict__["_pe_replaying"] = False
 
     def one_by_one(self, inputs, grads, values, names):
         outs, found = [[] for _ in self.positions], {name: [] for name in names}

@@ -158,7 +158,7 @@ def _follow(func, args, kwargs):
     for t in tables:
         sources.update({id(p): (p, b) for p, b in t._pe_sources})
     current = layout.current()
-    if current is None or not torch.is_grad_enabled():  # outside a forward (or without gradients): plain tensors
+    if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
         return _run(func, *pytree.tree_map(_plain, (args, kwargs)))
     N = current.examples
     others = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, SharedRows)]
