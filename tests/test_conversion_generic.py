@@ -24,6 +24,7 @@ from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, con
 
 import nanogns as lc
 from nanogns.layers.experts_dbrx import PEGradNormDbrxExperts
+from nanogns.layers.intercept import InterceptedForward
 from nanogns.layers.replay import ReplayedForward
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -178,7 +179,7 @@ def causal_lms():
     }
 
 
-# the modules each model's exactness rests on, replayed per example (replay.py) unless named otherwise
+# the modules replayed per example (replay.py), children included: their code reads their children's weights
 REPLAYED = {
     "Mamba": "backbone.layers.0.mixer",
     "Mamba2": "backbone.layers.0.mixer",
@@ -186,9 +187,11 @@ REPLAYED = {
     "Zamba2": "model.layers.0.mamba",
     "Bamba": "model.layers.0.mamba",
     "FalconH1": "model.layers.0.mamba",
-    "GPT-OSS": "model.layers.0.self_attn",
-    "RWKV": "rwkv.blocks.0.attention",
 }
+# blocks kept with their own forward, their parameters' uses followed (intercept.py): GPT-OSS's sinks reshaped and
+# expanded over the examples (a table the examples share, layers/shared.py); RWKV's attention is replayed alone
+INTERCEPTED = {"GPT-OSS": "model.layers.0.self_attn"}
+REPLAYED_ALONE = {"RWKV": "rwkv.blocks.0.attention", "Cohere": "model.layers.0.self_attn.q_norm"}
 
 
 @pytest.mark.parametrize("name", list(causal_lms()))
@@ -209,6 +212,11 @@ def test_modules_no_kind_describes_are_exact(name):
     assert not monitor.unconverted and not monitor.untracked
     if name in REPLAYED:
         assert isinstance(model.get_submodule(REPLAYED[name]), ReplayedForward)
+        assert model.get_submodule(REPLAYED[name])._pe_subtree
+    if name in INTERCEPTED:
+        assert isinstance(model.get_submodule(INTERCEPTED[name]), InterceptedForward)
+    if name in REPLAYED_ALONE:  # its own parameters only, its children converted by kind
+        assert not model.get_submodule(REPLAYED_ALONE[name])._pe_subtree
     if name == "DBRX":  # banks this large get a kind, not the replay
         assert isinstance(model.transformer.blocks[0].ffn.experts, PEGradNormDbrxExperts)
     check_exact(model, monitor, want, got)

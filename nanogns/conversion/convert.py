@@ -175,7 +175,11 @@ class Conversion:
         kinds = intercept.parameter_kinds(module)
         if all(self.choice[layers.get(k).config_key] == "nn" for k in kinds.values()):
             return None  # the user chose 'nn' for the kinds its parameters would be recorded as
-        followed = swapcheck.intercept_problem(module)
+        # a block whose children hold parameters and do not have them read by its code keeps its forward with its
+        # own parameters' uses followed (checked at every step) even where no probe can run it: replaying it
+        # would run the block again per example
+        container = any(True for c in module.children() for _ in c.parameters())
+        followed = swapcheck.intercept_problem(module, container and not replay.reads_children_parameters(module))
         if followed is None:
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
             return None

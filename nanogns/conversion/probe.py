@@ -394,11 +394,13 @@ def _intercept_probe_data(module, generator):
     return values, torch.randn(3, 4, D, generator=generator, dtype=torch.float64)
 
 
-def intercept_problem(module):
+def intercept_problem(module, container=False):
     """None when `module`'s own forward, run with its parameter uses intercepted (intercept.py), computes what
     it computes and records every trainable parameter's examples on a probe input; else what goes wrong. A
-    forward that takes several inputs cannot be probed: for a subclass of torch's Linear or Embedding that is
-    None (its uses are still checked at every step), for any other module a reason."""
+    forward that takes several inputs (or fails on the probe's) cannot be probed: for a subclass of torch's Linear
+    or Embedding, a forward of no input, parameters shaped (1, ...), or a `container` (a block whose children hold
+    parameters its code does not read) that is None (its uses are still checked at every step), for any other
+    module a reason."""
 
     params = dict(module.named_parameters(recurse=False))
     if not params or not all(p.is_floating_point() for p in params.values()):
@@ -409,6 +411,7 @@ def intercept_problem(module):
         isinstance(module, (nn.Linear, nn.Embedding))
         or all(p.dim() >= 2 and p.shape[0] == 1 for p in params.values())
         or _inputs(module) == []  # a forward of no input computes tables the examples share (Swin's bias)
+        or container  # a block whose children hold its big layers (Wav2Vec2Model, CLIP's embeddings)
     )
     if not _takes_one_input(module):
         return (

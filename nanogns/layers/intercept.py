@@ -33,6 +33,7 @@ somewhere else than these calls is an error at the step.
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from nanogns.layers import functional, layout, shared, uses
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
@@ -155,6 +156,9 @@ class _ParameterUses(TorchFunctionMode):
             found = self.index(*args)
             if found is not None:
                 return found
+        elif func is torch.Tensor.__setitem__ and len(args) == 3 and names[2] is not None and not any(names[:2]):
+            if self.write(*args):  # x[mask] = W: W written into rows of the examples (Wav2Vec2's masked frames)
+                return None
         elif func is torch.Tensor.expand and names[0] is not None and sum(n is not None for n in names) == 1:
             expanded = self.broadcast(args[0], _sizes(args[1:]))
             if expanded is not None:
@@ -168,7 +172,38 @@ class _ParameterUses(TorchFunctionMode):
             expanded = self.broadcast(args[i], other.shape if isinstance(other, torch.Tensor) else None)
             if expanded is not None:
                 return func(*((expanded, other) if i == 0 else (other, expanded)))
+        if self.parameters_alone(args, kwargs):  # computed from parameters (and constants) alone: a table
+            return self.table(func(*args, **kwargs), names)
         return self.refuse(func, names, func(*args, **kwargs))
+
+    def parameters_alone(self, args, kwargs):
+        """True when no tensor argument carries the examples' data: all are this module's parameters (or followed
+        from them), tables (shared.py) or constants with no gradient and no example dim."""
+        current = layout.current()
+        if current is None:
+            return False
+        for t in _tensors((args, kwargs)):
+            if self.name_of(t) is not None or shared.is_shared(t):
+                continue
+            if t.requires_grad or (t.dim() >= 1 and t.shape[0] == current.examples):
+                return False
+        return True
+
+    def table(self, out, names):
+        """out, computed from these parameters alone, as a table the examples share (shared.py): where it meets
+        them, each example gets its copy, and its gradient is pulled back to the parameters."""
+        params = dict(self.module.named_parameters(recurse=False))
+        sources = {id(params[n]): (params[n], self.module.pe_buffer(n)) for n in names if n is not None}
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                return t
+            found = dict(sources)
+            if shared.is_shared(t):
+                found.update({id(p): (p, b) for p, b in t._pe_sources})
+            return shared.table(t, found.values())
+
+        return pytree.tree_map(wrap, out)
 
     def follow(self, out, source, sign=1):
         """Track `out`, computed from the parameter (or derived tensor) `source` with a Jacobian of +-1 (a cast, a
@@ -206,6 +241,27 @@ class _ParameterUses(TorchFunctionMode):
             return None
         param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
         return shared.table(weight[index], [(param, self.buffer(weight))])
+
+    def write(self, target, index, value):
+        """target[mask] = value for a boolean mask over target's leading dims, whose dim 0 holds the forward's
+        examples: each selected row gets its example's own copy of the parameter (one copy per example, gathered
+        by the rows' examples), so that each example's gradient reaches its copy. False when that does not hold."""
+        current = layout.current()
+        examples = current.examples if current is not None else target.shape[0]
+        if not (
+            isinstance(index, torch.Tensor)
+            and index.dtype == torch.bool
+            and index.dim() >= 1
+            and tuple(index.shape) == tuple(target.shape[: index.dim()])
+            and target.shape[0] == examples
+            and tuple(value.shape) == tuple(target.shape[index.dim() :])
+            and (current is None or current.packed is None)
+        ):
+            return False
+        sign = self.signs.get(id(value), 1)
+        copies = BroadcastOverExamples.apply(value.reshape(1, *value.shape), examples, self.buffer(value), sign)
+        target[index] = copies[index.nonzero()[:, 0]]  # (inside this mode's handler the mode is off)
+        return True
 
     def constant(self, t):
         """True when t's storage is one of the module's buffers (ids it holds, not the forward's data)."""

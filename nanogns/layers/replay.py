@@ -126,6 +126,9 @@ class _Boundary(torch.autograd.Function):
         return (None, *grads)
 
 
+_QUERIES = "dtype|device|shape|size|ndim|dim|requires_grad|is_cuda|numel"  # a child's parameter only asked about
+
+
 def reads_children_parameters(module):
     """True when the code of the module's class reads a parameter of one of its children itself
     (`self.conv1d.weight`), rather than calling the child; True when the code cannot be read."""
@@ -136,7 +139,7 @@ def reads_children_parameters(module):
         return True
     for child_name, child in module.named_children():
         for path, _ in child.named_parameters():
-            if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b", source):
+            if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b(?!\.({_QUERIES}))", source):
                 return True
         if re.search(rf"self\.{re.escape(child_name)}\.parameters\(", source):
             return True
