@@ -315,3 +315,22 @@ def test_a_module_mixing_examples_refuses_the_step_with_the_reason():
     model(torch.randn(4, 3, 6, dtype=torch.float64)).pow(2).sum().backward()
     with pytest.raises(ValueError, match=r"1.gain: this step is not measured.*BatchScaled's output for one example "):
         monitor.step(batch_size=4)
+
+
+def test_wav2vec2_masked_frames_take_each_example_its_copy_of_the_mask_embedding():
+    """SpecAugment in training writes masked_spec_embed into the masked frames (hidden[mask] = W): each example's
+    frames get its own copy, so its gradient is exact (masks given, so that the loop draws the same)."""
+    reference, _, audio = images_and_audio()["Wav2Vec2"]
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(
+        transformers.Wav2Vec2Config(**{**reference.config.to_dict(), "mask_time_prob": 0.5})
+    )
+    model.double()
+    frames = model(audio[:1]).last_hidden_state.shape[1]
+    masks = torch.rand(B, frames, generator=torch.Generator().manual_seed(3)) < 0.5
+    loss_of = lambda part: model(audio[part], mask_time_indices=masks[part]).last_hidden_state.pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, B)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    assert not monitor.unconverted and not monitor.untracked and got["masked_spec_embed"].small_batch_norm > 0
+    check_exact(model, monitor, want, got)

@@ -94,6 +94,8 @@ class Conversion:
             reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
         elif module is not model and owns_untracked_parameters(module):
             reason = self.convert_probed(module)
+        elif owns_untracked_parameters(module):  # the model itself: its forward kept, its parameters' uses followed
+            reason = self.follow_uses(module, "it is the model itself")
         if reason is not None:
             self.unconverted[path] = reason
         if kind is None and not module.__dict__.get("_pe_subtree"):  # a kind's layer, or a module replayed per
