@@ -152,6 +152,25 @@ def test_a_module_used_twice_per_forward_sums_its_uses_exactly():
         assert m.big_batch_norm**2 == pytest.approx(batch[name], rel=1e-9), name
 
 
+def test_two_forwards_before_their_backward_refuse_a_module_used_twice():
+    """Forward, forward, then one backward of both losses: the uses of a module used twice per forward cannot be
+    attributed to their forwards, so the step is refused for it (never a number); a module used once per forward is
+    measured as usual."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)).double()
+    monitor = lc.convert(model)
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    (model(x[:2]).pow(2).sum() + model(x[2:]).pow(2).sum()).backward()
+    with pytest.raises(ValueError, match=r"0.weight: this step is not measured.*a forward began before the backward"):
+        monitor.measure(batch_size=4)
+    zero_sqgradnorm_buffers(model)
+    model.zero_grad()
+    for part in (slice(0, 2), slice(2, 4)):  # each forward's backward before the next forward: measured
+        model(x[part]).pow(2).sum().backward()
+    assert {m.metadata["name"] for m in monitor.measure(batch_size=4)} == {"0.weight", "0.bias", "3.weight", "3.bias"}
+
+
 def test_a_module_whose_kind_gives_no_factors_used_twice_is_dropped_with_a_warning():
     """A convolution applied twice per forward (the Conv kind hands over no per-example gradients to sum): its
     parameters stop being measured, with the reason; the others are measured."""

@@ -255,6 +255,8 @@ class Pass:
         self.groups = {}  # {buffer's data_ptr: SharedTensor}
         self.windows = 0  # > 0 while a layer splitting its examples into windows runs (WINDOWED)
         self.replaying = 0  # > 0 while a module's forward is replayed per example (replay.py): layers plain
+        self.backward_seen = False  # a layer's backward asked about this pass's uses (uses.py)
+        self.interleaved = False  # it began before the backward of an earlier forward with tensors used twice
         if counting:
             for shared in mapper.shared:
                 for address in shared.addresses():
@@ -432,6 +434,9 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         recompute = _in_backward()  # activation checkpointing running the whole model again: no new uses
         this = Pass(found, mapper, counting=torch.is_grad_enabled() and not recompute)
         if found is not None and this.counting:
+            earlier = mapper.last_pass  # a forward with tensors used several times whose backward has not begun:
+            if earlier is not None and not earlier.backward_seen and any(n > 1 for n in earlier.uses.values()):
+                this.interleaved = True  # their uses could not be told apart from this forward's (uses.py)
             mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
             mapper.last_pass = _last = this
         _active.append(this)

@@ -167,7 +167,7 @@ class Gathered:
                 [buffer],
             )
             with torch.no_grad():
-                buffer[1] = math.nan
+                buffer[..., 1] = math.nan
             return
         shape = max((f.shape for f in factors), key=len)  # a flattened use's gradient takes another's shape
         dtype = torch.float64 if any(f.dtype == torch.float64 for f in factors) else torch.float32
@@ -183,7 +183,7 @@ class Gathered:
             except _Mismatch as e:
                 layout.note_refusal(f"it is used several times per forward, but {e}", [buffer])
                 with torch.no_grad():
-                    buffer[1] = math.nan
+                    buffer[..., 1] = math.nan
                 return
             total += work.flatten(1).pow(2).sum()
         with torch.no_grad():
@@ -234,6 +234,7 @@ def multiple(buffer):
     this = layout.current_pass()
     if this is None or not this.uses:
         return False
+    this.backward_seen = True
     count, pairwise = _uses(this, buffer.data_ptr())
     return count > 1 and not pairwise
 
@@ -242,6 +243,17 @@ def add(buffer, factor):
     """Hand over one use's factor (in its backward); the tensor is recorded once every use has handed its own."""
     this = layout.current_pass()
     address = buffer.data_ptr()
+    if this.interleaved:  # two forwards before one backward: whose uses these are cannot be told
+        shared = this.groups.get(address)
+        target = shared.target() if shared is not None else buffer
+        layout.note_refusal(
+            "it is used several times per forward, and a forward began before the backward of the one before it: "
+            "their uses cannot be told apart (run each forward's backward before the next forward)",
+            [target],
+        )
+        with torch.no_grad():
+            target[..., 1] = math.nan
+        return
     key = _key(this, address)
     gathered = this.pending.get(key)
     if gathered is None:
