@@ -19,6 +19,7 @@ from nanogns.layers import functional
 from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding
 from nanogns.layers.linear import PEGradNormLinear
+from nanogns.layers.replay import ReplayedForward
 
 
 class Nested(nn.Module):
@@ -131,14 +132,55 @@ def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
         lc.convert(model, linearclass="fast")
 
 
-def test_a_module_used_twice_per_forward_is_dropped_with_a_warning():
+def test_a_module_used_twice_per_forward_sums_its_uses_exactly():
+    """A Linear applied twice per forward: example i's gradient is the sum of both uses' (layers/uses.py), against
+    the loop over examples (float64)."""
+    from oracle import per_example_loss_sqnorms_by_loop
+
+    torch.manual_seed(0)
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2))
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    loss_of = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    want, batch = per_example_loss_sqnorms_by_loop(model, loss_of, x)
     monitor = lc.convert(model)
-    model(torch.randn(3, 4)).sum().backward()
+    loss_of(model, x).backward()
+    measured = {m.metadata["name"]: m for m in monitor.measure(batch_size=3)}
+    assert set(measured) == {"0.weight", "0.bias", "3.weight", "3.bias"} and not monitor.untracked
+    for name, m in measured.items():
+        assert m.small_batch_norm**2 == pytest.approx(want[name], rel=1e-6), name
+        assert m.big_batch_norm**2 == pytest.approx(batch[name], rel=1e-9), name
+
+
+def test_two_forwards_before_their_backward_refuse_a_module_used_twice():
+    """Forward, forward, then one backward of both losses: the uses of a module used twice per forward cannot be
+    attributed to their forwards, so the step is refused for it (never a number); a module used once per forward is
+    measured as usual."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)).double()
+    monitor = lc.convert(model)
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    (model(x[:2]).pow(2).sum() + model(x[2:]).pow(2).sum()).backward()
+    with pytest.raises(ValueError, match=r"0.weight: this step is not measured.*a forward began before the backward"):
+        monitor.measure(batch_size=4)
+    zero_sqgradnorm_buffers(model)
+    model.zero_grad()
+    for part in (slice(0, 2), slice(2, 4)):  # each forward's backward before the next forward: measured
+        model(x[part]).pow(2).sum().backward()
+    assert {m.metadata["name"] for m in monitor.measure(batch_size=4)} == {"0.weight", "0.bias", "3.weight", "3.bias"}
+
+
+def test_a_module_whose_kind_gives_no_factors_used_twice_is_dropped_with_a_warning():
+    """A convolution applied twice per forward (the Conv kind hands over no per-example gradients to sum): its
+    parameters stop being measured, with the reason; the others are measured."""
+    shared = nn.Conv1d(4, 4, 3, padding=1)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Flatten(), nn.Linear(20, 2))
+    monitor = lc.convert(model)
+    model(torch.randn(3, 4, 5)).sum().backward()
     with pytest.warns(UserWarning, match="not tracking 0.weight: used 2 times per example"):
         names = [m.metadata["name"] for m in monitor.measure(batch_size=3)]
-    assert names == ["3.weight", "3.bias"]
+    assert names == ["4.weight", "4.bias"]
 
 
 # -----------------------------------------------------------------------------
@@ -466,26 +508,45 @@ class DiagonalNorm(HandRMSNorm):
         return x @ torch.diag(self.weight)
 
 
-@pytest.mark.parametrize("module", [DiagonalNorm(6), MaxNormEmbedding(10, 6)], ids=lambda m: type(m).__name__)
-def test_a_module_that_can_neither_be_swapped_nor_followed_is_listed_and_left_alone(module):
-    """Listed with why no layer stands in (the closest candidate and its max relative difference) and why its own
-    forward cannot be followed; the module, its parameters and its output are untouched (the probes run on
-    copies)."""
+def test_a_module_that_changes_its_parameters_is_listed_and_left_alone():
+    """Listed with why no layer stands in, why its own forward cannot be followed, and why it is not replayed
+    per example (its forward renormalises its weight in place); the module, its parameters and its output are
+    untouched (the probes run on copies)."""
     torch.manual_seed(0)
+    module = MaxNormEmbedding(10, 6)
     with torch.no_grad():
         module.weight.add_(0.1 * torch.randn_like(module.weight))
-    x = torch.randint(0, 10, (3, 4)) if isinstance(module, nn.Embedding) else torch.randn(3, 4, 6) * 1e-3
+    x = torch.randint(0, 10, (3, 4))
     before = module(x).detach()  # (MaxNormEmbedding renormalises its weight here, once)
     weight = module.weight.detach().clone()
     reason, now = probe_failure(module)
     assert now is module and type(module).__module__ == __name__
-    if isinstance(module, MaxNormEmbedding):
-        assert "changes its parameters in place" in reason and "embedding with max_norm" not in reason, reason
-    else:
-        assert "as a layer, computes none of LayerNorm, RMSNorm on a probe input; closest" in reason, reason
-        assert "with its own forward kept, its forward uses its weight in torch.diag" in reason, reason
+    assert "changes its parameters in place" in reason and "embedding with max_norm" not in reason, reason
+    assert "nor replayed per example" in reason, reason
     assert torch.equal(module.weight, weight) and module.weight.grad is None
     assert torch.equal(module(x), before)
+
+
+def test_a_module_no_layer_computes_nor_follows_is_replayed_per_example_exactly():
+    """A diagonal matmul by its weight: no kind's layer computes it and per-example norms do not follow
+    torch.diag, so its forward is replayed per example in backward (layers/replay.py), against the loop."""
+    torch.manual_seed(0)
+    module = DiagonalNorm(6).double()
+    with torch.no_grad():
+        module.weight.add_(0.1 * torch.randn_like(module.weight))
+    model = nn.Sequential(nn.Linear(6, 6), module).double()
+    x, g = torch.randn(5, 4, 6, dtype=torch.float64), torch.randn(5, 4, 6, dtype=torch.float64)
+    before = model(x)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and isinstance(module, ReplayedForward) and torch.equal(model(x), before)
+    for part in (slice(0, 2), slice(2, 5)):
+        model(x[part]).backward(g[part])
+    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
+    zero_sqgradnorm_buffers(model)
+    loop = per_example_sqnorms_by_loop(model, x, g)
+    assert set(recorded) == set(loop) and monitor.describe()["1.weight"]["kind"] == "Replayed"
+    for name, (total, count) in recorded.items():
+        assert count == 5 and total == pytest.approx(loop[name].sum().item(), rel=1e-6), name
 
 
 class NormWithMask(HandRMSNorm):
@@ -728,8 +789,9 @@ def test_a_module_that_refuses_float64_is_probed_in_its_own_dtype():
     model = nn.Sequential(Float32OnlyRMSNorm(6, tiny=1e-5))
     monitor = lc.convert(model)
     assert not monitor.unconverted and model[0].eps == 1e-5 and model[0].weight_offset == 0
-    reason, _ = probe_failure(Float32OnlyRMSNorm(6, tiny=1e-5).double())
-    assert "no candidate ran on a probe input" in reason and "float64 is not supported" in reason
+    model = nn.Sequential(nn.Linear(6, 6), Float32OnlyRMSNorm(6, tiny=1e-5).double())
+    monitor = lc.convert(model)  # in float64 no probe runs its forward: it is replayed per example instead
+    assert not monitor.unconverted and isinstance(model[1], ReplayedForward)
 
 
 def test_convert_keeps_every_training_mode():

@@ -260,27 +260,33 @@ def test_bert_aliased_head_bias_logged_once_and_exact():
     check_exact(model, monitor, want, got)
 
 
-def test_default_position_ids_broadcast_over_the_batch_are_refused_with_the_fix():
-    """BERT looks its positions up as one (1, T) row for the whole batch: that step is refused, naming the fix."""
+@pytest.mark.parametrize("name", ["BERT", "ELECTRA", "GPT-2"])
+def test_default_position_ids_looked_up_once_for_the_batch_are_exact(name):
+    """Called as every Trainer data collator calls them, without position_ids: the models look their positions up
+    as one (1, T) row for the whole batch, which each example now gets a copy of (layers/shared.py): every
+    parameter exact, with nothing changed by the user."""
     torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(config(transformers.BertConfig, **TINY, **NO_DROPOUT)).double()
-    monitor = lc.convert(model)
-    ids, mask = lm_batch()
-    lm_losses(model, ids, mask).mean().backward()
-    with pytest.raises(
-        ValueError,
-        match=r"position_embeddings.weight: this step is not measured.*one row for the "
-        r"forward's 5 examples.*position_ids=torch.arange\(T\).expand\(B, T\)",
-    ):
-        monitor.step(batch_size=B)
-    # the refusal belongs to that step: the next one, with positions per example, is measured; a wrong batch_size
-    # is then blamed on the batch size, not on the earlier step's positions
-    model.zero_grad(set_to_none=True)
-    lm_losses(model, ids, mask, True).mean().backward()
-    with pytest.raises(ValueError, match=r"batch_size") as wrong:
-        monitor.measure(batch_size=B + 1)
-    assert "position" not in str(wrong.value)
-    assert len(monitor.measure(batch_size=B)) == len(monitor.tracked)
+    model = {
+        "BERT": lambda: transformers.BertForMaskedLM(config(transformers.BertConfig, **TINY, **NO_DROPOUT)),
+        "ELECTRA": lambda: transformers.ElectraForMaskedLM(
+            config(transformers.ElectraConfig, **TINY, **NO_DROPOUT, embedding_size=8)
+        ),
+        "GPT-2": lambda: transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=V,
+                n_embd=16,
+                n_layer=2,
+                n_head=2,
+                n_positions=32,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        ),
+    }[name]().double()
+    monitor, want, got = run_lm(model)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
 
 
 def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
@@ -323,9 +329,12 @@ def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
         check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 4)], 4))
 
 
-def test_t5_relative_position_table_refused_the_rest_exact():
-    """T5's relative_attention_bias is fed a (query, key) table shared by the batch: listed, never a number; its
-    shared input/output matrix (3 embeddings and the head) is listed with the reason; the rest is exact."""
+@pytest.mark.parametrize("masked", [True, False], ids=["padded", "no-mask"])
+def test_t5_relative_position_tables_and_shared_matrix_exact(masked):
+    """T5's relative_attention_bias looks up a (query, key) table of buckets shared by the batch, added to every
+    example's scores (with the padding mask, once; without, at every layer): each example gets its own copy of the
+    table (layers/shared.py). Its input/output matrix is used by the encoder's and the decoder's embeddings and
+    the head: its uses are summed (layers/uses.py). Every parameter exact."""
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(
         config(
@@ -340,27 +349,21 @@ def test_t5_relative_position_table_refused_the_rest_exact():
             decoder_start_token_id=0,
         )
     ).double()
-    ids, _ = lm_batch()
+    ids, mask = lm_batch()
     labels = torch.randint(0, V, (B, 5), generator=torch.Generator().manual_seed(2))
 
     def loss_of(part):
-        logits = model(input_ids=ids[part], labels=labels[part]).logits
+        extra = dict(attention_mask=mask[part]) if masked else {}
+        logits = model(input_ids=ids[part], labels=labels[part], **extra).logits
         return F.cross_entropy(logits.flatten(0, 1), labels[part].flatten(), reduction="none").view(-1, 5).mean(1)
 
     want = brute_force(model, loss_of, B)
     monitor = lc.convert(model)
-    tables = {path for path in monitor.unconverted if path.endswith("relative_attention_bias")}
-    assert tables == {
-        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias",
-        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias",
-    }
-    assert all("shares across the batch" in monitor.unconverted[p] for p in tables)
-    assert "tied to" in monitor.untracked["shared.weight"] and "used by 4 layers" in monitor.untracked["shared.weight"]
+    assert not monitor.unconverted and not monitor.untracked
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
-    untracked = {p for p in monitor.untracked}
-    assert not untracked & {n.split("+")[0] for n in got}
-    share = 1 - sum(model.get_parameter(n).numel() for n in untracked) / sum(p.numel() for p in model.parameters())
-    check_exact(model, monitor, want, got, coverage=share)
+    assert "shared.weight+encoder.embed_tokens.weight+decoder.embed_tokens.weight+lm_head.weight" in got
+    assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" in got
+    check_exact(model, monitor, want, got)
 
 
 def test_vit_patches_class_token_and_position_embeddings_exact():

@@ -45,14 +45,14 @@ torch.manual_seed(0)
 model = TinyLM()
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 log = LogWrapper(out_dir="out-convert")
-gns = convert(model, log=log)
-assert isinstance(gns, GNSMonitor) and len(gns.tracked) == 5, gns.untracked
+monitor = convert(model, log=log)
+assert isinstance(monitor, GNSMonitor) and len(monitor.tracked) == 5, monitor.untracked
 for step in range(3):
     for _ in range(2):  # gradient accumulation
         ids = torch.randint(0, 11, (4, 6))
         loss = F.cross_entropy(model(ids).transpose(1, 2), ids) / 2
         loss.backward()
-    gns.step(batch_size=8)
+    monitor.step(batch_size=8)
     optimizer.step()
     optimizer.zero_grad()
     log.log({"iter_num": step, "tokens_processed": (step + 1) * 48})

@@ -205,14 +205,7 @@ def test_tied_norm_under_autocast_within_tolerance(dtype):
         assert got[name].big_batch_norm == pytest.approx(reference[name].big_batch_norm, rel=3e-2), name
 
 
-def test_tied_pairs_that_cannot_be_exact_are_skipped():
-    class TwoLinears(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = PEGradNormLinear(4, 4, bias=False)
-            self.b = PEGradNormLinear(4, 4, bias=False)
-            self.b.weight = self.a.weight
-
+def test_a_tie_with_a_plain_torch_layer_is_skipped():
     class PlainEmbedding(nn.Module):
         def __init__(self):
             super().__init__()
@@ -220,11 +213,39 @@ def test_tied_pairs_that_cannot_be_exact_are_skipped():
             self.lm_head = PEGradNormLinear(4, 10, bias=False)
             self.lm_head.weight = self.wte.weight
 
-    for model, name in ((TwoLinears(), "a.weight"), (PlainEmbedding(), "wte.weight")):
-        with pytest.warns(UserWarning, match=f"not tracking {name}"):
-            monitor = gnstracking.GNSMonitor(model, expect_tracked=False)
-        assert monitor.tracked == [] and "tied to" in monitor.untracked[name]
-        assert tied.link_tied_parameters(model) == {}
+    model = PlainEmbedding()
+    with pytest.warns(UserWarning, match="not tracking wte.weight"):
+        monitor = gnstracking.GNSMonitor(model, expect_tracked=False)
+    assert monitor.tracked == [] and "tied to" in monitor.untracked["wte.weight"]
+    assert tied.link_tied_parameters(model) == {}
+
+
+def test_a_matrix_tied_between_two_linears_sums_its_uses_exactly():
+    """Two Linears sharing one weight (no cross-term formula of tied.py): the uses' per-example gradients are summed
+    (layers/uses.py) and recorded once, in the first layer's buffer, against the loop over examples."""
+    from oracle import per_example_sqnorms_by_loop
+
+    class TwoLinears(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = PEGradNormLinear(4, 4, bias=False)
+            self.b = PEGradNormLinear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    model = TwoLinears().double()
+    monitor = gnstracking.GNSMonitor(model)
+    assert [name for name, _, _ in monitor.tracked] == ["a.weight+b.weight"] and not monitor.untracked
+    x, g = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
+    want = per_example_sqnorms_by_loop(model, x, g)["a.weight"].sum().item()
+    zero_sqgradnorm_buffers(model)
+    model(x).backward(g)
+    monitor.row_map.finish()
+    assert model.a.weight_upegsqnorm.tolist() == [pytest.approx(want, rel=1e-6), 5]  # float32 buffers
+    assert model.b.weight_upegsqnorm.tolist() == [0, 0]
 
 
 def test_gather_in_chunks_gives_the_same_cross_term(monkeypatch):

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from nanogns import layers
 from nanogns.conversion import probe as swapcheck
-from nanogns.layers import intercept
+from nanogns.layers import intercept, replay
 from nanogns.layers.buffers import BUFFER_SUFFIX
 from nanogns.layers.registry import ROLES, adopt
 from nanogns.monitor.monitor import GNSMonitor
@@ -94,9 +94,12 @@ class Conversion:
             reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
         elif module is not model and owns_untracked_parameters(module):
             reason = self.convert_probed(module)
+        elif owns_untracked_parameters(module):  # the model itself: its forward kept, its parameters' uses followed
+            reason = self.follow_uses(module, "it is the model itself")
         if reason is not None:
             self.unconverted[path] = reason
-        if kind is None:  # a kind's layer holds its whole subtree; any other module's children are visited
+        if kind is None and not module.__dict__.get("_pe_subtree"):  # a kind's layer, or a module replayed per
+            # example with its subtree (replay.py), holds its whole subtree; any other module's children are visited
             for name, child in module._modules.items():
                 if child is not None:
                     self.visit(child, path + ("." if path else "") + name, module, model)
@@ -119,7 +122,7 @@ class Conversion:
 
     def convert_known(self, module, kind):
         """None, or why a module of a kind (by its class, or its structure) was not converted."""
-        if not any(True for _ in module.parameters(recurse=False)):
+        if not any(True for _ in module.parameters(recurse=kind.matches is not None)):  # (DBRX's banks: in a child)
             return None  # a norm without affine parameters: nothing to record
         cls, reason = self.variant_of(kind)
         reason = reason or kind.convertible(module)
@@ -169,19 +172,27 @@ class Conversion:
         return True, None
 
     def follow_uses(self, module, problem):
-        """None when the module keeps its own forward with its parameters' uses followed (intercept.py), else
-        why neither way works."""
+        """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that
+        records them all, else its forward replayed per example in backward, children included (replay.py)."""
         kinds = intercept.parameter_kinds(module)
         if all(self.choice[layers.get(k).config_key] == "nn" for k in kinds.values()):
             return None  # the user chose 'nn' for the kinds its parameters would be recorded as
-        followed = swapcheck.intercept_problem(module)
+        # a block whose children hold parameters and do not have them read by its code keeps its forward with its
+        # own parameters' uses followed (checked at every step) even where no probe can run it: replaying it
+        # would run the block again per example
+        container = any(True for c in module.children() for _ in c.parameters())
+        followed = swapcheck.intercept_problem(module, container and not replay.reads_children_parameters(module))
         if followed is None:
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
             return None
-        return (
-            f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
-            f"{followed}. Call functional.py's per-example norm functions from its forward"
-        )
+        if swapcheck.CHANGES_PARAMETERS in (problem or ""):  # a replay would change them again
+            return (
+                f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
+                f"{followed}; nor replayed per example, as its forward changes its parameters"
+            )
+        # the generic path: its forward (children included) replayed per example in backward (replay.py)
+        adopt(module, replay.ReplayedForward, {})
+        return None
 
 
 def owns_untracked_parameters(module):

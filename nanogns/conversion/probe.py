@@ -31,6 +31,7 @@ refuses a bfloat16 input with float32 weights, and so does the candidate). A
 module whose forward fails in float64 is probed in its own dtype only.
 """
 
+import collections
 import copy
 import inspect
 import math
@@ -41,13 +42,14 @@ import torch
 import torch.nn as nn
 
 from nanogns import layers
-from nanogns.layers import intercept, layout
+from nanogns.layers import intercept, layout, shared
 from nanogns.layers.registry import adopt
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
 # enough for TF32 matmuls on a GPU, ~1e-3)
 PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 5e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
 ROLES = ("weight", "bias")  # the parameter roles a probed module may have
+CHANGES_PARAMETERS = "it changes its parameters in place (e.g. max_norm), which a swap would drop"
 
 
 @dataclass
@@ -100,12 +102,23 @@ def structure_problem(module, options=None):
         return "its parameters are not floating point"
     if any(child is not None for child in module._modules.values()):
         return "it has submodules, which a swap would drop"
-    if not _takes_one_input(module):
-        try:
-            return f"its forward{inspect.signature(module.forward)} takes more than one input"
+    if not _takes_only_its_input(module):  # MambaRMSNormGated's forward(hidden_states, gate=None): a one-input
+        try:  # layer would drop the gate (or crash on the model's own call)
+            return f"its forward{inspect.signature(module.forward)} takes more than its input"
         except (TypeError, ValueError):
             return "its forward's signature cannot be read"
     return None
+
+
+def _takes_only_its_input(module):
+    """True when module.forward takes exactly one argument, its input: a layer of a kind takes nothing else, so
+    a module whose forward takes more (even with a default, even through *args or **kwargs) is never swapped."""
+    try:
+        inputs = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(inputs) == 1 and inputs[0].kind in positional
 
 
 def _takes_one_input(module):
@@ -269,7 +282,7 @@ class _Probe:
                     autocast_dtype=setting.autocast,
                 )
                 if not all(torch.equal(p, values[role]) for role, p in zip(values, params.values())):
-                    raise RuntimeError("it changes its parameters in place (e.g. max_norm), which a swap would drop")
+                    raise RuntimeError(CHANGES_PARAMETERS)
                 self._reference[key] = (values, x, out, grad_out, grads)
             except Exception as e:  # any failure of the user's forward means: not this setting
                 self._reference[key] = e
@@ -381,19 +394,24 @@ def _intercept_probe_data(module, generator):
     return values, torch.randn(3, 4, D, generator=generator, dtype=torch.float64)
 
 
-def intercept_problem(module):
+def intercept_problem(module, container=False):
     """None when `module`'s own forward, run with its parameter uses intercepted (intercept.py), computes what
     it computes and records every trainable parameter's examples on a probe input; else what goes wrong. A
-    forward that takes several inputs cannot be probed: for a subclass of torch's Linear or Embedding that is
-    None (its uses are still checked at every step), for any other module a reason."""
+    forward that takes several inputs (or fails on the probe's) cannot be probed: for a subclass of torch's Linear
+    or Embedding, a forward of no input, parameters shaped (1, ...), or a `container` (a block whose children hold
+    parameters its code does not read) that is None (its uses are still checked at every step), for any other
+    module a reason."""
 
     params = dict(module.named_parameters(recurse=False))
     if not params or not all(p.is_floating_point() for p in params.values()):
         return "its parameters are not floating point"
     # a subclass of torch's Linear or Embedding, or parameters shaped to broadcast over the batch (a ViT's class
     # token): when no probe can run its forward, its uses are checked at every step instead
-    checked_at_each_step = isinstance(module, (nn.Linear, nn.Embedding)) or all(
-        p.dim() >= 2 and p.shape[0] == 1 for p in params.values()
+    checked_at_each_step = (
+        isinstance(module, (nn.Linear, nn.Embedding))
+        or all(p.dim() >= 2 and p.shape[0] == 1 for p in params.values())
+        or _inputs(module) == []  # a forward of no input computes tables the examples share (Swin's bias)
+        or container  # a block whose children hold its big layers (Wav2Vec2Model, CLIP's embeddings)
     )
     if not _takes_one_input(module):
         return (
@@ -422,14 +440,21 @@ def intercept_problem(module):
         _parameters={name: nn.Parameter(v.clone()) for name, v in values.items()},
         _buffers=dict(module._buffers),
         _forward_hooks={},
-        _forward_pre_hooks={},
+        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
         _backward_hooks={},
         _backward_pre_hooks={},
     )
     adopt(twin, intercept.InterceptedForward, {"kinds": {}})
+    tables = []  # outputs that are tables the examples share (shared.py): their uses count where they meet them
+
+    def forward(p, inp):
+        out = twin(inp)
+        tables.append(shared.is_shared(out))
+        return out
+
     try:
         with layout.collecting() as row_map:
-            got_out, _, got_grads = _forward_backward(lambda p, inp: twin(inp), dict(twin._parameters), x, grad_out)
+            got_out, _, got_grads = _forward_backward(forward, dict(twin._parameters), x, grad_out)
     except Exception as e:
         return f"its forward fails with its parameter uses followed ({type(e).__name__}: {e})"
     reasons = {name: row_map.reasons(twin.pe_buffer(name)) for name in params}
@@ -441,9 +466,17 @@ def intercept_problem(module):
     if diff > PROBE_TOLERANCE[torch.float64]:
         return f"its forward with its parameter uses followed differs in the {where} by {diff:.1e}"
     unused = [name for name in params if twin.pe_buffer(name)[1].item() == 0]
-    if unused:
+    if unused and not any(tables):
         return f"its forward does not use its {', '.join(unused)} through F.linear or F.embedding"
     return None
+
+
+def _inputs(module):
+    """The parameters of module.forward (None when its signature cannot be read)."""
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 def _signature(module):

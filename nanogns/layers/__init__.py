@@ -10,10 +10,12 @@ its group in the analysis. Adding a kind is a new module and one line here.
 
 from nanogns.layers import (
     attention,  # noqa: F401,E402
+    batchnorm,  # noqa: F401,E402
     conv,  # noqa: F401,E402
     conv1d,  # noqa: F401,E402
     embedding,  # noqa: F401,E402
     experts,  # noqa: F401,E402
+    experts_dbrx,  # noqa: F401,E402
     fused,  # noqa: F401,E402  (adds the Triton variants)
     layernorm,  # noqa: F401,E402
     linear,  # noqa: F401,E402  (each import registers its kind)

@@ -38,14 +38,14 @@ import math
 
 import torch
 
-from nanogns.layers import layout
+from nanogns.layers import layout, uses
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch built without distributed
     DTensor = None
 
-BUFFER_SUFFIX = "_upegsqnorm"
+BUFFER_SUFFIX = layout.BUFFER_SUFFIX
 # why tensor-parallel layers are refused, wherever that is found (a sharded parameter in a forward, sharded buffers)
 TENSOR_PARALLEL = (
     "each rank would record the norms of its shard of the examples' gradients, which the monitor "
@@ -72,6 +72,8 @@ def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     forward's examples once, itself, as a mixture of experts does for its experts)."""
     if buffer is None:
         return
+    if counted and uses.multiple(buffer):  # a tensor used several times, by a layer that gives no factors
+        uses.add_direct(buffer)
     with torch.no_grad():
         buffer[0] += pe_sqnorm.sum().to(buffer.dtype)
         if counted:
@@ -127,28 +129,47 @@ class PESqNormBuffersMixin:
             return None
         return self._buffers.get(name + BUFFER_SUFFIX)
 
-    def pe_rows_and_buffers(self, x, *param_names):
+    def pe_rows_and_buffers(self, x, *param_names, lookup=False):
         """(Rows of x's examples, the parameters' buffers) for this forward; buffers are None for frozen
-        parameters, and all None when x's rows cannot be mapped to examples (the step is then refused)."""
+        parameters, and all None when x's rows cannot be mapped to examples (the step is then refused) or x is a
+        table shared by the examples (see rows_or_refuse)."""
         buffers = tuple(self.pe_buffer(name) for name in param_names)
         if all(b is None for b in buffers):
             return None, buffers
         params = [getattr(self, self.pe_roles.get(name, name), None) for name in param_names]
-        return rows_or_refuse(x.shape, buffers, params)
+        return rows_or_refuse(x, buffers, params, lookup)
 
 
-def rows_or_refuse(shape, buffers, params=()):
-    """(Rows of an input of `shape`, buffers), or (None, Nones) after refusing the step when they cannot be
-    mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism."""
+SHARED_INPUT = (
+    "its input has one row for the forward's {} examples (shape {}), broadcast over the batch afterwards, and no "
+    "table shared by the examples leads to it (layers/shared.py follows those an Embedding looks up); pass it "
+    "expanded to one row per example"
+)
+
+
+def rows_or_refuse(x, buffers, params=(), lookup=False):
+    """(Rows of the rows of input `x` (a tensor, or its shape), buffers), or (None, Nones) after refusing the step
+    when they cannot be mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism.
+    A table shared by the examples (layers/shared.py) gives (None, Nones) without refusing: the layer computes
+    plainly, and the table follows its parameters; ids with one row for every example give Rows 'shared' when
+    `lookup` (an Embedding then looks up a table)."""
     if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
         refuse_step(
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
         )
         return None, tuple(None for _ in buffers)
+    if getattr(type(x), "pe_shared", False) or layout.replaying():  # a table, or a module's replay (replay.py)
+        return None, tuple(None for _ in buffers)
+    shape = x.shape if isinstance(x, torch.Tensor) else x
     rows = layout.rows_for(shape)
+    if not isinstance(rows, str) and rows.kind == "shared":
+        if lookup:
+            return rows, tuple(None for _ in buffers)
+        rows = SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
     if isinstance(rows, str):
         refuse_step(rows, buffers)
         return None, tuple(None for _ in buffers)
+    layout.note_uses(buffers)
     return rows, buffers
 
 

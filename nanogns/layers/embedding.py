@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanogns.layers import layout, shared, uses
 from nanogns.layers.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.layers.registry import LayerKind, Probe, register
 from nanogns.layers.tied import note_embedding
@@ -57,8 +58,12 @@ def record_embedding_norms(ids, rows, num_embeddings, padding_idx, weight_buffer
     """A hook for the output gradient that adds the weight's per-example squared norms to the buffer."""
 
     def record(g):
-        weight_sq = embedding_pe_sqnorm(ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
+        factor = lambda: uses.EmbeddingFactor(ids, g, rows, num_embeddings, padding_idx)  # noqa: E731
+        if not uses.hand_over(weight_buffer, factor):
+            weight_sq = embedding_pe_sqnorm(
+                ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx
+            )
+            accumulate_pe_sqnorm(weight_buffer, weight_sq)
 
     return record
 
@@ -90,8 +95,9 @@ class EmbeddingFunction(torch.autograd.Function):
         grad_weight.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, dim))
         if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
             grad_weight[ctx.padding_idx] = 0
-        if ctx.weight_buffer is not None:
-            rows = ctx.rows
+        rows = ctx.rows
+        factor = lambda: uses.EmbeddingFactor(ids, grad_out, rows, num_embeddings, ctx.padding_idx)  # noqa: E731
+        if ctx.weight_buffer is not None and not uses.hand_over(ctx.weight_buffer, factor):
             weight_sq = embedding_pe_sqnorm(
                 ids_per_example(rows, ids), rows.per_example(grad_out), num_embeddings, ctx.padding_idx
             )
@@ -127,15 +133,26 @@ class _PEGradNormEmbeddingBase(PESqNormBuffersMixin, nn.Embedding):
         self.register_pe_buffers("weight")
 
     def pe_rows_and_buffers(self, ids, *param_names):
-        return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names)  # rows are the ids themselves
+        if self.__dict__.get("pe_shared_rows"):  # its parent feeds it a table shared by the examples (T5's buckets)
+            return layout.Rows("shared", 0), tuple(None for _ in param_names)
+        return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names, lookup=True)  # rows: the ids themselves
+
+    def pe_shared_lookup(self, ids, rows):
+        """A table shared by the examples (layers/shared.py) when the ids are one for all examples, else None."""
+        if rows is None or rows.kind != "shared":
+            return None
+        return shared.lookup(ids, self.weight, self.padding_idx, self.pe_buffer("weight"))
 
 
 class PEGradNormShimEmbedding(_PEGradNormEmbeddingBase):
     """nn.Embedding whose backward also records per-example norms of the weight gradient."""
 
     def forward(self, ids):
-        out = F.embedding(ids, self.weight, self.padding_idx)
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
+        table = self.pe_shared_lookup(ids, rows)
+        if table is not None:
+            return table
+        out = F.embedding(ids, self.weight, self.padding_idx)
         if weight_buffer is not None:
             on_output_grad(out, record_embedding_norms(ids, rows, self.num_embeddings, self.padding_idx, weight_buffer))
         note_embedding(weight_buffer, ids, rows, out)
@@ -147,6 +164,9 @@ class PEGradNormEmbedding(_PEGradNormEmbeddingBase):
 
     def forward(self, ids):
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
+        table = self.pe_shared_lookup(ids, rows)
+        if table is not None:
+            return table
         out = embedding(ids, self.weight, self.padding_idx, weight_buffer, rows)
         note_embedding(weight_buffer, ids, rows, out)
         return out
@@ -164,13 +184,15 @@ def convertible(module):
 # attribute names under which transformers' models keep an Embedding fed a table shared by the whole batch
 SHARED_TABLES = {
     "relative_attention_bias": "its input is a (query, key) table of relative-position buckets that the attention "
-    "shares across the batch (T5 and its kin), so no row belongs to one example",
+    "shares across the batch (T5 and its kin)",
 }
 
 
 def in_parent(parent, name, module):
+    """None: converted; an Embedding its parent feeds a table shared by the batch is marked so, and looks up a
+    table shared by the examples (layers/shared.py)."""
     if name in SHARED_TABLES and getattr(parent, "has_relative_attention_bias", True):
-        return f"{type(module).__name__} not converted: {SHARED_TABLES[name]}"
+        module.__dict__["pe_shared_rows"] = True
     return None
 
 

@@ -28,13 +28,14 @@ Linear whatever the setting, after a probe in float64 shows it computes what the
 module computes (outputs and every gradient).
 """
 
+import collections
 import math
 
 import torch
 import torch.nn as nn
 
 from nanogns.layers import functional, layout
-from nanogns.layers.buffers import PESqNormBuffersMixin, refuse_step
+from nanogns.layers.buffers import PESqNormBuffersMixin, on_output_grad, refuse_step
 from nanogns.layers.registry import LayerKind, adopt, register
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -80,11 +81,6 @@ class PEGradNormExperts(PESqNormBuffersMixin):
         if isinstance(rows, str):
             refuse_step(rows, buffers)
             rows = None
-        elif torch.is_grad_enabled():
-            with torch.no_grad():  # each example counted once per bank; the experts add their norms' sums
-                for buffer in buffers:
-                    if buffer is not None:
-                        buffer[1] += rows.examples
         example_of_token = rows.example_ids(hidden_states.shape[0], hidden_states.device) if rows else None
         num_experts = getattr(self, "gate_up_proj", getattr(self, "up_proj", None)).shape[0]
         out = torch.zeros_like(hidden_states)
@@ -112,7 +108,22 @@ class PEGradNormExperts(PESqNormBuffersMixin):
             )
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
+        if rows is not None and torch.is_grad_enabled():  # each example counted once per bank, in backward (a
+            on_output_grad(out, _count_examples(rows.examples, buffers))  # recompute's graph gets none: no use)
         return out
+
+
+def _count_examples(examples, buffers):
+    """A hook for the output gradient that counts the forward's examples once in each bank's buffer (the experts
+    add their norms' sums, counted=False)."""
+
+    def count(grad):
+        with torch.no_grad():
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer[1] += examples
+
+    return count
 
 
 def convertible(module):
@@ -180,7 +191,7 @@ def _probe(module, variant_cls, dtype, tolerance):
         _parameters=dict(module._parameters),
         _buffers=dict(module._buffers),
         _forward_hooks={},
-        _forward_pre_hooks={},
+        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
         _backward_hooks={},
         _backward_pre_hooks={},
     )

@@ -45,7 +45,7 @@ from torch import Tensor
 from nanogns.layers import embedding as embedding_kind
 from nanogns.layers import layernorm as layernorm_kind
 from nanogns.layers import linear as linear_kind
-from nanogns.layers import registry
+from nanogns.layers import registry, shared
 from nanogns.layers.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
 from nanogns.layers.layernorm import torch_layer_norm
 from nanogns.layers.layout import Rows
@@ -93,7 +93,7 @@ def linear(
     (tokens routed to an expert); default: the layout's."""
     x, weight, bias = autocast_inputs(x, weight, bias)
     rows, buffers = (
-        rows_or_refuse(x.shape, (weight_buffer, bias_buffer), (weight, bias))
+        rows_or_refuse(x, (weight_buffer, bias_buffer), (weight, bias))
         if rows is None
         else (rows, (weight_buffer, bias_buffer))
     )
@@ -109,7 +109,9 @@ def embedding(
     """F.embedding(ids, weight, padding_idx) (no max_norm), recording per-example norms of the weight gradient."""
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]  # F.embedding's convention
-    rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,), (weight,))
+    rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,), (weight,), lookup=True)
+    if rows is not None and rows.kind == "shared":  # one row of ids for every example: a table they share
+        return shared.lookup(ids, weight, padding_idx, weight_buffer)
     out = embedding_kind.embedding(ids, weight, padding_idx, buffer, rows)
     note_embedding(buffer, ids, rows, out)
     return out
@@ -127,7 +129,7 @@ def layer_norm(
     out_dtype = autocast_result_dtype(torch_layer_norm, x, weight, bias)
     if torch.is_autocast_enabled(x.device.type):
         x = x.float()  # computed in float32 under autocast
-    rows, buffers = rows_or_refuse(x.shape, (weight_buffer, bias_buffer))
+    rows, buffers = rows_or_refuse(x, (weight_buffer, bias_buffer))
     with torch.autocast(x.device.type, enabled=False):
         return layernorm_kind.layer_norm(x, weight, bias, eps, *buffers, rows, out_dtype)
 
@@ -136,5 +138,5 @@ def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = None, weight_buff
     """F.rms_norm over the last dim times weight, recording per-example norms of the weight gradient."""
     out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
-    rows, (buffer,) = rows_or_refuse(x.shape, (weight_buffer,))
+    rows, (buffer,) = rows_or_refuse(x, (weight_buffer,))
     return layernorm_kind.affine(xhat, weight, None, buffer, None, rows).to(out_dtype)

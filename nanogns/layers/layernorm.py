@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanogns.layers import uses
 from nanogns.layers.buffers import (
     PESqNormBuffersMixin,
     accumulate_pe_sqnorm,
@@ -66,11 +67,18 @@ def record_affine_norms(xhat, rows, weight_buffer, bias_buffer):
 
     def record(g):
         weight_grads, bias_grads = affine_pe_grads(rows.per_example(xhat), rows.per_example(g), bias_buffer is not None)
-        accumulate_pe_sqnorm(weight_buffer, weight_grads.pow(2).sum(dim=1))
+        record_pe_grads(weight_buffer, weight_grads)
         if bias_buffer is not None:
-            accumulate_pe_sqnorm(bias_buffer, bias_grads.pow(2).sum(dim=1))
+            record_pe_grads(bias_buffer, bias_grads)
 
     return record
+
+
+def record_pe_grads(buffer, pe_grads):
+    """Add the squared norms of per-example gradients (N, D) to the buffer, or hand them over when the forward used
+    the tensor more than once (layers/uses.py sums its uses)."""
+    if not uses.hand_over(buffer, lambda: uses.DenseFactor(pe_grads)):
+        accumulate_pe_sqnorm(buffer, pe_grads.pow(2).sum(dim=1))
 
 
 def affine(xhat, weight, bias, weight_buffer, bias_buffer, rows):
@@ -114,10 +122,10 @@ class AffineFunction(torch.autograd.Function):
                 xs, gs = rows.per_example(xhat), rows.per_example(grad_out)
             pe_grad_weight, pe_grad_bias = affine_pe_grads(xs, gs, ctx.has_bias)  # (N, D) each
             if ctx.needs_input_grad[1]:
-                accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
+                record_pe_grads(weight_buffer, pe_grad_weight)
                 grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+                record_pe_grads(bias_buffer, pe_grad_bias)
                 grad_bias = pe_grad_bias.sum(dim=0).to(weight.dtype)
         return grad_xhat, grad_weight, grad_bias, None, None, None
 
@@ -152,11 +160,11 @@ class LayerNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # else a frozen weight: no gradient, no norms
             xhat_times_g = torch.sub(x, mean).mul_(rstd).mul_(grad_out)  # one temporary, reused in place
             pe_grad_weight = per_example(xhat_times_g).sum(dim=1, dtype=dtype)  # (N, D)
-            accumulate_pe_sqnorm(weight_buffer, pe_grad_weight.pow(2).sum(dim=1))
+            record_pe_grads(weight_buffer, pe_grad_weight)
             grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
         if bias is not None and ctx.needs_input_grad[2]:
             pe_grad_bias = per_example(grad_out).sum(dim=1, dtype=dtype)  # (N, D)
-            accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1))
+            record_pe_grads(bias_buffer, pe_grad_bias)
             grad_bias = pe_grad_bias.sum(dim=0).to(bias.dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
 

@@ -39,6 +39,10 @@ from typing import Optional
 import torch
 
 # keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
+BUFFER_SUFFIX = "_upegsqnorm"  # buffers.py's (which imports this module)
+# layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
+# (transformers' Swin blocks: window_partition of (N, H, W, C) into (N * windows, ws, ws, C)), and join them back
+WINDOWED = ("SwinLayer", "Swinv2Layer")
 EXAMPLE_ARGUMENTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "idx")
 _HOOK_ATTRIBUTE = "_pe_layout_hook"
 
@@ -50,7 +54,8 @@ class Rows:
     kind: 'dim0'     (N, ...): dim 0 is the example, the other leading dims its positions;
           'flat'     (N*T,): row r belongs to example r // T (flattened from (N, T));
           'seqfirst' (T, N): dim 1 is the example (torch's sequence-first layers, batch_first=False);
-          'ragged'   rows in any order, `example_of_row` (R,) giving each row's example.
+          'ragged'   rows in any order, `example_of_row` (R,) giving each row's example;
+          'shared'   (1, ...): one row for all N examples, a table they share (layers/shared.py).
     """
 
     kind: str
@@ -117,8 +122,10 @@ class Layout:
     packed: Optional[Rows] = None
     sequence_first: bool = False  # the model holds sequence-first layers (torch's batch_first=False)
 
-    def rows_for(self, shape):
-        """Rows for an input of `shape` (..., D), or a str saying why its rows cannot be mapped."""
+    def rows_for(self, shape, windows=False):
+        """Rows for an input of `shape` (..., D), or a str saying why its rows cannot be mapped. windows: inside a
+        layer known to split each example into windows (WINDOWED), a dim 0 of k * N rows holds the examples'
+        windows one example after the other."""
         leading = tuple(shape[:-1])
         rows = 1
         for n in leading:
@@ -145,17 +152,14 @@ class Layout:
             )
         if leading and leading[0] == self.examples:
             return Rows("dim0", self.examples)
-        if len(leading) > 1 and leading[0] == 1:
-            return (
-                f"its input has one row for the forward's {self.examples} examples (shape {leading}), broadcast "
-                "over the batch afterwards (as transformers' default position_ids of GPT-2 and BERT are), so no "
-                "example's gradient can be told apart; pass it expanded to one row per example, e.g. "
-                "model(input_ids, position_ids=torch.arange(T).expand(B, T))"
-            )
+        if len(leading) > 1 and leading[0] == 1:  # one row for the N examples: a table they share (shared.py)
+            return Rows("shared", self.examples)
         if len(leading) == 1 and self.examples and rows % self.examples == 0 and rows // self.examples in self.lengths:
             return Rows("flat", self.examples, positions=rows // self.examples)
         if len(leading) == 2 and leading[1] == self.examples and leading[0] in self.lengths:
             return Rows("seqfirst", self.examples, positions=leading[0])
+        if windows and leading and self.examples and leading[0] % self.examples == 0:
+            return Rows("flat", self.examples, positions=rows // self.examples)  # example-major windows
         lengths = ", ".join(f"({self.examples}, {T})" for T in sorted(self.lengths))
         return (
             f"its input has rows {leading or '()'}: dim 0 is not the forward's {self.examples} examples"
@@ -169,12 +173,19 @@ class RowMapper:
     reasons its layers gave for the rows they could not map this step (a buffer's count is then NaN, and the
     monitor's error says why). The monitor clears the reasons with the buffers after each step.
 
-    Reasons are kept by the address range of the buffer they concern: a bank's buffer holds its slices' views."""
+    Reasons are kept by the address range of the buffer they concern: a bank's buffer holds its slices' views.
+    `shared` lists the tensors whose uses are summed together although several modules record them (a matrix
+    tied between an embedding and a head): see layers/uses.py."""
 
     def __init__(self, layout_of=None):
         self.layout_of = layout_of
         self.handles = ()
         self.refusals = {}  # {buffer's data_ptr: reason}
+        self.mixing = {}  # {layer: why} of this step's layers that mixed the examples (batchnorm.py): no number
+        self.shared = []  # [SharedTensor]: tensors recorded by several modules' buffers (uses.py)
+        self.model = None  # the model installed (its parameters' buffers: buffer_of)
+        self._buffers_of = {}  # {id(parameter): its buffer}
+        self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
 
     def note_refusal(self, reason, buffers):
         for buffer in buffers:
@@ -187,13 +198,88 @@ class RowMapper:
         end = start + buffer.numel() * buffer.element_size()
         return [reason for address, reason in self.refusals.items() if start <= address < end]
 
+    def note_mixing(self, layer, reason):
+        self.mixing[layer] = reason
+
     def clear(self):
         self.refusals.clear()
+        self.mixing.clear()
+
+    def buffer_of(self, param):
+        """The `<name>_upegsqnorm` buffer recording parameter `param` on the model's modules, or None."""
+        if id(param) not in self._buffers_of and self.model is not None:
+            self._buffers_of = {
+                id(p): module._buffers.get(name + BUFFER_SUFFIX)
+                for module in self.model.modules()
+                for name, p in module.named_parameters(recurse=False)
+            }
+        found = self._buffers_of.get(id(param))
+        return found if found is not None and param.requires_grad else None
+
+    def finish(self):
+        """Record what the last forward's uses left pending (uses.py); the monitor calls it before reading a step."""
+        if self.last_pass is not None:
+            self.last_pass.finish()
 
 
-# The forward context every layer reads, per process as torch's autocast state is: the (Layout, RowMapper) of
-# the root forwards running now (innermost last), the last root forward's (what activation checkpointing
-# recomputes under in backward), and collectors of refusals outside any installed model (convert's probes).
+@dataclass(frozen=True)
+class SharedTensor:
+    """One tensor whose per-example gradient several modules' buffers record (a tied embedding and head).
+
+    Attributes:
+        members: ((module, buffer name), ...), the first one's buffer records the sum of every use's gradient.
+        pairwise: True when each member used once is measured by the members' own norms and a cross term (tied.py).
+    """
+
+    members: tuple
+    pairwise: bool = False
+
+    def addresses(self):
+        return tuple(module._buffers[name].data_ptr() for module, name in self.members)
+
+    def target(self):
+        module, name = self.members[0]
+        return module._buffers[name]
+
+
+class Pass:
+    """One forward of an installed model, and the backward that follows it: its Layout, the model's RowMapper,
+    how many times the forward used each recorded tensor (by its buffer's address; `counting` is False for a
+    recompute by activation checkpointing, which is no use), and the per-example gradients that tensors used more
+    than once gather until their last use's backward (uses.py)."""
+
+    def __init__(self, layout, mapper, counting):
+        self.layout, self.mapper, self.counting = layout, mapper, counting
+        self.uses = {}  # {buffer's data_ptr: uses in this forward}
+        self.pending = {}  # {key: what uses.py gathers for a tensor used more than once}
+        self.groups = {}  # {buffer's data_ptr: SharedTensor}
+        self.windows = 0  # > 0 while a layer splitting its examples into windows runs (WINDOWED)
+        self.replaying = 0  # > 0 while a module's forward is replayed per example (replay.py): layers plain
+        self.backward_seen = False  # a layer's backward asked about this pass's uses (uses.py)
+        self.interleaved = False  # it began before the backward of an earlier forward with tensors used twice
+        if counting:
+            for shared in mapper.shared:
+                for address in shared.addresses():
+                    self.groups[address] = shared
+
+    def note_uses(self, buffers):
+        if not self.counting:
+            return
+        for buffer in buffers:
+            if buffer is not None:
+                address = buffer.data_ptr()
+                self.uses[address] = self.uses.get(address, 0) + 1
+
+    def finish(self):
+        """Record every tensor whose uses are still pending (a use whose backward never came adds nothing)."""
+        pending, self.pending = self.pending, {}
+        for gathered in pending.values():
+            gathered.finish()
+
+
+# The forward context every layer reads, per process as torch's autocast state is: the Passes of the root forwards
+# running now (innermost last), the last root forward's (what activation checkpointing recomputes under in
+# backward), and collectors of refusals outside any installed model (convert's probes).
 _active = []
 _last = None
 _collectors = []
@@ -204,24 +290,37 @@ def _in_backward():
     return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
+def current_pass():
+    """The Pass layers record into now: the innermost running root forward's, or during a backward pass (layers
+    recomputed by activation checkpointing, backward functions) the last root forward's; None outside both."""
+    if _active:
+        return _active[-1]
+    if _last is not None and _in_backward():
+        return _last
+    return None
+
+
 def current():
     """The Layout layers read now: the innermost running root forward's, or during a backward pass (layers
     recomputed by activation checkpointing) the last root forward's; None outside both."""
-    if _active:
-        return _active[-1][0]
-    if _last is not None and _in_backward():
-        return _last[0]
-    return None
+    found = current_pass()
+    return found.layout if found is not None else None
+
+
+def note_uses(buffers):
+    """Count a use of each of these buffers' tensors by the forward running now (not by a recompute in backward,
+    nor outside an installed model's forward; not under torch.compile, which traces no such bookkeeping)."""
+    if _active and not torch.compiler.is_compiling():
+        _active[-1].note_uses(buffers)
 
 
 def note_refusal(reason, buffers):
     """Keep why these buffers' step is refused, with the RowMapper of the forward running now (or, in backward,
     of the last one; or the innermost `collecting()`), for the monitor's error. Outside all of them the count
     of NaN still refuses the step; only the reason is not kept."""
-    if _active:
-        mapper = _active[-1][1]
-    elif _last is not None and _in_backward():
-        mapper = _last[1]
+    found = current_pass()
+    if found is not None:
+        mapper = found.mapper
     elif _collectors:
         mapper = _collectors[-1]
     else:
@@ -242,10 +341,35 @@ def collecting():
 
 def rows_for(shape):
     """Rows of an input of `shape` under the current layout (dim 0 when none is set), or why it cannot be mapped."""
-    found = current()
-    if found is None:
+    found = current_pass()
+    if found is None or found.layout is None:
         return Rows("dim0", shape[0] if len(shape) > 1 else 1)
-    return found.rows_for(shape)
+    return found.layout.rows_for(shape, windows=found.windows > 0)
+
+
+def replaying():
+    """True while a module's forward is replayed per example (replay.py): layers under it compute plainly."""
+    found = current_pass()
+    return found is not None and found.replaying > 0
+
+
+@contextlib.contextmanager
+def replay():
+    """Mark the current pass as replaying a module's forward per example (its backward's, usually)."""
+    found = current_pass()
+    if found is not None:
+        found.replaying += 1
+    try:
+        yield
+    finally:
+        if found is not None:
+            found.replaying -= 1
+
+
+def in_windows():
+    """True while a layer known to split each example into windows runs (WINDOWED)."""
+    found = current_pass()
+    return found is not None and found.windows > 0
 
 
 def _tensors(args, kwargs):
@@ -299,6 +423,7 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
     if found is not None:
         return found
     mapper = mapper if mapper is not None else RowMapper(layout_of)
+    mapper.model = mapper.model or model
     sequence_first = any(getattr(m, "batch_first", True) is False for m in model.modules())
 
     def enter(module, args, kwargs):
@@ -306,9 +431,15 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         found = layout_of(args, kwargs)
         if found is not None and sequence_first:
             found = dataclasses.replace(found, sequence_first=True)
-        _active.append((found, mapper))
-        if found is not None and torch.is_grad_enabled():
-            _last = (found, mapper)
+        recompute = _in_backward()  # activation checkpointing running the whole model again: no new uses
+        this = Pass(found, mapper, counting=torch.is_grad_enabled() and not recompute)
+        if found is not None and this.counting:
+            earlier = mapper.last_pass  # a forward with tensors used several times whose backward has not begun:
+            if earlier is not None and not earlier.backward_seen and any(n > 1 for n in earlier.uses.values()):
+                this.interleaved = True  # their uses could not be told apart from this forward's (uses.py)
+            mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
+            mapper.last_pass = _last = this
+        _active.append(this)
 
     def leave(module, args, kwargs, output):
         _active.pop()
@@ -317,8 +448,26 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         model.register_forward_pre_hook(enter, with_kwargs=True),
         model.register_forward_hook(leave, with_kwargs=True, always_call=True),
     )
+    for module in model.modules():
+        if type(module).__name__.endswith(WINDOWED):
+            mapper.handles += (
+                module.register_forward_pre_hook(_windows_entered),
+                module.register_forward_hook(_windows_left, always_call=True),
+            )
     model.__dict__[_HOOK_ATTRIBUTE] = mapper  # not a submodule or buffer: state_dict and copies stay clean
     return mapper
+
+
+def _windows_entered(module, args):
+    found = current_pass()  # in backward too: a recompute by activation checkpointing
+    if found is not None:
+        found.windows += 1
+
+
+def _windows_left(module, args, output):
+    found = current_pass()
+    if found is not None:
+        found.windows = max(0, found.windows - 1)
 
 
 def mapper_of(model):

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanogns.layers import uses
 from nanogns.layers.buffers import (
     PESqNormBuffersMixin,
     accumulate_pe_sqnorm,
@@ -191,9 +192,9 @@ def record_linear_norms(x, rows, weight_buffer, bias_buffer):
 
     def record(g):
         gs = rows.per_example(g)
-        if weight_buffer is not None:
+        if weight_buffer is not None and not uses.hand_over(weight_buffer, lambda: uses.LinearWeightFactor(x, g, rows)):
             accumulate_pe_sqnorm(weight_buffer, linear_pe_sqnorm(rows.per_example(x), gs))
-        if bias_buffer is not None:
+        if bias_buffer is not None and not uses.hand_over(bias_buffer, lambda: uses.RowSumFactor(g, rows)):
             accumulate_pe_sqnorm(bias_buffer, bias_pe_grads(gs).pow(2).sum(dim=1))
 
     return record
@@ -220,10 +221,15 @@ def linear_backward(ctx, grad_out):
             grad_bias = grad_out.reshape(-1, L).sum(dim=0)
         return grad_x, grad_weight, grad_bias, None, None, None
     gs = ctx.rows.per_example(grad_out) if needs_weight or needs_bias else None  # (N, T, L)
-    if needs_weight:
+    if needs_weight and uses.hand_over(weight_buffer, lambda: uses.LinearWeightFactor(x, grad_out, ctx.rows)):
+        L = grad_out.shape[-1]  # a weight used several times per forward: its uses' gradients summed (uses.py)
+        grad_weight = grad_out.reshape(-1, L).t() @ x.reshape(-1, x.shape[-1])
+    elif needs_weight:
         grad_weight, weight_sq = linear_weight_grad_and_pe_sqnorm(ctx.rows.per_example(x), gs)
         accumulate_pe_sqnorm(weight_buffer, weight_sq, ctx.rows.counted)
-    if needs_bias:
+    if needs_bias and uses.hand_over(bias_buffer, lambda: uses.RowSumFactor(grad_out, ctx.rows)):
+        grad_bias = gs.sum(dim=(0, 1))
+    elif needs_bias:
         pe_grad_bias = bias_pe_grads(gs)  # (N, L)
         grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
         accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1), ctx.rows.counted)

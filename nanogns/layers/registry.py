@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from nanogns.layers import shared
+
 VARIANTS = ("nn", "shim", "gns", "fused")  # the layer choices every kind offers ('nn' = the plain torch layer)
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
 
@@ -161,6 +163,12 @@ def adopted_class(variant_cls, original_cls, roles=()):
     return _adopted_classes[key]
 
 
+def own_class_name(module):
+    """The name of the class a module had before it was adopted ("BatchNorm2d", not "PEGradNormBatchNorm(...)")."""
+    name = type(module).__name__
+    return name[name.index("(") + 1 : -1] if name.endswith(")") and "(" in name else name
+
+
 def adopt(module, variant_cls, options):
     """Turn `module` into a layer of `variant_cls` in place: the same object, Parameters, buffers, hooks and
     attributes, plus the options the variant's forward reads (eps, ...) and its per-example norm buffers.
@@ -169,6 +177,9 @@ def adopt(module, variant_cls, options):
     options.pop("weight", None), options.pop("bias", None)
     module.__class__ = adopted_class(variant_cls, type(module), roles)
     module.pe_adopt(options)
+    if not module.__dict__.get("_pe_tables_hooked"):  # a parameter as its input: a table (shared.py)
+        module.__dict__["_pe_tables_hooked"] = True
+        module.register_forward_pre_hook(shared.parameters_as_tables)
     return module
 
 

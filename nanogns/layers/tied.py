@@ -32,6 +32,7 @@ under all its names joined by "+" (e.g. `transformer.wte.weight+lm_head.weight`)
 import torch
 import torch.nn as nn
 
+from nanogns.layers import uses
 from nanogns.layers.buffers import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, on_output_grad, refuse_step
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
@@ -51,8 +52,8 @@ class _ForwardPass:
 def _embedding_cross_term(forward_pass, cross_buffer, grad_out):
     """In the embedding's backward: add sum_t delta_t . P_t per example to the cross buffer."""
     p, forward_pass.p = forward_pass.p, None
-    if p is None:  # the output layer took no part in this backward, so the cross term is 0
-        return
+    if p is None or uses.multiple(cross_buffer):  # the head took no part in this backward: the cross term is 0;
+        return  # or the tensor was used more than twice: its uses are summed by uses.py, with no cross term here
     delta = forward_pass.rows.per_example(grad_out).to(p.dtype)
     if forward_pass.padding_idx is not None:
         delta = delta.masked_fill((forward_pass.ids == forward_pass.padding_idx).unsqueeze(-1), 0)
@@ -143,7 +144,13 @@ class TiedParameter:
                 "or untie the weights"
             )
         x = x.detach()
-        on_output_grad(out, lambda grad_logits: _head_cross_term(forward_pass, x, rows, grad_logits))
+        cross_buffer = self.embedding._buffers[self._cross_buffer_name]
+
+        def head_backward(grad_logits):
+            if not uses.multiple(cross_buffer):  # else uses.py sums the uses
+                _head_cross_term(forward_pass, x, rows, grad_logits)
+
+        on_output_grad(out, head_backward)
 
     def remove(self):
         for handle in self.handles:
@@ -185,11 +192,11 @@ def link_tied_parameters(model):
         for param_name, param in module.named_parameters(recurse=False):
             users.setdefault(id(param), []).append((module_name, module, param_name))
     linked = {}
-    for key, uses in users.items():
-        modules = {id(m): (n, m, p) for n, m, p in uses}
+    for key, using in users.items():
+        modules = {id(m): (n, m, p) for n, m, p in using}
         if len(modules) != 2:
             continue  # not shared, or one module registered twice (a shared module: one use)
-        if not getattr(uses[0][1], uses[0][2]).requires_grad:
+        if not getattr(using[0][1], using[0][2]).requires_grad:
             continue  # frozen: no gradient, so no cross term to pay for (the monitor skips it as frozen)
         (_, a, pa), (_, b, pb) = modules.values()
         embedding, linear = (a, b) if isinstance(a, nn.Embedding) else (b, a)
@@ -200,7 +207,7 @@ def link_tied_parameters(model):
             continue
         existing = getattr(embedding, "_pe_tied_parameter", None)
         if existing is None:
-            names = [(n + "." if n else "") + p for n, _, p in uses]
+            names = [(n + "." if n else "") + p for n, _, p in using]
             names = [n for n, _ in model.named_parameters(remove_duplicate=False) if n in names]
             existing = TiedParameter(names, "weight", embedding, linear)
             embedding._pe_tied_parameter = existing

@@ -34,10 +34,16 @@ import torch
 import torch.nn as nn
 
 from nanogns.estimator import RunningGNS
-from nanogns.layers import layout
+from nanogns.layers import batchnorm, layout
 from nanogns.layers.sogns import SOGNS_SUFFIX
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
-from nanogns.monitor.tracked import Measurement, describe_tracked, find_tracked_parameters, summed_sqnorms
+from nanogns.monitor.tracked import (
+    Measurement,
+    describe_tracked,
+    find_tracked_parameters,
+    shared_tensors,
+    summed_sqnorms,
+)
 from nanogns.runlog.record import write_parameter_record
 
 if TYPE_CHECKING:
@@ -103,8 +109,10 @@ class GNSMonitor:
     ):
         self._warned = set()  # parameters warned about (once each)
         self.row_map = layout.install(model)  # each forward's examples, read by every layer (layout.py)
+        batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
+        self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (layers/uses.py)
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self.unconverted = dict(unconverted or {})
         if expect_tracked and not self.tracked and not self.approx_tracked:
@@ -166,6 +174,13 @@ class GNSMonitor:
         Raises ValueError when a buffer's count of examples is not batch_size (or a forward's rows could not be
         mapped to its examples), when a parameter whose layer recorded examples has no gradient, and when one
         with a gradient had no example recorded."""
+        if self.row_map.mixing:  # every rank's model mixes alike: each refuses here, before the all-reduce
+            (layer, why), *others = self.row_map.mixing.items()
+            raise ValueError(
+                f"GNS: this step is not measured: {layer} mixes the examples of the batch: {why}"
+                + (f" (and {len(others)} more such layers)" if others else "")
+            )
+        self.row_map.finish()  # what the last forward's uses left pending (layers/uses.py)
         values, finite, no_grad = self.reader.read(self._scaler_on())
         self.step_count += 1
         self.measurements, self.approx_measurements = [], []
@@ -250,10 +265,9 @@ class GNSMonitor:
             }
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
             return ValueError(
-                f"GNS: {entry.name}: this step is not measured: its layer's input rows could not be "
-                f"mapped to the forward's examples ({why}). See layout.py for the rows that can be "
-                f"mapped; for a layout of your own, pass layout.install(model, layout_of=...); to "
-                f"leave the layer untracked, convert(model, exclude=[its path])"
+                f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
+                f"See layout.py for the rows that can be mapped; for a layout of your own, pass "
+                f"layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
         return ValueError(
             f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "

@@ -150,7 +150,7 @@ class StepReader:
         n = len(self.tracked)
         per_device = {}
         for i, entry in enumerate(self.tracked):
-            for term, (module, name, coefficient) in enumerate(entry.terms):
+            for module, name, coefficient in entry.terms:
                 device, offset = self.table.slot[(id(module), name)]
                 numel = module._buffers[name].numel()
                 sums = per_device.setdefault(device, ([], [], [], [[] for _ in range(n)]))
@@ -158,8 +158,7 @@ class StepReader:
                     sums[0].append(offset + 2 * row)
                     sums[1].append(i)
                     sums[2].append(coefficient)
-                    if term == 0:
-                        sums[3][i].append(offset + 2 * row + 1)
+                    sums[3][i].append(offset + 2 * row + 1)  # the examples: the most any term counted
         self._indices = {}
         for device, (slots, entries, coefficients, counts) in per_device.items():
             pad = self.table.flats[device].numel() - 1  # the zero padding slot

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 import torch.nn as nn
 
 from nanogns.layers.buffers import BUFFER_SUFFIX
+from nanogns.layers.layout import SharedTensor
 from nanogns.layers.registry import group_of
 from nanogns.layers.tied import link_tied_parameters
 
@@ -146,13 +147,18 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
             layer, layer_attr = _owner(model, recorded[0])
             tracked.append(Tracked(name, ParameterRef(module, attr), [(layer, layer_attr + suffix, 1.0)]))
             continue
+        recorders = {id(_owner(model, n)[0]): _owner(model, n) for n in recorded}
+        if len(owners) > 1 and len(recorders) == len(owners) and suffix == BUFFER_SUFFIX:
+            # every module using the tensor records it: their uses are summed together (layers/uses.py)
+            terms = [(layer, layer_attr + suffix, 1.0) for layer, layer_attr in recorders.values()]
+            tracked.append(Tracked("+".join(names), ParameterRef(module, attr), terms))
+            continue
         if len(owners) > 1 and any(n + suffix in buffers for n in names):
             layers_using = [type(_owner(model, n)[0]).__name__ for n in names]
             skipped[name] = (
                 f"tied to {', '.join(n for n in names if n != name)}: one tensor used by {len(owners)} "
-                f"layers ({', '.join(layers_using)}); the norm of its per-example gradient needs the "
-                "cross terms between every pair of uses, which are computed for one Embedding and one "
-                "Linear that both record per-example norms, and for no other sharing"
+                f"layers ({', '.join(layers_using)}), some of which record no per-example norms (plain torch "
+                "layers): the norm of its per-example gradient is the sum over every use's"
             )
         elif parametrized_layer is not None and parametrized_layer + "." + name.split(".")[-2] + suffix in buffers:
             skipped[name] = (
@@ -164,6 +170,17 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
         else:
             tracked.append(Tracked(name, ParameterRef(module, attr), [(module, attr + suffix, 1.0)]))
     return tracked, skipped
+
+
+def shared_tensors(tracked):
+    """The layout.SharedTensor of every tracked tensor that several modules' buffers record, whose uses are summed
+    together in backward (layers/uses.py); a tied Embedding/Linear pair (its cross term weighted 2) keeps tied.py's
+    cross term when each is used once."""
+    return [
+        SharedTensor(tuple((m, n) for m, n, _ in entry.terms), pairwise=any(c != 1.0 for _, _, c in entry.terms))
+        for entry in tracked
+        if len(entry.terms) > 1
+    ]
 
 
 def describe_tracked(model, tracked):

@@ -1,0 +1,336 @@
+"""
+Modules no kind describes, each against the brute-force loop over examples (float64, two uneven micro-batches,
+padded sequences): their forward is kept, with their parameters' uses followed (intercept.py) or, where those
+cannot be followed, replayed per example in backward (replay.py): Mamba's and Mamba2's mixers (conv1d and dt_proj
+read directly, A_log, D), the gated norm of Mamba2, Zamba2, Bamba and FalconH1 (never swapped for a one-input
+RMSNorm), Jamba, GPT-OSS's attention sinks, Cohere's per-head q/k norms, Nemotron's LayerNorm1P, RWKV's time
+mixing, DeepSeek-V3's router, Wav2Vec2's GroupNorm and weight-normed position convolution, ConvNeXt's channel
+LayerNorm and layer scale, DBRX's expert banks (a kind of their own). A module whose output for one example
+depends on the others is refused with that reason.
+
+    python -m pytest -q tests/test_conversion_generic.py
+
+Models are built from tiny configs with random weights (nothing is downloaded).
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, config, lm_batch, lm_losses, measured
+
+import nanogns as lc
+from nanogns.layers.experts_dbrx import PEGradNormDbrxExperts
+from nanogns.layers.intercept import InterceptedForward
+from nanogns.layers.replay import ReplayedForward
+
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MAMBA2 = dict(mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4)
+NO_DROPOUT = {k: 0.0 for k in ("hidden_dropout", "attention_dropout", "activation_dropout", "feat_proj_dropout")}
+
+
+def causal_lms():
+    """{name: a function building the tiny model (float32; the test makes it float64)}."""
+    return {
+        "Mamba": lambda: transformers.MambaForCausalLM(
+            transformers.MambaConfig(
+                vocab_size=TINY["vocab_size"], hidden_size=16, num_hidden_layers=1, state_size=4, conv_kernel=3
+            )
+        ),
+        "Mamba2": lambda: transformers.Mamba2ForCausalLM(
+            transformers.Mamba2Config(
+                vocab_size=TINY["vocab_size"],
+                hidden_size=16,
+                num_hidden_layers=1,
+                state_size=4,
+                n_groups=1,
+                head_dim=8,
+                num_heads=4,
+                chunk_size=4,
+                conv_kernel=3,
+            )
+        ),
+        "Jamba": lambda: transformers.JambaForCausalLM(
+            config(
+                transformers.JambaConfig,
+                **{**TINY, "num_hidden_layers": 2},
+                **IDS,
+                num_key_value_heads=1,
+                num_experts=4,
+                num_experts_per_tok=2,
+                attn_layer_period=2,
+                attn_layer_offset=1,
+                expert_layer_period=2,
+                expert_layer_offset=1,
+                mamba_d_state=4,
+                mamba_d_conv=3,
+                mamba_expand=2,
+                mamba_dt_rank=4,
+            )
+        ),
+        "Zamba2": lambda: transformers.Zamba2ForCausalLM(
+            config(
+                transformers.Zamba2Config,
+                **{**TINY, "num_hidden_layers": 2},
+                **IDS,
+                **{k: v for k, v in MAMBA2.items() if k != "mamba_chunk_size"},
+                num_key_value_heads=2,
+                mamba_ngroups=1,
+                mamba_headdim=8,
+                n_mamba_heads=4,
+                layers_block_type=["mamba", "hybrid"],
+                num_mem_blocks=1,
+                use_shared_attention_adapter=False,
+                chunk_size=4,
+                use_mem_rope=False,
+            )
+        ),
+        "Bamba": lambda: transformers.BambaForCausalLM(
+            config(
+                transformers.BambaConfig,
+                **{**TINY, "num_hidden_layers": 2},
+                **IDS,
+                **MAMBA2,
+                num_key_value_heads=1,
+                mamba_n_groups=1,
+                mamba_d_head=8,
+                mamba_n_heads=4,
+                attn_layer_indices=[1],
+            )
+        ),
+        "FalconH1": lambda: transformers.FalconH1ForCausalLM(
+            config(
+                transformers.FalconH1Config,
+                **TINY,
+                **IDS,
+                **MAMBA2,
+                num_key_value_heads=1,
+                head_dim=8,
+                mamba_d_ssm=32,
+                mamba_n_groups=1,
+                mamba_d_head=8,
+                mamba_n_heads=4,
+                mamba_rms_norm=True,
+            )
+        ),
+        "GPT-OSS": lambda: transformers.GptOssForCausalLM(
+            config(
+                transformers.GptOssConfig,
+                **TINY,
+                **IDS,
+                num_key_value_heads=1,
+                head_dim=8,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                layer_types=["full_attention"],
+            )
+        ),
+        "Cohere": lambda: transformers.CohereForCausalLM(
+            config(transformers.CohereConfig, **TINY, **IDS, num_key_value_heads=1, use_qk_norm=True)
+        ),
+        "Nemotron": lambda: transformers.NemotronForCausalLM(
+            config(transformers.NemotronConfig, **TINY, **IDS, num_key_value_heads=1)
+        ),
+        "RWKV": lambda: transformers.RwkvForCausalLM(
+            transformers.RwkvConfig(
+                vocab_size=TINY["vocab_size"],
+                hidden_size=16,
+                num_hidden_layers=2,
+                attention_hidden_size=16,
+                intermediate_size=24,
+                context_length=32,
+            )
+        ),
+        "DeepSeek-V3": lambda: transformers.DeepseekV3ForCausalLM(
+            config(
+                transformers.DeepseekV3Config,
+                **TINY,
+                **IDS,
+                num_key_value_heads=2,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=12,
+                n_shared_experts=1,
+                first_k_dense_replace=0,
+                kv_lora_rank=8,
+                q_lora_rank=8,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=4,
+                v_head_dim=8,
+                n_group=2,
+                topk_group=1,
+            )
+        ),
+        "DBRX": lambda: transformers.DbrxForCausalLM(
+            transformers.DbrxConfig(
+                vocab_size=TINY["vocab_size"],
+                d_model=16,
+                n_heads=2,
+                n_layers=1,
+                max_seq_len=32,
+                attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
+                ffn_config=dict(ffn_hidden_size=12, moe_num_experts=4, moe_top_k=2),
+                **IDS,
+            )
+        ),
+    }
+
+
+# the modules replayed per example (replay.py), children included: their code reads their children's weights
+REPLAYED = {
+    "Mamba": "backbone.layers.0.mixer",
+    "Mamba2": "backbone.layers.0.mixer",
+    "Jamba": "model.layers.0.mamba",
+    "Zamba2": "model.layers.0.mamba",
+    "Bamba": "model.layers.0.mamba",
+    "FalconH1": "model.layers.0.mamba",
+}
+# blocks kept with their own forward, their parameters' uses followed (intercept.py): GPT-OSS's sinks reshaped and
+# expanded over the examples (a table the examples share, layers/shared.py); RWKV's attention is replayed alone
+INTERCEPTED = {"GPT-OSS": "model.layers.0.self_attn"}
+REPLAYED_ALONE = {"RWKV": "rwkv.blocks.0.attention", "Cohere": "model.layers.0.self_attn.q_norm"}
+
+
+@pytest.mark.parametrize("name", list(causal_lms()))
+def test_modules_no_kind_describes_are_exact(name):
+    """100% of the elements, each within 1e-6 of the loop over examples."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers: kernels falling back to their torch implementations
+        model = causal_lms()[name]()
+        for key in ("_experts_implementation", "_attn_implementation"):
+            setattr(model.config, key, "eager")
+        model.double()
+        ids, mask = lm_batch()
+        loss_of = lambda part: lm_losses(model, ids[part], mask[part])  # noqa: E731
+        want = brute_force(model, loss_of, B)
+        monitor = lc.convert(model)
+        got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    assert not monitor.unconverted and not monitor.untracked
+    if name in REPLAYED:
+        assert isinstance(model.get_submodule(REPLAYED[name]), ReplayedForward)
+        assert model.get_submodule(REPLAYED[name])._pe_subtree
+    if name in INTERCEPTED:
+        assert isinstance(model.get_submodule(INTERCEPTED[name]), InterceptedForward)
+    if name in REPLAYED_ALONE:  # its own parameters only, its children converted by kind
+        assert not model.get_submodule(REPLAYED_ALONE[name])._pe_subtree
+    if name == "DBRX":  # banks this large get a kind, not the replay
+        assert isinstance(model.transformer.blocks[0].ffn.experts, PEGradNormDbrxExperts)
+    check_exact(model, monitor, want, got)
+
+
+@pytest.mark.parametrize("name", ["Mamba2", "Zamba2", "Bamba", "FalconH1"])
+def test_the_gated_norm_is_never_swapped_for_a_one_input_rmsnorm(name):
+    """MambaRMSNormGated's forward (and Zamba2's, Bamba's, FalconH1's copies) takes (hidden_states, gate): a one-input
+    RMSNorm would crash on the model's call (before: TypeError, forward() takes 2 positional arguments but 3 were
+    given) or drop the gate."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = causal_lms()[name]()
+        for layer in model.modules():  # the gated norms stand alone, outside a replayed mixer
+            if type(layer).__name__.endswith("RMSNormGated"):
+                gated = layer
+        lc.convert(nn.ModuleDict({"norm": gated}))
+    assert type(gated).__mro__[1].__name__ != "PEGradNormRMSNorm" and "forward" not in vars(type(gated))
+    x, gate = torch.randn(3, 4, gated.weight.shape[0]), torch.randn(3, 4, gated.weight.shape[0])
+    out = gated(x, gate)
+    assert out.shape == x.shape and not torch.allclose(out, gated(x))  # the gate is applied
+
+
+def images_and_audio():
+    """{name: (model, input keyword, inputs)}: Wav2Vec2 (GroupNorm, weight norm) and ConvNeXt (layer scale)."""
+    gen = torch.Generator().manual_seed(1)
+    wav2vec2 = transformers.Wav2Vec2ForSequenceClassification(
+        transformers.Wav2Vec2Config(
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=24,
+            conv_dim=(8, 8),
+            conv_stride=(4, 2),
+            conv_kernel=(8, 4),
+            num_conv_pos_embeddings=4,
+            num_conv_pos_embedding_groups=2,
+            feat_extract_norm="group",
+            mask_time_prob=0.0,
+            layerdrop=0.0,
+            final_dropout=0.0,
+            num_labels=3,
+            **NO_DROPOUT,
+        )
+    )
+    convnext = transformers.ConvNextForImageClassification(
+        transformers.ConvNextConfig(
+            num_channels=3,
+            num_stages=2,
+            hidden_sizes=[8, 16],
+            depths=[1, 1],
+            num_labels=3,
+            image_size=16,
+            layer_scale_init_value=0.5,
+        )
+    )
+    return {
+        "Wav2Vec2": (wav2vec2, "input_values", torch.randn(B, 400, generator=gen, dtype=torch.float64)),
+        "ConvNeXt": (convnext, "pixel_values", torch.randn(B, 3, 16, 16, generator=gen, dtype=torch.float64)),
+    }
+
+
+@pytest.mark.parametrize("name", ["Wav2Vec2", "ConvNeXt"])
+def test_group_norm_weight_norm_channel_norm_and_layer_scale_are_exact(name):
+    torch.manual_seed(0)
+    model, key, inputs = images_and_audio()[name]
+    model.double()
+    labels = torch.randint(0, 3, (B,), generator=torch.Generator().manual_seed(2))
+    loss_of = lambda part: F.cross_entropy(model(**{key: inputs[part]}).logits, labels[part], reduction="none")  # noqa: E731
+    want = brute_force(model, loss_of, B)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
+
+
+class BatchScaled(nn.Module):
+    """Divides every row by the batch's mean norm: a module that mixes the examples of a batch."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(d))
+
+    def forward(self, x, mask=None):
+        return x / x.norm(dim=-1).mean() * self.gain.exp()
+
+
+def test_a_module_mixing_examples_refuses_the_step_with_the_reason():
+    """The replayed output of one example alone is not that example's rows in the batch: the step is refused,
+    naming the module and why (never a number)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), BatchScaled()).double()
+    monitor = lc.convert(model)
+    assert isinstance(model[1], ReplayedForward)
+    model(torch.randn(4, 3, 6, dtype=torch.float64)).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"1.gain: this step is not measured.*BatchScaled's output for one example "):
+        monitor.step(batch_size=4)
+
+
+def test_wav2vec2_masked_frames_take_each_example_its_copy_of_the_mask_embedding():
+    """SpecAugment in training writes masked_spec_embed into the masked frames (hidden[mask] = W): each example's
+    frames get its own copy, so its gradient is exact (masks given, so that the loop draws the same)."""
+    reference, _, audio = images_and_audio()["Wav2Vec2"]
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2Model(
+        transformers.Wav2Vec2Config(**{**reference.config.to_dict(), "mask_time_prob": 0.5})
+    )
+    model.double()
+    frames = model(audio[:1]).last_hidden_state.shape[1]
+    masks = torch.rand(B, frames, generator=torch.Generator().manual_seed(3)) < 0.5
+    loss_of = lambda part: model(audio[part], mask_time_indices=masks[part]).last_hidden_state.pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, B)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    assert not monitor.unconverted and not monitor.untracked and got["masked_spec_embed"].small_batch_norm > 0
+    check_exact(model, monitor, want, got)

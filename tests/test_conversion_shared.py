@@ -1,0 +1,236 @@
+"""
+Tables shared by every example (layers/shared.py) and parameters used many times per forward (layers/uses.py),
+each model against the brute-force loop over examples (float64, two uneven micro-batches, padded sequences), called
+as a user calls it (no position ids passed):
+
+- shared tables: BART's and mBART's positions, CLIP's vision positions and class token, Whisper's decoder positions
+  (rows of its weight), Swin's relative-position biases (inside windows), DeBERTa's relative-position embeddings
+  (a LayerNorm of the weight itself, through the query and key projections);
+- many uses: ALBERT's layer group shared by every layer, Pegasus's and BART's matrix shared by the embeddings and
+  the head, DeBERTa's projections (each example's rows and the shared table);
+- a table meeting the examples in an op that per-example norms do not follow is refused, naming the op.
+
+    python -m pytest -q tests/test_conversion_shared.py
+
+Models are built from tiny configs with random weights (nothing is downloaded). T5's relative-position biases and
+GPT-2's, BERT's and ELECTRA's default positions: tests/test_conversion_models.py.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from test_conversion_models import (
+    NO_DROPOUT,
+    SPLIT,
+    TINY,
+    B,
+    V,
+    brute_force,
+    check_exact,
+    config,
+    lm_batch,
+    lm_losses,
+    measured,
+)
+
+import nanogns as lc
+
+SEQ2SEQ = dict(
+    vocab_size=V,
+    d_model=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=24,
+    decoder_ffn_dim=24,
+    max_position_embeddings=32,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+)
+
+
+def seq2seq(name):
+    """(model, loss_of) of a tiny encoder-decoder: padded inputs, 5 labels per example."""
+    torch.manual_seed(0)
+    if name == "Whisper":
+        model = transformers.WhisperForConditionalGeneration(
+            transformers.WhisperConfig(
+                **{k: v for k, v in SEQ2SEQ.items() if k != "max_position_embeddings"},
+                num_mel_bins=8,
+                max_source_positions=8,
+                max_target_positions=16,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+            )
+        ).double()
+        inputs = dict(
+            input_features=torch.randn(B, 8, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        )
+    else:
+        config_cls, model_cls, ids = {
+            "BART": (transformers.BartConfig, transformers.BartForConditionalGeneration, dict(pad_token_id=1)),
+            "mBART": (transformers.MBartConfig, transformers.MBartForConditionalGeneration, dict(pad_token_id=1)),
+            "Pegasus": (transformers.PegasusConfig, transformers.PegasusForConditionalGeneration, dict(pad_token_id=0)),
+        }[name]
+        model = model_cls(
+            config_cls(**SEQ2SEQ, **ids, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+        ).double()
+        input_ids, mask = lm_batch()
+        inputs = dict(input_ids=input_ids, attention_mask=mask)
+    labels = torch.randint(3, V, (B, 5), generator=torch.Generator().manual_seed(2))
+
+    def loss_of(part):
+        logits = model(**{k: v[part] for k, v in inputs.items()}, labels=labels[part]).logits
+        return F.cross_entropy(logits.flatten(0, 1), labels[part].flatten(), reduction="none").view(-1, 5).mean(1)
+
+    return model, loss_of
+
+
+@pytest.mark.parametrize("name", ["BART", "mBART", "Pegasus", "Whisper"])
+def test_encoder_decoders_positions_and_shared_matrix_exact(name):
+    """Positions looked up as one row for the batch (or read as rows of the weight: Whisper) get one copy per
+    example; the matrix shared by the encoder's and the decoder's embeddings and the head sums its uses."""
+    model, loss_of = seq2seq(name)
+    want = brute_force(model, loss_of, B)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # sinusoidal positions (Pegasus, ...)
+    assert not monitor.unconverted and set(monitor.untracked) == frozen
+    if name != "Whisper":
+        assert any(n.count("+") >= 2 for n in got), sorted(got)  # one matrix, three or four uses
+    check_exact(model, monitor, want, got)
+
+
+def images(name):
+    torch.manual_seed(0)
+    if name == "CLIP":
+        model = transformers.CLIPVisionModelWithProjection(
+            transformers.CLIPVisionConfig(
+                hidden_size=16,
+                intermediate_size=24,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=8,
+                patch_size=4,
+                projection_dim=8,
+                attention_dropout=0.0,
+            )
+        ).double()
+        size, head = 8, lambda out: out.image_embeds
+    else:
+        model = transformers.SwinForImageClassification(
+            transformers.SwinConfig(
+                image_size=16,
+                patch_size=2,
+                num_channels=3,
+                embed_dim=8,
+                depths=[1, 1],
+                num_heads=[2, 2],
+                window_size=4,
+                num_labels=3,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                drop_path_rate=0.0,
+            )
+        ).double()
+        size, head = 16, lambda out: out.logits
+    pixels = torch.randn(B, 3, size, size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return model, lambda part: head(model(pixel_values=pixels[part])).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("name", ["CLIP", "Swin"])
+def test_vision_positions_class_token_and_windowed_relative_bias_exact(name):
+    """CLIP's positions (a (1, P) buffer of ids) and class token; Swin's relative-position table, looked up by an
+    index it holds and added to every window's scores (each example's windows share its copy)."""
+    model, loss_of = images(name)
+    want = brute_force(model, loss_of, B)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got, atol=1e-24)
+
+
+@pytest.mark.parametrize("name", ["ALBERT", "DeBERTa-v2"])
+def test_a_layer_group_shared_by_every_layer_and_a_table_through_projections_exact(name):
+    """ALBERT's one layer group runs at every depth (3 uses of each of its parameters); DeBERTa's relative-position
+    embeddings pass through a LayerNorm and the query and key projections, which also serve each example's tokens:
+    each example's gradient is the sum over its uses."""
+    torch.manual_seed(0)
+    if name == "ALBERT":
+        model = transformers.AlbertForMaskedLM(
+            config(
+                transformers.AlbertConfig,
+                **{**TINY, "num_hidden_layers": 3},
+                **NO_DROPOUT,
+                embedding_size=8,
+                classifier_dropout_prob=0.0,
+            )
+        )
+    else:
+        model = transformers.DebertaV2ForMaskedLM(
+            config(
+                transformers.DebertaV2Config,
+                **TINY,
+                **NO_DROPOUT,
+                relative_attention=True,
+                position_biased_input=False,
+                pos_att_type=["p2c", "c2p"],
+                max_relative_positions=8,
+                position_buckets=4,
+                norm_rel_ebd="layer_norm",
+            )
+        )
+    model.double()
+    monitor, want, got = run_lm(model)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
+
+
+def run_lm(model):
+    ids, mask = lm_batch()
+    loss_of = lambda part: lm_losses(model, ids[part], mask[part])  # noqa: E731
+    want = brute_force(model, loss_of, B)
+    monitor = lc.convert(model)
+    return monitor, want, measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+
+
+class GatheredPositions(nn.Module):
+    """Positions looked up once for the batch, then joined to each example's tokens by torch.cat: an op in which
+    per-example norms cannot follow the table."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(V, 4), nn.Embedding(8, 4), nn.Linear(8, V)
+
+    def forward(self, ids):
+        positions = self.wpe(torch.arange(ids.shape[1]).unsqueeze(0))
+        return self.head(torch.cat([self.wte(ids), positions.expand(ids.shape[0], -1, -1) * 1.0], dim=-1))
+
+
+def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
+    """expand(N, ...) is followed (each example its copy); the same table, met in torch.cat without an expand,
+    is refused with the op named (never a number)."""
+
+    class Joined(GatheredPositions):
+        def forward(self, ids):
+            positions = self.wpe(torch.arange(ids.shape[1]).unsqueeze(0))
+            return self.head(torch.cat([self.wte(ids), torch.cat([positions] * ids.shape[0])], dim=-1))
+
+    ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = GatheredPositions().double()
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4))
+    model = Joined().double()
+    monitor = lc.convert(model)
+    model(ids).pow(2).mean().backward()
+    with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*in torch.cat"):
+        monitor.measure(batch_size=4)
