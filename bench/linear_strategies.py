@@ -72,25 +72,25 @@ def _plain(fn):
 
 def layer_factories(device):
     """{name: (make(K, L) -> module, wrap(fn) -> result, norms(module) -> per-example weight norms)}."""
-    from nanogns import layers
+    from nanogns.layers import linear as linear_kind
 
     def buffer_norm(m):
         return m.weight_upegsqnorm
 
     layers = {
         "plain nn.Linear": (lambda K, L: nn.Linear(K, L), _plain, None),
-        "gns": (lambda K, L: layers.linear.PEGradNormLinear(K, L), _plain, buffer_norm),
+        "gns": (lambda K, L: linear_kind.PEGradNormLinear(K, L), _plain, buffer_norm),
         "gns gram": (
-            lambda K, L: layers.linear.PEGradNormLinear(K, L),
-            _forced(layers.linear, "LINEAR_STRATEGY", "gram"),
+            lambda K, L: linear_kind.PEGradNormLinear(K, L),
+            _forced(linear_kind, "LINEAR_STRATEGY", "gram"),
             buffer_norm,
         ),
         "gns materialise": (
-            lambda K, L: layers.linear.PEGradNormLinear(K, L),
-            _forced(layers.linear, "LINEAR_STRATEGY", "materialise"),
+            lambda K, L: linear_kind.PEGradNormLinear(K, L),
+            _forced(linear_kind, "LINEAR_STRATEGY", "materialise"),
             buffer_norm,
         ),
-        "shim": (lambda K, L: layers.linear.PEGradNormShimLinear(K, L), _plain, buffer_norm),
+        "shim": (lambda K, L: linear_kind.PEGradNormShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
         from nanogns.layers import fused as fused_gns

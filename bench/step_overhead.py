@@ -102,7 +102,7 @@ def build(args, name):
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
     tracked = lc.tracks_per_example_norms(linearclass, embeddingclass, lnclass)
-    tracker = gnstracking.GNSMonitor(model, scaler=scaler)
+    tracker = gnstracking.GNSMonitor(model, scaler=scaler) if tracked else None
     step_model = torch.compile(model) if args.compile == "True" else model
     ga = args.gradient_accumulation_steps
     generator = torch.Generator().manual_seed(1)  # the same batches for every choice

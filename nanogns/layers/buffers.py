@@ -73,9 +73,9 @@ def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     if buffer is None:
         return
     with torch.no_grad():
-        buffer[0] += pe_sqnorm.sum().to(buffer.dtype)
+        buffer[0].add_(pe_sqnorm.sum().to(buffer.dtype))  # in place on the views: 2 ops each, no copy back
         if counted:
-            buffer[1] += pe_sqnorm.numel()
+            buffer[1].add_(pe_sqnorm.numel())
 
 
 def zero_sqgradnorm_buffers(model):
@@ -130,10 +130,17 @@ class PESqNormBuffersMixin:
     def pe_rows_and_buffers(self, x, *param_names):
         """(Rows of x's examples, the parameters' buffers) for this forward; buffers are None for frozen
         parameters, and all None when x's rows cannot be mapped to examples (the step is then refused)."""
-        buffers = tuple(self.pe_buffer(name) for name in param_names)
+        params, buffers = [], []
+        for role in param_names:  # pe_buffer's rule, inlined: this runs in every forward
+            name = self.pe_roles.get(role, role)
+            param = self._parameters[name] if name in self._parameters else getattr(self, name, None)
+            params.append(param)
+            buffers.append(
+                self._buffers.get(name + BUFFER_SUFFIX) if param is not None and param.requires_grad else None
+            )
+        buffers = tuple(buffers)
         if all(b is None for b in buffers):
             return None, buffers
-        params = [getattr(self, self.pe_roles.get(name, name), None) for name in param_names]
         return rows_or_refuse(x.shape, buffers, params)
 
 
