@@ -87,7 +87,7 @@ def linear(x, weight, bias=None, weight_buffer=None, bias_buffer=None, rows=None
     )
     with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
         out = linear_kind.linear(x, weight, bias, *buffers, rows)
-    note_head(buffers[0], x, rows, out)
+    out = note_head(buffers[0], x, rows, out)
     return out
 
 
@@ -97,7 +97,7 @@ def embedding(ids, weight, weight_buffer=None, padding_idx=None):
         padding_idx += weight.shape[0]  # F.embedding's convention
     rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,), (weight,))
     out = embedding_kind.embedding(ids, weight, padding_idx, buffer, rows)
-    note_embedding(buffer, ids, rows, out)
+    out = note_embedding(buffer, ids, rows, out)
     return out
 
 

@@ -269,9 +269,9 @@ class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
         x, weight, bias = autocast_inputs(x, *PEGradNormLinear.pe_weight_and_bias(self, x))
         out = F.linear(x, weight, bias)
         rows, (weight_buffer, bias_buffer) = self.pe_rows_and_buffers(x, "weight", "bias")
+        out = note_head(weight_buffer, x, rows, out)  # first: torch.compile breaks the graph at the hook
         if weight_buffer is not None or bias_buffer is not None:
             on_output_grad(out, record_linear_norms(x.detach(), rows, weight_buffer, bias_buffer))
-        note_head(weight_buffer, x, rows, out)
         return out
 
 
@@ -295,7 +295,7 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
                 out = linear(x, weight, bias, *buffers, rows)
         else:  # no autocast to leave: entering a context costs as much as the rest of this forward
             out = linear(x, weight, bias, *buffers, rows)
-        note_head(buffers[0], x, rows, out)
+        out = note_head(buffers[0], x, rows, out)
         return self.pe_promoted(out)
 
     def pe_promoted(self, out):
