@@ -9,14 +9,15 @@ plain layers, measured in the same run, plus peak memory.
 A step is forward and backward of the block on B examples of T tokens, then
 (converted block) reading and zeroing its per-example norm buffers. Choices:
 
-    plain eager      transformers' experts loop (experts_implementation="eager")
     plain default    transformers' default experts implementation (grouped matmuls where they run)
+    plain eager      transformers' experts loop (experts_implementation="eager")
     per-example      the block converted by layer_config.convert (router kept with its own forward,
-                     experts through the per-example Linear, loop over the experts hit)
+                     experts grouped as the default implementation runs them, one grouped GEMM per
+                     projection, each (expert, example) segment's norms by the Gram trick)
 
 All choices are built in this one process with the same weights and take turns,
 one step each, for --steps rounds; reported are the median step time and the
-median over rounds of each step's time divided by the first choice's in the same
+median over rounds of each step's time divided by plain default's in the same
 round, with its quartiles. Peak memory: each choice runs alone in a subprocess
 (the GPU allocator's peak, or the CPU process's peak RSS above its RSS after
 building the block).
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_settings  # noqa: E402  (bench/train_settings.py)
 
-CHOICES = ("plain eager", "plain default", "per-example")
+CHOICES = ("plain default", "plain eager", "per-example")  # ratios to the first: transformers' default experts
 
 
 def parse_args(argv=None):
