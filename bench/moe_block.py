@@ -45,6 +45,7 @@ CHOICES = ("plain default", "plain eager", "per-example")  # ratios to the first
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype (default: float32)"
     )
@@ -141,6 +142,10 @@ def peak_memory_mb(args):
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
