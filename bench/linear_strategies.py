@@ -47,6 +47,13 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per layer (default: 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="default: float32")
     p.add_argument("--memory", default="True", choices=["True", "False"], help="measure peak memory (default: True)")
     p.add_argument("--layers", default=None, help="comma-separated layer names (default: all available)")
@@ -161,12 +168,13 @@ def interleaved_ratios(shape, names, args, dtype):
         for _ in range(args.warmup):
             step()
     times = {n: [] for n in names}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     plain = times["plain nn.Linear"]
     ratios = {}
     for n in names:
@@ -222,7 +230,8 @@ def main(argv=None):
         names = ["plain nn.Linear"] + names
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     print(
-        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved "
+        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, median of {args.rounds} "
+        f"interleaved "
         f"rounds; ratio to plain nn.Linear forward + backward in the same round [quartiles] (peak memory MiB)"
     )
     if "Opacus ghost" not in available or "BackPACK" not in available:

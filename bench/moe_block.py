@@ -47,6 +47,13 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
     p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
+    p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype (default: float32)"
     )
     p.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
@@ -142,9 +149,9 @@ def peak_memory_mb(args):
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
-    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
-        import torch
+    import torch
 
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
         torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
@@ -167,15 +174,17 @@ def main(argv=None):
             step()
     times = {name: [] for name in CHOICES}
     names = list(CHOICES)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.steps):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     base = CHOICES[0]
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above build"
     print(
-        f"{args.device}, {args.dtype}, MixtralSparseMoeBlock hidden={args.hidden} intermediate={args.intermediate} "
+        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, MixtralSparseMoeBlock "
+        f"hidden={args.hidden} intermediate={args.intermediate} "
         f"experts={args.experts} top_k={args.top_k}, B={args.batch_size} x T={args.tokens}, {args.steps} interleaved "
         f"rounds; ratio: median over rounds of step time / {base}'s in the same round (quartiles)"
     )

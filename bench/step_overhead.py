@@ -47,6 +47,13 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
     p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
+    p.add_argument(
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16", "float16"],
@@ -169,12 +176,13 @@ def interleaved_times(args, names):
         for _ in range(args.warmup):
             step()
     times = {name: [] for name in names}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.steps):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         print(
             f"round {r + 1}/{args.steps}: " + ", ".join(f"{n} {times[n][-1] * 1000:.0f} ms" for n in names),
             file=sys.stderr,
@@ -185,9 +193,9 @@ def interleaved_times(args, names):
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
-    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
-        import torch
+    import torch
 
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
         torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
@@ -215,7 +223,8 @@ def main(argv=None):
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above import"
     compiled = args.compile == "True"
     print(
-        f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
+        f"\n{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, compile={args.compile}, "
+        f"n_layer={args.n_layer} n_embd={args.n_embd} "
         f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
         f"{args.steps} interleaved rounds; ratio: median over rounds of step time / nn's in the same round "
         f"(quartiles in brackets)" + ("; graphs / graph breaks of the forward (Dynamo's explain)" if compiled else "")
