@@ -268,9 +268,12 @@ class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
 
     def forward(self, x):
         out_dtype = self.pe_result_dtype(x, torch_layer_norm, self.weight, self.bias)
-        if torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:
             x = x.float()  # computed in float32 under autocast, returned in the dtype torch's LayerNorm returns
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
+        if not autocast:  # no autocast to leave: entering a context costs as much as the rest of this forward
+            return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
         with torch.autocast(x.device.type, enabled=False):
             return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
 
