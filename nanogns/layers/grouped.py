@@ -93,14 +93,13 @@ class Segments:
                 buckets.append((sizes[seg], []))
             buckets[-1][1].append(seg)
         self.buckets = []
-        for longest, members in buckets:
-            source, padding = [], []
-            for seg in members:
-                source += range(starts[seg], starts[seg] + sizes[seg])
-                padding += range(len(source), len(source) + longest - sizes[seg])
-                source += [0] * (longest - sizes[seg])  # any row: zeroed after the copy
-            as_tensor = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-            self.buckets.append((as_tensor(source), as_tensor(padding), len(members), longest))
+        for longest, members in buckets:  # slot j of the bucket: row starts[seg] + j % longest of its j // longest-th
+            first = torch.tensor([starts[seg] for seg in members], device=device).repeat_interleave(longest)
+            length = torch.tensor([sizes[seg] for seg in members], device=device).repeat_interleave(longest)
+            offset = torch.arange(longest, device=device).repeat(len(members))
+            beyond = offset >= length  # the padding slots: any row (0) copied, then zeroed
+            source = (first + offset).masked_fill_(beyond, 0)
+            self.buckets.append((source, torch.nonzero(beyond).squeeze(1), len(members), longest))
 
     def padded(self, t, dtype):
         """t (S, D) as one (count, longest, D) tensor per bucket, in dtype, zero rows after each segment's own: one
