@@ -15,7 +15,8 @@ Peers, when importable: Opacus ghost clipping (per-sample norms by its hooks)
 and BackPACK's BatchL2Grad. Every layer runs in this one process and the layers
 take turns, one forward + backward each, for --rounds rounds (the first layer
 rotates), so machine drift hits them alike; a layer's number is the median
-over rounds of its time divided by plain nn.Linear's time in the same round.
+over rounds of its time divided by plain nn.Linear's time in the same round,
+with the quartiles of that ratio in brackets.
 Peak memory: each layer runs alone in a subprocess, one call to warm up, then
 the peak RSS of one more (CPU, Linux: VmHWM reset through /proc/self/clear_refs)
 or peak allocated (CUDA) above what was live before it.
@@ -45,6 +46,14 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per layer (default: 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="default: float32")
     p.add_argument("--memory", default="True", choices=["True", "False"], help="measure peak memory (default: True)")
     p.add_argument("--layers", default=None, help="comma-separated layer names (default: all available)")
@@ -72,25 +81,25 @@ def _plain(fn):
 
 def layer_factories(device):
     """{name: (make(K, L) -> module, wrap(fn) -> result, norms(module) -> per-example weight norms)}."""
-    from nanogns import layers
+    from nanogns.layers import linear as linear_kind
 
     def buffer_norm(m):
         return m.weight_upegsqnorm
 
     layers = {
         "plain nn.Linear": (lambda K, L: nn.Linear(K, L), _plain, None),
-        "gns": (lambda K, L: layers.linear.PEGradNormLinear(K, L), _plain, buffer_norm),
+        "gns": (lambda K, L: linear_kind.PEGradNormLinear(K, L), _plain, buffer_norm),
         "gns gram": (
-            lambda K, L: layers.linear.PEGradNormLinear(K, L),
-            _forced(layers.linear, "LINEAR_STRATEGY", "gram"),
+            lambda K, L: linear_kind.PEGradNormLinear(K, L),
+            _forced(linear_kind, "LINEAR_STRATEGY", "gram"),
             buffer_norm,
         ),
         "gns materialise": (
-            lambda K, L: layers.linear.PEGradNormLinear(K, L),
-            _forced(layers.linear, "LINEAR_STRATEGY", "materialise"),
+            lambda K, L: linear_kind.PEGradNormLinear(K, L),
+            _forced(linear_kind, "LINEAR_STRATEGY", "materialise"),
             buffer_norm,
         ),
-        "shim": (lambda K, L: layers.linear.PEGradNormShimLinear(K, L), _plain, buffer_norm),
+        "shim": (lambda K, L: linear_kind.PEGradNormShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
         from nanogns.layers import fused as fused_gns
@@ -159,14 +168,19 @@ def interleaved_ratios(shape, names, args, dtype):
         for _ in range(args.warmup):
             step()
     times = {n: [] for n in names}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[n]()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(clock() - t0)
     plain = times["plain nn.Linear"]
-    ratios = {n: statistics.median(t / p for t, p in zip(times[n], plain)) for n in names}
+    ratios = {}
+    for n in names:
+        per_round = [t / p for t, p in zip(times[n], plain)]
+        q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
+        ratios[n] = (statistics.median(per_round), q1, q3)
     return ratios, {n: statistics.median(v) * 1000 for n, v in times.items()}
 
 
@@ -199,6 +213,8 @@ def _status_mb(key):
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
+        torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
@@ -214,8 +230,9 @@ def main(argv=None):
         names = ["plain nn.Linear"] + names
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")]
     print(
-        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} interleaved "
-        f"rounds; ratio to plain nn.Linear forward + backward in the same round (peak memory MiB)"
+        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, median of {args.rounds} "
+        f"interleaved "
+        f"rounds; ratio to plain nn.Linear forward + backward in the same round [quartiles] (peak memory MiB)"
     )
     if "Opacus ghost" not in available or "BackPACK" not in available:
         print("(Opacus / BackPACK not importable: their columns are left out)")
@@ -232,6 +249,7 @@ def main(argv=None):
                         os.path.abspath(__file__),
                         f"--device={args.device}",
                         f"--dtype={args.dtype}",
+                        f"--threads={args.threads}",
                         f"--one={n}|{','.join(map(str, shape))}",
                     ],
                     capture_output=True,
@@ -242,7 +260,10 @@ def main(argv=None):
                 peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"] if ok else float("nan")
         B, T, K, L = shape
         pick = layers.linear.linear_strategy(T, K, L, 4, args.device.split(":")[0])  # its norms work in float32
-        cells = [f"{ratios[n]:.2f}" + (f" ({peaks[n]:.0f})" if peaks else "") for n in names[1:]]
+        cells = [
+            f"{ratios[n][0]:.2f} [{ratios[n][1]:.2f}, {ratios[n][2]:.2f}]" + (f" ({peaks[n]:.0f})" if peaks else "")
+            for n in names[1:]
+        ]
         plain = f"{ms['plain nn.Linear']:.1f}" + (f" ({peaks['plain nn.Linear']:.0f})" if peaks else "")
         print(f"| {B}, {T}, {K}, {L} | {pick} | " + " | ".join(cells) + f" | {plain} |", flush=True)
 

@@ -9,14 +9,15 @@ plain layers, measured in the same run, plus peak memory.
 A step is forward and backward of the block on B examples of T tokens, then
 (converted block) reading and zeroing its per-example norm buffers. Choices:
 
-    plain eager      transformers' experts loop (experts_implementation="eager")
     plain default    transformers' default experts implementation (grouped matmuls where they run)
+    plain eager      transformers' experts loop (experts_implementation="eager")
     per-example      the block converted by nanogns.convert (router kept with its own forward,
-                     experts through the per-example Linear, loop over the experts hit)
+                     experts grouped as the default implementation runs them, one grouped GEMM per
+                     projection, each (expert, example) segment's norms by the Gram trick)
 
 All choices are built in this one process with the same weights and take turns,
 one step each, for --steps rounds; reported are the median step time and the
-median over rounds of each step's time divided by the first choice's in the same
+median over rounds of each step's time divided by plain default's in the same
 round, with its quartiles. Peak memory: each choice runs alone in a subprocess
 (the GPU allocator's peak, or the CPU process's peak RSS above its RSS after
 building the block).
@@ -38,12 +39,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import train_settings  # noqa: E402  (bench/train_settings.py)
 
-CHOICES = ("plain eager", "plain default", "per-example")
+CHOICES = ("plain default", "plain eager", "per-example")  # ratios to the first: transformers' default experts
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype (default: float32)"
     )
@@ -140,6 +149,10 @@ def peak_memory_mb(args):
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
+    import torch
+
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
+        torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
@@ -161,15 +174,17 @@ def main(argv=None):
             step()
     times = {name: [] for name in CHOICES}
     names = list(CHOICES)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.steps):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     base = CHOICES[0]
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above build"
     print(
-        f"{args.device}, {args.dtype}, MixtralSparseMoeBlock hidden={args.hidden} intermediate={args.intermediate} "
+        f"{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, MixtralSparseMoeBlock "
+        f"hidden={args.hidden} intermediate={args.intermediate} "
         f"experts={args.experts} top_k={args.top_k}, B={args.batch_size} x T={args.tokens}, {args.steps} interleaved "
         f"rounds; ratio: median over rounds of step time / {base}'s in the same round (quartiles)"
     )

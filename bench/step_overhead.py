@@ -45,6 +45,14 @@ DEFAULT_CPU = ["nn", "LayerNorm-only gns", "all-layer shim", "all-layer gns"]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -102,14 +110,20 @@ def build(args, name):
     optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
     tracked = lc.tracks_per_example_norms(linearclass, embeddingclass, lnclass)
-    tracker = gnstracking.GNSMonitor(model, scaler=scaler)
-    step_model = torch.compile(model) if args.compile == "True" else model
+    tracker = gnstracking.GNSMonitor(model, scaler=scaler) if tracked else None
     ga = args.gradient_accumulation_steps
     generator = torch.Generator().manual_seed(1)  # the same batches for every choice
     batches = [
         torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), generator=generator).to(args.device)
         for _ in range(ga)
     ]
+    graphs = None
+    if args.compile == "True":  # what Dynamo makes of the model's forward: (graphs, graph breaks)
+        with ctx:
+            explained = torch._dynamo.explain(model)(*batches[0])
+        graphs = (explained.graph_count, explained.graph_break_count)
+        torch._dynamo.reset()
+    step_model = torch.compile(model) if args.compile == "True" else model
 
     def step():
         for x, y in batches:
@@ -127,6 +141,7 @@ def build(args, name):
         if device_type == "cuda":
             torch.cuda.synchronize()
 
+    step.graphs = graphs
     return step
 
 
@@ -154,28 +169,34 @@ def _current_rss_mb():
 
 
 def interleaved_times(args, names):
-    """{name: [step seconds]}: all choices in this process, one step each per round."""
+    """({name: [step seconds]}, {name: (graphs, graph breaks) or None}): all choices in this process, one step each
+    per round."""
     steps = {name: build(args, name) for name in names}
     for step in steps.values():
         for _ in range(args.warmup):
             step()
     times = {name: [] for name in names}
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.steps):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
         print(
             f"round {r + 1}/{args.steps}: " + ", ".join(f"{n} {times[n][-1] * 1000:.0f} ms" for n in names),
             file=sys.stderr,
         )
-    return times
+    return times, {name: step.graphs for name, step in steps.items()}
 
 
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
+    import torch
+
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
+        torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
@@ -197,23 +218,29 @@ def main(argv=None):
         if out.returncode != 0:
             raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
         peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
-    times = interleaved_times(args, names)
+    times, graphs = interleaved_times(args, names)
     base_peak = peaks["nn"]
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above import"
+    compiled = args.compile == "True"
     print(
-        f"\n{args.device}, {args.dtype}, compile={args.compile}, n_layer={args.n_layer} n_embd={args.n_embd} "
+        f"\n{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, compile={args.compile}, "
+        f"n_layer={args.n_layer} n_embd={args.n_embd} "
         f"block={args.block_size} batch={args.batch_size}x{args.gradient_accumulation_steps}, "
         f"{args.steps} interleaved rounds; ratio: median over rounds of step time / nn's in the same round "
-        f"(quartiles in brackets)"
+        f"(quartiles in brackets)" + ("; graphs / graph breaks of the forward (Dynamo's explain)" if compiled else "")
     )
-    print(f"| layers | step ms | ratio to nn | {memory_label} | memory ratio |")
-    print("|---|---|---|---|---|")
+    print(
+        f"| layers | step ms | ratio to nn | {memory_label} | memory ratio |"
+        + (" graphs / breaks |" if compiled else "")
+    )
+    print("|---|---|---|---|---|" + ("---|" if compiled else ""))
     for name in names:
         ratios = [t / base for t, base in zip(times[name], times["nn"])]
         q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         print(
             f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
             f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |"
+            + (f" {graphs[name][0]} / {graphs[name][1]} |" if compiled else "")
         )
 
 

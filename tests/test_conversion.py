@@ -135,16 +135,13 @@ def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
 def test_a_module_used_twice_per_forward_sums_its_uses_exactly():
     """A Linear applied twice per forward: example i's gradient is the sum of both uses' (layers/uses.py), against
     the loop over examples (float64)."""
-    from oracle import per_example_loss_sqnorms_by_loop
-
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(4, 2)).double()
     x = torch.randn(3, 5, 4, dtype=torch.float64)
-    loss_of = lambda m, x: m(x).pow(2).mean()  # noqa: E731
-    want, batch = per_example_loss_sqnorms_by_loop(model, loss_of, x)
+    want, batch = loss_sqnorms_from_batched_forward(model, model(x).pow(2).flatten(1).mean(dim=1))
     monitor = lc.convert(model)
-    loss_of(model, x).backward()
+    model(x).pow(2).mean().backward()
     measured = {m.metadata["name"]: m for m in monitor.measure(batch_size=3)}
     assert set(measured) == {"0.weight", "0.bias", "3.weight", "3.bias"} and not monitor.untracked
     for name, m in measured.items():

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from oracle import per_example_sqnorms_by_loop
 
-from nanogns.layers import embedding, layout, linear
+from nanogns.layers import embedding, layernorm, layout, linear
 from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
 from nanogns.layers.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
@@ -245,7 +245,10 @@ def test_embedding_large_vocab_needs_no_vocab_sized_tensor():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", SHAPES)
 @pytest.mark.parametrize("D", [7, 40])
-def test_layernorm_matches_oracle_and_plain_grads(cls, bias, lead, D):
+@pytest.mark.parametrize("kernel_per_example", [False, True], ids=["batched-sums", "kernel-per-example"])
+def test_layernorm_matches_oracle_and_plain_grads(cls, bias, lead, D, kernel_per_example, monkeypatch):
+    """Both ways of the gns backward (the batched per-example sums, torch's kernel run once per example)."""
+    monkeypatch.setattr(layernorm, "PER_EXAMPLE_KERNEL_ELEMENTS", 1 if kernel_per_example else 2**62)
     torch.manual_seed(0)
     module = cls(D, bias=bias).double()
     with torch.no_grad():  # away from the identity init, so the affine part matters

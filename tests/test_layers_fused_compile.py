@@ -15,6 +15,8 @@ wrapped in functionalization's auto_functionalized); the ops stay opaque there:
 the kernels were not traced into, nor was the layer's torch fallback taken.
 """
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
@@ -110,9 +112,8 @@ def test_compile_after_a_monitored_forward_traces_in_one_graph(monkeypatch):
     is skipped, so a later fullgraph compile of fused layers outside a root forward still traces."""
     from nanogns.layers import layout
 
-    monkeypatch.setattr(
-        layout, "_last", layout.Pass(layout.Layout(3, frozenset({5})), layout.RowMapper(), counting=False)
-    )
+    last = layout.Pass(layout.Layout(3, (5,)), layout.RowMapper(), counting=False)
+    monkeypatch.setattr(layout, "_last", weakref.ref(last))
     torch.manual_seed(0)
     eager = Block(16).to(DEVICE)
     model = Block(16).to(DEVICE)

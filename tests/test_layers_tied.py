@@ -89,6 +89,20 @@ def test_tied_matrix_norm_matches_brute_force(classes, loss_fn):
     )
 
 
+@pytest.mark.parametrize("way", [None, "gather", "table"])
+def test_small_vocabulary_cross_term_both_ways(way, monkeypatch):
+    """A vocabulary smaller than the sequence (a character model): the cross term from the head's per-example
+    gradient table (the default there) and from the gathered logits' gradients give the brute-force norm."""
+    monkeypatch.setattr(tied, "CROSS_TERM_WAY", way)
+    torch.manual_seed(0)
+    with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
+        model = GPT(GPTConfig(**{**CONFIG, "vocab_size": 5})).double()
+    x, y = torch.randint(0, 5, (2, 5, 11), generator=torch.Generator().manual_seed(7))
+    m = tracked_step(model, gpt_loss, x, y, micro_batches=[slice(0, 2), slice(2, 5)])
+    _, per_example = brute_force(model, gpt_loss, x, y)
+    assert m[TIED].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
+
+
 def test_cross_term_is_needed():
     """Leaving the cross term out (or logging one use only) gives a different number: the test above is not vacuous."""
     model = build()

@@ -75,9 +75,9 @@ def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     if counted and uses.multiple(buffer):  # a tensor used several times, by a layer that gives no factors
         uses.add_direct(buffer)
     with torch.no_grad():
-        buffer[0] += pe_sqnorm.sum().to(buffer.dtype)
+        buffer[0].add_(pe_sqnorm.sum().to(buffer.dtype))  # in place on the views: 2 ops each, no copy back
         if counted:
-            buffer[1] += pe_sqnorm.numel()
+            buffer[1].add_(pe_sqnorm.numel())
 
 
 def zero_sqgradnorm_buffers(model):
@@ -133,10 +133,17 @@ class PESqNormBuffersMixin:
         """(Rows of x's examples, the parameters' buffers) for this forward; buffers are None for frozen
         parameters, and all None when x's rows cannot be mapped to examples (the step is then refused) or x is a
         table shared by the examples (see rows_or_refuse)."""
-        buffers = tuple(self.pe_buffer(name) for name in param_names)
+        params, buffers = [], []
+        for role in param_names:  # pe_buffer's rule, inlined: this runs in every forward
+            name = self.pe_roles.get(role, role)
+            param = self._parameters[name] if name in self._parameters else getattr(self, name, None)
+            params.append(param)
+            buffers.append(
+                self._buffers.get(name + BUFFER_SUFFIX) if param is not None and param.requires_grad else None
+            )
+        buffers = tuple(buffers)
         if all(b is None for b in buffers):
             return None, buffers
-        params = [getattr(self, self.pe_roles.get(name, name), None) for name in param_names]
         return rows_or_refuse(x, buffers, params, lookup)
 
 

@@ -5,9 +5,14 @@ For y_t = E[id_t] over the rows t of example i, with g_t = dL/dy_t:
 
     dE_i[v] = sum_{t: id_t = v} g_t,     ||dE_i||^2 = sum_v ||dE_i[v]||^2
 
-Rows of one example that look up the same token add up before squaring. Each
-(example, token) pair is gathered with torch.unique + index_add: memory O(N*T*D),
-no one-hot over the vocabulary, no loop over examples. As in torch, the padding
+Rows of one example that look up the same token add up before squaring. With a
+vocabulary no larger than an example's rows (V <= T: characters, positions), each
+example's dE_i is formed whole, an (N*V, D) table filled by one index_add. Else
+each (example, token) pair is gathered: the rows sorted by pair, a segment per
+distinct pair (cumsum of where the sorted keys change), one index_add into (N*T, D)
+(segments past the last distinct pair stay zero): memory O(N*T*D), no one-hot over
+the vocabulary, no loop over examples, and every shape known before the data
+(torch.unique's output size is not, which breaks a torch.compile graph). As in torch, the padding
 row (padding_idx) gets no gradient, so padding tokens add nothing to any
 example's norm. max_norm (which renormalises rows in place in forward),
 scale_grad_by_freq and sparse gradients are not converted.
@@ -35,17 +40,27 @@ def embedding_pe_sqnorm(ids, g, num_embeddings, padding_idx=None):
         weight_sq (N,), float32 (float64 for float64 grads).
     """
     dtype = norm_dtype(g)
-    N = ids.shape[0]
+    N, T = ids.shape
     g = g.to(dtype)
     if padding_idx is not None:
         g = g.masked_fill((ids == padding_idx).unsqueeze(-1), 0)
+    D = g.shape[-1]
     example = torch.arange(N, device=ids.device).unsqueeze(1).expand_as(ids)
     pair = (example * num_embeddings + ids).reshape(-1)  # one key per (example, token)
-    unique_pairs, pair_index = torch.unique(pair, return_inverse=True)
-    summed = torch.zeros(unique_pairs.numel(), g.shape[-1], dtype=dtype, device=g.device)
-    summed.index_add_(0, pair_index, g.reshape(-1, g.shape[-1]))  # (pairs, D)
+    if num_embeddings <= T:  # each example's whole gradient (N, V, D) is no larger than its rows
+        table = torch.zeros(N * num_embeddings, D, dtype=dtype, device=g.device)
+        table.index_add_(0, pair, g.reshape(-1, D))
+        return torch.linalg.vector_norm(table.view(N, -1), dim=1).pow(2)
+    sorted_pairs, order = torch.sort(pair)
+    changes = torch.ones_like(sorted_pairs, dtype=torch.bool)
+    changes[1:] = sorted_pairs[1:] != sorted_pairs[:-1]
+    segment_of_sorted = torch.cumsum(changes, 0) - 1  # (R,) the distinct pair of each sorted row
+    segment = torch.empty_like(segment_of_sorted).scatter_(0, order, segment_of_sorted)  # of each row
+    summed = torch.zeros(pair.numel(), D, dtype=dtype, device=g.device)
+    summed.index_add_(0, segment, g.reshape(-1, D))  # (R, D): one row per distinct pair, zero rows after
+    example_of_segment = torch.zeros_like(segment).scatter_(0, segment_of_sorted, sorted_pairs // num_embeddings)
     weight_sq = torch.zeros(N, dtype=dtype, device=g.device)
-    weight_sq.index_add_(0, unique_pairs // num_embeddings, summed.pow(2).sum(dim=1))
+    weight_sq.index_add_(0, example_of_segment, summed.pow(2).sum(dim=1))
     return weight_sq
 
 
@@ -153,9 +168,9 @@ class PEGradNormShimEmbedding(_PEGradNormEmbeddingBase):
         if table is not None:
             return table
         out = F.embedding(ids, self.weight, self.padding_idx)
+        out = note_embedding(weight_buffer, ids, rows, out)  # first: torch.compile breaks the graph at the hook
         if weight_buffer is not None:
             on_output_grad(out, record_embedding_norms(ids, rows, self.num_embeddings, self.padding_idx, weight_buffer))
-        note_embedding(weight_buffer, ids, rows, out)
         return out
 
 
@@ -168,8 +183,7 @@ class PEGradNormEmbedding(_PEGradNormEmbeddingBase):
         if table is not None:
             return table
         out = embedding(ids, self.weight, self.padding_idx, weight_buffer, rows)
-        note_embedding(weight_buffer, ids, rows, out)
-        return out
+        return note_embedding(weight_buffer, ids, rows, out)
 
 
 # -----------------------------------------------------------------------------

@@ -23,9 +23,10 @@ its examples once per bank (not once per expert).
 
 transformers builds these classes with `use_experts_implementation`, which
 selects an implementation by config (eager loop, batched or grouped matmuls);
-the converted module computes the eager loop's maths with the per-example
-Linear whatever the setting, after a probe in float64 shows it computes what the
-module computes (outputs and every gradient).
+the converted module computes the grouped implementation's maths whatever the
+setting, one grouped GEMM per projection with each (expert, example) segment's
+norms by the Gram trick (layers/grouped.py), after a probe in float64 shows it
+computes what the module computes (outputs and every gradient).
 """
 
 import collections
@@ -34,7 +35,7 @@ import math
 import torch
 import torch.nn as nn
 
-from nanogns.layers import functional, layout
+from nanogns.layers import grouped, layout
 from nanogns.layers.buffers import PESqNormBuffersMixin, on_output_grad, refuse_step
 from nanogns.layers.registry import LayerKind, adopt, register
 
@@ -55,9 +56,9 @@ def matches(module):
 
 
 class PEGradNormExperts(PESqNormBuffersMixin):
-    """An experts module whose forward is the eager loop over the experts hit, each expert's projections through
-    the per-example Linear on the rows of the tokens routed to it (see the module docstring). It is mixed into
-    the module's own class (layers.registry.adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
+    """An experts module whose forward is the grouped one (layers/grouped.py: rows sorted by expert and example, one
+    grouped GEMM per projection, each segment's norms by the Gram trick). It is mixed into the module's own class
+    (layers.registry.adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
 
     pe_kind = "Linear"
 
@@ -65,14 +66,6 @@ class PEGradNormExperts(PESqNormBuffersMixin):
         names = [name for name, _ in self.named_parameters(recurse=False)]
         self.register_pe_buffers(*names)
         self.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in names})
-
-    def pe_projection(self, name, expert):
-        """(weight (out, in), bias or None, their buffers) of projection `name` for one expert."""
-        weight = getattr(self, name)[expert]
-        bias = getattr(self, name + "_bias", None) if self.has_bias else None
-        weight = weight.t() if self.is_transposed else weight
-        bias_buffer = self.pe_buffer(name + "_bias") if bias is not None else None
-        return weight, bias[expert] if bias is not None else None, self.pe_buffer(name), bias_buffer
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         names = [name for name, _ in self.named_parameters(recurse=False)]
@@ -82,32 +75,9 @@ class PEGradNormExperts(PESqNormBuffersMixin):
             refuse_step(rows, buffers)
             rows = None
         example_of_token = rows.example_ids(hidden_states.shape[0], hidden_states.device) if rows else None
-        num_experts = getattr(self, "gate_up_proj", getattr(self, "up_proj", None)).shape[0]
-        out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            hit = torch.unique(top_k_index[top_k_index < num_experts]).tolist()
-        first = "gate_up_proj" if self.has_gate else "up_proj"
-        for expert in hit:
-            token_idx, top_k_pos = torch.where(top_k_index == expert)
-            x = hidden_states[token_idx]
-            expert_rows = (
-                None if rows is None else layout.ragged(example_of_token[token_idx], rows.examples, counted=False)
-            )
-            weight, bias, weight_buffer, bias_buffer = self.pe_projection(first, expert)
-            h = (
-                functional.linear(x, weight, bias, weight_buffer, bias_buffer, rows=expert_rows)
-                if rows
-                else torch.nn.functional.linear(x, weight, bias)
-            )
-            h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-            weight, bias, weight_buffer, bias_buffer = self.pe_projection("down_proj", expert)
-            y = (
-                functional.linear(h, weight, bias, weight_buffer, bias_buffer, rows=expert_rows)
-                if rows
-                else torch.nn.functional.linear(h, weight, bias)
-            )
-            y = y * top_k_weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
+        out = grouped.routed_experts(
+            self, hidden_states, top_k_index, top_k_weights, example_of_token, rows.examples if rows else 0
+        )
         if rows is not None and torch.is_grad_enabled():  # each example counted once per bank, in backward (a
             on_output_grad(out, _count_examples(rows.examples, buffers))  # recompute's graph gets none: no use)
         return out

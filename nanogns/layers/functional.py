@@ -99,7 +99,7 @@ def linear(
     )
     with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
         out = linear_kind.linear(x, weight, bias, *buffers, rows)
-    note_head(buffers[0], x, rows, out)
+    out = note_head(buffers[0], x, rows, out)
     return out
 
 
@@ -113,7 +113,7 @@ def embedding(
     if rows is not None and rows.kind == "shared":  # one row of ids for every example: a table they share
         return shared.lookup(ids, weight, padding_idx, weight_buffer)
     out = embedding_kind.embedding(ids, weight, padding_idx, buffer, rows)
-    note_embedding(buffer, ids, rows, out)
+    out = note_embedding(buffer, ids, rows, out)
     return out
 
 

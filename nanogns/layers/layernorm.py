@@ -46,6 +46,11 @@ EPS_ATTRIBUTES = (
 COMMON_EPS = (1e-5, 1e-6, 1e-8, 1e-12, None)  # None: the input dtype's machine epsilon, F.rms_norm's default
 ROW_SCALES = (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 3e-3, 3e-5, 1.0, 1.0, 0.3)
 ROW_MEANS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, -2.0, 1.0)
+# LayerNorm backward on the CPU: from this many elements per example (T * D) on, torch's kernel run once per example
+# (one pass over x and g, about 60 us more per call) beats the batched per-example sums (four passes more, about 2 ns
+# per element each on the project's 2-core machine); the crossover is near 30k elements
+PER_EXAMPLE_KERNEL_ELEMENTS = 2**15
+_layer_norm_backward_out = torch.ops.aten.native_layer_norm_backward.out
 
 
 # -----------------------------------------------------------------------------
@@ -149,6 +154,8 @@ class LayerNormFunction(torch.autograd.Function):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         weight_buffer, bias_buffer = ctx.buffers
         grad_out = grad_out.to(x.dtype).contiguous()
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and _per_example_kernels(ctx.rows, x, weight):
+            return _backward_per_example(ctx, grad_out, x, weight, bias, mean, rstd)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x, _, _ = torch.ops.aten.native_layer_norm_backward(
@@ -167,6 +174,43 @@ class LayerNormFunction(torch.autograd.Function):
             record_pe_grads(bias_buffer, pe_grad_bias)
             grad_bias = pe_grad_bias.sum(dim=0).to(bias.dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _per_example_kernels(rows, x, weight):
+    """True when torch's own LayerNorm backward, run once per example, is the cheaper way to the per-example affine
+    gradients: on the CPU, examples whose rows are one contiguous block (dim 0, or flattened (N*T, D)) of at least
+    PER_EXAMPLE_KERNEL_ELEMENTS elements, in float32 or float64 (the kernel sums in the input's dtype)."""
+    return (
+        rows is not None
+        and rows.kind in ("dim0", "flat")
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.float64)
+        and weight.dtype == x.dtype
+        and x.numel() >= rows.examples * PER_EXAMPLE_KERNEL_ELEMENTS
+    )
+
+
+def _backward_per_example(ctx, grad_out, x, weight, bias, mean, rstd):
+    """LayerNormFunction's backward (input and weight gradients asked for) as torch's kernel run on each example's
+    rows: the input gradient and that example's dw_i, db_i come from one pass over its x and g (the kernel's own
+    weight gradient is dw_i), where the batched path adds four passes (xhat, xhat * g, the sums). The kernel's
+    out= form fills every output (it rejects a masked one), so db_i is formed even without a bias to record."""
+    rows, (weight_buffer, bias_buffer) = ctx.rows, ctx.buffers
+    N, D = rows.examples, x.shape[-1]
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    pe_grads = x.new_empty(2, N, D)  # dw_i, db_i
+    per_example = [rows.per_example(t).unbind(0) for t in (grad_out, x, mean, rstd, grad_x)]  # (T, D), (T, 1)
+    like_bias = bias if bias is not None else torch.zeros_like(weight)  # db_i needs one (the backward never reads it)
+    for g_i, x_i, mean_i, rstd_i, dx_i, dw_i, db_i in zip(*per_example, pe_grads[0], pe_grads[1]):
+        _layer_norm_backward_out(
+            g_i, x_i, weight.shape, mean_i, rstd_i, weight, like_bias, [True] * 3, out0=dx_i, out1=dw_i, out2=db_i
+        )
+    accumulate_pe_sqnorm(weight_buffer, pe_grads[0].pow(2).sum(dim=1))
+    grad_weight, grad_bias = pe_grads[0].sum(dim=0), None
+    if bias is not None and ctx.needs_input_grad[2]:
+        accumulate_pe_sqnorm(bias_buffer, pe_grads[1].pow(2).sum(dim=1))
+        grad_bias = pe_grads[1].sum(dim=0)
+    return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 def torch_layer_norm(x, weight, bias):
@@ -232,9 +276,12 @@ class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
 
     def forward(self, x):
         out_dtype = self.pe_result_dtype(x, torch_layer_norm, self.weight, self.bias)
-        if torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:
             x = x.float()  # computed in float32 under autocast, returned in the dtype torch's LayerNorm returns
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
+        if not autocast:  # no autocast to leave: entering a context costs as much as the rest of this forward
+            return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
         with torch.autocast(x.device.type, enabled=False):
             return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
 

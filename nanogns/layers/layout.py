@@ -33,6 +33,7 @@ Layout.
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -118,7 +119,7 @@ class Layout:
     """
 
     examples: int
-    lengths: frozenset = frozenset()
+    lengths: tuple | frozenset = ()
     packed: Optional[Rows] = None
     sequence_first: bool = False  # the model holds sequence-first layers (torch's batch_first=False)
 
@@ -183,7 +184,9 @@ class RowMapper:
         self.refusals = {}  # {buffer's data_ptr: reason}
         self.mixing = {}  # {layer: why} of this step's layers that mixed the examples (batchnorm.py): no number
         self.shared = []  # [SharedTensor]: tensors recorded by several modules' buffers (uses.py)
-        self.model = None  # the model installed (its parameters' buffers: buffer_of)
+        self._model = None  # a weak reference to the model installed (its parameters' buffers: buffer_of); weak,
+        # since the last forward's Pass (a module global) holds this mapper, and a distributed engine must see the
+        # model freed before it destroys its process group
         self._buffers_of = {}  # {id(parameter): its buffer}
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
 
@@ -204,6 +207,14 @@ class RowMapper:
     def clear(self):
         self.refusals.clear()
         self.mixing.clear()
+
+    @property
+    def model(self):
+        return self._model() if self._model is not None else None
+
+    @model.setter
+    def model(self, model):
+        self._model = weakref.ref(model) if model is not None else None
 
     def buffer_of(self, param):
         """The `<name>_upegsqnorm` buffer recording parameter `param` on the model's modules, or None."""
@@ -279,7 +290,8 @@ class Pass:
 
 # The forward context every layer reads, per process as torch's autocast state is: the Passes of the root forwards
 # running now (innermost last), the last root forward's (what activation checkpointing recomputes under in
-# backward), and collectors of refusals outside any installed model (convert's probes).
+# backward; a weak reference, so that a model no longer used is freed), and collectors of refusals outside any
+# installed model (convert's probes).
 _active = []
 _last = None
 _collectors = []
@@ -296,7 +308,7 @@ def current_pass():
     if _active:
         return _active[-1]
     if _last is not None and _in_backward():
-        return _last
+        return _last()
     return None
 
 
@@ -385,9 +397,11 @@ def layout_of_inputs(args, kwargs):
     if main is None or main.dim() == 0:
         return None
     N = main.shape[0]
-    lengths = frozenset(
-        t.shape[1] for t in tensors if t.dim() >= 2 and t.shape[0] == N and (not t.is_floating_point() or t.dim() == 3)
-    )  # ids, masks, labels, (N, T, D) embeddings
+    lengths = ()  # the distinct T of ids, masks, labels, (N, T, D) embeddings: compared, never hashed (a hash would
+    for t in tensors:  # make torch.compile specialise on each T, and recompile this hook for every new length)
+        if t.dim() >= 2 and t.shape[0] == N and (not t.is_floating_point() or t.dim() == 3):
+            if not any(t.shape[1] == T for T in lengths):
+                lengths += (t.shape[1],)
     packed = _packed_rows(N, kwargs)
     if packed is not None:
         return Layout(packed.examples, lengths, packed)
@@ -434,11 +448,15 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         recompute = _in_backward()  # activation checkpointing running the whole model again: no new uses
         this = Pass(found, mapper, counting=torch.is_grad_enabled() and not recompute)
         if found is not None and this.counting:
-            earlier = mapper.last_pass  # a forward with tensors used several times whose backward has not begun:
-            if earlier is not None and not earlier.backward_seen and any(n > 1 for n in earlier.uses.values()):
-                this.interleaved = True  # their uses could not be told apart from this forward's (uses.py)
-            mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
-            mapper.last_pass = _last = this
+            # the bookkeeping of uses runs eagerly only: a compiled backward sums no uses (the monitor then drops such
+            # a tensor with its reason), and reading the last forward here would make Dynamo guard on it
+            if not torch.compiler.is_compiling():
+                earlier = mapper.last_pass  # a forward with tensors used several times whose backward has not begun:
+                if earlier is not None and not earlier.backward_seen and any(n > 1 for n in earlier.uses.values()):
+                    this.interleaved = True  # their uses could not be told apart from this forward's (uses.py)
+                mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
+            mapper.last_pass = this
+            _last = weakref.ref(this)
         _active.append(this)
 
     def leave(module, args, kwargs, output):

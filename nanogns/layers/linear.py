@@ -172,15 +172,10 @@ def linear_weight_grad_and_pe_sqnorm(x, g, strategy=None):
 
 
 def linear_forward(x, weight, bias):
-    """F.linear(x, weight, bias) written into a fresh tensor, never a view of one: an autograd Function's
-    output that is a view cannot be modified in place (nn.ReLU(inplace=True) after the layer)."""
-    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    rows = x.reshape(-1, x.shape[-1])
-    if bias is None:
-        torch.mm(rows, weight.t(), out=out.view(-1, weight.shape[0]))
-    else:
-        torch.addmm(bias, rows, weight.t(), out=out.view(-1, weight.shape[0]))
-    return out
+    """F.linear(x, weight, bias), never a view: an autograd Function's output that is a view cannot be modified in
+    place (nn.ReLU(inplace=True) after the layer). F.linear's output for a (N, T, K) input is a view of its (N*T, L)
+    product; detach() aliases it without being a view (and costs one dispatch, where an out= product costs three)."""
+    return F.linear(x, weight, bias).detach()
 
 
 # -----------------------------------------------------------------------------
@@ -280,9 +275,9 @@ class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
         x, weight, bias = autocast_inputs(x, *PEGradNormLinear.pe_weight_and_bias(self, x))
         out = F.linear(x, weight, bias)
         rows, (weight_buffer, bias_buffer) = self.pe_rows_and_buffers(x, "weight", "bias")
+        out = note_head(weight_buffer, x, rows, out)  # first: torch.compile breaks the graph at the hook
         if weight_buffer is not None or bias_buffer is not None:
             on_output_grad(out, record_linear_norms(x.detach(), rows, weight_buffer, bias_buffer))
-        note_head(weight_buffer, x, rows, out)
         return out
 
 
@@ -301,9 +296,12 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
     def forward(self, x):
         x, weight, bias = autocast_inputs(x, *self.pe_weight_and_bias(x))
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
-        with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+        if torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
+                out = linear(x, weight, bias, *buffers, rows)
+        else:  # no autocast to leave: entering a context costs as much as the rest of this forward
             out = linear(x, weight, bias, *buffers, rows)
-        note_head(buffers[0], x, rows, out)
+        out = note_head(buffers[0], x, rows, out)
         return self.pe_promoted(out)
 
     def pe_promoted(self, out):

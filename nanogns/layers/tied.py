@@ -16,15 +16,22 @@ output gradient at position s,
     <e_i, h_i> = sum_t delta_t . P_t,   P_t = sum_s dlogits_s[ids_t] x_s,
 
 i.e. gather the (S, T) matrix G[s, t] = dlogits_s[ids_t] and form P = G^T x:
-B*S*T*D work and B*T*D memory plus G for a chunk of examples at a time. The output layer runs its backward
+B*S*T*D work and B*T*D memory plus G for a chunk of examples at a time. With a
+vocabulary smaller than the sequence (V < T: character models), the head's
+per-example gradient itself is cheaper: H_i = dlogits_i^T x_i (V x D), B*S*V*D
+work, and P_t = H_i[ids_t] (CROSS_TERM_WAY). The output layer runs its backward
 first, so it computes P; the embedding's backward then finishes the cross term
 and adds it to a third buffer, `<param>_tiecross_upegsqnorm` on the embedding.
 
 `link_tied_parameters(model)` finds such pairs and marks the two layers' forwards;
 each per-example norm layer reports its raw output (`note_embedding`,
-`note_head`: the lookup itself, before a scale such as Gemma's), on whose node a
-backward pre-hook computes the cross term (no node is added, so in-place ops on
-the outputs still work).
+`note_head`: the lookup itself, before a scale such as Gemma's), which passes
+through an autograd Function that changes nothing in forward (marked as modified
+in place, so it is the same tensor, not a view, and in-place ops on it still
+work). The embedding's tap also returns a carrier tensor that the head's tap takes
+as an input: the head's backward hands P to the embedding's as the carrier's
+gradient, so the cross term is autograd's own dataflow (no state kept between the
+two backward calls; torch.compile traces it into the graph).
 GNSMonitor calls it (through find_tracked_parameters); the monitor then logs the tensor once,
 under all its names joined by "+" (e.g. `transformer.wte.weight+lm_head.weight`).
 """
@@ -33,50 +40,88 @@ import torch
 import torch.nn as nn
 
 from nanogns.layers import uses
-from nanogns.layers.buffers import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, on_output_grad, refuse_step
+from nanogns.layers.buffers import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_upegsqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
+CROSS_TERM_WAY = None  # None: "table" when the vocabulary is smaller than the sequence, else "gather"; or forced
 
 
 class _ForwardPass:
-    """What one forward of the embedding leaves for the output layer: its ids per example, and P once computed."""
+    """What one forward of the embedding leaves for the output layer: its ids per example and the carrier of P."""
 
-    def __init__(self, ids, rows, padding_idx):
+    def __init__(self, ids, rows, carrier):
         self.ids = ids  # (N, T) per example (layout.Rows)
         self.rows = rows
-        self.padding_idx = padding_idx  # tokens the embedding gives no gradient: no cross term either
-        self.p = None
+        self.carrier = carrier  # (N, T, D): its gradient is P (the head's tap returns it)
 
 
-def _embedding_cross_term(forward_pass, cross_buffer, grad_out):
-    """In the embedding's backward: add sum_t delta_t . P_t per example to the cross buffer."""
-    p, forward_pass.p = forward_pass.p, None
-    if p is None or uses.multiple(cross_buffer):  # the head took no part in this backward: the cross term is 0;
-        return  # or the tensor was used more than twice: its uses are summed by uses.py, with no cross term here
-    delta = forward_pass.rows.per_example(grad_out).to(p.dtype)
-    if forward_pass.padding_idx is not None:
-        delta = delta.masked_fill((forward_pass.ids == forward_pass.padding_idx).unsqueeze(-1), 0)
-    accumulate_pe_sqnorm(cross_buffer, (delta * p).sum(dim=(1, 2)))
+class _EmbeddingTap(torch.autograd.Function):
+    """_EmbeddingTap.apply(out, ids, rows, padding_idx, cross_buffer) -> (out, carrier): out unchanged (the same
+    tensor), and a carrier (N, T, D) whose gradient, P from the output layer's backward, this backward turns
+    into the cross term sum_t delta_t . P_t per example (nothing when the output layer took no part: no P)."""
+
+    @staticmethod
+    def forward(ctx, out, ids, rows, padding_idx, cross_buffer):
+        ctx.mark_dirty(out)  # unchanged, but marked: the same tensor comes back, not a view of it
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.padding_idx, ctx.cross_buffer = rows, padding_idx, cross_buffer
+        N, T = ids.shape  # the carrier's values are never read; a real tensor, not a view (compiled graphs
+        return out, out.new_empty(N, T, out.shape[-1], dtype=norm_dtype(out))  # return views as their base)
+
+    @staticmethod
+    def backward(ctx, grad_out, p):
+        # (a tensor used more than twice per forward: uses.py sums its uses, with no cross term here)
+        if p is not None and grad_out is not None and not uses.multiple(ctx.cross_buffer):
+            (ids,) = ctx.saved_tensors
+            delta = ctx.rows.per_example(grad_out).to(p.dtype)
+            if ctx.padding_idx is not None:  # tokens the embedding gives no gradient: no cross term either
+                delta = delta.masked_fill((ids == ctx.padding_idx).unsqueeze(-1), 0)
+            accumulate_pe_sqnorm(ctx.cross_buffer, (delta * p).sum(dim=(1, 2)))
+        return grad_out, None, None, None, None
 
 
-def _head_cross_term(forward_pass, x, rows, grad_logits):
-    """In the output layer's backward: P = G^T x per example, for the embedding's backward to finish."""
-    ids = forward_pass.ids  # (N, T)
+class _HeadTap(torch.autograd.Function):
+    """_HeadTap.apply(logits, x, rows, ids, carrier, cross_buffer) -> logits unchanged (the same tensor); its backward passes the
+    logits' gradient on and returns P = G^T x per example as the carrier's gradient (a head used twice: autograd
+    adds the two)."""
+
+    @staticmethod
+    def forward(ctx, logits, x, rows, ids, carrier, cross_buffer):
+        ctx.mark_dirty(logits)
+        ctx.save_for_backward(x, ids)
+        ctx.rows, ctx.cross_buffer = rows, cross_buffer
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        if uses.multiple(ctx.cross_buffer):  # used more than twice: uses.py sums the uses, no P needed
+            return grad_logits, None, None, None, None, None
+        x, ids = ctx.saved_tensors
+        return grad_logits, None, None, None, _head_cross_term(ids, x, ctx.rows, grad_logits), None
+
+
+def _head_cross_term(ids, x, rows, grad_logits):
+    """In the output layer's backward: P (N, T, D), P_t = sum_s dlogits_s[ids_t] x_s per example."""
     N, T = ids.shape
     dtype = norm_dtype(grad_logits)
     dlogits = rows.per_example(grad_logits)  # (N, S, V)
-    S = dlogits.shape[1]
+    S, V = dlogits.shape[1:]
     x = rows.per_example(x)  # (N, S, D)
+    if (CROSS_TERM_WAY or ("table" if V < T else "gather")) == "table":
+        table = torch.bmm(dlogits.transpose(1, 2).to(dtype), x.to(dtype))  # H_i = dlogits_i^T x_i (N, V, D)
+        return torch.gather(table, 1, ids.unsqueeze(-1).expand(N, T, x.shape[-1]))  # P_t = H_i[ids_t]
     p = torch.empty(N, T, x.shape[-1], dtype=dtype, device=x.device)
-    chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, S * T))  # bounds G's memory: (chunk, S, T)
+    # bounds G's memory: (chunk, S, T); one chunk asks torch.compile for one guard, not one graph per length
+    chunk = N if N * S * T <= GATHER_CHUNK_ELEMENTS else max(1, GATHER_CHUNK_ELEMENTS // max(1, S * T))
     for start in range(0, N, chunk):
         part = slice(start, start + chunk)
         n = ids[part].shape[0]
         # G[n, s, t] = dlogits[n, s, ids[n, t]]
         gathered = torch.gather(dlogits[part], 2, ids[part].unsqueeze(1).expand(n, S, T)).to(dtype)
         p[part] = torch.bmm(gathered.transpose(1, 2), x[part].to(dtype))  # (n, T, D)
-    forward_pass.p = p if forward_pass.p is None else forward_pass.p + p  # a head used twice adds up
+    return p
 
 
 class TiedParameter:
@@ -126,16 +171,17 @@ class TiedParameter:
         if rows is None:  # the embedding refuses the step (rows not mapped); so does the cross term
             refuse_step("the tied embedding's rows could not be mapped to examples", [cross_buffer])
             self._current = None
-            return
+            return out
         ids_per_example = rows.per_example(ids.unsqueeze(-1)).squeeze(-1)
-        forward_pass = self._current = _ForwardPass(ids_per_example, rows, self.embedding.padding_idx)
-        on_output_grad(out, lambda grad_out: _embedding_cross_term(forward_pass, cross_buffer, grad_out))
+        out, carrier = _EmbeddingTap.apply(out, ids_per_example, rows, self.embedding.padding_idx, cross_buffer)
+        self._current = _ForwardPass(ids_per_example, rows, carrier)
+        return out
 
     def head_used(self, x, rows, out):
         """The output layer computed `out` from `x` (before anything its module does after)."""
         forward_pass = self._current
         if forward_pass is None:
-            return
+            return out
         if rows is None or rows.examples != forward_pass.rows.examples:
             raise ValueError(
                 f"tied weight {'+'.join(self.names)}: the output layer's input has shape {tuple(x.shape)} but the "
@@ -143,14 +189,8 @@ class TiedParameter:
                 "to the same examples (keep the examples on dim 0, or flatten (B, T, D) to (B*T, D) in that order), "
                 "or untie the weights"
             )
-        x = x.detach()
         cross_buffer = self.embedding._buffers[self._cross_buffer_name]
-
-        def head_backward(grad_logits):
-            if not uses.multiple(cross_buffer):  # else uses.py sums the uses
-                _head_cross_term(forward_pass, x, rows, grad_logits)
-
-        on_output_grad(out, head_backward)
+        return _HeadTap.apply(out, x.detach(), rows, forward_pass.ids, forward_pass.carrier, cross_buffer)
 
     def remove(self):
         for handle in self.handles:
@@ -162,17 +202,21 @@ _in_forward = {}  # id(a tied layer's weight buffer) -> its TiedParameter, while
 
 def note_embedding(weight_buffer, ids, rows, out):
     """Called by every embedding that records norms, with its raw lookup `out`: a tied weight's cross term starts
-    here (nothing happens for an untied one, or without gradients)."""
+    here (nothing happens for an untied one, or without gradients). Returns `out` (the same tensor, its autograd
+    history now through the tie's tap)."""
     tie = _in_forward.get(id(weight_buffer)) if weight_buffer is not None else None
-    if tie is not None and torch.is_grad_enabled():
-        tie.embedding_used(ids, rows, out)
+    if tie is not None and torch.is_grad_enabled() and out.requires_grad:
+        return tie.embedding_used(ids, rows, out)
+    return out
 
 
 def note_head(weight_buffer, x, rows, out):
-    """Called by every Linear that records norms, with its input and raw output: a tied weight's output layer."""
+    """Called by every Linear that records norms, with its input and raw output: a tied weight's output layer.
+    Returns `out` (the same tensor)."""
     tie = _in_forward.get(id(weight_buffer)) if weight_buffer is not None else None
-    if tie is not None and torch.is_grad_enabled():
-        tie.head_used(x, rows, out)
+    if tie is not None and torch.is_grad_enabled() and out.requires_grad:
+        return tie.head_used(x, rows, out)
+    return out
 
 
 def _has_pe_buffer(module, param_name):

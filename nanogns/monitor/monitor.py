@@ -232,8 +232,9 @@ class GNSMonitor:
             if count != batch_size and count % batch_size == 0 and some_counted_batch_size and exact:
                 reason = (
                     f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
-                    "once per forward, e.g. shared across depth): the norm of the summed gradient needs the "
-                    f"cross terms between uses; not measured since step {self.step_count - 1}"
+                    "once per forward, e.g. shared across depth) and its uses' per-example gradients were not summed "
+                    "(they are in an eager backward, layers/uses.py; not in a backward compiled by torch.compile, nor "
+                    f"for a layer kind that hands over no per-example factors); not measured since step {self.step_count - 1}"
                 )
                 self._warn_once({name: reason})
                 self.untracked[name] = reason

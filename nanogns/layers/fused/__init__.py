@@ -132,7 +132,7 @@ class PEGradNormFusedLinear(PEGradNormLinear):
         xs, weight, bias = autocast_inputs(xs, *self.pe_weight_and_bias(xs))
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             out = linear.fused_linear(xs, weight, bias, *buffers)
-        note_head(buffers[0], xs, layout.Rows("dim0", xs.shape[0]), out)
+        out = note_head(buffers[0], xs, layout.Rows("dim0", xs.shape[0]), out)
         return self.pe_promoted(out.view(*x.shape[:-1], self.out_features))
 
 

@@ -1,0 +1,144 @@
+"""
+Mixture-of-experts banks through the grouped computation (layers/grouped.py): one grouped GEMM per projection,
+each (expert, example) segment's norms by the Gram trick, against the brute-force loop over examples (float64,
+routed tokens with a dropped one, two uneven micro-batches), for banks stored either way round, with and without
+biases and gates; in float32 through torch's grouped_mm itself; outputs and gradients equal to transformers' own.
+
+    python -m pytest -q tests/test_layers_grouped.py
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import MixtralConfig
+from transformers.integrations.moe import use_experts_implementation
+
+import nanogns as lc
+
+E, D, I, K_TOP = 4, 8, 12, 2  # experts, hidden, intermediate, experts per token (widths aligned for grouped_mm)
+N, T = 5, 6  # examples of T tokens; micro-batches of 2 and 3
+
+
+def experts_class(transposed, bias, gate):
+    """A transformers-style experts bank (use_experts_implementation) stored (E, out, in) or (E, in, out)."""
+
+    @use_experts_implementation(is_transposed=transposed, has_bias=bias, has_gate=gate)
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = E
+            first = 2 * I if gate else I
+            shapes = {
+                "up": (E, D, first) if transposed else (E, first, D),
+                "down": (E, I, D) if transposed else (E, D, I),
+            }
+            setattr(self, "gate_up_proj" if gate else "up_proj", nn.Parameter(torch.randn(*shapes["up"]) / D**0.5))
+            self.down_proj = nn.Parameter(torch.randn(*shapes["down"]) / I**0.5)
+            if bias:
+                setattr(self, ("gate_up_proj" if gate else "up_proj") + "_bias", nn.Parameter(torch.randn(E, first)))
+                self.down_proj_bias = nn.Parameter(torch.randn(E, D))
+            self.act_fn = F.silu
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # eager: transformers' loop, the reference
+            out = torch.zeros_like(hidden_states)
+            first = self.gate_up_proj if self.has_gate else self.up_proj
+            first_bias = getattr(self, ("gate_up_proj" if self.has_gate else "up_proj") + "_bias", None)
+            for expert in range(E):
+                token, slot = torch.where(top_k_index == expert)
+                w = first[expert].t() if self.is_transposed else first[expert]
+                h = F.linear(hidden_states[token], w, first_bias[expert] if first_bias is not None else None)
+                h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+                w = self.down_proj[expert].t() if self.is_transposed else self.down_proj[expert]
+                y = F.linear(h, w, self.down_proj_bias[expert] if self.has_bias else None)
+                out.index_add_(0, token, y * top_k_weights[token, slot, None])
+            return out
+
+    config = MixtralConfig(hidden_size=D, intermediate_size=I, num_local_experts=E)
+    config._experts_implementation = "eager"
+    return Experts(config)
+
+
+class Block(nn.Module):
+    """(N, T, D) examples in, the bank on their (N*T, D) flattened rows (the layout maps them to the examples)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, top_k_index, top_k_weights):
+        flat = self.experts(x.reshape(-1, D), top_k_index.reshape(-1, K_TOP), top_k_weights.reshape(-1, K_TOP))
+        return flat.view(x.shape)
+
+
+def routed_batch(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, T, D, generator=gen, dtype=torch.float64).to(dtype)
+    index = torch.stack([torch.randperm(E, generator=gen)[:K_TOP] for _ in range(N * T)]).view(N, T, K_TOP)
+    index[1, 2, 1] = E  # transformers' sentinel: this slot routes the token nowhere
+    index[3, :, 0] = 1  # every token of example 3 on expert 1 (a long segment), never expert 0
+    index[3, :, 1] = torch.tensor([2, 3, 2, 3, 2, 3])
+    weights = torch.rand(N, T, K_TOP, generator=gen, dtype=torch.float64).to(dtype)
+    grad = torch.randn(N, T, D, generator=gen, dtype=torch.float64).to(dtype)
+    return x, index, weights, grad
+
+
+def brute_force(block, x, index, weights, grad):
+    """{parameter name: sum over examples of ||its gradient from that example alone||^2} (float64)."""
+    sums = {name: 0.0 for name, _ in block.experts.named_parameters()}
+    for i in range(N):
+        block.zero_grad(set_to_none=True)
+        block(x[i : i + 1], index[i : i + 1], weights[i : i + 1]).backward(grad[i : i + 1])
+        for name, p in block.experts.named_parameters():
+            sums[name] += p.grad.double().pow(2).sum().item() if p.grad is not None else 0.0
+    block.zero_grad(set_to_none=True)
+    return sums
+
+
+CASES = [(False, False, True), (True, False, True), (False, True, True), (True, True, False)]
+
+
+@pytest.mark.parametrize("transposed, bias, gate", CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-6), (torch.float32, 1e-4)])  # buffers are float32
+def test_grouped_experts_match_brute_force(transposed, bias, gate, dtype, rtol, monkeypatch):
+    torch.manual_seed(0)
+    block = Block(experts_class(transposed, bias, gate)).double()
+    x, index, weights, grad = routed_batch(torch.float64)
+    want = brute_force(block, x, index, weights, grad)
+    block.zero_grad(set_to_none=True)
+    block(x, index, weights).backward(grad)
+    plain_grads = {name: p.grad.clone() for name, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+
+    lc.convert(block.to(torch.float32))
+    assert type(block.experts).__name__.startswith("PEGradNormExperts")
+    block.to(dtype)
+    calls = []
+    if dtype == torch.float32:  # torch's grouped_mm runs, not the per-expert fallback
+        grouped_mm = F.grouped_mm
+        monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    x, weights, grad = x.to(dtype), weights.to(dtype), grad.to(dtype)
+    for part in (slice(0, 2), slice(2, N)):  # two uneven micro-batches accumulate
+        out = block(x[part], index[part], weights[part])
+        out.backward(grad[part])
+    assert (dtype == torch.float32) == bool(calls)
+    for name, p in block.experts.named_parameters():
+        total, count = getattr(block.experts, name + "_upegsqnorm").tolist()
+        assert count == N, name
+        assert total == pytest.approx(want[name], rel=rtol), name
+        torch.testing.assert_close(p.grad.double(), plain_grads["experts." + name], rtol=rtol, atol=rtol)
+    reference = Block(experts_class(transposed, bias, gate)).to(dtype)
+    reference.load_state_dict(block.state_dict())
+    torch.testing.assert_close(block(x, index, weights), reference(x, index, weights), rtol=rtol, atol=rtol)
+
+
+def test_no_grad_computes_the_output_only():
+    """Under no_grad the converted bank computes the module's output and records nothing."""
+    torch.manual_seed(0)
+    block = Block(experts_class(False, True, True)).double()
+    x, index, weights, _ = routed_batch(torch.float64)
+    want = block(x, index, weights)
+    lc.convert(block)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x, index, weights), want)
+    assert all(b.abs().sum() == 0 for n, b in block.named_buffers() if n.endswith("_upegsqnorm"))
