@@ -3,7 +3,7 @@ Per-Linear cost of exact per-example gradient norms: forward + backward (input
 gradient included) + per-example weight norms, as a ratio to plain nn.Linear
 forward + backward measured in the same round, plus peak memory.
 
-    python bench/linear_strategies.py                        # the issue's five shapes, CPU, fp32
+    python bench/linear_strategies.py                        # the README's five shapes, CPU, fp32
     python bench/linear_strategies.py --shapes=16,64,384,1536 --rounds=31
     python bench/linear_strategies.py --device=cuda --dtype=bfloat16   # adds the fused kernel
 
@@ -37,12 +37,12 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import train_settings  # noqa: E402  (bench/train_settings.py)
 
-ISSUE_SHAPES = "16,256,128,512;16,64,384,1536;4,512,768,3072;64,32,256,256;8,256,384,1536"
+DEFAULT_SHAPES = "16,256,128,512;16,64,384,1536;4,512,768,3072;64,32,256,256;8,256,384,1536"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=ISSUE_SHAPES, help="B,T,K,L;... (default: the issue's five)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="B,T,K,L;... (default: the five shapes of the README's table)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per layer (default: 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")

@@ -16,7 +16,8 @@ def per_example_sqnorms_by_loop(module, inputs, grad_out):
 
     Args:
         module: any module whose output's dim 0 indexes the examples of `inputs`.
-        inputs: tensor (N, ...) whose dim 0 indexes examples (float input or token ids).
+        inputs: tensor (N, ...) whose dim 0 indexes examples (float input or token ids), or a tuple of the
+            module's positional inputs (the first one's dim 0 indexing the examples).
         grad_out: tensor shaped like module(inputs): the upstream gradient. Example i's gradient is the
             vector-Jacobian product of output row i with grad_out[i], from the one batched forward.
     Returns:
@@ -24,10 +25,11 @@ def per_example_sqnorms_by_loop(module, inputs, grad_out):
     """
     named = list(module.named_parameters())
     trainable = [p for _, p in named if p.requires_grad]
-    x = inputs.detach().requires_grad_(True) if inputs.is_floating_point() else inputs
-    out = module(x)
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    x = inputs[0].detach().requires_grad_(True) if inputs[0].is_floating_point() else inputs[0]
+    out = module(x, *inputs[1:])
     sqnorms = {name: [] for name, _ in named}
-    for i in range(inputs.shape[0]):
+    for i in range(x.shape[0]):
         grads = iter(
             torch.autograd.grad(
                 out[i], trainable, grad_outputs=grad_out[i].to(out.dtype), retain_graph=True, allow_unused=True

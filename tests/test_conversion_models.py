@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
 from nanogns.layers.buffers import zero_sqgradnorm_buffers
@@ -68,19 +69,11 @@ def lm_losses(model, ids, mask, positions=False):
 
 
 def brute_force(model, loss_of, n):
-    """{parameter name: (|mean_i g_i|^2, mean_i |g_i|^2)} from one backward per example (loss_of(part) -> losses)."""
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    per_example, total = {name: 0.0 for name in params}, {name: 0.0 for name in params}
-    for i in range(n):
-        model.zero_grad(set_to_none=True)
-        loss_of(slice(i, i + 1)).sum().backward()
-        for name, p in params.items():
-            if p.grad is not None:
-                per_example[name] += p.grad.pow(2).sum().item() / n
-                total[name] = total[name] + p.grad / n
-    model.zero_grad(set_to_none=True)
+    """{parameter name: (|mean_i g_i|^2, mean_i |g_i|^2)} by the oracle: each example's gradient from the batched
+    forward of all n (loss_of(part) -> the examples' losses)."""
+    per_example, batch = loss_sqnorms_from_batched_forward(model, loss_of(slice(0, n)))
     zero_sqgradnorm_buffers(model)
-    return {name: (torch.as_tensor(total[name]).pow(2).sum().item(), per_example[name]) for name in params}
+    return {name: (batch[name], per_example[name]) for name in batch}
 
 
 def measured(monitor, model, loss_of, parts, n):

@@ -15,12 +15,13 @@ import copy
 import functools
 import importlib.util
 import os
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from oracle import per_example_sqnorms_by_loop
+from oracle import loss_sqnorms_from_batched_forward, per_example_sqnorms_by_loop
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
@@ -35,6 +36,9 @@ from nanogns.runlog.reader import load_csv
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, T = 23, 7
 SIZES = dict(n_layer=2, n_head=2, n_embd=16, block_size=T)  # the examples' models, smaller
+
+
+sys.path.insert(0, os.path.join(REPO, "examples"))  # the examples' own helpers (common.py), as a script has them
 
 
 @functools.cache
@@ -69,18 +73,13 @@ def loss_fn(name, model, x, y):
 
 
 def brute_force(name, model, x, y):
-    """{parameter name: (|mean_i g_i|^2, mean_i |g_i|^2)} from one backward per example, in float64."""
-    per_example = {n: 0.0 for n, _ in model.named_parameters()}
-    batch = {n: 0.0 for n in per_example}
-    for i in range(x.size(0)):
-        model.zero_grad(set_to_none=True)
-        loss_fn(name, model, x[i : i + 1], y[i : i + 1]).backward()
-        for n, p in model.named_parameters():
-            per_example[n] += p.grad.pow(2).sum().item() / x.size(0)
-            batch[n] = batch[n] + p.grad / x.size(0)
-    model.zero_grad(set_to_none=True)
+    """{parameter name: (|mean_i g_i|^2, mean_i |g_i|^2)} by the oracle (each example's gradient, its mean token loss,
+    from the batched forward), in float64."""
+    logits = example(name).logits(model, x)
+    losses = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+    per_example, batch = loss_sqnorms_from_batched_forward(model, losses)
     zero_sqgradnorm_buffers(model)
-    return {n: (batch[n].pow(2).sum().item(), per_example[n]) for n in per_example}
+    return {n: (batch[n], per_example[n]) for n in batch}
 
 
 def accumulated_measurements(name, model, monitor, x, y, split=2):
