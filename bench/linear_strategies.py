@@ -42,7 +42,9 @@ DEFAULT_SHAPES = "16,256,128,512;16,64,384,1536;4,512,768,3072;64,32,256,256;8,2
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="B,T,K,L;... (default: the five shapes of the README's table)")
+    p.add_argument(
+        "--shapes", default=DEFAULT_SHAPES, help="B,T,K,L;... (default: the five shapes of the README's table)"
+    )
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per layer (default: 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
