@@ -16,7 +16,9 @@ counts do not depend on the width.
 
 import argparse
 import collections
+import contextlib
 import cProfile
+import io
 import os
 import pstats
 import sys
@@ -113,7 +115,11 @@ def step_counts(choice, n_layer, batch=4, block=16):
 
     linear, embedding, ln = CHOICES[choice]
     torch.manual_seed(0)
-    with lc.set_contextual_config(**lc.layer_classes(linearclass=linear, embeddingclass=embedding, lnclass=ln)):
+    # (model.py prints its size: kept out of the tables)
+    with (
+        lc.set_contextual_config(**lc.layer_classes(linearclass=linear, embeddingclass=embedding, lnclass=ln)),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         model = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=block, vocab_size=65, dropout=0.0))
     monitor = gnstracking.GNSMonitor(model) if choice != "nn" else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -26,7 +26,9 @@ interpolated linearly between the last two evaluations. Wall time counts trainin
 """
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -124,7 +126,8 @@ def windows(ids, starts, block_size):
 def build(task, vocab_size, seed):
     """A GPT with per-example norms on every layer, its AdamW, and a GNSMonitor; seeded."""
     torch.manual_seed(seed)
-    with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
+    # (model.py prints its size: kept out of the tables)
+    with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")), contextlib.redirect_stdout(io.StringIO()):
         from model import GPT, GPTConfig
 
         model = GPT(

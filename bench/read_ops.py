@@ -12,6 +12,8 @@ the backward. The read's count should stay flat as the model gets deeper (tests/
 
 import argparse
 import collections
+import contextlib
+import io
 import os
 import sys
 
@@ -43,7 +45,11 @@ def counts(choice, n_layer, batch=4, block=16):
     """(ops of forward + backward + AdamW, ops of the GNS read or None, the read's most frequent ops)."""
     linear, embedding, ln = CHOICES[choice]
     torch.manual_seed(0)
-    with lc.set_contextual_config(**lc.layer_classes(linearclass=linear, embeddingclass=embedding, lnclass=ln)):
+    # (model.py prints its size: kept out of the tables)
+    with (
+        lc.set_contextual_config(**lc.layer_classes(linearclass=linear, embeddingclass=embedding, lnclass=ln)),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         model = GPT(
             GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=block, vocab_size=64, dropout=0.0, bias=True)
         )

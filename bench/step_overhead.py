@@ -17,6 +17,8 @@ choice runs a few steps alone in a subprocess, so the peak is its own.
 """
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -65,14 +67,14 @@ def parse_args(argv=None):
     p.add_argument(
         "--choices", default=None, help="comma-separated layer choices (default: the four CPU ones, or all six on cuda)"
     )
-    p.add_argument("--n_layer", type=int, default=6)
-    p.add_argument("--n_head", type=int, default=6)
-    p.add_argument("--n_embd", type=int, default=384)
-    p.add_argument("--block_size", type=int, default=256)
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--vocab_size", type=int, default=65)
-    p.add_argument("--bias", default="False", choices=["True", "False"])
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--n_layer", type=int, default=6, help="transformer blocks (default: 6, the baby GPT)")
+    p.add_argument("--n_head", type=int, default=6, help="attention heads (default: 6)")
+    p.add_argument("--n_embd", type=int, default=384, help="model width (default: 384)")
+    p.add_argument("--block_size", type=int, default=256, help="tokens per sequence (default: 256)")
+    p.add_argument("--batch_size", type=int, default=64, help="sequences per micro-batch (default: 64)")
+    p.add_argument("--vocab_size", type=int, default=65, help="vocabulary (default: 65, Shakespeare's characters)")
+    p.add_argument("--bias", default="False", choices=["True", "False"], help="biases in Linears and LayerNorms")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per step (default: 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per choice (default: 2)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per choice, interleaved (default: 10)")
     p.add_argument("--memory", default="True", choices=["True", "False"], help="measure peak memory (default: True)")
@@ -93,7 +95,11 @@ def build(args, name):
     device_type = "cuda" if "cuda" in args.device else "cpu"
     ptdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype, enabled=args.dtype != "float32")
-    with lc.set_contextual_config(**lc.layer_classes(linearclass, embeddingclass, lnclass)):
+    # (model.py prints its size: kept out of the tables)
+    with (
+        lc.set_contextual_config(**lc.layer_classes(linearclass, embeddingclass, lnclass)),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         from model import GPT, GPTConfig
 
         model = GPT(
