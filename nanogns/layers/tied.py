@@ -55,6 +55,10 @@ class _ForwardPass:
         self.rows = rows
         self.carrier = carrier  # (N, T, D): its gradient is P (the head's tap returns it)
 
+    def __deepcopy__(self, memo):
+        return None  # a copy of the model (an EMA twin, a reference copy) starts before its first forward: the
+        # carrier, an autograd output, cannot be deep-copied, and belongs to the original's graph
+
 
 class _EmbeddingTap(torch.autograd.Function):
     """_EmbeddingTap.apply(out, ids, rows, padding_idx, cross_buffer) -> (out, carrier): out unchanged (the same
