@@ -113,7 +113,8 @@ def build(args, name):
                 dropout=0.0,
             )
         ).to(args.device)
-    optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
+    with contextlib.redirect_stdout(io.StringIO()):  # (and its optimizer's groups)
+        optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
     tracked = lc.tracks_per_example_norms(linearclass, embeddingclass, lnclass)
     tracker = gnstracking.GNSMonitor(model, scaler=scaler) if tracked else None

@@ -23,7 +23,7 @@ import torch
 
 import nanogns as lc
 from nanogns.layers import buffers as buffered
-from nanogns.layers import tied
+from nanogns.layers import linear, tied
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=67, dropout=0.0, bias=True)
 BATCH, STEPS, MICRO_STEPS = 4, 2, 2
@@ -85,10 +85,14 @@ def test_compiled_matches_eager(kind):
 
 
 @pytest.mark.filterwarnings("ignore:.*Triton kernel not used:RuntimeWarning")
-@pytest.mark.parametrize("kind", ["gns", "fused"])
-def test_monitored_gpt_compiles_into_one_graph(kind):
+@pytest.mark.parametrize(
+    "kind, strategy", [("gns", None), ("gns", "materialise"), ("fused", None)], ids=["gns", "gns-materialise", "fused"]
+)
+def test_monitored_gpt_compiles_into_one_graph(kind, strategy, monkeypatch):
     """The baby GPT with per-example layers, its layout hooks and tied matrix linked by the monitor: no graph break
-    (Dynamo's explain), and a fullgraph compile (a break would raise) gives the eager model's buffers."""
+    (Dynamo's explain), and a fullgraph compile (a break would raise) gives the eager model's buffers. The gns
+    Linear's materialised strategy too (the one long sequences take: it broke the graph once per Linear)."""
+    monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
     torch.manual_seed(0)
     eager = build(kind)
     model = copy.deepcopy(eager)

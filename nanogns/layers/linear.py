@@ -109,7 +109,8 @@ def materialised_pe_grads(x, g, with_sum=True):
     L = g.shape[-1]
     dtype = norm_dtype(x)
     chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
-    threads = torch.get_num_threads() if x.device.type == "cpu" else 1
+    # (not read under torch.compile: a Python int from torch would break the graph; the rounding only saves time)
+    threads = torch.get_num_threads() if x.device.type == "cpu" and not torch.compiler.is_compiling() else 1
     if chunk > threads:  # a multiple of the CPU threads sharing each bmm: 7 examples on 2 threads cost 15% more than 6
         chunk -= chunk % threads
     work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
