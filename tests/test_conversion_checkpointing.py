@@ -182,3 +182,42 @@ def test_replayed_modules_and_dbrx_banks_exact_under_every_form(name, form):
         got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
+
+
+class CheckpointedEncoder(nn.Module):
+    """torch's TransformerEncoder layers (nn.MultiheadAttention inside), each checkpointed in the given form."""
+
+    def __init__(self, form, V=19, D=8):
+        super().__init__()
+        self.form = form
+        self.emb, self.head = nn.Embedding(V, D), nn.Linear(D, V)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(D, 2, 12, dropout=0.0, batch_first=True) for _ in range(2)
+        )
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = checkpoint(layer, h, **FORMS[self.form]) if self.form else layer(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_multihead_attention_is_exact_under_checkpointing(form):
+    """nn.MultiheadAttention counts each forward's examples once: a recompute in backward is no second use."""
+    torch.manual_seed(0)
+    model = CheckpointedEncoder(form).double()
+    ids = torch.randint(0, 19, (B, 6), generator=torch.Generator().manual_seed(1))
+
+    def loss_of(part):
+        logits = model(ids[part])
+        return F.cross_entropy(logits.flatten(0, 1), ids[part].flatten(), reduction="none").view(-1, 6).mean(1)
+
+    model.form = None  # the oracle without checkpoints (one backward per example from one forward)
+    want = brute_force(model, loss_of, B)
+    model.form = form
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
+    assert not monitor.unconverted and not monitor.untracked
+    assert "layers.0.self_attn.in_proj_weight" in got
+    check_exact(model, monitor, want, got)

@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.layers import functional, layout
-from nanogns.layers.buffers import PESqNormBuffersMixin, refuse_step
+from nanogns.layers.buffers import PESqNormBuffersMixin, count_examples_in_backward, refuse_step
 from nanogns.layers.registry import LayerKind, adopt, register
 
 PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
@@ -73,7 +73,7 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
             )
         if not self.batch_first:  # (L, B, E) -> (B, L, E): the examples on dim 0, as every layer reads them
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        rows = self.pe_count(query, key)
+        rows, count_buffers = self.pe_count(query, key)
         q, k, v = self.pe_in_projection(query, key, value, rows)
         if need_weights or self.add_zero_attn:
             out, weights = self.pe_torch_attention(
@@ -89,23 +89,22 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
             self.pe_buffer_of(self.out_proj, "bias"),
             rows=rows[0],
         )
+        if rows[0] is not None:
+            count_examples_in_backward(out, rows[0].examples, count_buffers)
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
     def pe_count(self, query, key):
-        """(Rows of the query, of the key/value) with counted=False, the forward's examples counted here, once per
-        parameter (the projections add their norms' sums); Nones when the rows cannot be mapped (step refused)."""
+        """((Rows of the query, of the key/value) with counted=False, the parameters' buffers): the examples are
+        counted once per parameter when the output's gradient arrives (count_examples_in_backward; the projections
+        add their norms' sums); Nones for rows that cannot be mapped (step refused)."""
         buffers = [self.pe_buffer_of(self, name) for name, _ in self.named_parameters(recurse=False)]
         buffers += [self.pe_buffer_of(self.out_proj, name) for name in ("weight", "bias")]
         found = [layout.rows_for(t.shape) for t in (query, key)]
         reasons = [r for r in found if isinstance(r, str)]
         if reasons:
             refuse_step(reasons[0], buffers)
-            return None, None
-        with torch.no_grad():
-            for buffer in buffers:
-                if buffer is not None:
-                    buffer[1] += found[0].examples
-        return tuple(dataclasses.replace(r, counted=False) for r in found)
+            return (None, None), buffers
+        return tuple(dataclasses.replace(r, counted=False) for r in found), buffers
 
     def pe_in_projection(self, query, key, value, rows):
         """q, k, v (B, L or S, E) by the per-example Linear: one packed projection for self-attention, else one per

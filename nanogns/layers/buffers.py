@@ -248,3 +248,17 @@ def on_output_grad(out, hook):
             hook(grad_outputs[index])
 
     node.register_prehook(prehook)
+
+
+def count_examples_in_backward(out, examples, buffers):
+    """Count a forward's `examples` once in each buffer, when `out`'s gradient arrives: for a layer whose parts
+    add their norms' sums uncounted (experts, attention). In backward, not in forward, so that a recompute by
+    activation checkpointing (a forward whose output no gradient reaches) is not counted as a second use."""
+
+    def count(grad):
+        with torch.no_grad():
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer[1] += examples
+
+    on_output_grad(out, count)

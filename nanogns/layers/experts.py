@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.layers import grouped, layout
-from nanogns.layers.buffers import PESqNormBuffersMixin, on_output_grad, refuse_step
+from nanogns.layers.buffers import PESqNormBuffersMixin, count_examples_in_backward, refuse_step
 from nanogns.layers.registry import LayerKind, adopt, register
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -79,21 +79,8 @@ class PEGradNormExperts(PESqNormBuffersMixin):
             self, hidden_states, top_k_index, top_k_weights, example_of_token, rows.examples if rows else 0
         )
         if rows is not None and torch.is_grad_enabled():  # each example counted once per bank, in backward (a
-            on_output_grad(out, _count_examples(rows.examples, buffers))  # recompute's graph gets none: no use)
+            count_examples_in_backward(out, rows.examples, buffers)  # recompute's graph gets none: no use)
         return out
-
-
-def _count_examples(examples, buffers):
-    """A hook for the output gradient that counts the forward's examples once in each bank's buffer (the experts
-    add their norms' sums, counted=False)."""
-
-    def count(grad):
-        with torch.no_grad():
-            for buffer in buffers:
-                if buffer is not None:
-                    buffer[1] += examples
-
-    return count
 
 
 def convertible(module):

@@ -20,8 +20,12 @@ import torch
 import torch.nn as nn
 
 from nanogns.layers import functional, layout
-from nanogns.layers.buffers import PESqNormBuffersMixin, on_output_grad, refuse_step, register_pe_sqnorm_buffers
-from nanogns.layers.experts import _count_examples
+from nanogns.layers.buffers import (
+    PESqNormBuffersMixin,
+    count_examples_in_backward,
+    refuse_step,
+    register_pe_sqnorm_buffers,
+)
 from nanogns.layers.registry import LayerKind, adopt, register
 
 BANKS = ("w1", "v1", "w2")
@@ -83,7 +87,7 @@ class PEGradNormDbrxExperts(PESqNormBuffersMixin):
             y = linear(h, w2[expert].t(), "w2") * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         if rows is not None and torch.is_grad_enabled():  # each example counted once per bank, in backward
-            on_output_grad(out, _count_examples(rows.examples, buffers))
+            count_examples_in_backward(out, rows.examples, buffers)
         return out.view(batch_size, -1, self.hidden_size)
 
 
