@@ -2,18 +2,18 @@
 The reference implementation's `buffered` module, kept as a face over the nanogns package so that code
 written against it (its README's train.py) runs unchanged. New code imports from nanogns.
 
-The per-example norm layers, one module per layer kind, are in nanogns/layers/; what they share (the
-`<param>_upegsqnorm` buffers, their [sum, count] encoding, the vocabulary) is nanogns/layers/buffers.py.
+The per-example norm layers, one module per layer kind, are in nanogns/kinds/; what they share (the
+`<param>_upegsqnorm` buffers, their [sum, count] encoding, the vocabulary) is nanogns/core/buffers.py.
 """
 
-from nanogns.layers.buffers import (  # noqa: F401
+from nanogns.core.buffers import (  # noqa: F401
     BUFFER_SUFFIX,
     PESqNormBuffersMixin,
     accumulate_pe_sqnorm,
     register_pe_sqnorm_buffers,
     zero_sqgradnorm_buffers,
 )
-from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding  # noqa: F401
-from nanogns.layers.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm  # noqa: F401
-from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear  # noqa: F401
-from nanogns.layers.rmsnorm import PEGradNormRMSNorm, PEGradNormShimRMSNorm  # noqa: F401
+from nanogns.kinds.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding  # noqa: F401
+from nanogns.kinds.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm  # noqa: F401
+from nanogns.kinds.linear import PEGradNormLinear, PEGradNormShimLinear  # noqa: F401
+from nanogns.kinds.rmsnorm import PEGradNormRMSNorm, PEGradNormShimRMSNorm  # noqa: F401

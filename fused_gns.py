@@ -1,16 +1,18 @@
 """
 The reference implementation's `fused_gns` module, kept as a face over the nanogns package: the layers whose
-backward runs Triton kernels (nanogns/layers/fused.py; the kernels are nanogns/kernels/).
+backward runs Triton kernels (their classes are declared by their kinds, nanogns/kinds/; the glue is
+nanogns/variants/fused/, the kernels nanogns/kernels/).
 """
 
-from nanogns.layers.fused import (  # noqa: F401
+from nanogns.kinds.conv1d import PEGradNormFusedConv1D  # noqa: F401
+from nanogns.kinds.layernorm import PEGradNormFusedLayerNorm  # noqa: F401
+from nanogns.kinds.linear import PEGradNormFusedLinear  # noqa: F401
+from nanogns.kinds.rmsnorm import PEGradNormFusedRMSNorm  # noqa: F401
+from nanogns.variants.fused import (  # noqa: F401
     HAS_TRITON,
-    PEGradNormFusedConv1D,
-    PEGradNormFusedLayerNorm,
-    PEGradNormFusedLinear,
-    PEGradNormFusedRMSNorm,
     fused_layer_norm,
     fused_linear,
     fused_rms_norm,
     kernel_unavailable_reason,
+    kernels_interpreted,
 )

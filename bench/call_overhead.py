@@ -31,9 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import nanogns as lc  # noqa: E402
 from nanogns import monitor as gnstracking  # noqa: E402
-from nanogns.layers import embedding as embedding_kind  # noqa: E402
-from nanogns.layers import layernorm as layernorm_kind  # noqa: E402
-from nanogns.layers import linear as linear_kind  # noqa: E402
+from nanogns.kinds import embedding as embedding_kind  # noqa: E402
+from nanogns.kinds import layernorm as layernorm_kind  # noqa: E402
+from nanogns.kinds import linear as linear_kind  # noqa: E402
 
 
 class OpCounter(TorchDispatchMode):

@@ -1,6 +1,6 @@
 """
 Compile gate: every Triton kernel of this project at every launch configuration
-nanogns/layers/fused/ can choose, compiled for NVIDIA sm_80 (A100) and sm_90 (H100) on a
+nanogns/variants/fused/ can choose, compiled for NVIDIA sm_80 (A100) and sm_90 (H100) on a
 machine without a GPU, each compiled kernel checked for register spills and for
 shared memory over the target's per-block limit.
 
@@ -59,12 +59,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import fused_gns  # noqa: E402
 from nanogns import kernels as normgnorm  # noqa: E402
-from nanogns.layers import fused as fused_gns  # noqa: E402
-from nanogns.layers.fused import finish as fused_finish
-from nanogns.layers.fused import linear_plan as fused_linear_plan
-from nanogns.layers.fused import norms as fused_norms
-from nanogns.layers.fused import runtime as fused_runtime
+from nanogns.variants.fused import finish as fused_finish
+from nanogns.variants.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import norms as fused_norms
+from nanogns.variants.fused import runtime as fused_runtime
 
 TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 NORM_FLAVOURS = ((False, True), (False, False), (True, False))  # (IS_RMS, HAS_BIAS): LayerNorm, no bias, RMSNorm

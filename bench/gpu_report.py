@@ -44,11 +44,12 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
-from nanogns import layers  # noqa: E402
-from nanogns.layers import fused as fused_gns  # noqa: E402
-from nanogns.layers.fused import linear as fused_linear
-from nanogns.layers.fused import linear_plan as fused_linear_plan
-from nanogns.layers.fused import runtime as fused_runtime
+import fused_gns  # noqa: E402
+from nanogns import kinds as layer_kinds  # noqa: E402
+from nanogns.core.strategy import forced as forced_strategy  # noqa: E402
+from nanogns.variants.fused import linear as fused_linear
+from nanogns.variants.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import runtime as fused_runtime
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # relative to the largest reference value
 GPT2 = [
@@ -60,22 +61,6 @@ GPT2 = [
     "--vocab_size=50304",
     "--bias=True",
 ]
-
-
-def _with(module, name, value):
-    """Context manager: module.<name> = value inside the block."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        old = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            yield
-        finally:
-            setattr(module, name, old)
-
-    return ctx()
 
 
 def layer_cases():
@@ -90,15 +75,15 @@ def layer_cases():
     def rms_twin(m):
         return nn.RMSNorm(m.normalized_shape, eps=m.eps)
 
-    cases = [("Linear shim", "linear", lambda f: layers.linear.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
+    cases = [("Linear shim", "linear", lambda f: layer_kinds.linear.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
     for strategy in (None, "gram", "materialise"):
         cases.append(
             (
                 f"Linear gns {strategy or 'rule'}",
                 "linear",
-                lambda f: layers.linear.PEGradNormLinear(f, f + 9),
+                lambda f: layer_kinds.linear.PEGradNormLinear(f, f + 9),
                 linear_twin,
-                (layers.linear, "LINEAR_STRATEGY", strategy),
+                {"linear": strategy},
             )
         )
     for strategy in (None, "kernel", "gram", "materialise"):
@@ -108,14 +93,14 @@ def layer_cases():
                 "linear",
                 lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9),
                 linear_twin,
-                (fused_linear, "FUSED_LINEAR_STRATEGY", strategy),
+                {"fused_linear": strategy},
             )
         )
     cases += [
         (
             "Linear gns no bias",
             "linear",
-            lambda f: layers.linear.PEGradNormLinear(f, f + 9, bias=False),
+            lambda f: layer_kinds.linear.PEGradNormLinear(f, f + 9, bias=False),
             linear_twin,
             None,
         ),
@@ -129,19 +114,19 @@ def layer_cases():
         (
             "Embedding shim",
             "embedding",
-            lambda f: layers.embedding.PEGradNormShimEmbedding(29, f),
+            lambda f: layer_kinds.embedding.PEGradNormShimEmbedding(29, f),
             lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim),
             None,
         ),
         (
             "Embedding gns",
             "embedding",
-            lambda f: layers.embedding.PEGradNormEmbedding(29, f),
+            lambda f: layer_kinds.embedding.PEGradNormEmbedding(29, f),
             lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim),
             None,
         ),
-        ("LayerNorm shim", "norm", lambda f: layers.layernorm.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
-        ("LayerNorm gns", "norm", lambda f: layers.layernorm.PEGradNormLayerNorm(f), norm_twin, None),
+        ("LayerNorm shim", "norm", lambda f: layer_kinds.layernorm.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
+        ("LayerNorm gns", "norm", lambda f: layer_kinds.layernorm.PEGradNormLayerNorm(f), norm_twin, None),
         ("LayerNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f), norm_twin, None),
         (
             "LayerNorm fused no bias",
@@ -150,7 +135,7 @@ def layer_cases():
             norm_twin,
             None,
         ),
-        ("RMSNorm gns", "norm", lambda f: layers.rmsnorm.PEGradNormRMSNorm(f), rms_twin, None),
+        ("RMSNorm gns", "norm", lambda f: layer_kinds.rmsnorm.PEGradNormRMSNorm(f), rms_twin, None),
         ("RMSNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedRMSNorm(f), rms_twin, None),
     ]
     return cases
@@ -189,7 +174,7 @@ def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, featur
     if fused and (device.startswith("cuda") or fused_gns.kernels_interpreted()):
         reason = fused_gns.kernel_unavailable_reason(inputs)
         assert reason is None, f"{label}: the kernel would not run ({reason})"
-    with _with(*strategy) if strategy else contextlib.nullcontext():
+    with forced_strategy(**strategy) if strategy else contextlib.nullcontext():
         layer(x).backward(grad_out)
     twin(x_twin).backward(grad_out.double())
     errors = []
@@ -282,7 +267,7 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
     old_tf32 = fused_runtime.matmul_allows_tf32()
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
-        with _with(fused_linear, "FUSED_LINEAR_STRATEGY", config):
+        with forced_strategy(fused_linear=config):
             layer(x).backward(g)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32

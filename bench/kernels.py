@@ -7,7 +7,7 @@ shapes (B=12, T=1024, D=768, MLP 4*D, vocabulary 50304), measured in the same ru
 
 Rows: fused LayerNorm forward+backward (+ per-example norms) vs F.layer_norm,
 and, per Linear shape, the weight gradient + per-example norms by each exact
-way (layers/linear.py's gram and materialise, the kernel at each autotune
+way (kinds/linear.py's gram and materialise, the kernel at each autotune
 candidate) vs the plain weight gradient g^T x, then what the fused Linear's
 timed choice picked.
 Columns: median ms (triton.testing.do_bench), ratio to the plain row, GB/s of
@@ -45,7 +45,7 @@ def report(name, ms, plain_ms, nbytes, peak_mib):
 
 
 def bench_layernorm(B, T, D, dtype):
-    from nanogns.layers import fused as fused_gns
+    import fused_gns
 
     x = torch.randn(B, T, D, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
@@ -67,10 +67,10 @@ def bench_layernorm(B, T, D, dtype):
 
 
 def bench_linear_weight_grad(B, T, K, L, dtype):
-    from nanogns import layers
-    from nanogns.layers.fused import linear as fused_linear
-    from nanogns.layers.fused import linear_plan as fused_linear_plan
-    from nanogns.layers.fused import runtime as fused_runtime
+    from nanogns import kinds as layer_kinds
+    from nanogns.variants.fused import linear as fused_linear
+    from nanogns.variants.fused import linear_plan as fused_linear_plan
+    from nanogns.variants.fused import runtime as fused_runtime
 
     x = torch.randn(B, T, K, device="cuda", dtype=dtype)
     g = torch.randn(B, T, L, device="cuda", dtype=dtype)
@@ -81,7 +81,7 @@ def bench_linear_weight_grad(B, T, K, L, dtype):
     plain_ms, plain_mib = measure(lambda: g2.t() @ x2)
     report(f"linear dW g^T x ({B}x{T}, {K}->{L})", plain_ms, plain_ms, nbytes, plain_mib)
     for strategy in ("gram", "materialise"):
-        ms, mib = measure(lambda: layers.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
+        ms, mib = measure(lambda: layer_kinds.linear.linear_weight_grad_and_pe_sqnorm(x, g, strategy))
         report(f"linear dW + norms, torch {strategy}", ms, plain_ms, nbytes, mib)
     for config in fused_linear_plan.linear_candidates(
         dtype, capability, tf32, fused_linear_plan.linear_ragged(L, K, dtype, tf32)
@@ -118,7 +118,7 @@ def main(argv=None):
             "bench/kernels.py times the Triton kernels on a CUDA GPU and none is available here; "
             "on a CPU the kernels only run (slowly) in Triton's interpreter, tested by tests/test_layers_fused.py"
         )
-    from nanogns.layers import fused as fused_gns
+    import fused_gns
 
     dtype = getattr(torch, args.dtype)
     reason = fused_gns.kernel_unavailable_reason(torch.empty(1, device="cuda", dtype=dtype))

@@ -25,8 +25,8 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from nanogns.layers import fused as fused_gns  # noqa: E402
-from nanogns.layers.fused import runtime as fused_runtime
+import fused_gns  # noqa: E402
+from nanogns.variants.fused import runtime as fused_runtime
 
 # ops that allocate or describe memory and launch no kernel
 NO_LAUNCH = {

@@ -7,8 +7,8 @@ forward + backward measured in the same round, plus peak memory.
     python bench/linear_strategies.py --shapes=16,64,384,1536 --rounds=31
     python bench/linear_strategies.py --device=cuda --dtype=bfloat16   # adds the fused kernel
 
-Rows: `gns` is the project's default exact Linear (layers.linear.PEGradNormLinear,
-strategy chosen per call by layers.linear.linear_strategy); `gns gram` and `gns
+Rows: `gns` is the project's default exact Linear (nanogns.kinds.linear.PEGradNormLinear,
+strategy chosen per call by nanogns.core.matmul.linear_strategy); `gns gram` and `gns
 materialise` force each of its two strategies; `shim` is the plain layer plus a
 node computing the norms; on CUDA `fused` (fused_gns) and its kernel forced.
 Peers, when importable: Opacus ghost clipping (per-sample norms by its hooks)
@@ -63,16 +63,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _forced(module, name, value):
-    """A callable that runs with module.<name> = value, then restores it."""
+def _forced(**choices):
+    """A callable that runs fn with these strategies forced (nanogns.core.strategy)."""
+    from nanogns.core.strategy import forced as forced_strategy
 
     def run(fn):
-        old = getattr(module, name)
-        setattr(module, name, value)
-        try:
+        with forced_strategy(**choices):
             return fn()
-        finally:
-            setattr(module, name, old)
 
     return run
 
@@ -83,7 +80,7 @@ def _plain(fn):
 
 def layer_factories(device):
     """{name: (make(K, L) -> module, wrap(fn) -> result, norms(module) -> per-example weight norms)}."""
-    from nanogns.layers import linear as linear_kind
+    from nanogns.kinds import linear as linear_kind
 
     def buffer_norm(m):
         return m.weight_upegsqnorm
@@ -93,24 +90,23 @@ def layer_factories(device):
         "gns": (lambda K, L: linear_kind.PEGradNormLinear(K, L), _plain, buffer_norm),
         "gns gram": (
             lambda K, L: linear_kind.PEGradNormLinear(K, L),
-            _forced(linear_kind, "LINEAR_STRATEGY", "gram"),
+            _forced(linear="gram"),
             buffer_norm,
         ),
         "gns materialise": (
             lambda K, L: linear_kind.PEGradNormLinear(K, L),
-            _forced(linear_kind, "LINEAR_STRATEGY", "materialise"),
+            _forced(linear="materialise"),
             buffer_norm,
         ),
         "shim": (lambda K, L: linear_kind.PEGradNormShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
-        from nanogns.layers import fused as fused_gns
-        from nanogns.layers.fused import linear as fused_linear
+        import fused_gns
 
         layers["fused"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L), _plain, buffer_norm)
         layers["fused kernel"] = (
             lambda K, L: fused_gns.PEGradNormFusedLinear(K, L),
-            _forced(fused_linear, "FUSED_LINEAR_STRATEGY", "kernel"),
+            _forced(fused_linear="kernel"),
             buffer_norm,
         )
     try:
@@ -220,7 +216,7 @@ def main(argv=None):
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
-    from nanogns import layers
+    from nanogns.core import matmul
 
     dtype = getattr(torch, args.dtype)
     available = list(layer_factories(args.device))
@@ -261,7 +257,7 @@ def main(argv=None):
                 ok = out.returncode == 0
                 peaks[n] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"] if ok else float("nan")
         B, T, K, L = shape
-        pick = layers.linear.linear_strategy(T, K, L, 4, args.device.split(":")[0])  # its norms work in float32
+        pick = matmul.linear_strategy(T, K, L, 4, args.device.split(":")[0])  # its norms work in float32
         cells = [
             f"{ratios[n][0]:.2f} [{ratios[n][1]:.2f}, {ratios[n][2]:.2f}]" + (f" ({peaks[n]:.0f})" if peaks else "")
             for n in names[1:]

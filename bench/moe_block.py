@@ -77,7 +77,7 @@ def build(args, name):
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     import nanogns as lc
-    from nanogns.layers.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_sqgradnorm_buffers
 
     torch.manual_seed(0)
     config = MixtralConfig(

@@ -88,7 +88,7 @@ def build(args, name):
 
     import nanogns as lc
     from nanogns import monitor as gnstracking
-    from nanogns.layers.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_sqgradnorm_buffers
 
     linearclass, embeddingclass, lnclass = CHOICES[name]
     torch.manual_seed(0)

@@ -3,10 +3,10 @@ What exactness costs where it takes more than one layer's own norms, on one mode
 model measured in the same run, and peak memory:
 
     many uses   ALBERT: one layer group used by every layer, each example's gradient summed over its uses
-                (layers/uses.py); beside it the same model with one group per layer (no sharing), converted
-    generic     Mamba: each mixer replayed per example in backward (layers/replay.py), children included
+                (core/uses.py); beside it the same model with one group per layer (no sharing), converted
+    generic     Mamba: each mixer replayed per example in backward (conversion/replay.py), children included
     tables      GPT-2 called without position ids: positions looked up once for the batch, one copy per
-                example (layers/shared.py); beside it the same model given position ids expanded
+                example (core/shared.py); beside it the same model given position ids expanded
 
     python bench/uses_cost.py                         # CPU, float32, B=8 x T=64
     python bench/uses_cost.py --models=albert --steps=15
@@ -59,7 +59,7 @@ def build(args, model_name, choice):
     import transformers
 
     import nanogns as lc
-    from nanogns.layers.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_sqgradnorm_buffers
 
     torch.manual_seed(0)
     V, H, L = 1000, args.hidden, args.layers

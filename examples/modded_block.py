@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from common import EMA_DECAY, parse_args, shakespeare_batches
 
 from nanogns import GNSMonitor, LogWrapper
-from nanogns.layers import functional
-from nanogns.layers.buffers import PESqNormBuffersMixin
+from nanogns.core.buffers import PESqNormBuffersMixin
+from nanogns.kinds import functional
 
 
 class CastedLinear(PESqNormBuffersMixin, nn.Module):

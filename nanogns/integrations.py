@@ -26,8 +26,8 @@ import torch
 
 from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
-from nanogns.layers import layout
-from nanogns.layers.buffers import BUFFER_SUFFIX
+from nanogns.core import layout
+from nanogns.core.buffers import BUFFER_SUFFIX
 from nanogns.runlog.lock import DirectoryInUse, RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper

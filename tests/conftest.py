@@ -7,6 +7,7 @@
   start train.py use both, via `run_script`, and are marked slow.
 """
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -14,6 +15,8 @@ import sys
 
 import pytest
 import torch
+
+from nanogns.core import strategy
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -38,6 +41,14 @@ TINY = [
     "--dropout=0.0",
 ]
 GNS_LAYERS = ["--linearclass=gns", "--embeddingclass=gns", "--lnclass=gns"]
+
+
+@pytest.fixture
+def force_strategy():
+    """force_strategy(linear=..., fused_linear=..., cross_term=...): nanogns.core.strategy.forced for the rest of
+    the test (None keeps the layer's own rule)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **choices: stack.enter_context(strategy.forced(**choices))
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,13 @@ import sys
 import pytest
 import torch
 
-from nanogns.layers import fused as fused_gns
-from nanogns.layers.fused import finish as fused_finish
-from nanogns.layers.fused import linear_plan as fused_linear_plan
-from nanogns.layers.fused import norms as fused_norms
-from nanogns.layers.fused import runtime as fused_runtime
-from nanogns.layers.layernorm import PEGradNormLayerNorm
-from nanogns.layers.linear import PEGradNormLinear
+import fused_gns
+from nanogns.kinds.layernorm import PEGradNormLayerNorm
+from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.variants.fused import finish as fused_finish
+from nanogns.variants.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import norms as fused_norms
+from nanogns.variants.fused import runtime as fused_runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))

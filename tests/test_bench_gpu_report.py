@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from nanogns.layers import fused as fused_gns
-from nanogns.layers.fused import linear_plan as fused_linear_plan
+import fused_gns
+from nanogns.variants.fused import linear_plan as fused_linear_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import gpu_report  # noqa: E402

@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from nanogns.layers import fused as fused_gns
-from nanogns.layers.fused import linear_plan as fused_linear_plan
-from nanogns.layers.fused import norms as fused_norms
+import fused_gns
+from nanogns.variants.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import norms as fused_norms
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import launch_counts  # noqa: E402

@@ -1,6 +1,6 @@
 """
 nanogns.convert (swap the torch layers of a model built elsewhere) and
-nanogns/layers/functional.py (per-example norm functions for layers that are not nn modules),
+nanogns/kinds/functional.py (per-example norm functions for layers that are not nn modules),
 checked against a brute-force loop over examples.
 
     python -m pytest -q tests/test_conversion.py
@@ -15,11 +15,11 @@ from oracle import loss_sqnorms_from_batched_forward, per_example_sqnorms_by_loo
 import nanogns as lc
 from nanogns import monitor as gnstracking
 from nanogns.conversion import probe as swapcheck
-from nanogns.layers import functional
-from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
-from nanogns.layers.embedding import PEGradNormEmbedding
-from nanogns.layers.linear import PEGradNormLinear
-from nanogns.layers.replay import ReplayedForward
+from nanogns.conversion.replay import ReplayedForward
+from nanogns.core.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from nanogns.kinds import functional
+from nanogns.kinds.embedding import PEGradNormEmbedding
+from nanogns.kinds.linear import PEGradNormLinear
 
 
 class Nested(nn.Module):
@@ -133,7 +133,7 @@ def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
 
 
 def test_a_module_used_twice_per_forward_sums_its_uses_exactly():
-    """A Linear applied twice per forward: example i's gradient is the sum of both uses' (layers/uses.py), against
+    """A Linear applied twice per forward: example i's gradient is the sum of both uses' (core/uses.py), against
     the loop over examples (float64)."""
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)
@@ -526,7 +526,7 @@ def test_a_module_that_changes_its_parameters_is_listed_and_left_alone():
 
 def test_a_module_no_layer_computes_nor_follows_is_replayed_per_example_exactly():
     """A diagonal matmul by its weight: no kind's layer computes it and per-example norms do not follow
-    torch.diag, so its forward is replayed per example in backward (layers/replay.py), against the loop."""
+    torch.diag, so its forward is replayed per example in backward (conversion/replay.py), against the loop."""
     torch.manual_seed(0)
     module = DiagonalNorm(6).double()
     with torch.no_grad():

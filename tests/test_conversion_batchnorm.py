@@ -17,7 +17,7 @@ import transformers
 from test_conversion_models import SPLIT, B, brute_force, check_exact, measured
 
 import nanogns as lc
-from nanogns.layers.batchnorm import PEGradNormBatchNorm
+from nanogns.kinds.batchnorm import PEGradNormBatchNorm
 
 
 def resnet():

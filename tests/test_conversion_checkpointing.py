@@ -4,7 +4,7 @@ brute-force loop over examples (float64, two uneven micro-batches, padded sequen
 gradient_checkpointing_enable with reentrant and non-reentrant checkpoints, torch.utils.checkpoint with a
 selective policy (which ops are saved, which recomputed), and FSDP2 on 2 CPU ranks (test_monitor_distributed.py
 runs the same worker for DDP). Expert banks and routers included (Mixtral, Qwen3-MoE), a tied head (GPT-2), a
-layer shared across depth (its uses summed, layers/uses.py).
+layer shared across depth (its uses summed, core/uses.py).
 
     python -m pytest -q tests/test_conversion_checkpointing.py
 

@@ -16,9 +16,9 @@ from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
 from nanogns import monitor as gnstracking
-from nanogns.layers import functional
-from nanogns.layers.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
-from nanogns.layers.embedding import PEGradNormEmbedding
+from nanogns.core.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from nanogns.kinds import functional
+from nanogns.kinds.embedding import PEGradNormEmbedding
 
 VOCAB, D = 11, 6
 
@@ -178,7 +178,7 @@ def test_a_bank_of_slices_is_logged_once_and_exactly():
 
 
 def test_a_bank_slice_used_three_times_per_forward_is_summed_exactly():
-    """One slice of the bank used by every block: its uses' gradients are summed (layers/uses.py), as the other
+    """One slice of the bank used by every block: its uses' gradients are summed (core/uses.py), as the other
     slices' norms are added."""
     torch.manual_seed(0)
     model = BankGPT(reuse_slice=True).double()
@@ -215,7 +215,7 @@ class BroadcastPositions(nn.Module):
 
 def test_positions_looked_up_once_for_the_batch_are_exact_as_called():
     """Positions looked up as one (1, T) row for every example (transformers' default for GPT-2 and BERT): each
-    example gets its own copy of the rows where they are added to its tokens (layers/shared.py), and the same
+    example gets its own copy of the rows where they are added to its tokens (core/shared.py), and the same
     output; odd-sized micro-batches, float64, against the loop."""
     torch.manual_seed(0)
     model = BroadcastPositions().double()
@@ -230,7 +230,7 @@ def test_positions_looked_up_once_for_the_batch_are_exact_as_called():
 
 def test_a_frozen_tied_matrix_costs_nothing_and_is_listed_frozen():
     """A tied wte/lm_head frozen for fine-tuning: no cross-term hooks (their backward is O(B T^2 D)), listed frozen."""
-    from nanogns.layers import tied
+    from nanogns.core import tied
 
     class Tied(nn.Module):
         def __init__(self):

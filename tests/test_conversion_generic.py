@@ -23,9 +23,9 @@ import transformers
 from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, config, lm_batch, lm_losses, measured
 
 import nanogns as lc
-from nanogns.layers.experts_dbrx import PEGradNormDbrxExperts
-from nanogns.layers.intercept import InterceptedForward
-from nanogns.layers.replay import ReplayedForward
+from nanogns.conversion.intercept import InterceptedForward
+from nanogns.conversion.replay import ReplayedForward
+from nanogns.kinds.experts_dbrx import PEGradNormDbrxExperts
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MAMBA2 = dict(mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4)
@@ -189,7 +189,7 @@ REPLAYED = {
     "FalconH1": "model.layers.0.mamba",
 }
 # blocks kept with their own forward, their parameters' uses followed (intercept.py): GPT-OSS's sinks reshaped and
-# expanded over the examples (a table the examples share, layers/shared.py); RWKV's attention is replayed alone
+# expanded over the examples (a table the examples share, core/shared.py); RWKV's attention is replayed alone
 INTERCEPTED = {"GPT-OSS": "model.layers.0.self_attn"}
 REPLAYED_ALONE = {"RWKV": "rwkv.blocks.0.attention", "Cohere": "model.layers.0.self_attn.q_norm"}
 

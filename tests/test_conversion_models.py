@@ -21,7 +21,7 @@ import transformers
 from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.core.buffers import zero_sqgradnorm_buffers
 
 V, B, T = 31, 5, 7
 SPLIT = 2  # micro-batches: examples [0, 2) and [2, 5)
@@ -256,7 +256,7 @@ def test_bert_aliased_head_bias_logged_once_and_exact():
 @pytest.mark.parametrize("name", ["BERT", "ELECTRA", "GPT-2"])
 def test_default_position_ids_looked_up_once_for_the_batch_are_exact(name):
     """Called as every Trainer data collator calls them, without position_ids: the models look their positions up
-    as one (1, T) row for the whole batch, which each example now gets a copy of (layers/shared.py): every
+    as one (1, T) row for the whole batch, which each example now gets a copy of (core/shared.py): every
     parameter exact, with nothing changed by the user."""
     torch.manual_seed(0)
     model = {
@@ -326,8 +326,8 @@ def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
 def test_t5_relative_position_tables_and_shared_matrix_exact(masked):
     """T5's relative_attention_bias looks up a (query, key) table of buckets shared by the batch, added to every
     example's scores (with the padding mask, once; without, at every layer): each example gets its own copy of the
-    table (layers/shared.py). Its input/output matrix is used by the encoder's and the decoder's embeddings and
-    the head: its uses are summed (layers/uses.py). Every parameter exact."""
+    table (core/shared.py). Its input/output matrix is used by the encoder's and the decoder's embeddings and
+    the head: its uses are summed (core/uses.py). Every parameter exact."""
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(
         config(

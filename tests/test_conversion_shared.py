@@ -1,5 +1,5 @@
 """
-Tables shared by every example (layers/shared.py) and parameters used many times per forward (layers/uses.py),
+Tables shared by every example (core/shared.py) and parameters used many times per forward (core/uses.py),
 each model against the brute-force loop over examples (float64, two uneven micro-batches, padded sequences), called
 as a user calls it (no position ids passed):
 

@@ -27,10 +27,10 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 from transformers.pytorch_utils import Conv1D
 
+import fused_gns
 import nanogns as lc
 from nanogns.analysis import cli as analysis_cli
-from nanogns.layers import fused as fused_gns
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.core.buffers import zero_sqgradnorm_buffers
 from nanogns.runlog.reader import load_csv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from oracle import loss_sqnorms_from_batched_forward, per_example_sqnorms_by_loop
 
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
+from nanogns.core.buffers import zero_sqgradnorm_buffers
 from nanogns.monitor import GNSMonitor
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.record import read_parameter_record

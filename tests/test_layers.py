@@ -14,12 +14,13 @@ import torch
 import torch.nn as nn
 from oracle import per_example_sqnorms_by_loop
 
-from nanogns.layers import embedding, layernorm, layout, linear
-from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
-from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
-from nanogns.layers.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
-from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
-from nanogns.layers.rmsnorm import PEGradNormRMSNorm
+from nanogns.core import layout, matmul
+from nanogns.core.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
+from nanogns.kinds import embedding, layernorm, linear
+from nanogns.kinds.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
+from nanogns.kinds.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
+from nanogns.kinds.linear import PEGradNormLinear, PEGradNormShimLinear
+from nanogns.kinds.rmsnorm import PEGradNormRMSNorm
 
 LINEARS = [PEGradNormShimLinear, PEGradNormLinear]
 EMBEDDINGS = [PEGradNormShimEmbedding, PEGradNormEmbedding]
@@ -71,8 +72,8 @@ LINEAR_STRATEGIES = [(PEGradNormShimLinear, None), (PEGradNormLinear, "gram"), (
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("lead", SHAPES)
 @pytest.mark.parametrize("features", [(5, 6), (3, 2), (24, 1)])
-def test_linear_matches_oracle_and_plain_grads(cls, strategy, bias, lead, features, monkeypatch):
-    monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
+def test_linear_matches_oracle_and_plain_grads(cls, strategy, bias, lead, features, force_strategy):
+    force_strategy(linear=strategy)
     torch.manual_seed(0)
     K, L = features
     module = cls(K, L, bias=bias).double()
@@ -93,25 +94,25 @@ def test_linear_pe_sqnorm_both_paths_per_example(T, K, L):
     torch.manual_seed(1)
     x, g = torch.randn(3, T, K, dtype=torch.float64), torch.randn(3, T, L, dtype=torch.float64)
     expected = torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(3)])
-    weight_sq, bias_sq = linear.linear_pe_sqnorm(x, g), linear.bias_pe_grads(g).pow(2).sum(1)
+    weight_sq, bias_sq = matmul.linear_pe_sqnorm(x, g), matmul.bias_pe_grads(g).pow(2).sum(1)
     torch.testing.assert_close(weight_sq, expected)
     torch.testing.assert_close(bias_sq, g.sum(1).pow(2).sum(1))
-    torch.testing.assert_close(linear.gram_pe_sqnorm(x, g), expected)
-    grad_weight, weight_sq = linear.materialised_pe_grads(x, g)
+    torch.testing.assert_close(matmul.gram_pe_sqnorm(x, g), expected)
+    grad_weight, weight_sq = matmul.materialised_pe_grads(x, g)
     torch.testing.assert_close(weight_sq, expected)
     torch.testing.assert_close(grad_weight, torch.einsum("ntl,ntk->lk", g, x))
 
 
 def test_linear_cost_rules():
-    assert linear.linear_uses_gram(1, 8, 8)  # a single row: Gram is N*(K+L)
-    assert linear.linear_uses_gram(64, 768, 768)
-    assert not linear.linear_uses_gram(1024, 768, 768)  # long sequences: materialise
-    assert not linear.linear_uses_gram(17, 3, 2)
+    assert matmul.linear_uses_gram(1, 8, 8)  # a single row: Gram is N*(K+L)
+    assert matmul.linear_uses_gram(64, 768, 768)
+    assert not matmul.linear_uses_gram(1024, 768, 768)  # long sequences: materialise
+    assert not matmul.linear_uses_gram(17, 3, 2)
     # simultaneous: materialising costs only its memory traffic, which short sequences do not repay
-    assert linear.simultaneous_uses_gram(1, 8, 8)
-    assert linear.simultaneous_uses_gram(64, 768, 768)
-    assert not linear.simultaneous_uses_gram(256, 768, 768)
-    assert not linear.simultaneous_uses_gram(1024, 768, 768)
+    assert matmul.simultaneous_uses_gram(1, 8, 8)
+    assert matmul.simultaneous_uses_gram(64, 768, 768)
+    assert not matmul.simultaneous_uses_gram(256, 768, 768)
+    assert not matmul.simultaneous_uses_gram(1024, 768, 768)
     # the issue's five benchmark shapes (B, T, K, L) on the CPU: what bench/linear_strategies.py measured fastest
     picks = {
         (16, 256, 128, 512): "materialise",
@@ -121,17 +122,17 @@ def test_linear_cost_rules():
         (8, 256, 384, 1536): "materialise",
     }
     for (B, T, K, L), strategy in picks.items():
-        assert linear.linear_strategy(T, K, L, 4, "cpu") == strategy, (B, T, K, L)
+        assert matmul.linear_strategy(T, K, L, 4, "cpu") == strategy, (B, T, K, L)
 
 
 @pytest.mark.parametrize("strategy", ["gram", "materialise"])
-def test_linear_strategy_is_forced_and_exact(strategy, monkeypatch):
-    """LINEAR_STRATEGY overrides the rule; both strategies give the same gradient and norms."""
-    monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
-    assert linear.linear_strategy(64, 768, 768) == linear.linear_strategy(1024, 8, 8) == strategy
+def test_linear_strategy_is_forced_and_exact(strategy, force_strategy):
+    """strategy.forced(linear=...) overrides the rule; both strategies give the same gradient and norms."""
+    force_strategy(linear=strategy)
+    assert matmul.linear_strategy(64, 768, 768) == matmul.linear_strategy(1024, 8, 8) == strategy
     torch.manual_seed(2)
     x, g = torch.randn(4, 9, 7, dtype=torch.float64), torch.randn(4, 9, 5, dtype=torch.float64)
-    grad_weight, weight_sq = linear.linear_weight_grad_and_pe_sqnorm(x, g)
+    grad_weight, weight_sq = matmul.linear_weight_grad_and_pe_sqnorm(x, g)
     torch.testing.assert_close(grad_weight, torch.einsum("ntl,ntk->lk", g, x))
     torch.testing.assert_close(weight_sq, torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(4)]))
 
@@ -140,9 +141,9 @@ def test_linear_strategy_is_forced_and_exact(strategy, monkeypatch):
 @pytest.mark.parametrize(
     "check", ["test_float32", "test_bf16_autocast", "test_fp16_module", "test_gradient_accumulation_adds_micro_batches"]
 )
-def test_linear_strategies_every_dtype_and_accumulation(check, strategy, monkeypatch):
+def test_linear_strategies_every_dtype_and_accumulation(check, strategy, force_strategy):
     """fp32 (1e-5), bf16 autocast and fp16 (3e-2), and two accumulated micro-batches, under each strategy."""
-    monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
+    force_strategy(linear=strategy)
     globals()[check](PEGradNormLinear)
 
 
@@ -151,10 +152,10 @@ def test_linear_strategies_every_dtype_and_accumulation(check, strategy, monkeyp
     "weight_trainable, bias_trainable, input_grad",
     [(False, True, True), (True, False, True), (False, False, True), (False, True, False)],
 )
-def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, input_grad, monkeypatch):
+def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, input_grad, force_strategy):
     """A frozen weight or bias (fine-tuning, LoRA) gets no gradient, no norms and no buffer update; the
     trainable ones and the input gradient are still exact; x is saved only if the weight trains."""
-    monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
+    force_strategy(linear=strategy)
     torch.manual_seed(3)
     module = PEGradNormLinear(6, 5).double()
     module.weight.requires_grad_(weight_trainable)
@@ -195,7 +196,7 @@ def test_linear_shim_records_only_buffers_it_gets():
 
 def test_functional_linear_frozen_transposed_weight():
     """functional.linear with a transposed view of a frozen parameter: input gradient only, no norms."""
-    from nanogns.layers import functional
+    from nanogns.kinds import functional
 
     torch.manual_seed(4)
     weight = nn.Parameter(torch.randn(6, 5, dtype=torch.float64), requires_grad=False)  # stored (in, out)

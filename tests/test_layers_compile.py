@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import nanogns as lc
-from nanogns.layers import buffers as buffered
-from nanogns.layers import linear, tied
+from nanogns.core import buffers as buffered
+from nanogns.core import tied
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=67, dropout=0.0, bias=True)
 BATCH, STEPS, MICRO_STEPS = 4, 2, 2
@@ -88,11 +88,11 @@ def test_compiled_matches_eager(kind):
 @pytest.mark.parametrize(
     "kind, strategy", [("gns", None), ("gns", "materialise"), ("fused", None)], ids=["gns", "gns-materialise", "fused"]
 )
-def test_monitored_gpt_compiles_into_one_graph(kind, strategy, monkeypatch):
+def test_monitored_gpt_compiles_into_one_graph(kind, strategy, force_strategy):
     """The baby GPT with per-example layers, its layout hooks and tied matrix linked by the monitor: no graph break
     (Dynamo's explain), and a fullgraph compile (a break would raise) gives the eager model's buffers. The gns
     Linear's materialised strategy too (the one long sequences take: it broke the graph once per Linear)."""
-    monkeypatch.setattr(linear, "LINEAR_STRATEGY", strategy)
+    force_strategy(linear=strategy)
     torch.manual_seed(0)
     eager = build(kind)
     model = copy.deepcopy(eager)
@@ -142,7 +142,7 @@ def test_converted_gpt2_breaks_no_more_than_plain():
     plain model's 3 in 8), and the compiled converted model still measures."""
     plain_breaks, plain_graphs, _ = gpt2_steps(convert=False)
     breaks, graphs, rows = gpt2_steps(convert=True)
-    # one more graph at most: the layout hook's frame (layers/layout.py), recompiled once with dynamic lengths as
+    # one more graph at most: the layout hook's frame (core/layout.py), recompiled once with dynamic lengths as
     # every frame is at the second length, gives an empty graph; a third length (9) recompiles nothing
     assert breaks <= plain_breaks and graphs <= plain_graphs + 1, (breaks, graphs, plain_breaks, plain_graphs)
     _, _, eager_rows = gpt2_steps(convert=True, compile=False)

@@ -1,5 +1,5 @@
 """
-The fused Triton layers (nanogns/layers/fused/, kernels in nanogns/kernels/) against brute force:
+The fused Triton layers (nanogns/variants/fused/, kernels in nanogns/kernels/) against brute force:
 outputs, input and parameter gradients, and per-example squared gradient norms
 compared to tests/oracle.py's one-example-at-a-time loop.
 
@@ -29,15 +29,15 @@ import pytest
 import torch.nn as nn
 from oracle import per_example_sqnorms_by_loop
 
-from nanogns import layers
-from nanogns.layers import buffers as buffered
-from nanogns.layers import fused as fused_gns
-from nanogns.layers.fused import finish as fused_finish
-from nanogns.layers.fused import linear as fused_linear
-from nanogns.layers.fused import linear_plan as fused_linear_plan
-from nanogns.layers.fused import norms as fused_norms
-from nanogns.layers.fused import runtime as fused_runtime
-from nanogns.layers.linear import PEGradNormLinear
+import fused_gns
+from nanogns.core import buffers as buffered
+from nanogns.kinds import linear as linear_kind
+from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.variants.fused import finish as fused_finish
+from nanogns.variants.fused import linear as fused_linear
+from nanogns.variants.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import norms as fused_norms
+from nanogns.variants.fused import runtime as fused_runtime
 
 if fused_gns.kernels_interpreted():
     DEVICE = "cpu"
@@ -95,7 +95,7 @@ def captured(monkeypatch):
         record.setdefault(id(buffer), []).append(pe_sqnorm.detach().clone())
 
     monkeypatch.setattr(fused_finish, "_recorded", kernel_recorded)
-    monkeypatch.setattr(layers.linear, "accumulate_pe_sqnorm", recording)
+    monkeypatch.setattr(linear_kind, "accumulate_pe_sqnorm", recording)
     return record
 
 
@@ -233,9 +233,9 @@ def test_layernorm_autocast_bf16_input():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("strategy", [None, "gram", "materialise"])  # None: the kernel, on CPU
-def test_linear_small(strategy, bias, dtype, shape, captured, monkeypatch):
+def test_linear_small(strategy, bias, dtype, shape, captured, force_strategy):
     """Every exact way the fused Linear may pick, two backward passes accumulating."""
-    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", strategy)
+    force_strategy(fused_linear=strategy)
     torch.manual_seed(5)
     fused, ref = make_linear(40, 72, bias, dtype)
     x, g = inputs(shape, 40, dtype, out_features=72)
@@ -249,10 +249,10 @@ GPU_CANDIDATES = sorted(
 
 
 @pytest.mark.parametrize("config", GPU_CANDIDATES, ids=lambda c: f"{c.block_l}x{c.block_k}x{c.block_t}")
-def test_linear_gpu_candidate_tiles(config, captured, monkeypatch):
+def test_linear_gpu_candidate_tiles(config, captured, force_strategy):
     """Each autotune candidate's tiles (run here by the interpreter), on ragged sizes: 2 x 2 tiles of dW
     at least, rows split across row blocks, a last example shorter than one block."""
-    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", config)  # forced on a GPU too, not only timed
+    force_strategy(fused_linear=config)  # forced on a GPU too, not only timed
     torch.manual_seed(11)
     K, L = config.block_k + 24, config.block_l + 8
     fused, ref = make_linear(K, L, True, torch.float32)
@@ -262,10 +262,10 @@ def test_linear_gpu_candidate_tiles(config, captured, monkeypatch):
 
 @pytest.mark.parametrize("strategy", [None, "gram", "materialise"])
 @pytest.mark.parametrize("weight_trainable, bias_trainable", [(False, True), (True, False), (False, False)])
-def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, monkeypatch):
+def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, force_strategy):
     """A frozen weight or bias gets no gradient and no norms; the input gradient and the trainable
     parameter are still exact."""
-    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", strategy)
+    force_strategy(fused_linear=strategy)
     torch.manual_seed(12)
     fused, ref = make_linear(40, 72, True, torch.float32)
     fused.weight.requires_grad_(weight_trainable)
@@ -316,11 +316,11 @@ def test_linear_wide(K, L, bias, dtype, shape, captured):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K, L", [(40, 48), (40, 72), (48, 72), (8, 20)])
-def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatch):
+def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatch, force_strategy):
     """Each way the glue passes the widths (fused_linear_plan.linear_ragged): a ragged input width alone, masked; ragged
     input and output widths, both masked; a ragged output alone; widths below 16 padded. The kernel sees each
     width unpadded exactly when linear_ragged says so, and the numbers agree."""
-    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_STRATEGY", "kernel")  # on a GPU too, not the timed choice
+    force_strategy(fused_linear="kernel")  # on a GPU too, not the timed choice
     seen, launch = [], fused_runtime._launch
 
     def record(kernel, grid, device, *args, **kwargs):

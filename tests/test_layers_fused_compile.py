@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanogns.layers import fused as fused_gns
+import fused_gns
 
 DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
 pytestmark = pytest.mark.skipif(
@@ -110,7 +110,7 @@ def test_compile_after_a_monitored_forward_traces_in_one_graph(monkeypatch):
     """A monitored model's forward leaves layout._last set (what activation checkpointing recomputes under);
     layout.current() then asks autograd for its graph task, a call Dynamo cannot trace. Under compile it
     is skipped, so a later fullgraph compile of fused layers outside a root forward still traces."""
-    from nanogns.layers import layout
+    from nanogns.core import layout
 
     last = layout.Pass(layout.Layout(3, (5,)), layout.RowMapper(), counting=False)
     monkeypatch.setattr(layout, "_last", weakref.ref(last))

@@ -19,10 +19,10 @@ import warnings
 import pytest
 import torch
 
-from nanogns.layers import fused as fused_gns
-from nanogns.layers.fused import linear as fused_linear
-from nanogns.layers.fused import linear_plan as fused_linear_plan
-from nanogns.layers.fused import runtime as fused_runtime
+import fused_gns
+from nanogns.variants.fused import linear as fused_linear
+from nanogns.variants.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import runtime as fused_runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -38,7 +38,7 @@ def test_tf32_flag_read_through_either_api():
     (torch 2.13); the glue's reader gives the effective setting. A fresh process: these flags are sticky."""
     script = textwrap.dedent("""
         import torch
-        from nanogns.layers.fused import runtime as fused_runtime
+        from nanogns.variants.fused import runtime as fused_runtime
         m = torch.backends.cuda.matmul
         seen = [fused_runtime.matmul_allows_tf32()]
         torch.backends.fp32_precision = "tf32"  # the new API, global: the matmul inherits it
@@ -231,7 +231,7 @@ def test_fused_gpt_under_the_monitor_equals_gns():
     the finishing kernel updates) measures what the gns layers measure, over two accumulated steps."""
     import nanogns as lc
     from nanogns import monitor as gnstracking
-    from nanogns.layers.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_sqgradnorm_buffers
 
     measured = {}
     for kind in ("gns", "fused"):

@@ -11,7 +11,7 @@ for GPT-2 124M's Linear shapes on an H100 (132 SMs).
 import pytest
 import torch
 
-from nanogns.layers.fused import linear_plan as fused_linear_plan
+from nanogns.variants.fused import linear_plan as fused_linear_plan
 
 GPT2 = {
     "c_attn": (768, 2304),

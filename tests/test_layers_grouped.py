@@ -1,5 +1,5 @@
 """
-Mixture-of-experts banks through the grouped computation (layers/grouped.py): one grouped GEMM per projection,
+Mixture-of-experts banks through the grouped computation (kinds/grouped.py): one grouped GEMM per projection,
 each (expert, example) segment's norms by the Gram trick, against the brute-force loop over examples (float64,
 routed tokens with a dropped one, two uneven micro-batches), for banks stored either way round, with and without
 biases and gates; in float32 through torch's grouped_mm itself; outputs and gradients equal to transformers' own.

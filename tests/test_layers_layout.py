@@ -1,5 +1,5 @@
 """
-Row maps (nanogns/layers/layout.py): which example each row of a layer's input belongs to, set once per forward
+Row maps (nanogns/core/layout.py): which example each row of a layer's input belongs to, set once per forward
 from what the model was called with, and the RowMapper that keeps a step's refusals for the monitor.
 
     python -m pytest -q tests/test_layers_layout.py
@@ -8,8 +8,8 @@ from what the model was called with, and the RowMapper that keeps a step's refus
 import torch
 import torch.nn as nn
 
-from nanogns.layers import layout
-from nanogns.layers.buffers import refuse_step
+from nanogns.core import layout
+from nanogns.core.buffers import refuse_step
 
 
 def test_rows_of_the_usual_inputs():

@@ -1,5 +1,5 @@
 """
-The layer registry (nanogns/layers/registry.py) and the contextual config (nanogns/layers/choice.py).
+The layer registry (nanogns/core/registry.py) and the contextual config (nanogns/kinds/choice.py).
 
     python -m pytest tests/test_layers_registry.py -q
 """
@@ -13,12 +13,14 @@ import torch.nn as nn
 from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
-from nanogns import layers
-from nanogns.layers import buffers as buffered
-from nanogns.layers import fused, layout
-from nanogns.layers.layernorm import PEGradNormSeparatedLayerNorm
-from nanogns.layers.linear import PEGradNormLinear
-from nanogns.layers.registry import adopt
+from nanogns import kinds as layer_kinds
+from nanogns.core import buffers as buffered
+from nanogns.core import layout
+from nanogns.core.registry import adopt
+from nanogns.kinds.layernorm import PEGradNormSeparatedLayerNorm
+from nanogns.kinds.conv import PEGradNormConv
+from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.kinds.rmsnorm import PEGradNormRMSNorm
 
 
 def mixtral_experts():
@@ -63,7 +65,7 @@ BUILD = {
     "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
     "DbrxExperts": (dbrx_experts, lambda: (routed()[0].view(4, 2, 5), *routed()[1:])),
 }
-ENTRIES = [(kind.name, name) for kind in layers.KINDS.values() for name in kind.variants if name != "nn"]
+ENTRIES = [(kind.name, name) for kind in layer_kinds.KINDS.values() for name in kind.variants if name != "nn"]
 
 
 @contextlib.contextmanager
@@ -87,9 +89,13 @@ def test_every_registered_variant_is_exact_and_a_drop_in_for_its_kind(kind, name
     torch.manual_seed(0)
     reference = make().double()
     # the fused variants in float32, so that their kernels run (Triton's interpreter on the CPU); the rest in float64
-    dtype, rel = (torch.float32, 1e-4) if name == "fused" and kind in fused.KERNEL_KINDS else (torch.float64, 1e-6)
+    dtype, rel = (
+        (torch.float32, 1e-4)
+        if name == "fused" and layer_kinds.get(kind).variants["fused"] is not layer_kinds.get(kind).variants["gns"]
+        else (torch.float64, 1e-6)
+    )
     module = copy.deepcopy(reference).to(dtype)
-    variant = layers.get(kind)
+    variant = layer_kinds.get(kind)
     adopt(module, variant.layer_class(name), variant.options(module))
     assert [(n, p.shape) for n, p in module.named_parameters()] == [
         (n, p.shape) for n, p in reference.named_parameters()
@@ -133,8 +139,12 @@ def test_context_manager_sets_and_restores():
             raise RuntimeError("boom")
     assert lc.config.Linear is nn.Linear  # restored after an exception too
     with pytest.raises(ValueError, match="unknown layer kind"):
-        with lc.set_contextual_config(Conv=nn.Conv1d):
+        with lc.set_contextual_config(Conv3d=nn.Conv3d):
             pass
+    # every kind a model builds by class has its place in the config, read from the registry (not a field list)
+    with lc.set_contextual_config(Conv=PEGradNormConv, RMSNorm=PEGradNormRMSNorm):
+        assert lc.config.Conv is PEGradNormConv and lc.config.RMSNorm is PEGradNormRMSNorm
+    assert lc.config.Conv is layer_kinds.get("Conv").layer_class("nn")
 
 
 def test_tracking_flag():

@@ -1,5 +1,5 @@
 """
-SOGNS, the approximate per-example norms (nanogns/layers/sogns.py): the buffers hold the
+SOGNS, the approximate per-example norms (nanogns/variants/sogns.py): the buffers hold the
 defining formula, it is exact where it should be (T = 1, bias), the `gns+sogns`
 class keeps the exact numbers, and train.py logs both under their own prefixes.
 
@@ -12,9 +12,8 @@ from conftest import TINY, run_script
 from oracle import per_example_sqnorms_by_loop
 
 from nanogns import monitor as gnstracking
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
-from nanogns.layers.linear import PEGradNormLinear
-from nanogns.layers.sogns import ExactAndSOGNSLinear, SOGNSLinear
+from nanogns.core.buffers import zero_sqgradnorm_buffers
+from nanogns.kinds.linear import ExactAndSOGNSLinear, PEGradNormLinear, SOGNSLinear
 from nanogns.runlog.reader import load_csv
 
 

@@ -1,5 +1,5 @@
 """
-Tied embedding / output matrix (nanogns/layers/tied.py): the monitor logs the shared tensor once,
+Tied embedding / output matrix (nanogns/core/tied.py): the monitor logs the shared tensor once,
 as `<names joined by +>`, with the exact per-example norm of its whole gradient,
 checked against a brute-force loop over examples on small tied GPTs.
 
@@ -15,10 +15,10 @@ from oracle import loss_sqnorms_from_batched_forward
 import nanogns as lc
 from model import GPT, GPTConfig
 from nanogns import monitor as gnstracking
-from nanogns.layers import tied
-from nanogns.layers.buffers import zero_sqgradnorm_buffers
-from nanogns.layers.embedding import PEGradNormEmbedding
-from nanogns.layers.linear import PEGradNormLinear
+from nanogns.core import tied
+from nanogns.core.buffers import zero_sqgradnorm_buffers
+from nanogns.kinds.embedding import PEGradNormEmbedding
+from nanogns.kinds.linear import PEGradNormLinear
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab_size=67, dropout=0.0)
 TIED = "transformer.wte.weight+lm_head.weight"
@@ -90,10 +90,10 @@ def test_tied_matrix_norm_matches_brute_force(classes, loss_fn):
 
 
 @pytest.mark.parametrize("way", [None, "gather", "table"])
-def test_small_vocabulary_cross_term_both_ways(way, monkeypatch):
+def test_small_vocabulary_cross_term_both_ways(way, force_strategy):
     """A vocabulary smaller than the sequence (a character model): the cross term from the head's per-example
     gradient table (the default there) and from the gathered logits' gradients give the brute-force norm."""
-    monkeypatch.setattr(tied, "CROSS_TERM_WAY", way)
+    force_strategy(cross_term=way)
     torch.manual_seed(0)
     with lc.set_contextual_config(**lc.layer_classes("gns", "gns", "gns")):
         model = GPT(GPTConfig(**{**CONFIG, "vocab_size": 5})).double()
@@ -236,7 +236,7 @@ def test_a_tie_with_a_plain_torch_layer_is_skipped():
 
 def test_a_matrix_tied_between_two_linears_sums_its_uses_exactly():
     """Two Linears sharing one weight (no cross-term formula of tied.py): the uses' per-example gradients are summed
-    (layers/uses.py) and recorded once, in the first layer's buffer, against the loop over examples."""
+    (core/uses.py) and recorded once, in the first layer's buffer, against the loop over examples."""
     from oracle import per_example_sqnorms_by_loop
 
     class TwoLinears(nn.Module):

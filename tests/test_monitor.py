@@ -18,10 +18,10 @@ from oracle import loss_sqnorms_from_batched_forward
 
 from nanogns import estimator
 from nanogns import monitor as gnstracking
-from nanogns.layers.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
-from nanogns.layers.embedding import PEGradNormShimEmbedding
-from nanogns.layers.layernorm import PEGradNormLayerNorm
-from nanogns.layers.linear import PEGradNormLinear
+from nanogns.core.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
+from nanogns.kinds.embedding import PEGradNormShimEmbedding
+from nanogns.kinds.layernorm import PEGradNormLayerNorm
+from nanogns.kinds.linear import PEGradNormLinear
 from nanogns.runlog.record import read_parameter_record
 
 

@@ -34,7 +34,7 @@ from nanogns import estimator  # noqa: E402
 from nanogns import monitor as gnstracking  # noqa: E402
 from nanogns.analysis import analyze as ga
 from nanogns.analysis import cli as analysis_cli
-from nanogns.layers.buffers import zero_sqgradnorm_buffers  # noqa: E402
+from nanogns.core.buffers import zero_sqgradnorm_buffers  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 

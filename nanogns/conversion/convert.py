@@ -12,11 +12,11 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 
-from nanogns import layers
+from nanogns import kinds as layer_kinds
+from nanogns.conversion import intercept, replay
 from nanogns.conversion import probe as swapcheck
-from nanogns.layers import intercept, replay
-from nanogns.layers.buffers import BUFFER_SUFFIX
-from nanogns.layers.registry import ROLES, adopt
+from nanogns.core.buffers import BUFFER_SUFFIX
+from nanogns.core.registry import ROLES, adopt
 from nanogns.monitor.monitor import GNSMonitor
 
 # -----------------------------------------------------------------------------
@@ -25,13 +25,13 @@ from nanogns.monitor.monitor import GNSMonitor
 
 def _known_classes():
     """{class: kind} of the classes convert swaps by their exact class (only classes already imported)."""
-    return {cls: kind for kind in layers.KINDS.values() for cls in kind.replaced_classes()}
+    return {cls: kind for kind in layer_kinds.KINDS.values() for cls in kind.replaced_classes()}
 
 
 def _treat_as_entries(treat_as, known):
     """{class: (kind, options)} from convert's `treat_as` argument, checked."""
     entries = {}
-    probed = [name for name, kind in layers.KINDS.items() if kind.probe is not None]
+    probed = [name for name, kind in layer_kinds.KINDS.items() if kind.probe is not None]
     for cls, spec in (treat_as or {}).items():
         label = getattr(cls, "__name__", repr(cls))
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -43,7 +43,7 @@ def _treat_as_entries(treat_as, known):
             raise ValueError(f"{label} is converted by its class already; remove it from treat_as")
         if kind not in probed:
             raise ValueError(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
-        allowed = set(layers.get(kind).probe.options) | set(ROLES)
+        allowed = set(layer_kinds.get(kind).probe.options) | set(ROLES)
         if set(options) - allowed or any(not isinstance(options[role], str) for role in ROLES if role in options):
             raise ValueError(
                 f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
@@ -60,7 +60,7 @@ class Conversion:
     def __init__(self, choice, treat_as=None, exclude=()):
         self.choice = choice  # {"linearclass": variant, "embeddingclass": ..., "lnclass": ...}
         self.known = _known_classes()
-        self.structural = [kind for kind in layers.KINDS.values() if kind.matches is not None]
+        self.structural = [kind for kind in layer_kinds.KINDS.values() if kind.matches is not None]
         self.named = _treat_as_entries(treat_as, self.known)
         self.exclude = tuple(exclude)
         self.visited = set()
@@ -158,7 +158,7 @@ class Conversion:
             problem = f"its parameters {shapes} fit no {' or '.join(names)} layer"
         if problem is not None:
             return False, problem
-        chosen = {name: self.variant_of(layers.get(name)) for name in fitting}
+        chosen = {name: self.variant_of(layer_kinds.get(name)) for name in fitting}
         if all(cls is None and reason is None for cls, reason in chosen.values()):
             return True, None  # the user chose 'nn' for these kinds
         usable = [name for name in fitting if chosen[name][0] is not None]
@@ -175,7 +175,7 @@ class Conversion:
         """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that
         records them all, else its forward replayed per example in backward, children included (replay.py)."""
         kinds = intercept.parameter_kinds(module)
-        if all(self.choice[layers.get(k).config_key] == "nn" for k in kinds.values()):
+        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
             return None  # the user chose 'nn' for the kinds its parameters would be recorded as
         # a block whose children hold parameters and do not have them read by its code keeps its forward with its
         # own parameters' uses followed (checked at every step) even where no probe can run it: replaying it
@@ -206,7 +206,7 @@ def owns_untracked_parameters(module):
 def check_choice(choice):
     """Raise ValueError, naming the choices, for a variant name no kind of its key offers."""
     for key, name in choice.items():
-        kinds = [kind for kind in layers.KINDS.values() if kind.config_key == key]
+        kinds = [kind for kind in layer_kinds.KINDS.values() if kind.config_key == key]
         if not any(name in kind.variants for kind in kinds):
             kinds[0].layer_class(name)  # raises, naming the choices
 
@@ -235,7 +235,7 @@ def convert(
     devices, dtypes, tied weights and an optimizer built earlier carry over, and a module used in several
     places stays shared. Modules that cannot be converted are left untouched and listed with the reason in
     the returned monitor's `unconverted` and in one warning, and their parameters in its `untracked`. Such
-    modules can call nanogns.layers.functional from their forward.
+    modules can call nanogns.kinds.functional from their forward.
 
     Args:
         treat_as: {module class: kind} for classes to probe as one kind only ("RMSNorm", "LayerNorm",

@@ -1,7 +1,7 @@
 """
 Triton kernels that compute gradients together with exact per-example squared
 gradient norms. Kernels only: the autograd glue and the layers using them live
-in nanogns/layers/fused/, which imports this package only when Triton is installed.
+in nanogns/variants/fused/, which imports this package only when Triton is installed.
 
     layernorm.py  _ln_fwd, _ln_bwd_dx_pesq      LayerNorm / RMSNorm
     linear.py     _linear_bwd_dw_pesq           Linear weight gradient

@@ -2,7 +2,7 @@
 Triton kernels for LayerNorm and RMSNorm that also produce, per example, the
 gradients of the affine parameters, so their squared norms come out of the same
 backward pass. The autograd glue (allocation, grids, shape guards) is in
-nanogns/layers/fused/.
+nanogns/variants/fused/.
 
 The maths (one row x of D features; "example" i owns the rows t = 1..T of
 input i, every leading dim after the first flattened into t):

@@ -1,7 +1,7 @@
 """
 Triton kernel for a Linear layer's weight gradient together with the squared
 norm of every example's weight gradient, in one pass over x and dL/dy. The
-autograd glue (launch configurations, autotuning, the bias) is in nanogns/layers/fused/.
+autograd glue (launch configurations, autotuning, the bias) is in nanogns/variants/fused/.
 
 The maths: for y = x W^T + b with x (N, T, K) and g = dL/dy (N, T, L),
 

@@ -3,7 +3,7 @@ The measurements of a training step: for each tracked parameter p,
     norm = ||p.grad||                    the batch gradient's norm
     pegn = sqrt(mean_i ||g_i||^2)        from the layer's `<p>_upegsqnorm` buffer
     batch_size = B                       examples in the step (all micro-batches, all ranks)
-(see layers/buffers.py for how the buffers are filled, estimator.py for the GNS made of them).
+(see core/buffers.py for how the buffers are filled, estimator.py for the GNS made of them).
 
 One object does it all in a training loop, GNSMonitor:
 
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol,
 import torch
 import torch.nn as nn
 
+from nanogns.core import layout
 from nanogns.estimator import RunningGNS
-from nanogns.layers import batchnorm, layout
-from nanogns.layers.sogns import SOGNS_SUFFIX
+from nanogns.kinds import batchnorm
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
 from nanogns.monitor.tracked import (
     Measurement,
@@ -45,6 +45,7 @@ from nanogns.monitor.tracked import (
     summed_sqnorms,
 )
 from nanogns.runlog.record import write_parameter_record
+from nanogns.variants.sogns import SOGNS_SUFFIX
 
 if TYPE_CHECKING:
     import pandas
@@ -112,7 +113,7 @@ class GNSMonitor:
         batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
-        self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (layers/uses.py)
+        self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (core/uses.py)
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self.unconverted = dict(unconverted or {})
         if expect_tracked and not self.tracked and not self.approx_tracked:
@@ -180,7 +181,7 @@ class GNSMonitor:
                 f"GNS: this step is not measured: {layer} mixes the examples of the batch: {why}"
                 + (f" (and {len(others)} more such layers)" if others else "")
             )
-        self.row_map.finish()  # what the last forward's uses left pending (layers/uses.py)
+        self.row_map.finish()  # what the last forward's uses left pending (core/uses.py)
         values, finite, no_grad = self.reader.read(self._scaler_on())
         self.step_count += 1
         self.measurements, self.approx_measurements = [], []
@@ -233,7 +234,7 @@ class GNSMonitor:
                 reason = (
                     f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
                     "once per forward, e.g. shared across depth) and its uses' per-example gradients were not summed "
-                    "(they are in an eager backward, layers/uses.py; not in a backward compiled by torch.compile, nor "
+                    "(they are in an eager backward, core/uses.py; not in a backward compiled by torch.compile, nor "
                     f"for a layer kind that hands over no per-example factors); not measured since step {self.step_count - 1}"
                 )
                 self._warn_once({name: reason})

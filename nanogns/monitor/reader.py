@@ -8,7 +8,7 @@ gradient may be a DTensor: each rank reads its shard (grad_piece).
 import numpy as np
 import torch
 
-from nanogns.layers.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
+from nanogns.core.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
 
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters

@@ -1,7 +1,7 @@
 """
 Which parameters of a model are tracked, and what each is: a trainable parameter whose layer keeps a
-`<name>_upegsqnorm` buffer (layers/buffers.py) is tracked, under its name or, for a tensor tied between an
-Embedding and a Linear, under its names joined by "+" (layers/tied.py); every other parameter is listed with the
+`<name>_upegsqnorm` buffer (core/buffers.py) is tracked, under its name or, for a tensor tied between an
+Embedding and a Linear, under its names joined by "+" (core/tied.py); every other parameter is listed with the
 reason. A step's numbers for one tracked parameter are a Measurement.
 """
 
@@ -11,10 +11,10 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 
 import torch.nn as nn
 
-from nanogns.layers.buffers import BUFFER_SUFFIX
-from nanogns.layers.layout import SharedTensor
-from nanogns.layers.registry import group_of
-from nanogns.layers.tied import link_tied_parameters
+from nanogns.core.buffers import BUFFER_SUFFIX
+from nanogns.core.layout import SharedTensor
+from nanogns.core.registry import group_of
+from nanogns.core.tied import link_tied_parameters
 
 # -----------------------------------------------------------------------------
 # measurements
@@ -149,7 +149,7 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
             continue
         recorders = {id(_owner(model, n)[0]): _owner(model, n) for n in recorded}
         if len(owners) > 1 and len(recorders) == len(owners) and suffix == BUFFER_SUFFIX:
-            # every module using the tensor records it: their uses are summed together (layers/uses.py)
+            # every module using the tensor records it: their uses are summed together (core/uses.py)
             terms = [(layer, layer_attr + suffix, 1.0) for layer, layer_attr in recorders.values()]
             tracked.append(Tracked("+".join(names), ParameterRef(module, attr), terms))
             continue
@@ -174,7 +174,7 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
 
 def shared_tensors(tracked):
     """The layout.SharedTensor of every tracked tensor that several modules' buffers record, whose uses are summed
-    together in backward (layers/uses.py); a tied Embedding/Linear pair (its cross term weighted 2) keeps tied.py's
+    together in backward (core/uses.py); a tied Embedding/Linear pair (its cross term weighted 2) keeps tied.py's
     cross term when each is used once."""
     return [
         SharedTensor(tuple((m, n) for m, n, _ in entry.terms), pairwise=any(c != 1.0 for _, _, c in entry.terms))

@@ -1,0 +1,357 @@
+"""
+Per-example norms for a module that keeps its own forward: every use of its
+parameters inside that forward is routed through functional.py.
+
+convert() uses this for modules it cannot swap for a layer of a kind, because
+their forward does more than a layer's (a router returning logits and top-k
+choices, Gemma's embedding scaled by a buffer, OPT's position embedding computed
+from the attention mask, a Linear that casts its weight...), but whose
+parameters enter the computation only through F.linear and F.embedding, or
+broadcast over the examples.
+The module keeps its class (it gains a wrapper forward), code, buffers and
+hooks; while its forward runs with gradients, a TorchFunctionMode watches every
+torch call that takes one of its parameters:
+
+  F.linear(x, W, b), F.embedding(ids, W)   computed by functional.linear/embedding: the same
+                                           values, and the per-example norms recorded
+  W.expand(N, ...), x + W, x * W, ...      W broadcast over the N examples of the forward (dim 0 of
+                                           x): replaced by one copy per example, whose gradients are
+                                           the examples' own (a ViT's class token and position
+                                           embeddings, a scale written out by hand)
+  W.to(dtype), W.float(), W.t(), W.T, ...  norm-preserving views and casts: followed, so that
+                                           F.linear(x, W.to(x.dtype)) is a use of W
+  W.shape, W.dtype, W.detach(), ...        no gradient flows: ignored
+  anything else                            a use the norms would miss: the step is refused
+                                           with an error naming the call (never a number)
+
+A parameter used twice in one forward counts its examples twice, and the
+monitor then stops tracking it (the norm of a sum of uses needs cross terms),
+as for a layer shared across depth; a parameter whose gradient came from
+somewhere else than these calls is an error at the step.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from nanogns.core import layout, shared, uses
+from nanogns.core.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.kinds import functional
+
+# calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
+_FOLLOWED = {
+    torch.Tensor.to,
+    torch.Tensor.type,
+    torch.Tensor.type_as,
+    torch.Tensor.float,
+    torch.Tensor.half,
+    torch.Tensor.bfloat16,
+    torch.Tensor.double,
+    torch.Tensor.t,
+    torch.Tensor.contiguous,
+    torch.Tensor.clone,
+}
+_FOLLOWED_PROPERTIES = {"T", "mT"}
+# elementwise calls in which a parameter may be broadcast over the examples (a ViT's position embeddings added to
+# every example's tokens, a scale multiplying every row)
+_BROADCAST = {
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.Tensor.__mul__,
+    torch.Tensor.__rmul__,
+    torch.Tensor.__truediv__,
+    torch.Tensor.__iadd__,
+    torch.Tensor.__isub__,
+    torch.Tensor.__imul__,
+    torch.Tensor.add,
+    torch.Tensor.sub,
+    torch.Tensor.mul,
+    torch.Tensor.div,
+    torch.Tensor.add_,
+    torch.Tensor.sub_,
+    torch.Tensor.mul_,
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.div,
+}
+# a parameter shifted by a number (Gemma's 1 + weight written out): each example's gradient keeps its norm
+_SHIFTS = {
+    torch.Tensor.__add__,
+    torch.Tensor.__radd__,
+    torch.Tensor.__sub__,
+    torch.Tensor.__rsub__,
+    torch.Tensor.add,
+    torch.Tensor.sub,
+    torch.add,
+    torch.sub,
+}
+# calls through which no gradient flows
+_IGNORED = {
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.element_size,
+    torch.Tensor.stride,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.data_ptr,
+    torch.Tensor.detach,
+    torch.Tensor.__len__,
+    torch.Tensor.__hash__,
+    torch.Tensor.dim_order,
+}
+
+
+def _property_name(func):
+    """'T' for the getter of Tensor.T, ...; None for any other function."""
+    owner = getattr(func, "__self__", None)
+    return getattr(owner, "__name__", None) if getattr(func, "__name__", None) == "__get__" else None
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class _ParameterUses(TorchFunctionMode):
+    """During one forward of `module`: routes the uses of its own parameters through functional.py."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.tracked = {id(p): name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+        self.derived = []  # tensors followed from a parameter: kept alive so that their ids stay theirs
+        self.signs = {}  # id(derived tensor) -> -1 where its gradient is minus the parameter's (c - W)
+
+    def name_of(self, t):
+        return self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        names = [self.name_of(t) for t in _tensors((args, kwargs))]
+        if not any(names) or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        prop = _property_name(func)
+        if func in _IGNORED or (prop is not None and prop not in _FOLLOWED_PROPERTIES):
+            return func(*args, **kwargs)
+        if func in _FOLLOWED or prop in _FOLLOWED_PROPERTIES:
+            out = func(*args, **kwargs)
+            name = self.name_of(args[0])
+            if name is not None and sum(n is not None for n in names) == 1 and isinstance(out, torch.Tensor):
+                return self.follow(out, args[0])
+        elif func is F.linear:
+            return self.linear(*args, **kwargs)
+        elif func is F.embedding:
+            return self.embedding(*args, **kwargs)
+        elif func is torch.Tensor.__getitem__ and names[0] is not None and sum(n is not None for n in names) == 1:
+            found = self.index(*args)
+            if found is not None:
+                return found
+        elif func is torch.Tensor.__setitem__ and len(args) == 3 and names[2] is not None and not any(names[:2]):
+            if self.write(*args):  # x[mask] = W: W written into rows of the examples (Wav2Vec2's masked frames)
+                return None
+        elif func is torch.Tensor.expand and names[0] is not None and sum(n is not None for n in names) == 1:
+            expanded = self.broadcast(args[0], _sizes(args[1:]))
+            if expanded is not None:
+                return expanded.expand(*args[1:], **kwargs)
+        elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:
+            # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
+            return self.follow(func(*args), args[0], -1 if func is torch.Tensor.__rsub__ else 1)
+        elif func in _BROADCAST and len(args) == 2 and sum(n is not None for n in names) == 1 and not kwargs:
+            i = 0 if names[0] is not None else 1
+            other = args[1 - i]
+            expanded = self.broadcast(args[i], other.shape if isinstance(other, torch.Tensor) else None)
+            if expanded is not None:
+                return func(*((expanded, other) if i == 0 else (other, expanded)))
+        if self.parameters_alone(args, kwargs):  # computed from parameters (and constants) alone: a table
+            return self.table(func(*args, **kwargs), names)
+        return self.refuse(func, names, func(*args, **kwargs))
+
+    def parameters_alone(self, args, kwargs):
+        """True when no tensor argument carries the examples' data: all are this module's parameters (or followed
+        from them), tables (shared.py) or constants with no gradient and no example dim."""
+        current = layout.current()
+        if current is None:
+            return False
+        for t in _tensors((args, kwargs)):
+            if self.name_of(t) is not None or shared.is_shared(t):
+                continue
+            if t.requires_grad or (t.dim() >= 1 and t.shape[0] == current.examples):
+                return False
+        return True
+
+    def table(self, out, names):
+        """out, computed from these parameters alone, as a table the examples share (shared.py): where it meets
+        them, each example gets its copy, and its gradient is pulled back to the parameters."""
+        params = dict(self.module.named_parameters(recurse=False))
+        sources = {id(params[n]): (params[n], self.module.pe_buffer(n)) for n in names if n is not None}
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                return t
+            found = dict(sources)
+            if shared.is_shared(t):
+                found.update({id(p): (p, b) for p, b in t._pe_sources})
+            return shared.table(t, found.values())
+
+        return pytree.tree_map(wrap, out)
+
+    def follow(self, out, source, sign=1):
+        """Track `out`, computed from the parameter (or derived tensor) `source` with a Jacobian of +-1 (a cast, a
+        transpose, a shift by a number): a use of `out` is a use of the parameter."""
+        self.tracked[id(out)] = self.tracked[id(source)]
+        self.signs[id(out)] = self.signs.get(id(source), 1) * sign
+        self.derived.append(out)
+        return out
+
+    def broadcast(self, param, target_shape):
+        """The parameter as one copy per example of the forward, (N, ...), when an op broadcasts it over a target
+        whose dim 0 holds the N examples (the op then gives each example's gradient to its own copy); else None."""
+        if target_shape is None or len(target_shape) < param.dim() or not len(target_shape):
+            return None
+        current = layout.current()
+        examples = current.examples if current is not None else target_shape[0]
+        leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
+        if target_shape[0] != examples or leading[0] != 1 or (current is not None and current.packed is not None):
+            return None
+        sign = self.signs.get(id(param), 1)
+        return BroadcastOverExamples.apply(param.view(leading), examples, self.buffer(param), sign)
+
+    def index(self, weight, index):
+        """W[ids] for a tensor of ids: an embedding lookup (functional.embedding: per example, or a table shared by
+        the examples); W[a:b] (no tensor in the index): rows of the parameter that every example shares, a table
+        (shared.py, Whisper's positions); else None."""
+        if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
+            if self.constant(index):  # ids stored in the module (Swin's relative-position index): a shared table
+                param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
+                return shared.table(weight[index], [(param, self.buffer(weight))])
+            if weight.dim() == 2:
+                return functional.embedding(index, weight, self.buffer(weight))
+            return None
+        if any(isinstance(t, torch.Tensor) for t in _tensors(index)):
+            return None
+        param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
+        return shared.table(weight[index], [(param, self.buffer(weight))])
+
+    def write(self, target, index, value):
+        """target[mask] = value for a boolean mask over target's leading dims, whose dim 0 holds the forward's
+        examples: each selected row gets its example's own copy of the parameter (one copy per example, gathered
+        by the rows' examples), so that each example's gradient reaches its copy. False when that does not hold."""
+        current = layout.current()
+        examples = current.examples if current is not None else target.shape[0]
+        if not (
+            isinstance(index, torch.Tensor)
+            and index.dtype == torch.bool
+            and index.dim() >= 1
+            and tuple(index.shape) == tuple(target.shape[: index.dim()])
+            and target.shape[0] == examples
+            and tuple(value.shape) == tuple(target.shape[index.dim() :])
+            and (current is None or current.packed is None)
+        ):
+            return False
+        sign = self.signs.get(id(value), 1)
+        copies = BroadcastOverExamples.apply(value.reshape(1, *value.shape), examples, self.buffer(value), sign)
+        target[index] = copies[index.nonzero()[:, 0]]  # (inside this mode's handler the mode is off)
+        return True
+
+    def constant(self, t):
+        """True when t's storage is one of the module's buffers (ids it holds, not the forward's data)."""
+        storage = t.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == storage for b in self.module.buffers(recurse=False))
+
+    def buffer(self, t):
+        name = self.name_of(t)
+        return self.module.pe_buffer(name) if name is not None else None
+
+    def linear(self, input, weight, bias=None):
+        if self.name_of(input) is not None or (
+            weight is not None and self.name_of(weight) is None and bias is not None and self.name_of(bias) is None
+        ):
+            return self.refuse(F.linear, [self.name_of(input)], F.linear(input, weight, bias))
+        return functional.linear(input, weight, bias, self.buffer(weight), self.buffer(bias))
+
+    def embedding(
+        self, input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False
+    ):
+        if max_norm is not None or scale_grad_by_freq or sparse or self.name_of(weight) is None:
+            return self.refuse(
+                F.embedding,
+                [self.name_of(weight)],
+                F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse),
+            )
+        return functional.embedding(input, weight, self.buffer(weight), padding_idx)
+
+    def refuse(self, func, names, out):
+        """A use the per-example norms would miss: the step is refused for these parameters, with the call named."""
+        call = torch.overrides.resolve_name(func) or getattr(func, "__qualname__", repr(func))
+        for name in {n for n in names if n is not None}:
+            reason = (
+                f"its forward uses its {name} in {call}, which per-example norms do not follow (only "
+                f"F.linear, F.embedding and broadcasts over the examples)"
+            )
+            refuse_step(reason, [self.module.pe_buffer(name)])
+        return out
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _sizes(args):
+    """expand's sizes, given as expand(*sizes) or expand(sizes)."""
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
+
+
+class BroadcastOverExamples(torch.autograd.Function):
+    """broadcast(param (1, ...), N, buffer, sign) -> (N, ...) copies: backward receives each example's gradient of
+    the parameter in its own copy (times sign: -1 for c - W), records their squared norms (or hands them to
+    uses.py, flattened, when the forward used the parameter more than once) and returns their sum."""
+
+    @staticmethod
+    def forward(ctx, param, examples, buffer, sign=1):
+        ctx.buffer, ctx.shape, ctx.sign = buffer, param.shape, sign
+        layout.note_uses([buffer])
+        return param.expand(examples, *param.shape[1:]).clone()  # a copy: an output may not be a view of an input
+
+    @staticmethod
+    def backward(ctx, grad):
+        factor = lambda: uses.DenseFactor(grad.flatten(1) * ctx.sign)  # noqa: E731
+        if ctx.buffer is not None and not uses.hand_over(ctx.buffer, factor):
+            accumulate_pe_sqnorm(ctx.buffer, grad.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
+        return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None, None
+
+
+class InterceptedForward(PESqNormBuffersMixin):
+    """The class a module gets when its own forward is kept (layers.registry.adopt puts it first in the MRO)."""
+
+    def forward(self, *args, **kwargs):
+        forward = super().forward
+        if not torch.is_grad_enabled() or layout.replaying():
+            return forward(*args, **kwargs)
+        with _ParameterUses(self):
+            return forward(*args, **kwargs)
+
+    def pe_adopt(self, options):
+        kinds = options.pop("kinds", {})
+        self.register_pe_buffers(*[name for name, _ in self.named_parameters(recurse=False)])
+        self.__dict__.setdefault("_pe_kinds", {}).update(kinds)
+
+
+def parameter_kinds(module):
+    """{parameter name: the layer kind recorded for it}: an nn.Embedding subclass's weight is an Embedding's,
+    any other 2-D weight a Linear's, a 1-D parameter a Linear bias's."""
+    is_embedding = isinstance(module, torch.nn.Embedding)
+    return {
+        name: "Embedding" if is_embedding and name == "weight" else "Linear"
+        for name, _ in module.named_parameters(recurse=False)
+    }

@@ -1,0 +1,182 @@
+"""
+The registry of layer kinds: what the project knows about each kind of layer
+that records per-example gradient norms, stated once, in the kind's own module
+(kinds/linear.py, kinds/embedding.py, ...), and read by everything else:
+choice.py (which class a user's choice means, which torch classes convert()
+swaps), conversion/probe.py (how to probe a module the registry does not know by class),
+functional.py (the kinds a hand-written layer may declare), the monitor (the
+kind of each tracked parameter, for the record beside the log) and
+gns-analysis.py (the group each kind is summed in).
+
+A kind module builds one LayerKind, naming the classes of all its variants (fused and
+sogns included: their machinery is in variants/, their classes are the kind's), and calls
+`register` at import; kinds/__init__.py imports every kind module, one line each. Only a
+third-party class that is not always installed (transformers' Conv1D) is named by a
+"module:Class" string, looked up among the modules already imported (a model that
+holds such a class has imported it), so that importing the layers never imports
+transformers.
+"""
+
+import importlib
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from nanogns.core import shared
+
+CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
+
+
+@dataclass
+class Probe:
+    """How conversion/probe.py tries a kind on a module it does not know by class (see its docstring).
+
+    Attributes:
+        fits: fits(weight, bias) -> True when the kind holds parameters of these shapes (bias may be None).
+        data: data(module, generator, weight, bias) -> ({role: float64 tensor}, input): probe parameters and an
+            input, for a module whose parameters playing the roles weight and bias (bias may be None) are given.
+        candidates: candidates(module, options) -> [options dict]: the constructor options to try, in order
+            (e.g. each eps), options being those the user fixed (treat_as).
+        options: the option names a user may fix through convert(treat_as=...).
+    """
+
+    fits: Callable
+    data: Callable
+    candidates: Callable = lambda module, options: [dict(options)]
+    options: tuple = ()
+
+
+@dataclass
+class LayerKind:
+    """Everything about one kind of layer.
+
+    Attributes:
+        name: "Linear", "Embedding", "LayerNorm", ...
+        config_key: the user choice that picks this kind's variant ("linearclass", "embeddingclass", "lnclass").
+        group: the parameter group gns-analysis.py sums this kind in ("Linear", "Embedding", "LayerNorm").
+        variants: {variant name: class} for "nn" (the plain layer) and the per-example norm layers ("shim",
+            "gns", "fused", and any extra ones such as "sogns"). A variant's class records the per-example norms
+            of the parameters in `params`. A third-party class may be given as "module:Class" (see above).
+        replaces: the classes convert() swaps by their exact class (nn.Linear, or "module:Class" for a
+            third-party class, found only when its module is imported).
+        params: the parameter names (roles) a layer of this kind may hold, in order.
+        convertible: convertible(module) -> None, or why a module of a replaced class cannot be swapped.
+        options: options(module) -> {constructor option: value} of a module of a replaced class (eps, ...).
+        in_parent: in_parent(parent, attribute name, module) -> None, or why the module is not converted as used
+            by its parent (a lookup table the parent shares across the batch).
+        probe: how conversion/probe.py tries this kind on other modules, or None (never probed).
+        matches: for a kind whose modules come in many classes of one structure (each transformers model defines
+            its own experts class): True for a module of this kind. convert() then calls verify(module, variant
+            class), which returns None when the variant computes what the module computes, else why not.
+    """
+
+    name: str
+    config_key: str
+    group: str
+    variants: dict
+    replaces: tuple = ()
+    params: tuple = ("weight", "bias")
+    convertible: Callable = lambda module: None
+    options: Callable = lambda module: {}
+    probe: Optional[Probe] = None
+    in_parent: Callable = lambda parent, name, module: None  # why a module is not converted where its parent uses it
+    matches: Optional[Callable] = None  # matches(module) -> True for modules of this kind known by structure
+    verify: Optional[Callable] = None  # verify(module, variant class) -> None, or why the swap would not be faithful
+
+    def layer_class(self, variant):
+        """The class of `variant` ('nn', 'shim', 'gns', 'fused', ...); ValueError naming the choices otherwise."""
+        if variant not in self.variants:
+            raise ValueError(f"unknown {self.config_key} {variant!r}; choose from {sorted(self.variants)}")
+        found = self.variants[variant]
+        return resolve(found) if isinstance(found, str) else found
+
+    def replaced_classes(self):
+        """The classes of `replaces` whose modules are loaded (a model can only hold a loaded class)."""
+        found = [loaded(c) if isinstance(c, str) else c for c in self.replaces]
+        return [c for c in found if c is not None]
+
+
+KINDS = {}  # name -> LayerKind, in registration order
+
+
+def loaded(path):
+    """The class named by "module:Class" when its module is imported already, else None."""
+    module_name, attribute = path.split(":")
+    return getattr(sys.modules.get(module_name), attribute, None)
+
+
+def resolve(path):
+    """The class named by "module:Class", importing its module (a third-party package the user chose)."""
+    module_name, attribute = path.split(":")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def register(kind):
+    """Add a LayerKind to the registry (each kind module calls this once, at import)."""
+    assert kind.name not in KINDS, f"layer kind {kind.name!r} registered twice"
+    assert kind.config_key in CONFIG_KEYS, f"{kind.name}: config_key {kind.config_key!r} not in {CONFIG_KEYS}"
+    assert "nn" in kind.variants, f"{kind.name}: a kind names its plain torch layer as variant 'nn'"
+    KINDS[kind.name] = kind
+    return kind
+
+
+def get(name):
+    """The registered LayerKind `name`; ValueError naming the registered kinds otherwise."""
+    if name not in KINDS:
+        raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}")
+    return KINDS[name]
+
+
+# -----------------------------------------------------------------------------
+# turning a module into a layer of a kind, in place
+
+_adopted_classes = {}  # (variant class, original class, renamed roles) -> the class a converted module gets
+ROLES = ("weight", "bias")  # parameter roles a user may map to other names (convert's treat_as)
+
+
+def _role_property(name):
+    return property(lambda self: getattr(self, name))
+
+
+def adopted_class(variant_cls, original_cls, roles=()):
+    """The class a module of `original_cls` becomes: the variant itself when it subclasses the original, else a
+    class deriving from both (the variant's forward first), so isinstance checks on the original class (weight
+    decay groups, wrap policies, transformers' init) still hold. roles: ((role, parameter name), ...) for
+    parameters named otherwise than the variant reads them (a norm's `scale` as its weight)."""
+    if issubclass(variant_cls, original_cls) and not roles:
+        return variant_cls
+    key = (variant_cls, original_cls, roles)
+    if key not in _adopted_classes:
+        namespace = {"__module__": variant_cls.__module__, "pe_roles": dict(roles)}
+        namespace.update({role: _role_property(name) for role, name in roles})
+        bases = (variant_cls,) if issubclass(variant_cls, original_cls) else (variant_cls, original_cls)
+        _adopted_classes[key] = type(f"{variant_cls.__name__}({original_cls.__name__})", bases, namespace)
+    return _adopted_classes[key]
+
+
+def own_class_name(module):
+    """The name of the class a module had before it was adopted ("BatchNorm2d", not "PEGradNormBatchNorm(...)")."""
+    name = type(module).__name__
+    return name[name.index("(") + 1 : -1] if name.endswith(")") and "(" in name else name
+
+
+def adopt(module, variant_cls, options):
+    """Turn `module` into a layer of `variant_cls` in place: the same object, Parameters, buffers, hooks and
+    attributes, plus the options the variant's forward reads (eps, ...) and its per-example norm buffers.
+    Options "weight"/"bias" name the parameters that play those roles, when they are named otherwise."""
+    roles = tuple((role, options.pop(role)) for role in ROLES if options.get(role, role) != role)
+    options.pop("weight", None), options.pop("bias", None)
+    module.__class__ = adopted_class(variant_cls, type(module), roles)
+    module.pe_adopt(options)
+    if not module.__dict__.get("_pe_tables_hooked"):  # a parameter as its input: a table (shared.py)
+        module.__dict__["_pe_tables_hooked"] = True
+        module.register_forward_pre_hook(shared.parameters_as_tables)
+    return module
+
+
+def group_of(kind_name):
+    """The analysis group of a recorded layer kind: the kind's group; a tied Embedding+Linear pair sums with the
+    embeddings; anything else (a kind of another version, 'unknown') is 'Other'."""
+    if kind_name in KINDS:
+        return KINDS[kind_name].group
+    return "Embedding" if kind_name == "Embedding+Linear" else "Other"
