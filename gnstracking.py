@@ -7,9 +7,9 @@ MeasurementTracker and AccumulateMeasurements (nanogns/monitor/reference.py) are
 from nanogns.monitor import (  # noqa: F401
     AccumulateMeasurements,
     GNSMonitor,
-    Measurement,
     MeasurementTracker,
     describe_tracked,
     find_tracked_parameters,
 )
+from nanogns.monitor.reference import Measurement  # noqa: F401  (the reference's fields: big_batch_norm, ...)
 from nanogns.runlog.record import PARAMETERS_JSON  # noqa: F401

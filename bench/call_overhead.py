@@ -82,18 +82,18 @@ def layers(B, T, K, L, V):
     torch.manual_seed(0)
     linear = {
         "nn": torch.nn.Linear(K, L),
-        "gns": linear_kind.PEGradNormLinear(K, L),
-        "shim": linear_kind.PEGradNormShimLinear(K, L),
+        "gns": linear_kind.PerExampleLinear(K, L),
+        "shim": linear_kind.ShimLinear(K, L),
     }
     norm = {
         "nn": torch.nn.LayerNorm(K),
-        "gns": layernorm_kind.PEGradNormLayerNorm(K),
-        "shim": layernorm_kind.PEGradNormSeparatedLayerNorm(K),
+        "gns": layernorm_kind.PerExampleLayerNorm(K),
+        "shim": layernorm_kind.SeparatedLayerNorm(K),
     }
     embedding = {
         "nn": torch.nn.Embedding(V, K),
-        "gns": embedding_kind.PEGradNormEmbedding(V, K),
-        "shim": embedding_kind.PEGradNormShimEmbedding(V, K),
+        "gns": embedding_kind.PerExampleEmbedding(V, K),
+        "shim": embedding_kind.ShimEmbedding(V, K),
     }
     return [
         (f"Linear {K}->{L}", linear, lambda: torch.randn(B, T, K, requires_grad=True), (B, T, L)),

@@ -9,7 +9,7 @@ shared memory over the target's per-block limit.
     python bench/compile_gate.py --targets 90 --jobs 4
 
 "Every launch configuration" is what the glue's pure functions can return:
-  _ln_fwd, _ln_bwd_dx_pesq   fp32 / fp16 / bf16 x (LayerNorm, LayerNorm without
+  _ln_fwd, _ln_bwd_dx_pe_sqnorm   fp32 / fp16 / bf16 x (LayerNorm, LayerNorm without
                              bias, RMSNorm) x every (BLOCK_D, num_warps) of
                              norm_launch_config(D) for D = 1 .. MAX_NORM_FEATURES,
                              each with the row stride a multiple of 16 and, up
@@ -17,7 +17,7 @@ shared memory over the target's per-block limit.
                              (16 to 4096 features) in the kernel
   _pe_sqnorm_finish          fp32 / fp16 / bf16 gradients x every BLOCK_W of
                              finish_block_w, parameter a as vectors or squares
-  _linear_bwd_dw_pesq        fp32 with ieee and with tf32 dots, fp16, bf16 x
+  _linear_bwd_dw_pe_sqnorm        fp32 with ieee and with tf32 dots, fp16, bf16 x
                              every autotune candidate linear_candidates returns
                              for the target's capability, each with L (the
                              output width) and K (the input width) multiples of
@@ -71,7 +71,7 @@ NORM_FLAVOURS = ((False, True), (False, False), (True, False))  # (IS_RMS, HAS_B
 # argument types of each kernel: "*" pointers to the layer dtype ("*T") or fp32, scalars i32 / fp32
 SIGNATURES = {
     "_ln_fwd": dict(X="*T", Y="*T", W="*T", B="*T", MEAN="*fp32", RSTD="*fp32", D="i32", STRIDE="i32", eps="fp32"),
-    "_ln_bwd_dx_pesq": dict(
+    "_ln_bwd_dx_pe_sqnorm": dict(
         X="*T",
         G="*T",
         DX="*T",
@@ -85,12 +85,12 @@ SIGNATURES = {
         STRIDE="i32",
         ROWS_PER_CHUNK="i32",
     ),
-    "_linear_bwd_dw_pesq": dict(
+    "_linear_bwd_dw_pe_sqnorm": dict(
         X="*T",
         G="*T",
         DW="*T",
         DW_PART="*fp32",
-        W_PESQ_PART="*fp32",
+        W_PE_SQNORM_PART="*fp32",
         N="i32",
         T="i32",
         L="i32",
@@ -105,7 +105,7 @@ SIGNATURES = {
         A_GRAD="*T",
         B_GRAD="*T",
         SQ_PART="*fp32",
-        PESQ="*fp32",
+        PE_SQNORM="*fp32",
         A_BUF="*fp32",
         B_BUF="*fp32",
         COUNTER="*i32",
@@ -191,14 +191,14 @@ def all_jobs(archs):
                             ("BLOCK_K", c.block_k),
                             ("BLOCK_T", c.block_t),
                         )
-                        yield Job("_linear_bwd_dw_pesq", name, flags, c.num_warps, c.num_stages, arch, unaligned)
+                        yield Job("_linear_bwd_dw_pe_sqnorm", name, flags, c.num_warps, c.num_stages, arch, unaligned)
             for block_w, squares in itertools.product(FINISH_BLOCK_WS, (False, True)):
                 flags = (("A_SQUARES", squares), ("BLOCK_W", block_w), ("SUM_BLOCK", fused_finish.FINISH_SUM_BLOCK))
                 yield Job("_pe_sqnorm_finish", name, flags, FINISH_WARPS, 0, arch)
             for (block_d, num_warps), (is_rms, has_bias) in itertools.product(block_ds, NORM_FLAVOURS):
                 flags = (("IS_RMS", is_rms), ("HAS_BIAS", has_bias), ("BLOCK_D", block_d))
                 ragged = ((), ("STRIDE",)) if block_d <= fused_runtime.NORM_RAGGED_MAX else ((),)  # wider: padded
-                for kernel, unaligned in itertools.product(("_ln_fwd", "_ln_bwd_dx_pesq"), ragged):
+                for kernel, unaligned in itertools.product(("_ln_fwd", "_ln_bwd_dx_pe_sqnorm"), ragged):
                     yield Job(kernel, name, flags, num_warps, 0, arch, unaligned)  # D a multiple of 16, and ragged
 
 
@@ -274,7 +274,9 @@ def run_gate(archs=(80, 90), jobs=None, verbose=False, out=sys.stdout):
     cache = tempfile.TemporaryDirectory(prefix="compile_gate_")
     os.environ["TRITON_CACHE_DIR"] = triton.knobs.cache.dir = cache.name
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
-    todo = sorted(set(all_jobs(archs)), key=lambda j: (j.kernel != "_linear_bwd_dw_pesq", -j.num_warps))  # slow first
+    todo = sorted(
+        set(all_jobs(archs)), key=lambda j: (j.kernel != "_linear_bwd_dw_pe_sqnorm", -j.num_warps)
+    )  # slow first
     start = time.perf_counter()
     with cache, ProcessPoolExecutor(max_workers=jobs or os.cpu_count()) as pool:
         results = list(pool.map(compile_job, todo, chunksize=1))

@@ -194,7 +194,7 @@ def train_to_target(task, data, seed, batch_of, lr_of, label="", max_steps=None)
         loss = model(x, y)[1]
         loss.backward()
         monitor.step(batch_size=B)
-        ln_gns.update(*gnstracking.summed_sqnorms([m for m in monitor.measurements if m.metadata["name"] in ln_names]))
+        ln_gns.update(*gnstracking.summed_squares([m for m in monitor.measurements if m.metadata["name"] in ln_names]))
         torch.nn.utils.clip_grad_norm_(model.parameters(), task.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

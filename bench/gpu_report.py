@@ -75,13 +75,13 @@ def layer_cases():
     def rms_twin(m):
         return nn.RMSNorm(m.normalized_shape, eps=m.eps)
 
-    cases = [("Linear shim", "linear", lambda f: layer_kinds.linear.PEGradNormShimLinear(f, f + 9), linear_twin, None)]
+    cases = [("Linear shim", "linear", lambda f: layer_kinds.linear.ShimLinear(f, f + 9), linear_twin, None)]
     for strategy in (None, "gram", "materialise"):
         cases.append(
             (
                 f"Linear gns {strategy or 'rule'}",
                 "linear",
-                lambda f: layer_kinds.linear.PEGradNormLinear(f, f + 9),
+                lambda f: layer_kinds.linear.PerExampleLinear(f, f + 9),
                 linear_twin,
                 {"linear": strategy},
             )
@@ -91,7 +91,7 @@ def layer_cases():
             (
                 f"Linear fused {strategy or 'choice'}",
                 "linear",
-                lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9),
+                lambda f: fused_gns.FusedLinear(f, f + 9),
                 linear_twin,
                 {"fused_linear": strategy},
             )
@@ -100,43 +100,43 @@ def layer_cases():
         (
             "Linear gns no bias",
             "linear",
-            lambda f: layer_kinds.linear.PEGradNormLinear(f, f + 9, bias=False),
+            lambda f: layer_kinds.linear.PerExampleLinear(f, f + 9, bias=False),
             linear_twin,
             None,
         ),
         (
             "Linear fused no bias",
             "linear",
-            lambda f: fused_gns.PEGradNormFusedLinear(f, f + 9, bias=False),
+            lambda f: fused_gns.FusedLinear(f, f + 9, bias=False),
             linear_twin,
             None,
         ),
         (
             "Embedding shim",
             "embedding",
-            lambda f: layer_kinds.embedding.PEGradNormShimEmbedding(29, f),
+            lambda f: layer_kinds.embedding.ShimEmbedding(29, f),
             lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim),
             None,
         ),
         (
             "Embedding gns",
             "embedding",
-            lambda f: layer_kinds.embedding.PEGradNormEmbedding(29, f),
+            lambda f: layer_kinds.embedding.PerExampleEmbedding(29, f),
             lambda m: nn.Embedding(m.num_embeddings, m.embedding_dim),
             None,
         ),
-        ("LayerNorm shim", "norm", lambda f: layer_kinds.layernorm.PEGradNormSeparatedLayerNorm(f), norm_twin, None),
-        ("LayerNorm gns", "norm", lambda f: layer_kinds.layernorm.PEGradNormLayerNorm(f), norm_twin, None),
-        ("LayerNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedLayerNorm(f), norm_twin, None),
+        ("LayerNorm shim", "norm", lambda f: layer_kinds.layernorm.SeparatedLayerNorm(f), norm_twin, None),
+        ("LayerNorm gns", "norm", lambda f: layer_kinds.layernorm.PerExampleLayerNorm(f), norm_twin, None),
+        ("LayerNorm fused", "norm", lambda f: fused_gns.FusedLayerNorm(f), norm_twin, None),
         (
             "LayerNorm fused no bias",
             "norm",
-            lambda f: fused_gns.PEGradNormFusedLayerNorm(f, bias=False),
+            lambda f: fused_gns.FusedLayerNorm(f, bias=False),
             norm_twin,
             None,
         ),
-        ("RMSNorm gns", "norm", lambda f: layer_kinds.rmsnorm.PEGradNormRMSNorm(f), rms_twin, None),
-        ("RMSNorm fused", "norm", lambda f: fused_gns.PEGradNormFusedRMSNorm(f), rms_twin, None),
+        ("RMSNorm gns", "norm", lambda f: layer_kinds.rmsnorm.PerExampleRMSNorm(f), rms_twin, None),
+        ("RMSNorm fused", "norm", lambda f: fused_gns.FusedRMSNorm(f), rms_twin, None),
     ]
     return cases
 
@@ -168,9 +168,7 @@ def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, featur
     expected = per_example_sqnorms_by_loop(twin, inputs.double() if kind != "embedding" else inputs, grad_out.double())
     x = inputs.clone().requires_grad_(True) if kind != "embedding" else inputs
     x_twin = inputs.double().requires_grad_(True) if kind != "embedding" else inputs
-    fused = isinstance(
-        layer, (fused_gns.PEGradNormFusedLinear, fused_gns.PEGradNormFusedLayerNorm, fused_gns.PEGradNormFusedRMSNorm)
-    )
+    fused = isinstance(layer, (fused_gns.FusedLinear, fused_gns.FusedLayerNorm, fused_gns.FusedRMSNorm))
     if fused and (device.startswith("cuda") or fused_gns.kernels_interpreted()):
         reason = fused_gns.kernel_unavailable_reason(inputs)
         assert reason is None, f"{label}: the kernel would not run ({reason})"
@@ -261,7 +259,7 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
     """Worst relative error of one forced kernel configuration against per-example matmuls in float64 (weight
     gradient, its per-example norms through the buffer, the bias's); returns (error, tolerance)."""
     torch.manual_seed(0)
-    layer = fused_gns.PEGradNormFusedLinear(K, L).to(device, dtype)
+    layer = fused_gns.FusedLinear(K, L).to(device, dtype)
     x = torch.randn(N, T, K, device=device).to(dtype)
     g = torch.randn(N, T, L, device=device).to(dtype)
     old_tf32 = fused_runtime.matmul_allows_tf32()
@@ -277,7 +275,7 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
         dw_i = g[i].double().t() @ x[i].double()
         dw += dw_i
         sq += dw_i.pow(2).sum().item()
-    errors = [_rel_error(layer.weight.grad, dw), abs(layer.weight_upegsqnorm[0].item() - sq) / sq]
+    errors = [_rel_error(layer.weight.grad, dw), abs(layer.weight_pe_sqnorm[0].item() - sq) / sq]
     tol = {"16-bit": TOL[torch.bfloat16], "tf32": 5e-3, "ieee": TOL[torch.float32]}[
         fused_linear_plan.linear_dot_precision(dtype, tf32)
     ]

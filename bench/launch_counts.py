@@ -90,11 +90,11 @@ def count_backward(layer, x, grad=None):
 def layer_pairs(D, L, device, dtype):
     """(label, torch layer, fused layer) with the same parameters."""
     pairs = [
-        ("LayerNorm", torch.nn.LayerNorm(D), fused_gns.PEGradNormFusedLayerNorm(D)),
-        ("LayerNorm no bias", torch.nn.LayerNorm(D, bias=False), fused_gns.PEGradNormFusedLayerNorm(D, bias=False)),
-        ("RMSNorm", torch.nn.RMSNorm(D, eps=1e-6), fused_gns.PEGradNormFusedRMSNorm(D)),
-        ("Linear", torch.nn.Linear(D, L), fused_gns.PEGradNormFusedLinear(D, L)),
-        ("Linear no bias", torch.nn.Linear(D, L, bias=False), fused_gns.PEGradNormFusedLinear(D, L, bias=False)),
+        ("LayerNorm", torch.nn.LayerNorm(D), fused_gns.FusedLayerNorm(D)),
+        ("LayerNorm no bias", torch.nn.LayerNorm(D, bias=False), fused_gns.FusedLayerNorm(D, bias=False)),
+        ("RMSNorm", torch.nn.RMSNorm(D, eps=1e-6), fused_gns.FusedRMSNorm(D)),
+        ("Linear", torch.nn.Linear(D, L), fused_gns.FusedLinear(D, L)),
+        ("Linear no bias", torch.nn.Linear(D, L, bias=False), fused_gns.FusedLinear(D, L, bias=False)),
     ]
     for _, plain, fused in pairs:
         fused.load_state_dict(plain.state_dict())

@@ -7,7 +7,7 @@ forward + backward measured in the same round, plus peak memory.
     python bench/linear_strategies.py --shapes=16,64,384,1536 --rounds=31
     python bench/linear_strategies.py --device=cuda --dtype=bfloat16   # adds the fused kernel
 
-Rows: `gns` is the project's default exact Linear (nanogns.kinds.linear.PEGradNormLinear,
+Rows: `gns` is the project's default exact Linear (nanogns.kinds.linear.PerExampleLinear,
 strategy chosen per call by nanogns.core.matmul.linear_strategy); `gns gram` and `gns
 materialise` force each of its two strategies; `shim` is the plain layer plus a
 node computing the norms; on CUDA `fused` (fused_gns) and its kernel forced.
@@ -83,29 +83,29 @@ def layer_factories(device):
     from nanogns.kinds import linear as linear_kind
 
     def buffer_norm(m):
-        return m.weight_upegsqnorm
+        return m.weight_pe_sqnorm
 
     layers = {
         "plain nn.Linear": (lambda K, L: nn.Linear(K, L), _plain, None),
-        "gns": (lambda K, L: linear_kind.PEGradNormLinear(K, L), _plain, buffer_norm),
+        "gns": (lambda K, L: linear_kind.PerExampleLinear(K, L), _plain, buffer_norm),
         "gns gram": (
-            lambda K, L: linear_kind.PEGradNormLinear(K, L),
+            lambda K, L: linear_kind.PerExampleLinear(K, L),
             _forced(linear="gram"),
             buffer_norm,
         ),
         "gns materialise": (
-            lambda K, L: linear_kind.PEGradNormLinear(K, L),
+            lambda K, L: linear_kind.PerExampleLinear(K, L),
             _forced(linear="materialise"),
             buffer_norm,
         ),
-        "shim": (lambda K, L: linear_kind.PEGradNormShimLinear(K, L), _plain, buffer_norm),
+        "shim": (lambda K, L: linear_kind.ShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
         import fused_gns
 
-        layers["fused"] = (lambda K, L: fused_gns.PEGradNormFusedLinear(K, L), _plain, buffer_norm)
+        layers["fused"] = (lambda K, L: fused_gns.FusedLinear(K, L), _plain, buffer_norm)
         layers["fused kernel"] = (
-            lambda K, L: fused_gns.PEGradNormFusedLinear(K, L),
+            lambda K, L: fused_gns.FusedLinear(K, L),
             _forced(fused_linear="kernel"),
             buffer_norm,
         )

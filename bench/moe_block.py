@@ -77,7 +77,7 @@ def build(args, name):
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     import nanogns as lc
-    from nanogns.core.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_pe_sqnorm_buffers
 
     torch.manual_seed(0)
     config = MixtralConfig(
@@ -110,7 +110,7 @@ def build(args, name):
         out.float().pow(2).mean().backward()
         if monitor is not None:
             monitor.measure(batch_size=args.batch_size)
-            zero_sqgradnorm_buffers(model)
+            zero_pe_sqnorm_buffers(model)
         model.zero_grad(set_to_none=True)
         if device_type == "cuda":
             torch.cuda.synchronize()

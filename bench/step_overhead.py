@@ -88,7 +88,7 @@ def build(args, name):
 
     import nanogns as lc
     from nanogns import monitor as gnstracking
-    from nanogns.core.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_pe_sqnorm_buffers
 
     linearclass, embeddingclass, lnclass = CHOICES[name]
     torch.manual_seed(0)
@@ -139,7 +139,7 @@ def build(args, name):
             scaler.scale(loss / ga).backward()
         if tracked:
             tracker.measure(batch_size=args.batch_size * ga)
-            zero_sqgradnorm_buffers(model)
+            zero_pe_sqnorm_buffers(model)
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)

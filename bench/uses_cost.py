@@ -59,7 +59,7 @@ def build(args, model_name, choice):
     import transformers
 
     import nanogns as lc
-    from nanogns.core.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_pe_sqnorm_buffers
 
     torch.manual_seed(0)
     V, H, L = 1000, args.hidden, args.layers
@@ -113,7 +113,7 @@ def build(args, model_name, choice):
         F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
         if monitor is not None:
             monitor.measure(batch_size=args.batch_size)
-            zero_sqgradnorm_buffers(model)
+            zero_pe_sqnorm_buffers(model)
         model.zero_grad(set_to_none=True)
         synchronize()
 

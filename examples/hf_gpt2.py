@@ -23,7 +23,7 @@ from common import EMA_DECAY, parse_args, shakespeare_batches
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from nanogns import LogWrapper, convert, estimator
-from nanogns.monitor import summed_sqnorms
+from nanogns.monitor import summed_squares
 
 BLOCK_SIZE = 32
 
@@ -69,7 +69,7 @@ def main(argv=None):
         loss = F.cross_entropy(logits(model, x).flatten(0, 1), y.flatten())
         loss.backward()
         monitor.step(batch_size=x.size(0))  # gns: measure, zero the buffers, log the row (before the optimizer step)
-        norm_gns.update(*summed_sqnorms([m for m in monitor.measurements if m.metadata["name"] in norm_names]))
+        norm_gns.update(*summed_squares([m for m in monitor.measurements if m.metadata["name"] in norm_names]))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         log.log({"train/loss": loss.item(), "iter_num": step, "tokens_processed": (step + 1) * x.numel()})

@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from common import EMA_DECAY, parse_args, shakespeare_batches
 
 from nanogns import GNSMonitor, LogWrapper
-from nanogns.core.buffers import PESqNormBuffersMixin
+from nanogns.core.buffers import PerExampleNormLayer
 from nanogns.kinds import functional
 
 
-class CastedLinear(PESqNormBuffersMixin, nn.Module):
+class CastedLinear(PerExampleNormLayer, nn.Module):
     """y = x @ W, W stored (in, out) and cast to x's dtype. The mixin keeps the
     per-example norm buffer float32 when the model is cast to bf16."""
 
@@ -38,11 +38,11 @@ class CastedLinear(PESqNormBuffersMixin, nn.Module):
         super().__init__()
         bound = in_features**-0.5
         self.weight = nn.Parameter(torch.empty(in_features, out_features).uniform_(-bound, bound))
-        functional.register_buffers(self, "weight", kind="Linear")  # -> self.weight_upegsqnorm
+        functional.register_buffers(self, "weight", kind="Linear")  # -> self.weight_pe_sqnorm
 
     def forward(self, x):
         # was: x @ self.weight.type_as(x)
-        return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_upegsqnorm)
+        return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_pe_sqnorm)
 
 
 def norm(x):
@@ -83,7 +83,7 @@ class Block(nn.Module):
         return x + mlp(norm(x), mlp_weights, mlp_buffers)
 
 
-class GPT(PESqNormBuffersMixin, nn.Module):
+class GPT(PerExampleNormLayer, nn.Module):
     def __init__(self, vocab_size, dim=32, n_layer=2, n_head=2):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)  # plain torch: not tracked
@@ -97,7 +97,7 @@ class GPT(PESqNormBuffersMixin, nn.Module):
     def forward(self, idx):
         x = norm(self.embed(idx))
         for i, block in enumerate(self.blocks):
-            x = block(x, self.mlp_bank[i], self.mlp_bank_upegsqnorm[i])  # this layer's slices and buffer rows
+            x = block(x, self.mlp_bank[i], self.mlp_bank_pe_sqnorm[i])  # this layer's slices and buffer rows
         return self.lm_head(norm(x))
 
 

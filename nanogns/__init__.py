@@ -39,7 +39,7 @@ _EXPORTS = {
     "layer_classes": "nanogns.kinds.choice",
     "set_contextual_config": "nanogns.kinds.choice",
     "tracks_per_example_norms": "nanogns.kinds.choice",
-    "zero_sqgradnorm_buffers": "nanogns.core.buffers",
+    "zero_pe_sqnorm_buffers": "nanogns.core.buffers",
     "LogWrapper": "nanogns.runlog.writer",
     "load_csv": "nanogns.runlog.reader",
     "RunningGNS": "nanogns.estimator",

@@ -103,7 +103,7 @@ class RunningGNS:
         self.trsigma = EMA(decay)
 
     def update(self, sq_norm: float, pe_sqnorm: float, batch_size: int) -> float:
-        """Add one step of per-example norms: sum of norm^2, sum of pegn^2, B."""
+        """Add one step of per-example norms: sum of norm^2, sum of rms_pe_norm^2 (= mean pe_sqnorm), B."""
         return self.add(*unbiased_stats(sq_norm, pe_sqnorm, batch_size))
 
     def add(self, gtg: float, trsigma: float) -> float:

@@ -28,7 +28,7 @@ def per_example_sqnorms_by_loop(module, inputs, grad_out):
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     x = inputs[0].detach().requires_grad_(True) if inputs[0].is_floating_point() else inputs[0]
     out = module(x, *inputs[1:])
-    sqnorms = {name: [] for name, _ in named}
+    pe_sqnorms = {name: [] for name, _ in named}
     for i in range(x.shape[0]):
         grads = iter(
             torch.autograd.grad(
@@ -37,10 +37,10 @@ def per_example_sqnorms_by_loop(module, inputs, grad_out):
         )
         for name, param in named:
             grad = next(grads) if param.requires_grad else None
-            sqnorms[name].append(
+            pe_sqnorms[name].append(
                 grad.double().pow(2).sum() if grad is not None else torch.zeros((), dtype=torch.float64)
             )
-    return {name: torch.stack(values) for name, values in sqnorms.items()}
+    return {name: torch.stack(values) for name, values in pe_sqnorms.items()}
 
 
 def loss_sqnorms_from_batched_forward(model, losses):

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import fused_gns
-from nanogns.kinds.layernorm import PEGradNormLayerNorm
-from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.kinds.layernorm import PerExampleLayerNorm
+from nanogns.kinds.linear import PerExampleLinear
 from nanogns.variants.fused import finish as fused_finish
 from nanogns.variants.fused import linear_plan as fused_linear_plan
 from nanogns.variants.fused import norms as fused_norms
@@ -60,7 +60,7 @@ def test_gate_covers_every_configuration_the_glue_returns():
             block_d, num_warps = fused_norms.norm_launch_config(D)
             unaligned = ("STRIDE",) if D % 16 and 16 <= D <= fused_runtime.NORM_RAGGED_MAX else ()  # as _masked_rows
             assert block_d >= D and any(
-                j.kernel == "_ln_bwd_dx_pesq"
+                j.kernel == "_ln_bwd_dx_pe_sqnorm"
                 and j.arch == arch
                 and j.num_warps == num_warps
                 and dict(j.constexprs)["BLOCK_D"] == block_d
@@ -85,7 +85,7 @@ def test_gate_covers_every_configuration_the_glue_returns():
                     for j in jobs:
                         flags = dict(j.constexprs)
                         if (
-                            j.kernel == "_linear_bwd_dw_pesq"
+                            j.kernel == "_linear_bwd_dw_pe_sqnorm"
                             and j.arch == arch
                             and flags["INPUT_PRECISION"] == precision
                             and j.dtype == compile_gate.TYPE_NAMES[dtype]
@@ -102,10 +102,10 @@ def test_gate_covers_every_configuration_the_glue_returns():
 # (kernel, argument) pairs the glue may pass ragged (not a multiple of 16): the Linear's output and input widths, the
 # norms' row stride (a ragged feature count from 16 on, unpadded)
 RAGGED = {
-    ("_linear_bwd_dw_pesq", "L"),
-    ("_linear_bwd_dw_pesq", "K"),
+    ("_linear_bwd_dw_pe_sqnorm", "L"),
+    ("_linear_bwd_dw_pe_sqnorm", "K"),
     ("_ln_fwd", "STRIDE"),
-    ("_ln_bwd_dx_pesq", "STRIDE"),
+    ("_ln_bwd_dx_pe_sqnorm", "STRIDE"),
 }
 
 
@@ -120,8 +120,8 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     launches = []
     kernels = (
         normgnorm.layernorm._ln_fwd,
-        normgnorm.layernorm._ln_bwd_dx_pesq,
-        normgnorm.linear._linear_bwd_dw_pesq,
+        normgnorm.layernorm._ln_bwd_dx_pe_sqnorm,
+        normgnorm.linear._linear_bwd_dw_pe_sqnorm,
         normgnorm.finish._pe_sqnorm_finish,
     )
     for kernel in kernels:
@@ -133,13 +133,13 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     torch.manual_seed(0)
     base = torch.randn(3 * 5 * features + 1)
     x = base[1:].view(3, 5, features).requires_grad_(True)  # a view 4 bytes past an aligned address
-    norm = fused_gns.PEGradNormFusedLayerNorm(features)
-    linear = fused_gns.PEGradNormFusedLinear(features, outputs)
+    norm = fused_gns.FusedLayerNorm(features)
+    linear = fused_gns.FusedLinear(features, outputs)
     linear(norm(x)).sum().backward()
     assert {kernel.__name__ for kernel, _ in launches} == {
         "_ln_fwd",
-        "_ln_bwd_dx_pesq",
-        "_linear_bwd_dw_pesq",
+        "_ln_bwd_dx_pe_sqnorm",
+        "_linear_bwd_dw_pe_sqnorm",
         "_pe_sqnorm_finish",
     }
     gate = compile_gate.all_jobs((90,))
@@ -159,15 +159,17 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
         assert (kernel.__name__, tuple(ragged)) in compiled, (kernel.__name__, ragged)  # the gate compiled this one
         unpadded[kernel.__name__] = tuple(ragged)
     norms_unpadded = features % 16 and features <= fused_runtime.NORM_RAGGED_MAX
-    assert bool(norms_unpadded) == (unpadded["_ln_fwd"] == unpadded["_ln_bwd_dx_pesq"] == ("STRIDE",)), unpadded
-    assert unpadded["_linear_bwd_dw_pesq"] == fused_linear_plan.linear_ragged(outputs, features, torch.float32, False)
+    assert bool(norms_unpadded) == (unpadded["_ln_fwd"] == unpadded["_ln_bwd_dx_pe_sqnorm"] == ("STRIDE",)), unpadded
+    assert unpadded["_linear_bwd_dw_pe_sqnorm"] == fused_linear_plan.linear_ragged(
+        outputs, features, torch.float32, False
+    )
     if features % 16:  # a ragged input width, masked (and a ragged output width with it)
-        assert unpadded["_linear_bwd_dw_pesq"] == (("L", "K") if outputs % 16 else ("K",))
+        assert unpadded["_linear_bwd_dw_pe_sqnorm"] == (("L", "K") if outputs % 16 else ("K",))
     # and the numbers are still right: the zero padding added nothing
-    reference = PEGradNormLinear(features, outputs)
+    reference = PerExampleLinear(features, outputs)
     reference.load_state_dict(linear.state_dict())
     xr = x.detach().clone().requires_grad_(True)
-    ln = PEGradNormLayerNorm(features)
+    ln = PerExampleLayerNorm(features)
     reference(ln(xr)).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(linear.weight.grad, reference.weight.grad, rtol=1e-4, atol=1e-5)

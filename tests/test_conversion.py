@@ -16,10 +16,10 @@ import nanogns as lc
 from nanogns import monitor as gnstracking
 from nanogns.conversion import probe as swapcheck
 from nanogns.conversion.replay import ReplayedForward
-from nanogns.core.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from nanogns.core.buffers import PerExampleNormLayer, zero_pe_sqnorm_buffers
 from nanogns.kinds import functional
-from nanogns.kinds.embedding import PEGradNormEmbedding
-from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.kinds.embedding import PerExampleEmbedding
+from nanogns.kinds.linear import PerExampleLinear
 
 
 class Nested(nn.Module):
@@ -62,7 +62,7 @@ def loss_fn(model, ids, targets):
 def brute_force_pe(model, ids, targets):
     """{name: mean_i ||g_i||^2} by the oracle (each example's gradient from the batched forward)."""
     per_example, _ = loss_sqnorms_from_batched_forward(model, example_losses(model, ids, targets))
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return per_example
 
 
@@ -112,14 +112,14 @@ def test_converted_model_matches_brute_force(classes, shape):
     }
     for name, m in measurements.items():
         reference = expected[name.split("+")[0]]
-        assert m.small_batch_norm**2 == pytest.approx(reference, rel=1e-6), name
+        assert m.rms_pe_norm**2 == pytest.approx(reference, rel=1e-6), name
 
 
 def test_convert_keeps_device_dtype_and_training_mode():
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4)).to(torch.bfloat16).eval()
     lc.convert(model)
     assert model[0].weight.dtype == torch.bfloat16 and not model[0].training
-    assert model[0].weight_upegsqnorm.dtype == torch.float32 and model[0].weight_upegsqnorm.device.type == "cpu"
+    assert model[0].weight_pe_sqnorm.dtype == torch.float32 and model[0].weight_pe_sqnorm.device.type == "cpu"
 
 
 def test_convert_leaves_nn_kinds_and_rejects_a_bare_layer():
@@ -145,8 +145,8 @@ def test_a_module_used_twice_per_forward_sums_its_uses_exactly():
     measured = {m.metadata["name"]: m for m in monitor.measure(batch_size=3)}
     assert set(measured) == {"0.weight", "0.bias", "3.weight", "3.bias"} and not monitor.untracked
     for name, m in measured.items():
-        assert m.small_batch_norm**2 == pytest.approx(want[name], rel=1e-6), name
-        assert m.big_batch_norm**2 == pytest.approx(batch[name], rel=1e-9), name
+        assert m.rms_pe_norm**2 == pytest.approx(want[name], rel=1e-6), name
+        assert m.norm**2 == pytest.approx(batch[name], rel=1e-9), name
 
 
 def test_two_forwards_before_their_backward_refuse_a_module_used_twice():
@@ -161,7 +161,7 @@ def test_two_forwards_before_their_backward_refuse_a_module_used_twice():
     (model(x[:2]).pow(2).sum() + model(x[2:]).pow(2).sum()).backward()
     with pytest.raises(ValueError, match=r"0.weight: this step is not measured.*a forward began before the backward"):
         monitor.measure(batch_size=4)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     model.zero_grad()
     for part in (slice(0, 2), slice(2, 4)):  # each forward's backward before the next forward: measured
         model(x[part]).pow(2).sum().backward()
@@ -184,7 +184,7 @@ def test_a_module_whose_kind_gives_no_factors_used_twice_is_dropped_with_a_warni
 # functional API
 
 
-class TransposedLinear(PESqNormBuffersMixin, nn.Module):
+class TransposedLinear(PerExampleNormLayer, nn.Module):
     """W stored (in, out), used as x @ W cast to the input dtype: modded-nanogpt's layout."""
 
     def __init__(self, d_in, d_out):
@@ -193,10 +193,10 @@ class TransposedLinear(PESqNormBuffersMixin, nn.Module):
         functional.register_buffers(self, "weight")
 
     def forward(self, x):
-        return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_upegsqnorm)
+        return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_pe_sqnorm)
 
 
-class FunctionalNorms(PESqNormBuffersMixin, nn.Module):
+class FunctionalNorms(PerExampleNormLayer, nn.Module):
     def __init__(self, vocab, d):
         super().__init__()
         self.table = nn.Parameter(torch.randn(vocab, d))
@@ -204,9 +204,9 @@ class FunctionalNorms(PESqNormBuffersMixin, nn.Module):
         functional.register_buffers(self, "table", "ln_w", "ln_b", "rms_w")
 
     def forward(self, ids):
-        h = functional.embedding(ids, self.table, self.table_upegsqnorm)
-        h = functional.layer_norm(h, self.ln_w, self.ln_b, 1e-5, self.ln_w_upegsqnorm, self.ln_b_upegsqnorm)
-        return functional.rms_norm(h, self.rms_w, 1e-6, self.rms_w_upegsqnorm)
+        h = functional.embedding(ids, self.table, self.table_pe_sqnorm)
+        h = functional.layer_norm(h, self.ln_w, self.ln_b, 1e-5, self.ln_w_pe_sqnorm, self.ln_b_pe_sqnorm)
+        return functional.rms_norm(h, self.rms_w, 1e-6, self.rms_w_pe_sqnorm)
 
 
 def per_example_by_loop(model, inputs, grad_out):
@@ -221,9 +221,9 @@ def test_functional_linear_with_a_transposed_weight(shape):
     x = torch.randn(*shape, dtype=torch.float64)
     g = torch.randn(*shape[:-1], 9, dtype=torch.float64)
     layer(x).backward(g)
-    recorded = layer.weight_upegsqnorm.clone()
+    recorded = layer.weight_pe_sqnorm.clone()
     grad = layer.weight.grad.clone()
-    zero_sqgradnorm_buffers(layer)
+    zero_pe_sqnorm_buffers(layer)
     expected = per_example_by_loop(layer, x, g)
     assert recorded[0].item() == pytest.approx(expected["weight"], rel=1e-6) and recorded[1] == shape[0]
     layer.zero_grad()
@@ -237,8 +237,8 @@ def test_functional_embedding_and_norms():
     ids = torch.randint(0, 11, (5, 8))
     g = torch.randn(5, 8, 6, dtype=torch.float64)
     model(ids).backward(g)
-    recorded = {n: model.get_buffer(n + "_upegsqnorm")[0].item() for n, _ in model.named_parameters()}
-    zero_sqgradnorm_buffers(model)
+    recorded = {n: model.get_buffer(n + "_pe_sqnorm")[0].item() for n, _ in model.named_parameters()}
+    zero_pe_sqnorm_buffers(model)
     expected = per_example_by_loop(model, ids, g)
     for name in expected:
         assert recorded[name] == pytest.approx(expected[name], rel=1e-6), name
@@ -306,7 +306,7 @@ def test_padding_idx_embedding_converted_and_exact_tied_or_not(classes, shape):
         assert ("emb.weight+head.weight" in measurements) == tied
         assert len(measurements) == len(expected)
         for name, m in measurements.items():
-            assert m.small_batch_norm**2 == pytest.approx(expected[name.split("+")[0]], rel=1e-6), (tied, name)
+            assert m.rms_pe_norm**2 == pytest.approx(expected[name.split("+")[0]], rel=1e-6), (tied, name)
 
 
 def test_functional_under_bf16_autocast_within_tolerance():
@@ -314,13 +314,13 @@ def test_functional_under_bf16_autocast_within_tolerance():
     layer = TransposedLinear(16, 8)
     x, g = torch.randn(4, 6, 16), torch.randn(4, 6, 8)
     layer(x).backward(g)
-    reference = layer.weight_upegsqnorm[0].item()
-    zero_sqgradnorm_buffers(layer)
+    reference = layer.weight_pe_sqnorm[0].item()
+    zero_pe_sqnorm_buffers(layer)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x)
     assert out.dtype == torch.bfloat16
     out.backward(g.to(torch.bfloat16))
-    assert layer.weight_upegsqnorm[0].item() == pytest.approx(reference, rel=3e-2)
+    assert layer.weight_pe_sqnorm[0].item() == pytest.approx(reference, rel=3e-2)
     assert layer.weight.grad.dtype == torch.float32
 
 
@@ -330,11 +330,11 @@ def test_register_buffers_names_the_missing_parameter():
 
 
 def test_functional_layers_are_found_by_the_monitor():
-    model = nn.Sequential(TransposedLinear(4, 3), PEGradNormLinear(3, 2))
+    model = nn.Sequential(TransposedLinear(4, 3), PerExampleLinear(3, 2))
     model(torch.randn(5, 4)).sum().backward()
     monitor = gnstracking.GNSMonitor(model)
     assert [m.metadata["name"] for m in monitor.measure(batch_size=5)] == ["0.weight", "1.weight", "1.bias"]
-    assert isinstance(PEGradNormEmbedding(3, 2), nn.Embedding)
+    assert isinstance(PerExampleEmbedding(3, 2), nn.Embedding)
 
 
 # -----------------------------------------------------------------------------
@@ -462,7 +462,7 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     ln, rms, conv1d = (
         lc.get_layer_class(k, c) for k, c in (("LayerNorm", lnclass), ("RMSNorm", lnclass), ("Conv1D", "gns"))
     )
-    expected = dict(ln=ln, ln_nobias=ln, proj=conv1d, rms=rms, gemma=rms, out=PEGradNormLinear, sub=ln)
+    expected = dict(ln=ln, ln_nobias=ln, proj=conv1d, rms=rms, gemma=rms, out=PerExampleLinear, sub=ln)
     originals = dict(
         ln=NanoGPTLayerNorm,
         ln_nobias=NanoGPTLayerNorm,
@@ -481,8 +481,8 @@ def test_lookalikes_swapped_and_exact(lnclass, shape):
     B = shape[0]
     for part in [slice(0, B)] if B == 1 else [slice(0, 2), slice(2, B)]:
         model(x[part]).backward(g[part])
-    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
-    zero_sqgradnorm_buffers(model)
+    recorded = {n: model.get_buffer(n + "_pe_sqnorm").tolist() for n, _, _ in monitor.tracked}
+    zero_pe_sqnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     assert set(recorded) == set(loop)
     for name, (total, count) in recorded.items():
@@ -538,8 +538,8 @@ def test_a_module_no_layer_computes_nor_follows_is_replayed_per_example_exactly(
     assert not monitor.unconverted and isinstance(module, ReplayedForward) and torch.equal(model(x), before)
     for part in (slice(0, 2), slice(2, 5)):
         model(x[part]).backward(g[part])
-    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
-    zero_sqgradnorm_buffers(model)
+    recorded = {n: model.get_buffer(n + "_pe_sqnorm").tolist() for n, _, _ in monitor.tracked}
+    zero_pe_sqnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     assert set(recorded) == set(loop) and monitor.describe()["1.weight"]["kind"] == "Replayed"
     for name, (total, count) in recorded.items():
@@ -594,8 +594,8 @@ def test_a_norm_no_layer_computes_keeps_its_forward_and_is_exact(make):
     assert torch.equal(model(x), before)
     for part in (slice(0, 2), slice(2, 5)):
         model(x[part]).backward(g[part])
-    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in monitor.tracked}
-    zero_sqgradnorm_buffers(model)
+    recorded = {n: model.get_buffer(n + "_pe_sqnorm").tolist() for n, _, _ in monitor.tracked}
+    zero_pe_sqnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     assert set(recorded) == set(loop)
     for name, (total, count) in recorded.items():
@@ -648,8 +648,8 @@ def test_a_module_keeping_its_own_forward_is_exact(make):
     g = torch.randn_like(output(x))
     for part in (slice(0, 2), slice(2, 5)):
         output(x[part]).backward(g[part])
-    total, count = module.weight_upegsqnorm.tolist()
-    zero_sqgradnorm_buffers(model)
+    total, count = module.weight_pe_sqnorm.tolist()
+    zero_pe_sqnorm_buffers(model)
     loop = 0.0
     for i in range(5):
         model.zero_grad()
@@ -732,9 +732,9 @@ def test_a_norm_whose_parameter_is_named_scale_is_converted_and_exact(treat_as, 
     torch.testing.assert_close(model(x), before, rtol=1e-12, atol=1e-12)
     for part in (slice(0, 2), slice(2, 5)):
         model(x[part]).backward(g[part])
-    recorded = {n: model.get_buffer(n + "_upegsqnorm").tolist() for n, _, _ in tracker.tracked}
+    recorded = {n: model.get_buffer(n + "_pe_sqnorm").tolist() for n, _, _ in tracker.tracked}
     assert "1.scale" in recorded
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     assert set(recorded) == set(loop)
     for name, (total, count) in recorded.items():
@@ -759,7 +759,7 @@ def test_a_module_on_the_meta_device_is_probed_on_the_cpu():
     with torch.device("meta"):
         model = nn.Sequential(HandRMSNorm(6, offset=1.0), InOutLinear(6, 3))
     monitor = lc.convert(model)
-    assert not monitor.unconverted and model[0].weight.is_meta and model[0].weight_upegsqnorm.is_meta
+    assert not monitor.unconverted and model[0].weight.is_meta and model[0].weight_pe_sqnorm.is_meta
     assert model[0].weight_offset == 1.0 and isinstance(model[1], lc.get_layer_class("Conv1D", "gns"))
 
 
@@ -805,7 +805,7 @@ def test_excluded_modules_are_left_alone_and_listed():
     with pytest.warns(UserWarning, match="2 module\\(s\\) not converted"):
         monitor = lc.convert(model, exclude=["1", "2"])
     assert type(model[1][0]) is nn.LayerNorm and type(model[1][1]) is nn.Linear and type(model[2]) is nn.Linear
-    assert isinstance(model[0], PEGradNormLinear)
+    assert isinstance(model[0], PerExampleLinear)
     assert monitor.unconverted == {
         "1": "Sequential excluded by the caller (convert(exclude=...))",
         "2": "Linear excluded by the caller (convert(exclude=...))",

@@ -17,7 +17,7 @@ import transformers
 from test_conversion_models import SPLIT, B, brute_force, check_exact, measured
 
 import nanogns as lc
-from nanogns.kinds.batchnorm import PEGradNormBatchNorm
+from nanogns.kinds.batchnorm import PerExampleBatchNorm
 
 
 def resnet():
@@ -47,7 +47,7 @@ def test_resnet_in_eval_mode_is_exact_batchnorm_affine_included():
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert not monitor.unconverted and not monitor.untracked
     norm = model.resnet.embedder.embedder.normalization
-    assert isinstance(norm, PEGradNormBatchNorm) and isinstance(norm, nn.BatchNorm2d)
+    assert isinstance(norm, PerExampleBatchNorm) and isinstance(norm, nn.BatchNorm2d)
     assert monitor.describe()["resnet.embedder.embedder.normalization.weight"]["group"] == "LayerNorm"
     check_exact(model, monitor, want, got)
 
@@ -65,7 +65,7 @@ def test_resnet_in_training_mode_refuses_the_step_naming_the_layer():
     message = str(refused.value)
     assert message.startswith("GNS: this step is not measured: resnet.embedder.embedder.normalization (BatchNorm2d)")
     assert "statistics of the batch" in message and "eval mode" in message and "more such layers" in message
-    assert logged == [] and all(b.abs().sum() == 0 for n, b in model.named_buffers() if n.endswith("_upegsqnorm"))
+    assert logged == [] and all(b.abs().sum() == 0 for n, b in model.named_buffers() if n.endswith("_pe_sqnorm"))
     model.zero_grad(set_to_none=True)
     model.eval()
     loss_of(slice(0, B)).mean().backward()
@@ -98,5 +98,5 @@ def test_sync_batchnorm_in_eval_mode_is_exact():
     lc.convert(model)
     model(x).backward(g)
     for name in ("1.weight", "1.bias"):
-        total, count = model.get_buffer(name + "_upegsqnorm").tolist()
+        total, count = model.get_buffer(name + "_pe_sqnorm").tolist()
         assert count == 5 and total == pytest.approx(want[name].sum().item(), rel=1e-6), name

@@ -16,9 +16,9 @@ from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
 from nanogns import monitor as gnstracking
-from nanogns.core.buffers import PESqNormBuffersMixin, zero_sqgradnorm_buffers
+from nanogns.core.buffers import PerExampleNormLayer, zero_pe_sqnorm_buffers
 from nanogns.kinds import functional
-from nanogns.kinds.embedding import PEGradNormEmbedding
+from nanogns.kinds.embedding import PerExampleEmbedding
 
 VOCAB, D = 11, 6
 
@@ -49,17 +49,17 @@ def measure(monitor, model, ids, targets, micro_batches=2):
     for part in torch.arange(B).chunk(micro_batches):
         (lm_loss(model, ids[part], targets[part]) * len(part) / B).backward()
     measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return measurements
 
 
 def assert_matches_brute_force(model, measurements, ids, targets, rel=1e-6):  # buffers are float32
     pe_sq, batch_sq = loss_sqnorms_from_batched_forward(model, lm_losses(model, ids, targets))
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     for name, m in measurements.items():
         first = name.split("+")[0]
-        assert m.small_batch_norm**2 == pytest.approx(pe_sq[first], rel=rel), name
-        assert m.big_batch_norm**2 == pytest.approx(batch_sq[first], rel=rel), name
+        assert m.rms_pe_norm**2 == pytest.approx(pe_sq[first], rel=rel), name
+        assert m.norm**2 == pytest.approx(batch_sq[first], rel=rel), name
 
 
 class LoRALinear(nn.Module):
@@ -104,7 +104,7 @@ def test_bitfit_frozen_weights_are_skipped_and_biases_exact(classes):
     assert set(measurements) == {"ln.bias", "mlp.0.bias", "mlp.2.bias", "head.bias"}
     assert_matches_brute_force(model, measurements, ids, targets)
     lm_loss(model, ids, targets).backward()
-    assert model.head.weight_upegsqnorm.sum() == 0 and model.emb.weight_upegsqnorm.sum() == 0  # nothing recorded
+    assert model.head.weight_pe_sqnorm.sum() == 0 and model.emb.weight_pe_sqnorm.sum() == 0  # nothing recorded
 
 
 @pytest.mark.parametrize("linearclass", ["gns", "shim"])
@@ -141,7 +141,7 @@ def test_a_counted_parameter_without_gradient_is_an_error_not_a_zero():
         monitor.measure(batch_size=4)
 
 
-class BankGPT(PESqNormBuffersMixin, nn.Module):
+class BankGPT(PerExampleNormLayer, nn.Module):
     """modded-nanogpt style: the MLP matrices of every block live in one Parameter, sliced per layer."""
 
     def __init__(self, n_layer=3, reuse_slice=False):
@@ -156,8 +156,8 @@ class BankGPT(PESqNormBuffersMixin, nn.Module):
         x = self.emb(ids)
         for i in range(self.n_layer):
             j = 0 if self.reuse_slice else i
-            h = F.relu(functional.linear(x, self.mlp_bank[j, 0], weight_buffer=self.mlp_bank_upegsqnorm[j, 0]))
-            x = x + functional.linear(h, self.mlp_bank[j, 1].t(), weight_buffer=self.mlp_bank_upegsqnorm[j, 1])
+            h = F.relu(functional.linear(x, self.mlp_bank[j, 0], weight_buffer=self.mlp_bank_pe_sqnorm[j, 0]))
+            x = x + functional.linear(h, self.mlp_bank[j, 1].t(), weight_buffer=self.mlp_bank_pe_sqnorm[j, 1])
         return self.head(F.rms_norm(x, (D,)))
 
 
@@ -170,7 +170,7 @@ def test_a_bank_of_slices_is_logged_once_and_exactly():
     assert record["kind"] == "Linear" and record["bank_slices"] == 6 and record["block"] is None
     ids, targets = data(5)
     measurements = measure(monitor, model, ids, targets)
-    assert measurements["mlp_bank"].big_batch_size == 5
+    assert measurements["mlp_bank"].batch_size == 5
     assert_matches_brute_force(model, measurements, ids, targets)
     # batch of 1 (the GNS itself is undefined there, the norms are not)
     measurements = measure(monitor, model, ids[:1], targets[:1], micro_batches=1)
@@ -203,8 +203,8 @@ class BroadcastPositions(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.wte = PEGradNormEmbedding(VOCAB, D)
-        self.wpe = PEGradNormEmbedding(8, D)
+        self.wte = PerExampleEmbedding(VOCAB, D)
+        self.wpe = PerExampleEmbedding(8, D)
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, ids, positions=None):

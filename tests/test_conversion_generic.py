@@ -25,7 +25,7 @@ from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, con
 import nanogns as lc
 from nanogns.conversion.intercept import InterceptedForward
 from nanogns.conversion.replay import ReplayedForward
-from nanogns.kinds.experts_dbrx import PEGradNormDbrxExperts
+from nanogns.kinds.experts_dbrx import PerExampleDbrxExperts
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MAMBA2 = dict(mamba_d_state=4, mamba_d_conv=3, mamba_expand=2, mamba_chunk_size=4)
@@ -218,7 +218,7 @@ def test_modules_no_kind_describes_are_exact(name):
     if name in REPLAYED_ALONE:  # its own parameters only, its children converted by kind
         assert not model.get_submodule(REPLAYED_ALONE[name])._pe_subtree
     if name == "DBRX":  # banks this large get a kind, not the replay
-        assert isinstance(model.transformer.blocks[0].ffn.experts, PEGradNormDbrxExperts)
+        assert isinstance(model.transformer.blocks[0].ffn.experts, PerExampleDbrxExperts)
     check_exact(model, monitor, want, got)
 
 
@@ -235,7 +235,7 @@ def test_the_gated_norm_is_never_swapped_for_a_one_input_rmsnorm(name):
             if type(layer).__name__.endswith("RMSNormGated"):
                 gated = layer
         lc.convert(nn.ModuleDict({"norm": gated}))
-    assert type(gated).__mro__[1].__name__ != "PEGradNormRMSNorm" and "forward" not in vars(type(gated))
+    assert type(gated).__mro__[1].__name__ != "PerExampleRMSNorm" and "forward" not in vars(type(gated))
     x, gate = torch.randn(3, 4, gated.weight.shape[0]), torch.randn(3, 4, gated.weight.shape[0])
     out = gated(x, gate)
     assert out.shape == x.shape and not torch.allclose(out, gated(x))  # the gate is applied
@@ -332,5 +332,5 @@ def test_wav2vec2_masked_frames_take_each_example_its_copy_of_the_mask_embedding
     want = brute_force(model, loss_of, B)
     monitor = lc.convert(model)
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
-    assert not monitor.unconverted and not monitor.untracked and got["masked_spec_embed"].small_batch_norm > 0
+    assert not monitor.unconverted and not monitor.untracked and got["masked_spec_embed"].rms_pe_norm > 0
     check_exact(model, monitor, want, got)

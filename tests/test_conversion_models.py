@@ -21,7 +21,7 @@ import transformers
 from oracle import loss_sqnorms_from_batched_forward
 
 import nanogns as lc
-from nanogns.core.buffers import zero_sqgradnorm_buffers
+from nanogns.core.buffers import zero_pe_sqnorm_buffers
 
 V, B, T = 31, 5, 7
 SPLIT = 2  # micro-batches: examples [0, 2) and [2, 5)
@@ -72,7 +72,7 @@ def brute_force(model, loss_of, n):
     """{parameter name: (|mean_i g_i|^2, mean_i |g_i|^2)} by the oracle: each example's gradient from the batched
     forward of all n (loss_of(part) -> the examples' losses)."""
     per_example, batch = loss_sqnorms_from_batched_forward(model, loss_of(slice(0, n)))
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return {name: (batch[name], per_example[name]) for name in batch}
 
 
@@ -82,7 +82,7 @@ def measured(monitor, model, loss_of, parts, n):
         (loss_of(part).sum() / n).backward()
     found = {m.metadata["name"]: m for m in monitor.measure(batch_size=n)}
     model.zero_grad(set_to_none=True)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return found
 
 
@@ -91,8 +91,8 @@ def check_exact(model, monitor, want, got, coverage=1.0, atol=1e-20):
     projection's bias is, softmax being blind to it); the tracked elements the given share of the model's."""
     for name, m in got.items():
         sq_norm, pe_sqnorm = want[name.split("+")[0]]
-        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-6, abs=atol), name
-        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6, abs=atol), name
+        assert m.norm**2 == pytest.approx(sq_norm, rel=1e-6, abs=atol), name
+        assert m.rms_pe_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6, abs=atol), name
     tracked = sum(model.get_parameter(name.split("+")[0]).numel() for name in got)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert tracked == pytest.approx(coverage * total), (tracked, total, monitor.unconverted, monitor.untracked)
@@ -155,7 +155,7 @@ def test_mixture_of_experts_every_parameter_exact(name, implementation):
     monitor = lc.convert(model.float())
     model.double()
     assert not monitor.unconverted and not monitor.untracked
-    assert any(type(m).__name__.startswith("PEGradNormExperts") for m in model.modules())
+    assert any(type(m).__name__.startswith("PerExampleExperts") for m in model.modules())
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     check_exact(model, monitor, want, got)
 
@@ -186,7 +186,7 @@ def test_a_token_routed_to_no_expert_adds_nothing():
     lc.convert(model)
     experts.zero_grad()
     experts(hidden, index, weights).backward(grad)
-    total, count = experts.gate_up_proj_upegsqnorm.tolist()
+    total, count = experts.gate_up_proj_pe_sqnorm.tolist()
     assert count == 4 and per_token[1] == 0
     assert total == pytest.approx(sum(per_token), rel=1e-6)
 
@@ -498,12 +498,12 @@ def test_nanochat_casting_linear_runs_in_bf16_after_conversion():
     assert out.dtype == reference.dtype == torch.bfloat16 and torch.equal(out, reference)
     out.float().pow(2).sum().backward()
     bf16 = {n: b.clone() for n, b in model.named_buffers()}
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     model.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(x).float().pow(2).sum().backward()
     autocast = {n: b.clone() for n, b in model.named_buffers()}
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     model(x).pow(2).sum().backward()
     for name, buffer in model.named_buffers():
         for other in (bf16, autocast):
@@ -527,7 +527,7 @@ def test_in_place_ops_on_converted_outputs_work_and_stay_exact(variant):
     y += 1
     y.backward(g)
     recorded = {n: b[0].item() for n, b in model.named_buffers()}
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x, g)
     for name, values in loop.items():
-        assert recorded[name + "_upegsqnorm"] == pytest.approx(values.sum().item(), rel=1e-6), name
+        assert recorded[name + "_pe_sqnorm"] == pytest.approx(values.sum().item(), rel=1e-6), name

@@ -30,7 +30,7 @@ from transformers.pytorch_utils import Conv1D
 import fused_gns
 import nanogns as lc
 from nanogns.analysis import cli as analysis_cli
-from nanogns.core.buffers import zero_sqgradnorm_buffers
+from nanogns.core.buffers import zero_pe_sqnorm_buffers
 from nanogns.runlog.reader import load_csv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +78,7 @@ def brute_force(name, model, x, y):
     logits = example(name).logits(model, x)
     losses = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
     per_example, batch = loss_sqnorms_from_batched_forward(model, losses)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return {n: (batch[n], per_example[n]) for n in batch}
 
 
@@ -89,7 +89,7 @@ def accumulated_measurements(name, model, monitor, x, y, split=2):
         (loss_fn(name, model, x[part], y[part]) * x[part].size(0) / B).backward()
     measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
     model.zero_grad(set_to_none=True)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return measurements
 
 
@@ -122,9 +122,9 @@ def test_every_parameter_tracked_and_exact(name, classes):
     assert {n.split("+")[0] for n in measurements} == set(want)
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]
-        assert m.big_batch_size == 5
-        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-6), param
-        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), param
+        assert m.batch_size == 5
+        assert m.norm**2 == pytest.approx(sq_norm, rel=1e-6), param
+        assert m.rms_pe_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), param
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
@@ -136,8 +136,8 @@ def test_bf16_autocast_close_to_float32(name):
         got = accumulated_measurements(name, model, monitor, x, y, split=3)
     assert set(got) == set(want) and len(got) == len(monitor.tracked)
     for param, m in got.items():
-        assert m.big_batch_norm == pytest.approx(want[param].big_batch_norm, rel=3e-2), param
-        assert m.small_batch_norm == pytest.approx(want[param].small_batch_norm, rel=3e-2), param
+        assert m.norm == pytest.approx(want[param].norm, rel=3e-2), param
+        assert m.rms_pe_norm == pytest.approx(want[param].rms_pe_norm, rel=3e-2), param
 
 
 def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
@@ -170,8 +170,8 @@ def test_llama_with_a_pad_token_and_tied_head_tracked_and_exact():
     assert "model.embed_tokens.weight+lm_head.weight" in measurements and len(measurements) == len(want)
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]
-        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-6), param
-        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), param
+        assert m.norm**2 == pytest.approx(sq_norm, rel=1e-6), param
+        assert m.rms_pe_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), param
 
 
 def test_converted_models_give_the_same_loss():
@@ -224,8 +224,8 @@ def test_transformers_norms_swapped_and_exact(norm_cls, lnclass, shape):
     tol = 1e-5 if dtype == torch.float32 else 1e-6  # transformers' classes compute in float32 inside
     torch.testing.assert_close(out, reference, rtol=tol, atol=tol)
     torch.testing.assert_close(norm.weight.grad, original.weight.grad, rtol=tol, atol=tol)
-    total, count = model[0].weight_upegsqnorm.tolist()
-    zero_sqgradnorm_buffers(model)
+    total, count = model[0].weight_pe_sqnorm.tolist()
+    zero_pe_sqnorm_buffers(model)
     loop = per_example_sqnorms_by_loop(model, x.detach(), g)["0.weight"]
     assert count == shape[0] and total == pytest.approx(loop.sum().item(), rel=1e-5)
 
@@ -268,8 +268,8 @@ def test_conv1d_layers_match_brute_force(linearclass, bias, shape):
     tol = 1e-5 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(out, x @ layer.weight + (layer.bias if bias else 0), rtol=tol, atol=tol)
     torch.testing.assert_close(layer.weight.grad, x.reshape(-1, 7).T @ g.reshape(-1, 9), rtol=tol, atol=tol)
-    recorded = {n: layer.get_buffer(n + "_upegsqnorm").tolist() for n, _ in layer.named_parameters()}
-    zero_sqgradnorm_buffers(layer)
+    recorded = {n: layer.get_buffer(n + "_pe_sqnorm").tolist() for n, _ in layer.named_parameters()}
+    zero_pe_sqnorm_buffers(layer)
     loop = per_example_sqnorms_by_loop(layer, x, g)
     assert set(recorded) == ({"weight", "bias"} if bias else {"weight"})
     for name, (total, count) in recorded.items():
@@ -332,5 +332,5 @@ def test_fused_gpt2_close_to_brute_force():
     want = brute_force(name, model, x, y)
     for param, m in measurements.items():
         sq_norm, pe_sqnorm = want[param.split("+")[0]]
-        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-4), param
-        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-4), param
+        assert m.norm**2 == pytest.approx(sq_norm, rel=1e-4), param
+        assert m.rms_pe_norm**2 == pytest.approx(pe_sqnorm, rel=1e-4), param

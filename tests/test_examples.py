@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from oracle import loss_sqnorms_from_batched_forward, per_example_sqnorms_by_loop
 
-from nanogns.core.buffers import zero_sqgradnorm_buffers
+from nanogns.core.buffers import zero_pe_sqnorm_buffers
 from nanogns.monitor import GNSMonitor
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.record import read_parameter_record
@@ -166,7 +166,7 @@ def test_casted_linear_matches_loop_over_examples(shape):
     y.backward(grad_out)
     reference = x.detach().reshape(-1, 7).T @ grad_out.reshape(-1, 11)  # dL/dW for W stored (in, out)
     assert torch.allclose(layer.weight.grad, reference, rtol=1e-12, atol=1e-12)
-    total, count = layer.weight_upegsqnorm.tolist()
+    total, count = layer.weight_pe_sqnorm.tolist()
     loop = per_example_sqnorms_by_loop(layer, x.detach(), grad_out)["weight"]
     assert count == shape[0]
     assert total == pytest.approx(loop.sum().item(), rel=1e-6)  # buffer sums in float32
@@ -177,17 +177,17 @@ def test_casted_linear_bf16_autocast_close_to_float32():
     layer = example("modded_block").CastedLinear(24, 40)
     x, grad_out = torch.randn(6, 9, 24), torch.randn(6, 9, 40)
     layer(x).backward(grad_out)
-    want = layer.weight_upegsqnorm.clone()
-    layer.weight_upegsqnorm.zero_()
+    want = layer.weight_pe_sqnorm.clone()
+    layer.weight_pe_sqnorm.zero_()
     layer.weight.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)
     assert y.dtype == torch.bfloat16
     y.backward(grad_out.bfloat16())
-    assert layer.weight.grad.dtype == torch.float32 and layer.weight_upegsqnorm.dtype == torch.float32
-    assert layer.weight_upegsqnorm[1].item() == want[1].item() == 6
-    assert layer.weight_upegsqnorm[0].item() == pytest.approx(want[0].item(), rel=3e-2)
-    assert layer.bfloat16().weight_upegsqnorm.dtype == torch.float32  # PESqNormBuffersMixin
+    assert layer.weight.grad.dtype == torch.float32 and layer.weight_pe_sqnorm.dtype == torch.float32
+    assert layer.weight_pe_sqnorm[1].item() == want[1].item() == 6
+    assert layer.weight_pe_sqnorm[0].item() == pytest.approx(want[0].item(), rel=3e-2)
+    assert layer.bfloat16().weight_pe_sqnorm.dtype == torch.float32  # PerExampleNormLayer
 
 
 # -----------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def brute_force(model, x, y):
     oracle: each example's gradient (its mean token loss) from one batched forward."""
     losses = F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").mean(dim=1)
     per_example, batch = loss_sqnorms_from_batched_forward(model, losses)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return {n: (batch[n], per_example[n]) for n in batch}
 
 
@@ -212,7 +212,7 @@ def accumulated_step(model, monitor, x, y, split):
         (loss * x[part].size(0) / B).backward()
         losses.append(loss.item())
     measurements = monitor.measure(batch_size=B)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return losses, measurements
 
 
@@ -245,9 +245,9 @@ def test_example_model_norms_match_brute_force(build):
         assert "wte.weight+lm_head.weight" in names
     for m in measurements:
         sq_norm, pe_sqnorm = want[m.metadata["name"].split("+")[0]]
-        assert m.big_batch_size == 5
-        assert m.big_batch_norm**2 == pytest.approx(sq_norm, rel=1e-9), m.metadata["name"]
-        assert m.small_batch_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), m.metadata["name"]  # float32 buffers
+        assert m.batch_size == 5
+        assert m.norm**2 == pytest.approx(sq_norm, rel=1e-9), m.metadata["name"]
+        assert m.rms_pe_norm**2 == pytest.approx(pe_sqnorm, rel=1e-6), m.metadata["name"]  # float32 buffers
 
 
 def test_notebook_gpt2_converted_equals_context_manager():

@@ -15,16 +15,16 @@ import torch.nn as nn
 from oracle import per_example_sqnorms_by_loop
 
 from nanogns.core import layout, matmul
-from nanogns.core.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
+from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
 from nanogns.kinds import embedding, layernorm, linear
-from nanogns.kinds.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding
-from nanogns.kinds.layernorm import PEGradNormLayerNorm, PEGradNormSeparatedLayerNorm
-from nanogns.kinds.linear import PEGradNormLinear, PEGradNormShimLinear
-from nanogns.kinds.rmsnorm import PEGradNormRMSNorm
+from nanogns.kinds.embedding import PerExampleEmbedding, ShimEmbedding
+from nanogns.kinds.layernorm import PerExampleLayerNorm, SeparatedLayerNorm
+from nanogns.kinds.linear import PerExampleLinear, ShimLinear
+from nanogns.kinds.rmsnorm import PerExampleRMSNorm
 
-LINEARS = [PEGradNormShimLinear, PEGradNormLinear]
-EMBEDDINGS = [PEGradNormShimEmbedding, PEGradNormEmbedding]
-LAYERNORMS = [PEGradNormSeparatedLayerNorm, PEGradNormLayerNorm]
+LINEARS = [ShimLinear, PerExampleLinear]
+EMBEDDINGS = [ShimEmbedding, PerExampleEmbedding]
+LAYERNORMS = [SeparatedLayerNorm, PerExampleLayerNorm]
 RTOL = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-2}
 # input shapes, (N, ..., features-last); odd sizes and N = 1 on purpose
 SHAPES = [(3,), (1,), (3, 17), (1, 5), (2, 3, 4)]
@@ -48,7 +48,7 @@ def plain_twin(module):
 
 def check_against_oracle(module, inputs, grad_out, dtype, autocast=False):
     """Backward through `module`, then compare its buffers with the oracle (float64)."""
-    zero_sqgradnorm_buffers(module)
+    zero_pe_sqnorm_buffers(module)
     twin = plain_twin(module)
     float_inputs = inputs.is_floating_point()
     expected = per_example_sqnorms_by_loop(twin, inputs.double() if float_inputs else inputs, grad_out.double())
@@ -65,7 +65,7 @@ def check_against_oracle(module, inputs, grad_out, dtype, autocast=False):
 
 
 # the gns Linear under each of its strategies (both exact), and the shim
-LINEAR_STRATEGIES = [(PEGradNormShimLinear, None), (PEGradNormLinear, "gram"), (PEGradNormLinear, "materialise")]
+LINEAR_STRATEGIES = [(ShimLinear, None), (PerExampleLinear, "gram"), (PerExampleLinear, "materialise")]
 
 
 @pytest.mark.parametrize("cls, strategy", LINEAR_STRATEGIES)
@@ -94,12 +94,12 @@ def test_linear_pe_sqnorm_both_paths_per_example(T, K, L):
     torch.manual_seed(1)
     x, g = torch.randn(3, T, K, dtype=torch.float64), torch.randn(3, T, L, dtype=torch.float64)
     expected = torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(3)])
-    weight_sq, bias_sq = matmul.linear_pe_sqnorm(x, g), matmul.bias_pe_grads(g).pow(2).sum(1)
-    torch.testing.assert_close(weight_sq, expected)
-    torch.testing.assert_close(bias_sq, g.sum(1).pow(2).sum(1))
+    weight_pe_sqnorms, bias_pe_sqnorms = matmul.linear_pe_sqnorm(x, g), matmul.bias_pe_grads(g).pow(2).sum(1)
+    torch.testing.assert_close(weight_pe_sqnorms, expected)
+    torch.testing.assert_close(bias_pe_sqnorms, g.sum(1).pow(2).sum(1))
     torch.testing.assert_close(matmul.gram_pe_sqnorm(x, g), expected)
-    grad_weight, weight_sq = matmul.materialised_pe_grads(x, g)
-    torch.testing.assert_close(weight_sq, expected)
+    grad_weight, weight_pe_sqnorms = matmul.materialised_pe_grads(x, g)
+    torch.testing.assert_close(weight_pe_sqnorms, expected)
     torch.testing.assert_close(grad_weight, torch.einsum("ntl,ntk->lk", g, x))
 
 
@@ -132,9 +132,9 @@ def test_linear_strategy_is_forced_and_exact(strategy, force_strategy):
     assert matmul.linear_strategy(64, 768, 768) == matmul.linear_strategy(1024, 8, 8) == strategy
     torch.manual_seed(2)
     x, g = torch.randn(4, 9, 7, dtype=torch.float64), torch.randn(4, 9, 5, dtype=torch.float64)
-    grad_weight, weight_sq = matmul.linear_weight_grad_and_pe_sqnorm(x, g)
+    grad_weight, weight_pe_sqnorms = matmul.linear_weight_grad_and_pe_sqnorm(x, g)
     torch.testing.assert_close(grad_weight, torch.einsum("ntl,ntk->lk", g, x))
-    torch.testing.assert_close(weight_sq, torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(4)]))
+    torch.testing.assert_close(weight_pe_sqnorms, torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(4)]))
 
 
 @pytest.mark.parametrize("strategy", ["gram", "materialise"])
@@ -144,7 +144,7 @@ def test_linear_strategy_is_forced_and_exact(strategy, force_strategy):
 def test_linear_strategies_every_dtype_and_accumulation(check, strategy, force_strategy):
     """fp32 (1e-5), bf16 autocast and fp16 (3e-2), and two accumulated micro-batches, under each strategy."""
     force_strategy(linear=strategy)
-    globals()[check](PEGradNormLinear)
+    globals()[check](PerExampleLinear)
 
 
 @pytest.mark.parametrize("strategy", ["gram", "materialise"])
@@ -157,7 +157,7 @@ def test_linear_frozen_parameters(strategy, weight_trainable, bias_trainable, in
     trainable ones and the input gradient are still exact; x is saved only if the weight trains."""
     force_strategy(linear=strategy)
     torch.manual_seed(3)
-    module = PEGradNormLinear(6, 5).double()
+    module = PerExampleLinear(6, 5).double()
     module.weight.requires_grad_(weight_trainable)
     module.bias.requires_grad_(bias_trainable)
     twin = plain_twin(module)
@@ -232,7 +232,7 @@ def test_embedding_repeated_token_adds_before_squaring():
 
 def test_embedding_large_vocab_needs_no_vocab_sized_tensor():
     """A B*V*D one-hot here would be 3*17*2e6*8 floats (3 GB); the unique/index_add path is tiny."""
-    module = PEGradNormEmbedding(2_000_000, 8)
+    module = PerExampleEmbedding(2_000_000, 8)
     ids = torch.randint(0, 2_000_000, (3, 17))
     ids[0, :5] = 7  # a repeated token
     module(ids).sum().backward()  # all-ones output gradient
@@ -271,7 +271,7 @@ def test_layernorm_matches_oracle_and_plain_grads(cls, bias, lead, D, kernel_per
 @pytest.mark.parametrize("dtype, autocast", [(torch.float64, False), (torch.bfloat16, True)])
 def test_rmsnorm_matches_oracle_and_plain_grads(lead, dtype, autocast):
     torch.manual_seed(0)
-    module = PEGradNormRMSNorm(40).double()
+    module = PerExampleRMSNorm(40).double()
     with torch.no_grad():
         module.weight.normal_()
     twin = nn.RMSNorm(40, eps=module.eps).double()
@@ -283,9 +283,9 @@ def test_rmsnorm_matches_oracle_and_plain_grads(lead, dtype, autocast):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = module(x)
     out.backward(grad_out.to(out.dtype))
-    assert module.weight_upegsqnorm[1].item() == inputs.shape[0]
+    assert module.weight_pe_sqnorm[1].item() == inputs.shape[0]
     torch.testing.assert_close(
-        module.weight_upegsqnorm[0].double(), expected["weight"].sum(), rtol=RTOL[dtype], atol=1e-6
+        module.weight_pe_sqnorm[0].double(), expected["weight"].sum(), rtol=RTOL[dtype], atol=1e-6
     )
     if not autocast:
         x_plain = inputs.double().requires_grad_()
@@ -344,13 +344,13 @@ def test_gradient_accumulation_adds_micro_batches(cls):
         + per_example_sqnorms_by_loop(twin, cast(second), g2.double())[n].sum()
         for n, _ in twin.named_parameters()
     }
-    zero_sqgradnorm_buffers(module)
+    zero_pe_sqnorm_buffers(module)
     module(cast(first)).backward(g1.double())
     module(cast(second)).backward(g2.double())
     for name, _ in module.named_parameters():
         assert buffer_of(module, name)[1].item() == 6
         torch.testing.assert_close(buffer_of(module, name)[0].double(), expected[name], rtol=1e-6, atol=0)
-    zero_sqgradnorm_buffers(module)
+    zero_pe_sqnorm_buffers(module)
     assert all(buffer_of(module, name).abs().sum().item() == 0 for name, _ in module.named_parameters())
 
 
@@ -368,14 +368,14 @@ def test_drop_in_parameters_and_state_dict(cls, bias):
 
 
 def test_buffers_stay_float32_when_cast():
-    module = PEGradNormLinear(4, 3).to(torch.bfloat16)
+    module = PerExampleLinear(4, 3).to(torch.bfloat16)
     assert module.weight.dtype == torch.bfloat16
     assert buffer_of(module, "weight").dtype == torch.float32
 
 
 def test_embedding_rejects_options_it_cannot_honour():
     with pytest.raises(ValueError, match="max_norm"):
-        PEGradNormEmbedding(10, 4, max_norm=1.0)
+        PerExampleEmbedding(10, 4, max_norm=1.0)
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
-        PEGradNormShimEmbedding(10, 4, scale_grad_by_freq=True)
-    PEGradNormShimEmbedding(10, 4, max_norm=None)  # the default is fine
+        ShimEmbedding(10, 4, scale_grad_by_freq=True)
+    ShimEmbedding(10, 4, max_norm=None)  # the default is fine

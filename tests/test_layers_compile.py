@@ -1,6 +1,6 @@
 """
 torch.compile on a GPT built with the per-example norm layers: the compiled
-model's loss, parameter gradients and `<param>_upegsqnorm` buffers equal the
+model's loss, parameter gradients and `<param>_pe_sqnorm` buffers equal the
 eager model's, over two optimizer steps of two accumulated micro-batches.
 
     python -m pytest -q tests/test_layers_compile.py
@@ -80,7 +80,7 @@ def test_compiled_matches_eager(kind):
         for m, opt in zip((eager, model), optimizers):
             opt.step()
             opt.zero_grad(set_to_none=True)
-            buffered.zero_sqgradnorm_buffers(m)
+            buffered.zero_pe_sqnorm_buffers(m)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
 
 

@@ -32,7 +32,7 @@ from oracle import per_example_sqnorms_by_loop
 import fused_gns
 from nanogns.core import buffers as buffered
 from nanogns.kinds import linear as linear_kind
-from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.kinds.linear import PerExampleLinear
 from nanogns.variants.fused import finish as fused_finish
 from nanogns.variants.fused import linear as fused_linear
 from nanogns.variants.fused import linear_plan as fused_linear_plan
@@ -102,10 +102,10 @@ def captured(monkeypatch):
 def make_norm(kind, D, dtype):
     """(fused layer, float64 torch reference with the same parameters)."""
     if kind == "rmsnorm":
-        fused, ref = fused_gns.PEGradNormFusedRMSNorm(D), nn.RMSNorm(D, eps=1e-6)
+        fused, ref = fused_gns.FusedRMSNorm(D), nn.RMSNorm(D, eps=1e-6)
     else:
         bias = kind == "layernorm"
-        fused, ref = fused_gns.PEGradNormFusedLayerNorm(D, bias=bias), nn.LayerNorm(D, bias=bias)
+        fused, ref = fused_gns.FusedLayerNorm(D, bias=bias), nn.LayerNorm(D, bias=bias)
     with torch.no_grad():  # non-trivial affine parameters
         for p in fused.parameters():
             p.copy_(torch.randn_like(p))
@@ -115,7 +115,7 @@ def make_norm(kind, D, dtype):
 
 
 def make_linear(K, L, bias, dtype):
-    fused = fused_gns.PEGradNormFusedLinear(K, L, bias=bias)
+    fused = fused_gns.FusedLinear(K, L, bias=bias)
     ref = nn.Linear(K, L, bias=bias)
     ref.load_state_dict(fused.state_dict())
     return fused.to(DEVICE, dtype), ref.to(DEVICE, torch.float64)
@@ -146,7 +146,7 @@ def check_against_oracle(fused, ref, x, g, dtype, captured, passes=1):
         assert len(records) == passes
         for pe in records:  # each backward's per-example vector, in example order
             assert pe.shape == (x.shape[0],) and pe.dtype == torch.float32
-            assert_close(pe, expected[name], NORM_TOL[dtype], f"{name} per-example sqnorms")
+            assert_close(pe, expected[name], NORM_TOL[dtype], f"{name} per-example pe_sqnorms")
         assert buffer.dtype == torch.float32
         assert_close(buffer[0], passes * expected[name].sum(), NORM_TOL[dtype], f"{name} buffer sum")
         assert buffer[1].item() == passes * x.shape[0]
@@ -221,8 +221,8 @@ def test_layernorm_autocast_bf16_input():
     y.backward(g)
     assert y.dtype == torch.bfloat16 and fused.weight.grad.dtype == torch.float32
     expected = per_example_sqnorms_by_loop(ref, x.double(), g.double())
-    assert_close(fused.weight_upegsqnorm[0], expected["weight"].sum(), 1e-4, "weight buffer")
-    assert_close(fused.bias_upegsqnorm[0], expected["bias"].sum(), 1e-4, "bias buffer")
+    assert_close(fused.weight_pe_sqnorm[0], expected["weight"].sum(), 1e-4, "weight buffer")
+    assert_close(fused.bias_pe_sqnorm[0], expected["bias"].sum(), 1e-4, "bias buffer")
 
 
 # -----------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_linear_ragged_widths_masked_or_padded(K, L, dtype, captured, monkeypatc
     fused, ref = make_linear(K, L, True, dtype)
     x, g = inputs((3, 17), K, dtype, out_features=L)
     check_against_oracle(fused, ref, x, g, dtype, captured, passes=2)
-    linear = [args for name, args in seen if name == "_linear_bwd_dw_pesq"]
+    linear = [args for name, args in seen if name == "_linear_bwd_dw_pe_sqnorm"]
     ieee = dtype == torch.float32 and not (DEVICE == "cuda" and fused_runtime.matmul_allows_tf32())
     ragged = fused_linear_plan.linear_ragged(L, K, dtype, not ieee)
     assert len(linear) == 2 and all(a["K"] == (K if "K" in ragged else -(-K // 16) * 16) for a in linear)
@@ -363,10 +363,10 @@ def test_linear_split_examples_small_tiles_and_accumulation(bias, split, capture
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_linear_autocast(dtype):
     """fp32 parameters and input under autocast: computed in autocast's dtype like F.linear, gradients
-    in fp32, norms as buffered.PEGradNormLinear computes them from the same cast tensors."""
+    in fp32, norms as buffered.PerExampleLinear computes them from the same cast tensors."""
     torch.manual_seed(8)
-    fused = fused_gns.PEGradNormFusedLinear(40, 72).to(DEVICE)
-    plain = PEGradNormLinear(40, 72).to(DEVICE)
+    fused = fused_gns.FusedLinear(40, 72).to(DEVICE)
+    plain = PerExampleLinear(40, 72).to(DEVICE)
     plain.load_state_dict(fused.state_dict())
     x, g = inputs((3, 17), 40, torch.float32, out_features=72)
     outs = []
@@ -391,9 +391,9 @@ def test_linear_autocast(dtype):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: fused_gns.PEGradNormFusedLayerNorm(40),
-        lambda: fused_gns.PEGradNormFusedRMSNorm(40),
-        lambda: fused_gns.PEGradNormFusedLinear(40, 40),
+        lambda: fused_gns.FusedLayerNorm(40),
+        lambda: fused_gns.FusedRMSNorm(40),
+        lambda: fused_gns.FusedLinear(40, 40),
     ],
 )
 def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
@@ -421,22 +421,22 @@ def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
 
 def test_float64_falls_back_with_reason(monkeypatch):
     monkeypatch.setattr(fused_runtime, "_warned_reasons", set())
-    layer = fused_gns.PEGradNormFusedLayerNorm(40).to(DEVICE, torch.float64)
+    layer = fused_gns.FusedLayerNorm(40).to(DEVICE, torch.float64)
     x = torch.randn(3, 5, 40, dtype=torch.float64, device=DEVICE)
     assert "float64" in fused_gns.kernel_unavailable_reason(x)
     with pytest.warns(RuntimeWarning, match="float64"):
         layer(x).sum().backward()
-    assert layer.weight_upegsqnorm[1].item() == 3
+    assert layer.weight_pe_sqnorm[1].item() == 3
 
 
 def test_shape_guards():
     with pytest.raises(RuntimeError, match=r"\(40,\).*unsqueeze"):
-        fused_gns.PEGradNormFusedLayerNorm(40).to(DEVICE)(torch.randn(40, device=DEVICE))
+        fused_gns.FusedLayerNorm(40).to(DEVICE)(torch.randn(40, device=DEVICE))
     with pytest.raises(RuntimeError, match=r"\(40,\).*unsqueeze"):
-        fused_gns.PEGradNormFusedLinear(40, 8).to(DEVICE)(torch.randn(40, device=DEVICE))
+        fused_gns.FusedLinear(40, 8).to(DEVICE)(torch.randn(40, device=DEVICE))
     wide = 40000  # 80 kB of fp16 per row: more than one block holds
     with pytest.raises(RuntimeError, match=rf"{wide}.*lnclass='gns'"):
-        fused_gns.PEGradNormFusedLayerNorm(wide).to(DEVICE, torch.float16)(
+        fused_gns.FusedLayerNorm(wide).to(DEVICE, torch.float16)(
             torch.randn(2, wide, device=DEVICE, dtype=torch.float16)
         )
 
@@ -455,8 +455,8 @@ def test_registered_in_layer_config():
     import nanogns as layer_config
 
     classes = layer_config.layer_classes(linearclass="fused", lnclass="fused")
-    assert classes["Linear"] is fused_gns.PEGradNormFusedLinear
-    assert classes["LayerNorm"] is fused_gns.PEGradNormFusedLayerNorm
+    assert classes["Linear"] is fused_gns.FusedLinear
+    assert classes["LayerNorm"] is fused_gns.FusedLayerNorm
 
 
 # -----------------------------------------------------------------------------

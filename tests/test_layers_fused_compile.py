@@ -32,10 +32,10 @@ pytestmark = pytest.mark.skipif(
 class Block(nn.Module):
     def __init__(self, D):
         super().__init__()
-        self.ln = fused_gns.PEGradNormFusedLayerNorm(D)
-        self.fc = fused_gns.PEGradNormFusedLinear(D, 2 * D)
-        self.proj = fused_gns.PEGradNormFusedLinear(2 * D, D, bias=False)
-        self.rms = fused_gns.PEGradNormFusedRMSNorm(D)
+        self.ln = fused_gns.FusedLayerNorm(D)
+        self.fc = fused_gns.FusedLinear(D, 2 * D)
+        self.proj = fused_gns.FusedLinear(2 * D, D, bias=False)
+        self.rms = fused_gns.FusedRMSNorm(D)
 
     def forward(self, x):
         return self.rms(x + self.proj(torch.relu(self.fc(self.ln(x)))))

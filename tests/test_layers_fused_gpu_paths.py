@@ -88,7 +88,7 @@ def test_every_launch_is_on_its_tensors_device(monkeypatch):
 
         monkeypatch.setattr(kernel, "pre_run_hooks", [check])
     x = torch.randn(3, 5, 40, requires_grad=True)
-    norm, linear = fused_gns.PEGradNormFusedLayerNorm(40), fused_gns.PEGradNormFusedLinear(40, 24)
+    norm, linear = fused_gns.FusedLayerNorm(40), fused_gns.FusedLinear(40, 24)
     linear(norm(x)).sum().backward()
     assert len(seen) >= 3 and all(device == x.device for _, device in seen), seen
 
@@ -155,9 +155,11 @@ def test_ragged_output_width_masked_not_copied(monkeypatch):
 
     pointers = []
     monkeypatch.setattr(
-        normgnorm.linear._linear_bwd_dw_pesq, "pre_run_hooks", [lambda *args, **kw: pointers.append(args[1].data_ptr())]
+        normgnorm.linear._linear_bwd_dw_pe_sqnorm,
+        "pre_run_hooks",
+        [lambda *args, **kw: pointers.append(args[1].data_ptr())],
     )
-    linear = fused_gns.PEGradNormFusedLinear(32, 40)
+    linear = fused_gns.FusedLinear(32, 40)
     x = torch.randn(3, 5, 32)
     g = torch.randn(3, 5, 40)
     linear(x).backward(g)
@@ -167,7 +169,7 @@ def test_ragged_output_width_masked_not_copied(monkeypatch):
     reference(x).backward(g)
     torch.testing.assert_close(linear.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-5)
     expected = sum((g[i].t() @ x[i]).pow(2).sum() for i in range(3))
-    torch.testing.assert_close(linear.weight_upegsqnorm[0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear.weight_pe_sqnorm[0], expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter
@@ -185,12 +187,12 @@ def test_buffers_viewed_in_one_flat_tensor(monkeypatch):
         kernel, "pre_run_hooks", [lambda *args, **kw: launches.append(dict(zip(kernel.arg_names, args)))]
     )
     torch.manual_seed(0)
-    layers = [fused_gns.PEGradNormFusedLayerNorm(32), fused_gns.PEGradNormFusedLinear(32, 24)]
-    reference = [fused_gns.PEGradNormFusedLayerNorm(32), fused_gns.PEGradNormFusedLinear(32, 24)]
+    layers = [fused_gns.FusedLayerNorm(32), fused_gns.FusedLinear(32, 24)]
+    reference = [fused_gns.FusedLayerNorm(32), fused_gns.FusedLinear(32, 24)]
     flat = torch.zeros(2 + 4 * 2)
     for i, (layer, twin) in enumerate(zip(layers, reference)):
         twin.load_state_dict(layer.state_dict())
-        for j, name in enumerate(("weight_upegsqnorm", "bias_upegsqnorm")):
+        for j, name in enumerate(("weight_pe_sqnorm", "bias_pe_sqnorm")):
             start = 2 + 4 * i + 2 * j  # odd pairs: 8 bytes past an aligned address
             layer._buffers[name] = flat[start : start + 2]
     x = torch.randn(3, 5, 32)
@@ -231,7 +233,7 @@ def test_fused_gpt_under_the_monitor_equals_gns():
     the finishing kernel updates) measures what the gns layers measure, over two accumulated steps."""
     import nanogns as lc
     from nanogns import monitor as gnstracking
-    from nanogns.core.buffers import zero_sqgradnorm_buffers
+    from nanogns.core.buffers import zero_pe_sqnorm_buffers
 
     measured = {}
     for kind in ("gns", "fused"):
@@ -247,9 +249,9 @@ def test_fused_gpt_under_the_monitor_equals_gns():
                 x, y = torch.randint(0, 67, (2, 3, 8), generator=generator)
                 (model(x, y)[1] / 2).backward()
             measured[kind] = monitor.measure(batch_size=6)
-            zero_sqgradnorm_buffers(model)
+            zero_pe_sqnorm_buffers(model)
             model.zero_grad(set_to_none=True)
     assert [m.metadata["name"] for m in measured["fused"]] == [m.metadata["name"] for m in measured["gns"]]
     for fused, gns in zip(measured["fused"], measured["gns"]):
-        assert fused.small_batch_norm == pytest.approx(gns.small_batch_norm, rel=1e-5), fused.metadata["name"]
-        assert fused.big_batch_norm == pytest.approx(gns.big_batch_norm, rel=1e-5), fused.metadata["name"]
+        assert fused.rms_pe_norm == pytest.approx(gns.rms_pe_norm, rel=1e-5), fused.metadata["name"]
+        assert fused.norm == pytest.approx(gns.norm, rel=1e-5), fused.metadata["name"]

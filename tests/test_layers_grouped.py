@@ -106,7 +106,7 @@ def test_grouped_experts_match_brute_force(transposed, bias, gate, dtype, rtol, 
     block.zero_grad(set_to_none=True)
 
     lc.convert(block.to(torch.float32))
-    assert type(block.experts).__name__.startswith("PEGradNormExperts")
+    assert type(block.experts).__name__.startswith("PerExampleExperts")
     block.to(dtype)
     calls = []
     if dtype == torch.float32:  # torch's grouped_mm runs, not the per-expert fallback
@@ -118,7 +118,7 @@ def test_grouped_experts_match_brute_force(transposed, bias, gate, dtype, rtol, 
         out.backward(grad[part])
     assert (dtype == torch.float32) == bool(calls)
     for name, p in block.experts.named_parameters():
-        total, count = getattr(block.experts, name + "_upegsqnorm").tolist()
+        total, count = getattr(block.experts, name + "_pe_sqnorm").tolist()
         assert count == N, name
         assert total == pytest.approx(want[name], rel=rtol), name
         torch.testing.assert_close(p.grad.double(), plain_grads["experts." + name], rtol=rtol, atol=rtol)
@@ -136,4 +136,4 @@ def test_no_grad_computes_the_output_only():
     lc.convert(block)
     with torch.no_grad():
         torch.testing.assert_close(block(x, index, weights), want)
-    assert all(b.abs().sum() == 0 for n, b in block.named_buffers() if n.endswith("_upegsqnorm"))
+    assert all(b.abs().sum() == 0 for n, b in block.named_buffers() if n.endswith("_pe_sqnorm"))

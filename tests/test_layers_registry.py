@@ -17,10 +17,10 @@ from nanogns import kinds as layer_kinds
 from nanogns.core import buffers as buffered
 from nanogns.core import layout
 from nanogns.core.registry import adopt
-from nanogns.kinds.layernorm import PEGradNormSeparatedLayerNorm
-from nanogns.kinds.conv import PEGradNormConv
-from nanogns.kinds.linear import PEGradNormLinear
-from nanogns.kinds.rmsnorm import PEGradNormRMSNorm
+from nanogns.kinds.conv import PerExampleConv
+from nanogns.kinds.layernorm import SeparatedLayerNorm
+from nanogns.kinds.linear import PerExampleLinear
+from nanogns.kinds.rmsnorm import PerExampleRMSNorm
 
 
 def mixtral_experts():
@@ -130,20 +130,20 @@ def test_unknown_name_names_the_key_and_the_choices():
 
 def test_context_manager_sets_and_restores():
     with lc.set_contextual_config(**lc.layer_classes(linearclass="gns", lnclass="shim")) as config:
-        assert config.Linear is PEGradNormLinear
-        assert lc.config.LayerNorm is PEGradNormSeparatedLayerNorm
+        assert config.Linear is PerExampleLinear
+        assert lc.config.LayerNorm is SeparatedLayerNorm
         assert lc.config.Embedding is nn.Embedding
     assert lc.config.Linear is nn.Linear and lc.config.LayerNorm is nn.LayerNorm
     with pytest.raises(RuntimeError):
-        with lc.set_contextual_config(Linear=PEGradNormLinear):
+        with lc.set_contextual_config(Linear=PerExampleLinear):
             raise RuntimeError("boom")
     assert lc.config.Linear is nn.Linear  # restored after an exception too
     with pytest.raises(ValueError, match="unknown layer kind"):
         with lc.set_contextual_config(Conv3d=nn.Conv3d):
             pass
     # every kind a model builds by class has its place in the config, read from the registry (not a field list)
-    with lc.set_contextual_config(Conv=PEGradNormConv, RMSNorm=PEGradNormRMSNorm):
-        assert lc.config.Conv is PEGradNormConv and lc.config.RMSNorm is PEGradNormRMSNorm
+    with lc.set_contextual_config(Conv=PerExampleConv, RMSNorm=PerExampleRMSNorm):
+        assert lc.config.Conv is PerExampleConv and lc.config.RMSNorm is PerExampleRMSNorm
     assert lc.config.Conv is layer_kinds.get("Conv").layer_class("nn")
 
 

@@ -12,8 +12,8 @@ from conftest import TINY, run_script
 from oracle import per_example_sqnorms_by_loop
 
 from nanogns import monitor as gnstracking
-from nanogns.core.buffers import zero_sqgradnorm_buffers
-from nanogns.kinds.linear import ExactAndSOGNSLinear, PEGradNormLinear, SOGNSLinear
+from nanogns.core.buffers import zero_pe_sqnorm_buffers
+from nanogns.kinds.linear import ExactAndSOGNSLinear, PerExampleLinear, SOGNSLinear
 from nanogns.runlog.reader import load_csv
 
 
@@ -38,9 +38,9 @@ def test_buffers_hold_the_defining_formula(cls, shape):
     layer(x).backward(g)
     weight, bias = defining_formula(x, g)
     torch.testing.assert_close(
-        layer.weight_sogns_upegsqnorm, torch.tensor([weight.sum(), shape[0]], dtype=torch.float32)
+        layer.weight_sogns_pe_sqnorm, torch.tensor([weight.sum(), shape[0]], dtype=torch.float32)
     )
-    torch.testing.assert_close(layer.bias_sogns_upegsqnorm, torch.tensor([bias.sum(), shape[0]], dtype=torch.float32))
+    torch.testing.assert_close(layer.bias_sogns_pe_sqnorm, torch.tensor([bias.sum(), shape[0]], dtype=torch.float32))
 
 
 def test_exact_for_one_row_per_example_and_for_the_bias():
@@ -48,14 +48,14 @@ def test_exact_for_one_row_per_example_and_for_the_bias():
     layer = SOGNSLinear(6, 3).double()
     x, g = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     layer(x).backward(g)
-    recorded = layer.weight_sogns_upegsqnorm[0].item()  # read first: the oracle's own backward passes add to it
+    recorded = layer.weight_sogns_pe_sqnorm[0].item()  # read first: the oracle's own backward passes add to it
     exact = per_example_sqnorms_by_loop(layer, x, g)
     assert recorded == pytest.approx(exact["weight"].sum().item(), rel=1e-6)
     layer.zero_grad()
-    zero_sqgradnorm_buffers(layer)
+    zero_pe_sqnorm_buffers(layer)
     x3, g3 = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 5, 3, dtype=torch.float64)
     layer(x3).backward(g3)
-    recorded_weight, recorded_bias = layer.weight_sogns_upegsqnorm[0].item(), layer.bias_sogns_upegsqnorm[0].item()
+    recorded_weight, recorded_bias = layer.weight_sogns_pe_sqnorm[0].item(), layer.bias_sogns_pe_sqnorm[0].item()
     exact = per_example_sqnorms_by_loop(layer, x3, g3)
     assert recorded_bias == pytest.approx(exact["bias"].sum().item(), rel=1e-6)
     # the weight is an approximation for T > 1: not the exact number
@@ -64,24 +64,24 @@ def test_exact_for_one_row_per_example_and_for_the_bias():
 
 def test_gns_plus_sogns_keeps_the_exact_numbers_and_tracks_both():
     torch.manual_seed(0)
-    exact_only, both = PEGradNormLinear(6, 4).double(), ExactAndSOGNSLinear(6, 4).double()
+    exact_only, both = PerExampleLinear(6, 4).double(), ExactAndSOGNSLinear(6, 4).double()
     both.load_state_dict(exact_only.state_dict())
     x, g = torch.randn(3, 5, 6, dtype=torch.float64), torch.randn(3, 5, 4, dtype=torch.float64)
     for layer in (exact_only, both):
         layer(x).backward(g)
     torch.testing.assert_close(both.weight.grad, exact_only.weight.grad)
-    torch.testing.assert_close(both.weight_upegsqnorm, exact_only.weight_upegsqnorm)
+    torch.testing.assert_close(both.weight_pe_sqnorm, exact_only.weight_pe_sqnorm)
     monitor = gnstracking.GNSMonitor(both)
     exact, approx = monitor.measure(batch_size=3), monitor.approx_measurements
     assert [m.metadata["name"] for m in exact] == [m.metadata["name"] for m in approx] == ["weight", "bias"]
-    assert approx[0].big_batch_norm == exact[0].big_batch_norm  # the batch norm is exact in both
-    assert approx[1].small_batch_norm == pytest.approx(exact[1].small_batch_norm, rel=1e-6)  # bias: exact
-    assert approx[0].small_batch_norm != pytest.approx(exact[0].small_batch_norm, rel=1e-3)
+    assert approx[0].norm == exact[0].norm  # the batch norm is exact in both
+    assert approx[1].rms_pe_norm == pytest.approx(exact[1].rms_pe_norm, rel=1e-6)  # bias: exact
+    assert approx[0].rms_pe_norm != pytest.approx(exact[0].rms_pe_norm, rel=1e-3)
 
 
 def test_sogns_buffers_stay_float32_under_bf16():
     layer = SOGNSLinear(4, 4).to(torch.bfloat16)
-    assert layer.weight_sogns_upegsqnorm.dtype == torch.float32
+    assert layer.weight_sogns_pe_sqnorm.dtype == torch.float32
 
 
 @pytest.mark.slow

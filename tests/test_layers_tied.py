@@ -16,9 +16,9 @@ import nanogns as lc
 from model import GPT, GPTConfig
 from nanogns import monitor as gnstracking
 from nanogns.core import tied
-from nanogns.core.buffers import zero_sqgradnorm_buffers
-from nanogns.kinds.embedding import PEGradNormEmbedding
-from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.core.buffers import zero_pe_sqnorm_buffers
+from nanogns.kinds.embedding import PerExampleEmbedding
+from nanogns.kinds.linear import PerExampleLinear
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=24, block_size=16, vocab_size=67, dropout=0.0)
 TIED = "transformer.wte.weight+lm_head.weight"
@@ -34,7 +34,7 @@ def brute_force(model, losses_fn, x, y):
     """Per parameter: (||batch-mean gradient||^2, mean_i ||g_i||^2), by the oracle (each example's gradient from the
     batched forward); losses_fn gives the examples' losses."""
     per_example, batch = loss_sqnorms_from_batched_forward(model, losses_fn(model, x, y))
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return batch, per_example
 
 
@@ -60,7 +60,7 @@ def tracked_step(model, loss_fn, x, y, micro_batches=(None,)):
         n = x[sl].shape[0]
         (loss_fn(model, x[sl], y[sl]).mean() * n / B).backward()
     measurements = {m.metadata["name"]: m for m in monitor.measure(batch_size=B)}
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     return measurements
 
 
@@ -81,10 +81,10 @@ def test_tied_matrix_norm_matches_brute_force(classes, loss_fn):
     batch, per_example = brute_force(model, loss_fn, x, y)
     assert TIED in m and "transformer.wte.weight" not in m and "lm_head.weight" not in m
     # rel 1e-6: the last-position loss is computed in float32 (as nanoGPT does), and the buffers are float32
-    assert m[TIED].big_batch_norm ** 2 == pytest.approx(batch["transformer.wte.weight"], rel=1e-6)
-    assert m[TIED].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
+    assert m[TIED].norm ** 2 == pytest.approx(batch["transformer.wte.weight"], rel=1e-6)
+    assert m[TIED].rms_pe_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
     # the other parameters are untouched by the linking
-    assert m["transformer.wpe.weight"].small_batch_norm ** 2 == pytest.approx(
+    assert m["transformer.wpe.weight"].rms_pe_norm ** 2 == pytest.approx(
         per_example["transformer.wpe.weight"], rel=1e-6
     )
 
@@ -100,7 +100,7 @@ def test_small_vocabulary_cross_term_both_ways(way, force_strategy):
     x, y = torch.randint(0, 5, (2, 5, 11), generator=torch.Generator().manual_seed(7))
     m = tracked_step(model, gpt_loss, x, y, micro_batches=[slice(0, 2), slice(2, 5)])
     _, per_example = brute_force(model, gpt_loss, x, y)
-    assert m[TIED].small_batch_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
+    assert m[TIED].rms_pe_norm ** 2 == pytest.approx(per_example["transformer.wte.weight"], rel=1e-6)
 
 
 def test_cross_term_is_needed():
@@ -123,9 +123,9 @@ def test_batch_of_one_and_2d_inputs():
     class TinyTied(nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = PEGradNormEmbedding(13, 6)
-            self.mix = PEGradNormLinear(6, 6)
-            self.head = PEGradNormLinear(6, 13, bias=False)
+            self.emb = PerExampleEmbedding(13, 6)
+            self.mix = PerExampleLinear(6, 6)
+            self.head = PerExampleLinear(6, 13, bias=False)
             self.head.weight = self.emb.weight
 
         def forward(self, ids):
@@ -141,7 +141,7 @@ def test_batch_of_one_and_2d_inputs():
         x, y = torch.randint(0, 13, (2, B), generator=torch.Generator().manual_seed(B))
         m = tracked_step(model, loss_fn, x, y)
         _, per_example = brute_force(model, loss_fn, x, y)
-        assert m["emb.weight+head.weight"].small_batch_norm ** 2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
+        assert m["emb.weight+head.weight"].rms_pe_norm ** 2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
 
 
 def test_embedding_without_the_head_in_backward():
@@ -153,7 +153,7 @@ def test_embedding_without_the_head_in_backward():
     ((_, _, terms),) = [t for t in monitor.tracked if t[0] == TIED]
     emb, _, cross = [m._buffers[b] for m, b, _ in terms]
     assert cross[0].item() == 0.0 and emb[0].item() > 0
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
 
 
 def test_flattened_output_layer_input_is_exact():
@@ -164,8 +164,8 @@ def test_flattened_output_layer_input_is_exact():
         def __init__(self, flatten):
             super().__init__()
             self.flatten = flatten
-            self.emb = PEGradNormEmbedding(11, 4)
-            self.head = PEGradNormLinear(4, 11, bias=False)
+            self.emb = PerExampleEmbedding(11, 4)
+            self.head = PerExampleLinear(4, 11, bias=False)
             self.head.weight = self.emb.weight
 
         def forward(self, ids):
@@ -182,20 +182,20 @@ def test_flattened_output_layer_input_is_exact():
         model = Flattening(flatten).double()
         batch, per_example = brute_force(model, loss, x, y)
         measured = tracked_step(model, loss, x, y, micro_batches=(slice(0, 1), slice(1, 3)))["emb.weight+head.weight"]
-        assert measured.small_batch_norm**2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
-        assert measured.big_batch_norm**2 == pytest.approx(batch["emb.weight"], rel=1e-6)
-        found.append(measured.small_batch_norm)
+        assert measured.rms_pe_norm**2 == pytest.approx(per_example["emb.weight"], rel=1e-6)
+        assert measured.norm**2 == pytest.approx(batch["emb.weight"], rel=1e-6)
+        found.append(measured.rms_pe_norm)
     assert found[0] == pytest.approx(found[1], rel=1e-9)
 
 
 def test_linking_is_idempotent():
     model = build()
     x, y = torch.randint(0, 67, (2, 3, 7), generator=torch.Generator().manual_seed(4))
-    once = tracked_step(model, gpt_loss, x, y)[TIED].small_batch_norm
+    once = tracked_step(model, gpt_loss, x, y)[TIED].rms_pe_norm
     for _ in range(2):
         gnstracking.GNSMonitor(model)
     assert len(model.transformer.wte._forward_hooks) == 1 and len(model.lm_head._forward_hooks) == 1
-    assert tracked_step(model, gpt_loss, x, y)[TIED].small_batch_norm == pytest.approx(once, rel=1e-12)
+    assert tracked_step(model, gpt_loss, x, y)[TIED].rms_pe_norm == pytest.approx(once, rel=1e-12)
 
 
 def test_no_grad_forward_records_nothing():
@@ -203,7 +203,7 @@ def test_no_grad_forward_records_nothing():
     gnstracking.GNSMonitor(model)
     with torch.no_grad():
         model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=3)
-    assert all(b.abs().sum() == 0 for n, b in model.named_buffers() if n.endswith("_upegsqnorm"))
+    assert all(b.abs().sum() == 0 for n, b in model.named_buffers() if n.endswith("_pe_sqnorm"))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -215,8 +215,8 @@ def test_tied_norm_under_autocast_within_tolerance(dtype):
     with torch.autocast("cpu", dtype=dtype):
         got = tracked_step(model, gpt_loss, x, y)
     for name in (TIED, "transformer.wpe.weight", "transformer.h.0.attn.c_attn.weight", "transformer.ln_f.weight"):
-        assert got[name].small_batch_norm == pytest.approx(reference[name].small_batch_norm, rel=3e-2), name
-        assert got[name].big_batch_norm == pytest.approx(reference[name].big_batch_norm, rel=3e-2), name
+        assert got[name].rms_pe_norm == pytest.approx(reference[name].rms_pe_norm, rel=3e-2), name
+        assert got[name].norm == pytest.approx(reference[name].norm, rel=3e-2), name
 
 
 def test_a_tie_with_a_plain_torch_layer_is_skipped():
@@ -224,7 +224,7 @@ def test_a_tie_with_a_plain_torch_layer_is_skipped():
         def __init__(self):
             super().__init__()
             self.wte = nn.Embedding(10, 4)
-            self.lm_head = PEGradNormLinear(4, 10, bias=False)
+            self.lm_head = PerExampleLinear(4, 10, bias=False)
             self.lm_head.weight = self.wte.weight
 
     model = PlainEmbedding()
@@ -242,8 +242,8 @@ def test_a_matrix_tied_between_two_linears_sums_its_uses_exactly():
     class TwoLinears(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a = PEGradNormLinear(4, 4, bias=False)
-            self.b = PEGradNormLinear(4, 4, bias=False)
+            self.a = PerExampleLinear(4, 4, bias=False)
+            self.b = PerExampleLinear(4, 4, bias=False)
             self.b.weight = self.a.weight
 
         def forward(self, x):
@@ -255,15 +255,15 @@ def test_a_matrix_tied_between_two_linears_sums_its_uses_exactly():
     assert [name for name, _, _ in monitor.tracked] == ["a.weight+b.weight"] and not monitor.untracked
     x, g = torch.randn(5, 3, 4, dtype=torch.float64), torch.randn(5, 3, 4, dtype=torch.float64)
     want = per_example_sqnorms_by_loop(model, x, g)["a.weight"].sum().item()
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
     model(x).backward(g)
     monitor.row_map.finish()
-    assert model.a.weight_upegsqnorm.tolist() == [pytest.approx(want, rel=1e-6), 5]  # float32 buffers
-    assert model.b.weight_upegsqnorm.tolist() == [0, 0]
+    assert model.a.weight_pe_sqnorm.tolist() == [pytest.approx(want, rel=1e-6), 5]  # float32 buffers
+    assert model.b.weight_pe_sqnorm.tolist() == [0, 0]
 
 
 def test_gather_in_chunks_gives_the_same_cross_term(monkeypatch):
     x, y = torch.randint(0, 67, (2, 5, 11), generator=torch.Generator().manual_seed(6))
-    whole = tracked_step(build(), gpt_loss, x, y)[TIED].small_batch_norm
+    whole = tracked_step(build(), gpt_loss, x, y)[TIED].rms_pe_norm
     monkeypatch.setattr(tied, "GATHER_CHUNK_ELEMENTS", 11 * 11 * 2)  # two examples per chunk: 3 chunks for B = 5
-    assert tracked_step(build(), gpt_loss, x, y)[TIED].small_batch_norm == pytest.approx(whole, rel=1e-12)
+    assert tracked_step(build(), gpt_loss, x, y)[TIED].rms_pe_norm == pytest.approx(whole, rel=1e-12)

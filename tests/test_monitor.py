@@ -18,10 +18,10 @@ from oracle import loss_sqnorms_from_batched_forward
 
 from nanogns import estimator
 from nanogns import monitor as gnstracking
-from nanogns.core.buffers import BUFFER_SUFFIX, zero_sqgradnorm_buffers
-from nanogns.kinds.embedding import PEGradNormShimEmbedding
-from nanogns.kinds.layernorm import PEGradNormLayerNorm
-from nanogns.kinds.linear import PEGradNormLinear
+from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
+from nanogns.kinds.embedding import ShimEmbedding
+from nanogns.kinds.layernorm import PerExampleLayerNorm
+from nanogns.kinds.linear import PerExampleLinear
 from nanogns.runlog.record import read_parameter_record
 
 
@@ -58,9 +58,9 @@ class TinyNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = PEGradNormShimEmbedding(13, 8)
-        self.ln = PEGradNormLayerNorm(8)
-        self.head = PEGradNormLinear(8, 5)
+        self.emb = ShimEmbedding(13, 8)
+        self.ln = PerExampleLayerNorm(8)
+        self.head = PerExampleLinear(8, 5)
         self.plain = nn.Linear(5, 5)
 
     def forward(self, ids):
@@ -92,11 +92,11 @@ def test_tracker_matches_per_example_loop_with_accumulation():
     assert names == ["emb.weight", "ln.weight", "ln.bias", "head.weight", "head.bias"]  # named_parameters() order
     for m in measurements:
         name = m.metadata["name"]
-        assert m.big_batch_size == B and m.small_batch_size == 1
-        assert m.big_batch_norm == pytest.approx(grads[name].norm().item(), rel=1e-9)
-        assert m.small_batch_norm == pytest.approx(math.sqrt(per_example[name]), rel=1e-6)
+        assert m.batch_size == B
+        assert m.norm == pytest.approx(grads[name].norm().item(), rel=1e-9)
+        assert m.rms_pe_norm == pytest.approx(math.sqrt(per_example[name]), rel=1e-6)
     assert row["train/gns/ln.weight/batch_size"] == B
-    assert row["train/gns/head.bias/pegn"] == measurements[-1].small_batch_norm
+    assert row["train/gns/head.bias/pegn"] == measurements[-1].rms_pe_norm
 
 
 def test_tracker_divides_out_the_grad_scale():
@@ -108,21 +108,21 @@ def test_tracker_divides_out_the_grad_scale():
             return 1024.0
 
     torch.manual_seed(0)
-    layer = PEGradNormLinear(6, 4)
+    layer = PerExampleLinear(6, 4)
     x = torch.randn(4, 6)
     (layer(x).pow(2).mean()).backward()
     plain = gnstracking.GNSMonitor(layer).measure(batch_size=4)
     layer.zero_grad()
-    zero_sqgradnorm_buffers(layer)
+    zero_pe_sqnorm_buffers(layer)
     (1024.0 * layer(x).pow(2).mean()).backward()
     scaled = gnstracking.GNSMonitor(layer, scaler=FakeScaler()).measure(batch_size=4)
     for a, b in zip(plain, scaled):
-        assert b.big_batch_norm == pytest.approx(a.big_batch_norm, rel=1e-5)
-        assert b.small_batch_norm == pytest.approx(a.small_batch_norm, rel=1e-5)
+        assert b.norm == pytest.approx(a.norm, rel=1e-5)
+        assert b.rms_pe_norm == pytest.approx(a.rms_pe_norm, rel=1e-5)
 
 
 def test_tracker_rejects_a_wrong_batch_size_and_skips_unused_layers():
-    layer = PEGradNormLinear(3, 2)
+    layer = PerExampleLinear(3, 2)
     tracker = gnstracking.GNSMonitor(layer)
     assert tracker.measure(batch_size=4) == []  # nothing ran backward: no measurement
     layer(torch.randn(4, 3)).sum().backward()
@@ -134,8 +134,8 @@ def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
-            self.wte = PEGradNormShimEmbedding(10, 4)
-            self.lm_head = PEGradNormLinear(4, 10, bias=False)
+            self.wte = ShimEmbedding(10, 4)
+            self.lm_head = PerExampleLinear(4, 10, bias=False)
             self.lm_head.weight = self.wte.weight
 
     tracker = gnstracking.GNSMonitor(Tied())
@@ -149,7 +149,7 @@ def test_tied_embedding_and_linear_are_tracked_once_under_both_names():
 
 def test_summed_sqnorms_and_running_gns():
     ms = [gnstracking.Measurement(1.0, 2.0, 8), gnstracking.Measurement(2.0, 3.0, 8)]
-    assert gnstracking.summed_sqnorms(ms) == (5.0, 13.0, 8)
+    assert gnstracking.summed_squares(ms) == (5.0, 13.0, 8)
     running = estimator.RunningGNS(decay=0.9)
     assert math.isnan(running.gns)
     gtg, trsigma = estimator.unbiased_stats(5.0, 13.0, 8)
@@ -166,7 +166,7 @@ def test_gns_matches_analytic_least_squares(T):
     estimates over many steps must land within 3% of it."""
     torch.manual_seed(0)
     d, s, B, steps = 8, 0.5, 32, 300
-    layer = PEGradNormLinear(d, 1, bias=False).double()
+    layer = PerExampleLinear(d, 1, bias=False).double()
     w_star = torch.randn(1, d, dtype=torch.float64)
     with torch.no_grad():
         layer.weight.copy_(w_star + torch.randn(1, d, dtype=torch.float64) / math.sqrt(d))  # |w - w*| ~ 1
@@ -178,11 +178,11 @@ def test_gns_matches_analytic_least_squares(T):
         x = torch.randn(B, T, d, dtype=torch.float64)
         y = x @ w_star.T + s * torch.randn(B, T, 1, dtype=torch.float64)
         (0.5 * F.mse_loss(layer(x), y)).backward()  # mean over tokens and examples
-        gtg, trsigma = estimator.unbiased_stats(*gnstracking.summed_sqnorms(tracker.measure(batch_size=B)))
+        gtg, trsigma = estimator.unbiased_stats(*gnstracking.summed_squares(tracker.measure(batch_size=B)))
         gtgs.append(gtg)
         trsigmas.append(trsigma)
         layer.zero_grad()
-        zero_sqgradnorm_buffers(layer)
+        zero_pe_sqnorm_buffers(layer)
     assert np.mean(gtgs) == pytest.approx(delta_sq, rel=0.03)
     assert np.mean(trsigmas) / np.mean(gtgs) == pytest.approx(expected, rel=0.03)
 
@@ -192,11 +192,11 @@ class Blocks(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = PEGradNormShimEmbedding(13, 8)
+        self.emb = ShimEmbedding(13, 8)
         self.h = nn.ModuleList(
-            [nn.ModuleDict(dict(ln_attn=PEGradNormLayerNorm(8), norm_proj=PEGradNormLinear(8, 8))) for _ in range(2)]
+            [nn.ModuleDict(dict(ln_attn=PerExampleLayerNorm(8), norm_proj=PerExampleLinear(8, 8))) for _ in range(2)]
         )
-        self.head = PEGradNormLinear(8, 5)
+        self.head = PerExampleLinear(8, 5)
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -210,7 +210,7 @@ def test_record_says_each_parameters_kind_and_block_from_the_model_not_its_name(
     assert record["h.1.ln_attn.weight"] == {
         "kind": "LayerNorm",
         "group": "LayerNorm",
-        "layer": "PEGradNormLayerNorm",
+        "layer": "PerExampleLayerNorm",
         "block": 1,
         "names": ["h.1.ln_attn.weight"],
         "numel": 8,
@@ -246,7 +246,7 @@ def test_monitor_measures_zeroes_logs_and_resumes(tmp_path):
             assert row[f"train/gns/{name}/norm"] == pytest.approx(norm, rel=1e-5)
             assert row[f"train/gns/{name}/pegn"] == pytest.approx(pegn, rel=1e-5)
             assert row[f"train/gns/{name}/batch_size"] == 4
-        sums = gnstracking.summed_sqnorms([gnstracking.Measurement(n, p, 4) for n, p in measurements.values()])
+        sums = gnstracking.summed_squares([gnstracking.Measurement(n, p, 4) for n, p in measurements.values()])
         assert row["gns"] == pytest.approx(reference.update(*sums), rel=1e-5, nan_ok=True)
         assert log.log_dict == row  # handed to the log for this step's row
         log.step()

@@ -15,7 +15,7 @@ import torch
 from conftest import GNS_LAYERS, TINY, run_script
 
 from nanogns.estimator import RunningGNS
-from nanogns.monitor import Measurement, summed_sqnorms
+from nanogns.monitor import Measurement, summed_squares
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.record import PARAMETERS_JSON
 
@@ -73,7 +73,7 @@ def test_gns_run_logs_every_tracked_parameter_once_per_step_and_analysis_agrees(
     running = RunningGNS(decay=0.95)
     for _, row in df.iterrows():
         running.update(
-            *summed_sqnorms(
+            *summed_squares(
                 [Measurement(row[f"train/gns/{p}/norm"], row[f"train/gns/{p}/pegn"], EXAMPLES) for p in record]
             )
         )

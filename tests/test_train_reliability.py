@@ -34,7 +34,7 @@ from nanogns import estimator  # noqa: E402
 from nanogns import monitor as gnstracking  # noqa: E402
 from nanogns.analysis import analyze as ga
 from nanogns.analysis import cli as analysis_cli
-from nanogns.core.buffers import zero_sqgradnorm_buffers  # noqa: E402
+from nanogns.core.buffers import zero_pe_sqnorm_buffers  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
@@ -348,15 +348,15 @@ def test_non_finite_steps_are_logged_and_excluded_from_the_gns(tmp_path):
         if faults.get(step) == "grad":
             model.get_parameter(bad_param).grad[0, 0] = math.inf
         measurements = tracker.measure(batch_size=B * micro)
-        zero_sqgradnorm_buffers(model)
-        sums = gnstracking.summed_sqnorms(measurements)
+        zero_pe_sqnorm_buffers(model)
+        sums = gnstracking.summed_squares(measurements)
         columns = {
             f"train/gns/{m.metadata['name']}/{key}": value
             for m in measurements
             for key, value in (
-                ("norm", m.big_batch_norm),
-                ("pegn", m.small_batch_norm),
-                ("batch_size", m.big_batch_size),
+                ("norm", m.norm),
+                ("pegn", m.rms_pe_norm),
+                ("batch_size", m.batch_size),
             )
         }
         log.log({**columns, "gns": running.update(*sums), "iter_num": step})
@@ -427,12 +427,12 @@ def test_grad_scaler_skipped_steps_are_not_measurements(bad):
     got = tracker.measure(batch_size=4)
     assert len(got) == len(expected) > 0
     for m in got:
-        assert m.small_batch_norm == pytest.approx(expected[m.metadata["name"]].small_batch_norm, rel=3e-2)
-        assert m.big_batch_norm == pytest.approx(expected[m.metadata["name"]].big_batch_norm, rel=3e-2)
+        assert m.rms_pe_norm == pytest.approx(expected[m.metadata["name"]].rms_pe_norm, rel=3e-2)
+        assert m.norm == pytest.approx(expected[m.metadata["name"]].norm, rel=3e-2)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    zero_sqgradnorm_buffers(model)
+    zero_pe_sqnorm_buffers(model)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     scale = scaler.get_scale()

@@ -123,12 +123,12 @@ def estimate(df, params, alpha):
         params: {name: {metric: column}}, every metric present.
     """
     norm_cols = [params[p]["norm"] for p in params]
-    pegn_cols = [params[p]["pegn"] for p in params]
+    rms_pe_norm_cols = [params[p]["pegn"] for p in params]
     batch_size = df[[params[p]["batch_size"] for p in params]].max(axis=1)
     # skipna=False: a step missing any parameter is not a measurement of the sum
     out = pd.DataFrame(index=df.index)
     out["sgn"] = df[norm_cols].pow(2).sum(axis=1, skipna=False)
-    out["spegn"] = df[pegn_cols].pow(2).sum(axis=1, skipna=False)
+    out["spegn"] = df[rms_pe_norm_cols].pow(2).sum(axis=1, skipna=False)
     gtg, trsigma = unbiased_stats(out["sgn"], out["spegn"], batch_size)
     finite = np.isfinite(gtg) & np.isfinite(trsigma)
     out["gtg"] = gtg.where(finite)

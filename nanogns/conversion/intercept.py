@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, shared, uses
-from nanogns.core.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.buffers import PerExampleNormLayer, accumulate_pe_sqnorm, norm_dtype, refuse_step
 from nanogns.kinds import functional
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
@@ -331,7 +331,7 @@ class BroadcastOverExamples(torch.autograd.Function):
         return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None, None
 
 
-class InterceptedForward(PESqNormBuffersMixin):
+class InterceptedForward(PerExampleNormLayer):
     """The class a module gets when its own forward is kept (layers.registry.adopt puts it first in the MRO)."""
 
     def forward(self, *args, **kwargs):

@@ -25,7 +25,7 @@ that a kind describes should get the kind (a Linear, an experts bank): the modul
 its whole subtree is replayed.
 
 The module's children stay as they are (plain torch layers): it is one unit, whose every parameter gets a
-`<name>_upegsqnorm` buffer on the module that owns it.
+`<name>_pe_sqnorm` buffer on the module that owns it.
 """
 
 import inspect
@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, uses
 from nanogns.core.buffers import (
-    PESqNormBuffersMixin,
+    PerExampleNormLayer,
     accumulate_pe_sqnorm,
     on_output_grad,
     refuse_step,
@@ -48,7 +48,7 @@ REPLAY_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 3e
 KIND = "Replayed"  # the layer kind recorded for its parameters (analysis group "Other")
 
 
-class ReplayedForward(PESqNormBuffersMixin):
+class ReplayedForward(PerExampleNormLayer):
     """The class a module whose forward is replayed per example gets (layers.registry.adopt puts it first)."""
 
     pe_kind = KIND
@@ -69,7 +69,7 @@ class ReplayedForward(PESqNormBuffersMixin):
         for name, param in self.named_parameters(recurse=self.__dict__.get("_pe_subtree", True)):
             owner, _, attr = name.rpartition(".")
             module = self.get_submodule(owner) if owner else self
-            buffer = module._buffers.get(attr + "_upegsqnorm") if param.requires_grad else None
+            buffer = module._buffers.get(attr + "_pe_sqnorm") if param.requires_grad else None
             found.append((name, param, buffer))
         return found
 

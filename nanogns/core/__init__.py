@@ -3,7 +3,7 @@ What every layer kind shares, in the order a norm flows through it (docs/archite
 
     registry.py  LayerKind: what the project knows about each kind, registered once by the kind's module
     layout.py    row maps: which example each row of a layer's input belongs to (Rows), per model (RowMapper)
-    buffers.py   the `<param>_upegsqnorm` buffers ([sum of per-example squared norms, count]) and the mixin
+    buffers.py   the `<param>_pe_sqnorm` buffers ([sum of per-example squared norms, count]) and the mixin
                  every per-example norm layer derives from
     uses.py      a tensor used several times in one forward: its uses' per-example gradients summed
     tied.py      a matrix tied between an Embedding and a Linear: the cross term of their uses

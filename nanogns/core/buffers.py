@@ -10,10 +10,10 @@ Vocabulary (used everywhere in this project):
                to is decided by layout.py (dim 0 of a (N, T, D) input, rows of a
                flattened (N*T, D) one, packed sequences, tokens routed to experts).
   pe_sqnorm    per-example squared gradient norm: ||dL/dp restricted to example i||^2.
-  buffer       `<param>_upegsqnorm` (BUFFER_SUFFIX), float32, shape (2,):
+  buffer       `<param>_pe_sqnorm` (BUFFER_SUFFIX), float32, shape (2,):
                [sum over examples of pe_sqnorm, count of examples]. Backward
                adds to it, so micro-batches of a gradient-accumulation step
-               accumulate; `zero_sqgradnorm_buffers` clears it after the step. A
+               accumulate; `zero_pe_sqnorm_buffers` clears it after the step. A
                count of NaN means a forward's rows could not be mapped to its
                examples: the monitor refuses that step (layout.py).
 
@@ -58,7 +58,7 @@ TENSOR_PARALLEL = (
 
 
 def register_pe_sqnorm_buffers(module, param_names):
-    """Give `module` one `<name>_upegsqnorm` buffer per parameter name (those that exist)."""
+    """Give `module` one `<name>_pe_sqnorm` buffer per parameter name (those that exist)."""
     for name in param_names:
         if getattr(module, name, None) is not None:
             # non-persistent: checkpoints stay loadable by plain torch layers
@@ -80,7 +80,7 @@ def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
             buffer[1].add_(pe_sqnorm.numel())
 
 
-def zero_sqgradnorm_buffers(model):
+def zero_pe_sqnorm_buffers(model):
     """Clear every per-example norm buffer of `model`, and what its layers noted about the step; call after
     each optimizer step's reading."""
     for name, buffer in model.named_buffers():
@@ -91,7 +91,7 @@ def zero_sqgradnorm_buffers(model):
         mapper.clear()
 
 
-class PESqNormBuffersMixin:
+class PerExampleNormLayer:
     """What every per-example norm layer shares: `pe_kind` (its layer kind, a key of the registry in layers/),
     buffers kept float32 when the module is cast (model.to(torch.bfloat16): a bf16 count stops being exact past
     256 examples), and the rows of its input mapped to examples."""

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 # keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
-BUFFER_SUFFIX = "_upegsqnorm"  # buffers.py's (which imports this module)
+BUFFER_SUFFIX = "_pe_sqnorm"  # buffers.py's (which imports this module)
 # layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
 # (transformers' Swin blocks: window_partition of (N, H, W, C) into (N * windows, ws, ws, C)), and join them back
 WINDOWED = ("SwinLayer", "Swinv2Layer")
@@ -217,7 +217,7 @@ class RowMapper:
         self._model = weakref.ref(model) if model is not None else None
 
     def buffer_of(self, param):
-        """The `<name>_upegsqnorm` buffer recording parameter `param` on the model's modules, or None."""
+        """The `<name>_pe_sqnorm` buffer recording parameter `param` on the model's modules, or None."""
         if id(param) not in self._buffers_of and self.model is not None:
             self._buffers_of = {
                 id(p): module._buffers.get(name + BUFFER_SUFFIX)

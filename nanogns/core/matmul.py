@@ -105,7 +105,7 @@ def materialised_pe_grads(x, g, with_sum=True):
         chunk -= chunk % threads
     work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
     grad_weight = None
-    weight_sq = torch.empty(N, dtype=dtype, device=x.device)
+    weight_pe_sqnorms = torch.empty(N, dtype=dtype, device=x.device)
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
         g_chunk, x_chunk = g[start : start + n].to(dtype), x[start : start + n].to(dtype)  # no copy for float32
@@ -113,10 +113,10 @@ def materialised_pe_grads(x, g, with_sum=True):
         if with_sum:
             chunk_sum = pe_grad.sum(dim=0)
             grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)
-        weight_sq[start : start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
+        weight_pe_sqnorms[start : start + n] = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
     if with_sum and grad_weight is None:  # no examples
         grad_weight = torch.zeros(L, K, dtype=dtype, device=x.device)
-    return grad_weight, weight_sq
+    return grad_weight, weight_pe_sqnorms
 
 
 def linear_pe_sqnorm(x, g):
@@ -126,7 +126,7 @@ def linear_pe_sqnorm(x, g):
         x: input per example (N, T, K).
         g: output gradient per example (N, T, L).
     Returns:
-        weight_sq (N,), float32 (float64 for float64 input).
+        weight_pe_sqnorms (N,), float32 (float64 for float64 input).
     """
     dtype = norm_dtype(x)
     x, g = x.to(dtype), g.to(dtype)
@@ -158,8 +158,8 @@ def linear_weight_grad_and_pe_sqnorm(x, g, strategy=None):
         grad_weight = g.reshape(-1, L).t() @ x.reshape(-1, K)  # the plain weight-gradient GEMM
         return grad_weight, gram_pe_sqnorm(x.to(dtype), g.to(dtype))
     assert strategy == "materialise", f"unknown Linear strategy {strategy!r}"
-    grad_weight, weight_sq = materialised_pe_grads(x, g)
-    return grad_weight.to(x.dtype), weight_sq
+    grad_weight, weight_pe_sqnorms = materialised_pe_grads(x, g)
+    return grad_weight.to(x.dtype), weight_pe_sqnorms
 
 
 def linear_forward(x, weight, bias):

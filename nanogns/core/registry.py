@@ -155,7 +155,7 @@ def adopted_class(variant_cls, original_cls, roles=()):
 
 
 def own_class_name(module):
-    """The name of the class a module had before it was adopted ("BatchNorm2d", not "PEGradNormBatchNorm(...)")."""
+    """The name of the class a module had before it was adopted ("BatchNorm2d", not "PerExampleBatchNorm(...)")."""
     name = type(module).__name__
     return name[name.index("(") + 1 : -1] if name.endswith(")") and "(" in name else name
 

@@ -21,7 +21,7 @@ vocabulary smaller than the sequence (V < T: character models), the head's
 per-example gradient itself is cheaper: H_i = dlogits_i^T x_i (V x D), B*S*V*D
 work, and P_t = H_i[ids_t] (strategy.forced(cross_term=...) picks either way). The output layer runs its backward
 first, so it computes P; the embedding's backward then finishes the cross term
-and adds it to a third buffer, `<param>_tiecross_upegsqnorm` on the embedding.
+and adds it to a third buffer, `<param>_tiecross_pe_sqnorm` on the embedding.
 
 `link_tied_parameters(model)` finds such pairs and marks the two layers' forwards;
 each per-example norm layer reports its raw output (`note_embedding`,
@@ -43,7 +43,7 @@ from nanogns.core import strategy, uses
 from nanogns.core.buffers import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, refuse_step
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
-CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_upegsqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
+CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_pe_sqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
 
 
 class _ForwardPass:
@@ -140,7 +140,7 @@ class TiedParameter:
         self.embedding, self.linear = embedding, linear
         self._current = None
         buffer_name = param_name + CROSS_BUFFER_INFIX + BUFFER_SUFFIX
-        # float32 like the other buffers (PESqNormBuffersMixin keeps it so under .to(bf16))
+        # float32 like the other buffers (PerExampleNormLayer keeps it so under .to(bf16))
         embedding.register_buffer(buffer_name, torch.zeros(2, device=embedding.weight.device), persistent=False)
         self._cross_buffer_name = buffer_name
         self._param_name = param_name

@@ -58,7 +58,7 @@ class Factor:
         """work (n, *shape) += this use's gradients of examples start .. start + n."""
         raise NotImplementedError
 
-    def sqnorms(self):
+    def pe_sqnorms(self):
         """(N,) this use's own per-example squared norms."""
         total = torch.zeros(self.examples, dtype=self.dtype)
         chunk = _chunk(self.examples, math.prod(self.shape))
@@ -157,7 +157,7 @@ class Gathered:
         if len(factors) < len(self.factors):  # some use recorded its own norms: record these per use too
             with torch.no_grad():
                 for factor in factors:
-                    buffer[0] += factor.sqnorms().sum().to(buffer.dtype)
+                    buffer[0] += factor.pe_sqnorms().sum().to(buffer.dtype)
                     buffer[1] += factor.examples
             return
         examples = factors[0].examples

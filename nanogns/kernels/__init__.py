@@ -3,8 +3,8 @@ Triton kernels that compute gradients together with exact per-example squared
 gradient norms. Kernels only: the autograd glue and the layers using them live
 in nanogns/variants/fused/, which imports this package only when Triton is installed.
 
-    layernorm.py  _ln_fwd, _ln_bwd_dx_pesq      LayerNorm / RMSNorm
-    linear.py     _linear_bwd_dw_pesq           Linear weight gradient
+    layernorm.py  _ln_fwd, _ln_bwd_dx_pe_sqnorm      LayerNorm / RMSNorm
+    linear.py     _linear_bwd_dw_pe_sqnorm           Linear weight gradient
     finish.py     _pe_sqnorm_finish             per-example norms, gradients and buffer updates
                                                 from the partials of either
 
@@ -13,7 +13,7 @@ glue can choose for sm_80 and sm_90 and checks registers, spills and shared memo
 """
 
 from nanogns.kernels.finish import _pe_sqnorm_finish
-from nanogns.kernels.layernorm import _ln_bwd_dx_pesq, _ln_fwd
-from nanogns.kernels.linear import _linear_bwd_dw_pesq
+from nanogns.kernels.layernorm import _ln_bwd_dx_pe_sqnorm, _ln_fwd
+from nanogns.kernels.linear import _linear_bwd_dw_pe_sqnorm
 
-__all__ = ["_ln_fwd", "_ln_bwd_dx_pesq", "_linear_bwd_dw_pesq", "_pe_sqnorm_finish"]
+__all__ = ["_ln_fwd", "_ln_bwd_dx_pe_sqnorm", "_linear_bwd_dw_pe_sqnorm", "_pe_sqnorm_finish"]

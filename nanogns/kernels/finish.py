@@ -13,7 +13,7 @@ bias) it takes, per parameter, either
               kernel's per-tile ||dW_i tile||^2): ||g_i||^2 = sum_s piece_(i,s),
 
 and writes ||g_i||^2 (N,) per parameter and adds [sum_i ||g_i||^2, N] to the
-parameter's `_upegsqnorm` buffer. Grid: (column blocks of W, 2 parameters + R):
+parameter's `_pe_sqnorm` buffer. Grid: (column blocks of W, 2 parameters + R):
 rows 2 .. 2 + R - 1 sum a Linear weight gradient's fp32 partials over chunks of
 examples into the gradient's dtype, when the Linear kernel split examples.
 A squared norm spans every column block, so each program stores its blocks'
@@ -53,12 +53,12 @@ def _sum_row(PTR, length):
 
 
 @triton.jit
-def _param_norms(SQ, width, PESQ, BUF, N, COUNT, RECORD):
-    """||g_i||^2 = sum of example i's `width` parts in SQ (N rows of `width`), to PESQ; the buffer update."""
+def _param_norms(SQ, width, PE_SQNORM, BUF, N, COUNT, RECORD):
+    """||g_i||^2 = sum of example i's `width` parts in SQ (N rows of `width`), to PE_SQNORM; the buffer update."""
     total = 0.0
     for n in range(0, N):
         sq = _sum_row(SQ + n * width, width)
-        tl.store(PESQ + n, sq)
+        tl.store(PE_SQNORM + n, sq)
         total += sq
     if RECORD != 0:
         tl.store(BUF, tl.load(BUF) + total)
@@ -89,7 +89,7 @@ def _pe_sqnorm_finish(
     A_GRAD,  # pointer to a's gradient, (W,) in the parameter dtype (unused if A_SQUARES)
     B_GRAD,  # pointer to b's gradient, (W,), same dtype as A_GRAD
     SQ_PART,  # pointer to scratch, (2, N, column blocks) fp32
-    PESQ,  # pointer to the per-example squared norms, (2, N) fp32: a's, then b's
+    PE_SQNORM,  # pointer to the per-example squared norms, (2, N) fp32: a's, then b's
     A_BUF,  # pointer to a's buffer [sum, count] at A_BUF + A_BUF_AT, (2,) fp32 (unused unless A_RECORD)
     B_BUF,  # pointer to b's buffer at B_BUF + B_BUF_AT, likewise
     COUNTER,  # pointer to an int32 counter, 0 between launches (the last program resets it)
@@ -130,7 +130,7 @@ def _pe_sqnorm_finish(
             A_GRAD,
             B_GRAD,
             SQ_PART,
-            PESQ,
+            PE_SQNORM,
             A_BUF + A_BUF_AT,
             B_BUF + B_BUF_AT,
             COUNTER,
@@ -159,7 +159,7 @@ def _norms_and_gradients(
     A_GRAD,
     B_GRAD,
     SQ_PART,
-    PESQ,
+    PE_SQNORM,
     A_BUF,
     B_BUF,
     COUNTER,
@@ -194,9 +194,9 @@ def _norms_and_gradients(
     if arrived == blocks * 2 - 1:
         if A_ON != 0:
             if A_SQUARES:
-                _param_norms(A_PART, S, PESQ, A_BUF, N, COUNT, A_RECORD)
+                _param_norms(A_PART, S, PE_SQNORM, A_BUF, N, COUNT, A_RECORD)
             else:
-                _param_norms(SQ_PART, blocks, PESQ, A_BUF, N, COUNT, A_RECORD)
+                _param_norms(SQ_PART, blocks, PE_SQNORM, A_BUF, N, COUNT, A_RECORD)
         if B_ON != 0:
-            _param_norms(SQ_PART + N * blocks, blocks, PESQ + N, B_BUF, N, COUNT, B_RECORD)
+            _param_norms(SQ_PART + N * blocks, blocks, PE_SQNORM + N, B_BUF, N, COUNT, B_RECORD)
         tl.atomic_xchg(COUNTER, 0)

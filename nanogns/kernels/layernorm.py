@@ -20,7 +20,7 @@ input i, every leading dim after the first flattened into t):
               and the batch gradients are dw = sum_i dw_i, db = sum_i db_i.
               The per-example squared norms are ||dw_i||^2 and ||db_i||^2.
 
-`_ln_bwd_dx_pesq` runs one program per (example, chunk of that example's rows).
+`_ln_bwd_dx_pe_sqnorm` runs one program per (example, chunk of that example's rows).
 It writes dx, and keeps dw_i / db_i restricted to its rows in fp32 registers,
 storing them once as a row of the (N * chunks, D) partial buffers. No (N, T, D)
 tensor of per-example partials exists; kernels/finish.py then sums the chunks
@@ -82,7 +82,7 @@ def _ln_fwd(
 
 
 @triton.jit(do_not_specialize=["T", "D", "ROWS_PER_CHUNK"])
-def _ln_bwd_dx_pesq(
+def _ln_bwd_dx_pe_sqnorm(
     X,  # pointer to the forward input, (N * T, D) rows STRIDE apart
     G,  # pointer to the upstream gradient dL/dy, (N * T, D) rows STRIDE apart
     DX,  # pointer to the input gradient, (N * T, D) rows STRIDE apart, same dtype as X

@@ -9,7 +9,7 @@ The maths: for y = x W^T + b with x (N, T, K) and g = dL/dy (N, T, L),
     dW   = sum_i dW_i
     ||dW_i||^2 = sum over (L, K) tiles of ||tile of dW_i||^2
 
-`_linear_bwd_dw_pesq` is a GEMM dW = G^T X over the N * T rows whose reduction
+`_linear_bwd_dw_pe_sqnorm` is a GEMM dW = G^T X over the N * T rows whose reduction
 is cut at example boundaries. One program owns a (BLOCK_L, BLOCK_K) tile of dW
 for a chunk of examples and walks their rows BLOCK_T at a time in a single
 flattened loop (example, row block), so Triton's software pipeline prefetches
@@ -37,12 +37,12 @@ import triton.language as tl
 # not specialised: one compiled kernel per launch configuration (and alignment), the ones bench/compile_gate.py
 # compiles.
 @triton.jit(do_not_specialize=["N", "T", "EXAMPLES_PER_CHUNK", "FRONT_ROWS", "CHUNKS"])
-def _linear_bwd_dw_pesq(
+def _linear_bwd_dw_pe_sqnorm(
     X,  # pointer to the layer input, (N * T, K) rows, contiguous (zero columns where the glue padded K)
     G,  # pointer to the upstream gradient dL/dy, (N * T, L) rows, likewise, same dtype as X
     DW,  # pointer to the weight gradient, (L, K) in X's dtype, written for the tiles one program owns
     DW_PART,  # pointer to per-chunk weight-grad partials of the split rows, (CHUNKS, L - FRONT_ROWS * BLOCK_L, K) fp32
-    W_PESQ_PART,  # pointer to per-(example, dW tile) squared norms, (N, tiles) fp32
+    W_PE_SQNORM_PART,  # pointer to per-(example, dW tile) squared norms, (N, tiles) fp32
     N,  # examples
     T,  # rows per example
     L,  # output features (rows of G are L apart), >= 16
@@ -103,7 +103,7 @@ def _linear_bwd_dw_pesq(
         dw_i = tl.dot(g_t, x, dw_i, input_precision=INPUT_PRECISION)
         if t0 + BLOCK_T >= T:
             # example n's last rows: its tile is complete; record its squared norm, fold it into dW
-            tl.store(W_PESQ_PART + n.to(tl.int64) * tiles + tile, tl.sum(dw_i * dw_i))
+            tl.store(W_PE_SQNORM_PART + n.to(tl.int64) * tiles + tile, tl.sum(dw_i * dw_i))
             dw += dw_i
             dw_i = tl.zeros((BLOCK_L, BLOCK_K), dtype=tl.float32)
     if owned:  # this program owns its tile: dW in its dtype, no fp32 round trip

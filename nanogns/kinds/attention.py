@@ -28,14 +28,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core import layout
-from nanogns.core.buffers import PESqNormBuffersMixin, count_examples_in_backward, refuse_step
+from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
 from nanogns.core.registry import LayerKind, adopt, register
 from nanogns.kinds import functional
 
 PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 
 
-class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
+class PerExampleMultiheadAttention(PerExampleNormLayer):
     """nn.MultiheadAttention whose projections record per-example norms (mixed into the module's own class)."""
 
     pe_kind = "Linear"
@@ -48,13 +48,13 @@ class PEGradNormMultiheadAttention(PESqNormBuffersMixin):
             param = getattr(self.out_proj, name, None)
             if param is not None:
                 self.out_proj.register_buffer(
-                    name + "_upegsqnorm", torch.zeros(2, device=param.device), persistent=False
+                    name + "_pe_sqnorm", torch.zeros(2, device=param.device), persistent=False
                 )
                 self.out_proj.__dict__.setdefault("_pe_kinds", {})[name] = "Linear"
 
     def pe_buffer_of(self, module, name):
         param = getattr(module, name, None)
-        return module._buffers.get(name + "_upegsqnorm") if param is not None and param.requires_grad else None
+        return module._buffers.get(name + "_pe_sqnorm") if param is not None and param.requires_grad else None
 
     def forward(
         self,
@@ -256,9 +256,9 @@ KIND = register(
         group="Linear",
         variants={
             "nn": nn.MultiheadAttention,
-            "shim": PEGradNormMultiheadAttention,
-            "gns": PEGradNormMultiheadAttention,
-            "fused": PEGradNormMultiheadAttention,
+            "shim": PerExampleMultiheadAttention,
+            "gns": PerExampleMultiheadAttention,
+            "fused": PerExampleMultiheadAttention,
         },
         replaces=(nn.MultiheadAttention,),
         params=PROJECTIONS,

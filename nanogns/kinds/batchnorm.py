@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core import layout
-from nanogns.core.buffers import PESqNormBuffersMixin
+from nanogns.core.buffers import PerExampleNormLayer
 from nanogns.core.registry import LayerKind, own_class_name, register
 from nanogns.kinds.layernorm import affine
 
@@ -58,7 +58,7 @@ def _note(path, mapper):
     return hook
 
 
-class PEGradNormBatchNorm(PESqNormBuffersMixin):
+class PerExampleBatchNorm(PerExampleNormLayer):
     """A BatchNorm that records the per-example norms of its affine parameters in eval mode (running statistics);
     in training mode it is torch's own (and the step is refused: see the module docstring). Mixed into the
     module's own class (layers.registry.adopt)."""
@@ -82,9 +82,9 @@ KIND = register(
         group="LayerNorm",
         variants={
             "nn": nn.BatchNorm2d,
-            "shim": PEGradNormBatchNorm,
-            "gns": PEGradNormBatchNorm,
-            "fused": PEGradNormBatchNorm,
+            "shim": PerExampleBatchNorm,
+            "gns": PerExampleBatchNorm,
+            "fused": PerExampleBatchNorm,
         },
         replaces=(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
     )

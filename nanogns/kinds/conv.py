@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core.buffers import (
-    PESqNormBuffersMixin,
+    PerExampleNormLayer,
     accumulate_pe_sqnorm,
     autocast_inputs,
     on_output_grad,
@@ -86,13 +86,13 @@ class ConvFunction(torch.autograd.Function):
             input_grad = torch.nn.grad.conv1d_input if weight.dim() == 3 else torch.nn.grad.conv2d_input
             grad_x = input_grad(x.shape, weight, grad_out, module.stride, 0, module.dilation, module.groups)
         if ctx.needs_input_grad[1]:
-            blocks, weight_sq = [], 0
+            blocks, weight_pe_sqnorms = [], 0
             for xs, gs in zip(patches(module, x), grads_per_group(module, grad_out)):
                 block, sq = linear_weight_grad_and_pe_sqnorm(xs, gs.to(xs.dtype))
                 blocks.append(block)
-                weight_sq = weight_sq + sq
+                weight_pe_sqnorms = weight_pe_sqnorms + sq
             grad_weight = torch.cat(blocks).view(weight.shape).to(weight.dtype)
-            accumulate_pe_sqnorm(weight_buffer, weight_sq)
+            accumulate_pe_sqnorm(weight_buffer, weight_pe_sqnorms)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             pe_grad_bias = bias_pe_grads(grad_out.flatten(2).transpose(1, 2))  # (N, C_out)
             grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
@@ -113,7 +113,7 @@ def record_conv_norms(module, x, weight_buffer, bias_buffer):
     return record
 
 
-class _ConvBase(PESqNormBuffersMixin):
+class _ConvBase(PerExampleNormLayer):
     """Mixed into a converted nn.Conv1d / nn.Conv2d (layers.registry.adopt), whose attributes it reads."""
 
     pe_kind = "Conv"
@@ -130,7 +130,7 @@ class _ConvBase(PESqNormBuffersMixin):
         return x, weight, bias, buffers
 
 
-class PEGradNormConv(_ConvBase):
+class PerExampleConv(_ConvBase):
     """The convolution whose backward computes the weight gradient and its per-example norms together."""
 
     def forward(self, x):
@@ -141,7 +141,7 @@ class PEGradNormConv(_ConvBase):
             return ConvFunction.apply(x, weight, bias, self, *buffers)
 
 
-class PEGradNormShimConv(_ConvBase):
+class ShimConv(_ConvBase):
     """torch's convolution, the per-example norms read from the output gradient (shim)."""
 
     def forward(self, x):
@@ -160,9 +160,9 @@ KIND = register(
         group="Linear",
         variants={
             "nn": nn.Conv2d,
-            "shim": PEGradNormShimConv,
-            "gns": PEGradNormConv,
-            "fused": PEGradNormConv,
+            "shim": ShimConv,
+            "gns": PerExampleConv,
+            "fused": PerExampleConv,
         },  # no kernel
         replaces=(nn.Conv1d, nn.Conv2d),
     )

@@ -15,13 +15,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core.buffers import PESqNormBuffersMixin, autocast_inputs, on_output_grad
+from nanogns.core.buffers import PerExampleNormLayer, autocast_inputs, on_output_grad
 from nanogns.core.registry import LayerKind, Probe, register
-from nanogns.kinds.linear import LINEAR_OPTIONS, PEGradNormLinear, linear, record_linear_norms
+from nanogns.kinds.linear import LINEAR_OPTIONS, PerExampleLinear, linear, record_linear_norms
 from nanogns.variants import fused
 
 
-class _PEGradNormConv1DBase(PESqNormBuffersMixin, nn.Module):
+class _Conv1DBase(PerExampleNormLayer, nn.Module):
     """transformers' Conv1D(nf, nx): weight (nx, nf) = (in, out), bias (nf,), y = x @ weight + bias."""
 
     pe_kind = "Linear"  # the layer kind in the monitor's record of each parameter: a Linear, stored transposed
@@ -38,7 +38,7 @@ class _PEGradNormConv1DBase(PESqNormBuffersMixin, nn.Module):
         return f"nf={self.nf}, nx={self.nx}, bias={self.bias is not None}"
 
 
-class PEGradNormShimConv1D(_PEGradNormConv1DBase):
+class ShimConv1D(_Conv1DBase):
     """Conv1D whose backward also records per-example norms of weight and bias gradients (shim)."""
 
     def forward(self, x):
@@ -50,20 +50,20 @@ class PEGradNormShimConv1D(_PEGradNormConv1DBase):
         return out
 
 
-class PEGradNormConv1D(_PEGradNormConv1DBase):
+class PerExampleConv1D(_Conv1DBase):
     """Conv1D whose backward computes weight/bias gradients and per-example norms together."""
 
-    autocast_promotes = False  # as PEGradNormLinear's
+    autocast_promotes = False  # as PerExampleLinear's
 
     def forward(self, x):
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             out = linear(x, weight.t(), bias, *buffers, rows)
-        return PEGradNormLinear.pe_promoted(self, out)
+        return PerExampleLinear.pe_promoted(self, out)
 
 
-class PEGradNormFusedConv1D(PEGradNormConv1D):
+class FusedConv1D(PerExampleConv1D):
     """transformers' Conv1D (weight stored (in, out)) through the fused Linear kernel, on weight.t()."""
 
     def forward(self, x):
@@ -91,9 +91,9 @@ KIND = register(
         group="Linear",
         variants={
             "nn": "transformers.pytorch_utils:Conv1D",
-            "shim": PEGradNormShimConv1D,
-            "gns": PEGradNormConv1D,
-            "fused": PEGradNormFusedConv1D,
+            "shim": ShimConv1D,
+            "gns": PerExampleConv1D,
+            "fused": FusedConv1D,
         },
         replaces=("transformers.pytorch_utils:Conv1D",),
         probe=Probe(

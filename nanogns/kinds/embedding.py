@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core import layout, shared, uses
-from nanogns.core.buffers import PESqNormBuffersMixin, accumulate_pe_sqnorm, norm_dtype, on_output_grad
+from nanogns.core.buffers import PerExampleNormLayer, accumulate_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.core.registry import LayerKind, Probe, register
 from nanogns.core.tied import note_embedding
 
@@ -37,7 +37,7 @@ def embedding_pe_sqnorm(ids, g, num_embeddings, padding_idx=None):
         num_embeddings: vocabulary size V.
         padding_idx: the row that gets no gradient (nn.Embedding's padding_idx), or None.
     Returns:
-        weight_sq (N,), float32 (float64 for float64 grads).
+        weight_pe_sqnorms (N,), float32 (float64 for float64 grads).
     """
     dtype = norm_dtype(g)
     N, T = ids.shape
@@ -59,9 +59,9 @@ def embedding_pe_sqnorm(ids, g, num_embeddings, padding_idx=None):
     summed = torch.zeros(pair.numel(), D, dtype=dtype, device=g.device)
     summed.index_add_(0, segment, g.reshape(-1, D))  # (R, D): one row per distinct pair, zero rows after
     example_of_segment = torch.zeros_like(segment).scatter_(0, segment_of_sorted, sorted_pairs // num_embeddings)
-    weight_sq = torch.zeros(N, dtype=dtype, device=g.device)
-    weight_sq.index_add_(0, example_of_segment, summed.pow(2).sum(dim=1))
-    return weight_sq
+    weight_pe_sqnorms = torch.zeros(N, dtype=dtype, device=g.device)
+    weight_pe_sqnorms.index_add_(0, example_of_segment, summed.pow(2).sum(dim=1))
+    return weight_pe_sqnorms
 
 
 def ids_per_example(rows, ids):
@@ -75,10 +75,10 @@ def record_embedding_norms(ids, rows, num_embeddings, padding_idx, weight_buffer
     def record(g):
         factor = lambda: uses.EmbeddingFactor(ids, g, rows, num_embeddings, padding_idx)  # noqa: E731
         if not uses.hand_over(weight_buffer, factor):
-            weight_sq = embedding_pe_sqnorm(
+            weight_pe_sqnorms = embedding_pe_sqnorm(
                 ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx
             )
-            accumulate_pe_sqnorm(weight_buffer, weight_sq)
+            accumulate_pe_sqnorm(weight_buffer, weight_pe_sqnorms)
 
     return record
 
@@ -113,10 +113,10 @@ class EmbeddingFunction(torch.autograd.Function):
         rows = ctx.rows
         factor = lambda: uses.EmbeddingFactor(ids, grad_out, rows, num_embeddings, ctx.padding_idx)  # noqa: E731
         if ctx.weight_buffer is not None and not uses.hand_over(ctx.weight_buffer, factor):
-            weight_sq = embedding_pe_sqnorm(
+            weight_pe_sqnorms = embedding_pe_sqnorm(
                 ids_per_example(rows, ids), rows.per_example(grad_out), num_embeddings, ctx.padding_idx
             )
-            accumulate_pe_sqnorm(ctx.weight_buffer, weight_sq)
+            accumulate_pe_sqnorm(ctx.weight_buffer, weight_pe_sqnorms)
         return None, grad_weight, None, None, None
 
 
@@ -139,7 +139,7 @@ def _check_plain_embedding(kwargs):
         )
 
 
-class _PEGradNormEmbeddingBase(PESqNormBuffersMixin, nn.Embedding):
+class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
     pe_kind = "Embedding"
 
     def __init__(self, num_embeddings, embedding_dim, **kwargs):
@@ -159,7 +159,7 @@ class _PEGradNormEmbeddingBase(PESqNormBuffersMixin, nn.Embedding):
         return shared.lookup(ids, self.weight, self.padding_idx, self.pe_buffer("weight"))
 
 
-class PEGradNormShimEmbedding(_PEGradNormEmbeddingBase):
+class ShimEmbedding(_EmbeddingBase):
     """nn.Embedding whose backward also records per-example norms of the weight gradient."""
 
     def forward(self, ids):
@@ -174,7 +174,7 @@ class PEGradNormShimEmbedding(_PEGradNormEmbeddingBase):
         return out
 
 
-class PEGradNormEmbedding(_PEGradNormEmbeddingBase):
+class PerExampleEmbedding(_EmbeddingBase):
     """nn.Embedding whose backward scatters the weight gradient and records per-example norms."""
 
     def forward(self, ids):
@@ -228,9 +228,9 @@ KIND = register(
         group="Embedding",
         variants={
             "nn": nn.Embedding,
-            "shim": PEGradNormShimEmbedding,
-            "gns": PEGradNormEmbedding,
-            "fused": PEGradNormEmbedding,
+            "shim": ShimEmbedding,
+            "gns": PerExampleEmbedding,
+            "fused": PerExampleEmbedding,
         },  # no kernel: embedding grads are a scatter-add already
         replaces=(nn.Embedding,),
         params=("weight",),

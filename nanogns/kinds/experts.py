@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.core import layout
-from nanogns.core.buffers import PESqNormBuffersMixin, count_examples_in_backward, refuse_step
+from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
 from nanogns.core.registry import LayerKind, adopt, register
 from nanogns.kinds import grouped
 
@@ -56,7 +56,7 @@ def matches(module):
     )
 
 
-class PEGradNormExperts(PESqNormBuffersMixin):
+class PerExampleExperts(PerExampleNormLayer):
     """An experts module whose forward is the grouped one (kinds/grouped.py: rows sorted by expert and example, one
     grouped GEMM per projection, each segment's norms by the Gram trick). It is mixed into the module's own class
     (layers.registry.adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
@@ -173,9 +173,9 @@ KIND = register(
         group="Linear",
         variants={
             "nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
-            "shim": PEGradNormExperts,
-            "gns": PEGradNormExperts,
-            "fused": PEGradNormExperts,
+            "shim": PerExampleExperts,
+            "gns": PerExampleExperts,
+            "fused": PerExampleExperts,
         },
         params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
         convertible=convertible,

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from nanogns.core import layout
 from nanogns.core.buffers import (
-    PESqNormBuffersMixin,
+    PerExampleNormLayer,
     count_examples_in_backward,
     refuse_step,
     register_pe_sqnorm_buffers,
@@ -44,7 +44,7 @@ def matches(module):
     )
 
 
-class PEGradNormDbrxExperts(PESqNormBuffersMixin):
+class PerExampleDbrxExperts(PerExampleNormLayer):
     """DbrxExperts whose loop over the experts hit runs each expert's projections through the per-example Linear on
     the rows of the tokens routed to it. Mixed into the module's own class (layers.registry.adopt)."""
 
@@ -56,7 +56,7 @@ class PEGradNormDbrxExperts(PESqNormBuffersMixin):
 
     def pe_buffer(self, role):
         param = self.mlp._parameters.get(role)
-        return self.mlp._buffers.get(role + "_upegsqnorm") if param is not None and param.requires_grad else None
+        return self.mlp._buffers.get(role + "_pe_sqnorm") if param is not None and param.requires_grad else None
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         batch_size = hidden_states.shape[0]
@@ -141,9 +141,9 @@ KIND = register(
         group="Linear",
         variants={
             "nn": nn.Module,  # DBRX's own class
-            "shim": PEGradNormDbrxExperts,
-            "gns": PEGradNormDbrxExperts,
-            "fused": PEGradNormDbrxExperts,
+            "shim": PerExampleDbrxExperts,
+            "gns": PerExampleDbrxExperts,
+            "fused": PerExampleDbrxExperts,
         },
         params=BANKS,
         matches=matches,

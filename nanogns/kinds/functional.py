@@ -4,17 +4,17 @@ layers that are not torch.nn modules (or subclasses with their own forward).
 Each takes the parameters it uses and the buffers to record into; a module
 registers those buffers once and the monitor finds them by name:
 
-    class CastedLinear(PESqNormBuffersMixin, nn.Module):   # stores W as (in, out)
+    class CastedLinear(PerExampleNormLayer, nn.Module):   # stores W as (in, out)
         def __init__(self, d_in, d_out):
             super().__init__()
             self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in ** 0.5)
-            register_buffers(self, "weight")              # -> weight_upegsqnorm
+            register_buffers(self, "weight")              # -> weight_pe_sqnorm
         def forward(self, x):
-            return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_upegsqnorm)
+            return functional.linear(x, self.weight.t().type_as(x), weight_buffer=self.weight_pe_sqnorm)
 
 The weight may be any differentiable view or cast of the parameter (a
 transpose or a dtype cast leaves each example's gradient norm unchanged).
-PESqNormBuffersMixin keeps the buffers float32 under model.to(torch.bfloat16).
+PerExampleNormLayer keeps the buffers float32 under model.to(torch.bfloat16).
 The numbers are those of the `gns` layers in layers/ (same autograd Functions),
 and rows are mapped to examples as theirs are (layout.py).
 `register_buffers(..., kind="Linear")` records the layer kind for the log's
@@ -28,7 +28,7 @@ cross terms, so its squared norm is the sum of theirs. Register the buffer with
 one [sum, count] row per slice and is indexed like the bank:
 
     register_buffers(self, "mlp_bank", kind="Linear", bank_dims=2)       # buffer (n_layer, 2, 2)
-    h = linear(x, self.mlp_bank[i, 0], weight_buffer=self.mlp_bank_upegsqnorm[i, 0])
+    h = linear(x, self.mlp_bank[i, 0], weight_buffer=self.mlp_bank_pe_sqnorm[i, 0])
 
 The monitor adds the rows and logs the bank once. A slice used twice in one
 forward counts its examples twice, and the monitor then stops tracking the bank
@@ -54,7 +54,7 @@ from nanogns.kinds.rmsnorm import torch_rms_norm
 
 
 def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] = None, bank_dims: int = 0) -> None:
-    """Give `module` a `<name>_upegsqnorm` buffer for each of its parameters `param_names`.
+    """Give `module` a `<name>_pe_sqnorm` buffer for each of its parameters `param_names`.
 
     Args:
         kind: the layer kind recorded for these parameters (a key of the registry in layers/), or None ('unknown').

@@ -114,7 +114,7 @@ class Segments:
 BUCKET_RATIO = 0.75
 
 
-def segment_weight_sqnorms(x, g, segments):
+def segment_weight_pe_sqnorms(x, g, segments):
     """(segments,) ||sum over the segment's rows of g x^T||^2 by the Gram trick, float32 (float64 for float64),
     in the buckets' order."""
     dtype = norm_dtype(x)
@@ -125,7 +125,7 @@ def segment_weight_sqnorms(x, g, segments):
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def segment_bias_sqnorms(g, segments):
+def segment_bias_pe_sqnorms(g, segments):
     """(segments,) ||sum over the segment's rows of g||^2."""
     sums = g.new_zeros(segments.count, g.shape[-1], dtype=norm_dtype(g))
     sums.index_add_(0, segments.segment, g.to(sums.dtype))
@@ -163,12 +163,12 @@ class GroupedLinearFunction(torch.autograd.Function):
         if needs_weight:
             grad_weight = grouped_weight_grads(grad_out, x, offsets, ctx.ends, weight.shape[0])
             if segments is not None:
-                accumulate_pe_sqnorm(weight_buffer, segment_weight_sqnorms(x, grad_out, segments), counted=False)
+                accumulate_pe_sqnorm(weight_buffer, segment_weight_pe_sqnorms(x, grad_out, segments), counted=False)
         if needs_bias and ctx.has_bias:
             grad_bias = grad_out.new_zeros(weight.shape[0], weight.shape[1])
             grad_bias.index_add_(0, expert_of_row, grad_out)
             if segments is not None:
-                accumulate_pe_sqnorm(bias_buffer, segment_bias_sqnorms(grad_out, segments), counted=False)
+                accumulate_pe_sqnorm(bias_buffer, segment_bias_pe_sqnorms(grad_out, segments), counted=False)
         return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from nanogns.core import uses
 from nanogns.core.buffers import (
-    PESqNormBuffersMixin,
+    PerExampleNormLayer,
     accumulate_pe_sqnorm,
     autocast_result_dtype,
     norm_dtype,
@@ -223,7 +223,7 @@ def torch_layer_norm(x, weight, bias):
 # the layers
 
 
-class _PEGradNormLayerNormBase(PESqNormBuffersMixin, nn.Module):
+class _LayerNormBase(PerExampleNormLayer, nn.Module):
     """LayerNorm(ndim, bias=True, eps=1e-5) with parameters `weight` (ones) and `bias` (zeros or None)."""
 
     pe_kind = "LayerNorm"
@@ -259,7 +259,7 @@ class _PEGradNormLayerNormBase(PESqNormBuffersMixin, nn.Module):
         return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}"
 
 
-class PEGradNormSeparatedLayerNorm(_PEGradNormLayerNormBase):
+class SeparatedLayerNorm(_LayerNormBase):
     """LayerNorm split into normalisation and affine parts, the affine norms read from the output gradient (shim)."""
 
     def forward(self, x):
@@ -272,7 +272,7 @@ class PEGradNormSeparatedLayerNorm(_PEGradNormLayerNormBase):
         return out
 
 
-class PEGradNormLayerNorm(_PEGradNormLayerNormBase):
+class PerExampleLayerNorm(_LayerNormBase):
     """LayerNorm whose backward computes the affine gradients and per-example norms together."""
 
     def forward(self, x):
@@ -335,8 +335,8 @@ def convertible(module):
     return None
 
 
-class PEGradNormFusedLayerNorm(PEGradNormLayerNorm):
-    """PEGradNormLayerNorm computed by the Triton kernels where they can run (variants/fused/), else as its base."""
+class FusedLayerNorm(PerExampleLayerNorm):
+    """PerExampleLayerNorm computed by the Triton kernels where they can run (variants/fused/), else as its base."""
 
     def forward(self, x):
         found = fused.kernel_input(self, x, "weight", "bias")
@@ -354,9 +354,9 @@ KIND = register(
         group="LayerNorm",
         variants={
             "nn": nn.LayerNorm,
-            "shim": PEGradNormSeparatedLayerNorm,
-            "gns": PEGradNormLayerNorm,
-            "fused": PEGradNormFusedLayerNorm,
+            "shim": SeparatedLayerNorm,
+            "gns": PerExampleLayerNorm,
+            "fused": FusedLayerNorm,
         },
         replaces=(nn.LayerNorm,),
         convertible=convertible,

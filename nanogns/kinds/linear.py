@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from nanogns.core import layout, uses
 from nanogns.core.buffers import (
-    PESqNormBuffersMixin,
+    PerExampleNormLayer,
     accumulate_pe_sqnorm,
     autocast_inputs,
     on_output_grad,
@@ -74,8 +74,8 @@ def linear_backward(ctx, grad_out):
         L = grad_out.shape[-1]  # a weight used several times per forward: its uses' gradients summed (uses.py)
         grad_weight = grad_out.reshape(-1, L).t() @ x.reshape(-1, x.shape[-1])
     elif needs_weight:
-        grad_weight, weight_sq = linear_weight_grad_and_pe_sqnorm(ctx.rows.per_example(x), gs)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq, ctx.rows.counted)
+        grad_weight, weight_pe_sqnorms = linear_weight_grad_and_pe_sqnorm(ctx.rows.per_example(x), gs)
+        accumulate_pe_sqnorm(weight_buffer, weight_pe_sqnorms, ctx.rows.counted)
     if needs_bias and uses.hand_over(bias_buffer, lambda: uses.RowSumFactor(grad_out, ctx.rows)):
         grad_bias = gs.sum(dim=(0, 1))
     elif needs_bias:
@@ -114,7 +114,7 @@ class LinearFunction(torch.autograd.Function):
 # the layers
 
 
-class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
+class ShimLinear(PerExampleNormLayer, nn.Linear):
     """nn.Linear whose backward also records per-example norms of weight and bias gradients."""
 
     pe_kind = "Linear"
@@ -123,10 +123,10 @@ class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.register_pe_buffers()
 
-    cast_weight = False  # as PEGradNormLinear's
+    cast_weight = False  # as PerExampleLinear's
 
     def forward(self, x):
-        x, weight, bias = autocast_inputs(x, *PEGradNormLinear.pe_weight_and_bias(self, x))
+        x, weight, bias = autocast_inputs(x, *PerExampleLinear.pe_weight_and_bias(self, x))
         out = F.linear(x, weight, bias)
         rows, (weight_buffer, bias_buffer) = self.pe_rows_and_buffers(x, "weight", "bias")
         out = note_head(weight_buffer, x, rows, out)  # first: torch.compile breaks the graph at the hook
@@ -135,7 +135,7 @@ class PEGradNormShimLinear(PESqNormBuffersMixin, nn.Linear):
         return out
 
 
-class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
+class PerExampleLinear(PerExampleNormLayer, nn.Linear):
     """nn.Linear whose backward computes weight/bias gradients and per-example norms together."""
 
     pe_kind = "Linear"
@@ -171,8 +171,8 @@ class PEGradNormLinear(PESqNormBuffersMixin, nn.Linear):
         return self.weight.to(x.dtype), self.bias.to(x.dtype) if self.bias is not None else None
 
 
-class PEGradNormFusedLinear(PEGradNormLinear):
-    """PEGradNormLinear whose weight gradient and per-example norms come from one Triton kernel where it can run."""
+class FusedLinear(PerExampleLinear):
+    """PerExampleLinear whose weight gradient and per-example norms come from one Triton kernel where it can run."""
 
     def forward(self, x):
         found = fused.kernel_input(self, x, "weight", "bias")
@@ -186,7 +186,7 @@ class PEGradNormFusedLinear(PEGradNormLinear):
         return self.pe_promoted(out.view(*x.shape[:-1], self.out_features))
 
 
-class SOGNSLinear(PESqNormBuffersMixin, nn.Linear):
+class SOGNSLinear(PerExampleNormLayer, nn.Linear):
     """nn.Linear that records SOGNS (approximate) per-example norms only."""
 
     pe_kind = "Linear"
@@ -203,7 +203,7 @@ class SOGNSLinear(PESqNormBuffersMixin, nn.Linear):
         return sogns.record_sogns(self, x, F.linear(x, weight, bias))
 
 
-class ExactAndSOGNSLinear(PEGradNormLinear):
+class ExactAndSOGNSLinear(PerExampleLinear):
     """The exact `gns` Linear that also records SOGNS norms: both methods on the same steps."""
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
@@ -246,9 +246,9 @@ KIND = register(
         group="Linear",
         variants={
             "nn": nn.Linear,
-            "shim": PEGradNormShimLinear,
-            "gns": PEGradNormLinear,
-            "fused": PEGradNormFusedLinear,
+            "shim": ShimLinear,
+            "gns": PerExampleLinear,
+            "fused": FusedLinear,
             "sogns": SOGNSLinear,  # approximate norms only, logged under train/sogns/
             "gns+sogns": ExactAndSOGNSLinear,  # exact and approximate on the same steps
         },

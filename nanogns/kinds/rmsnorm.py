@@ -17,7 +17,7 @@ from nanogns.core.buffers import on_output_grad
 from nanogns.core.registry import LayerKind, Probe, register
 from nanogns.kinds.layernorm import (
     OUTPUT_DTYPES,
-    _PEGradNormLayerNormBase,
+    _LayerNormBase,
     affine,
     eps_values,
     norm_probe_data,
@@ -33,7 +33,7 @@ def torch_rms_norm(x, weight):
     return F.rms_norm(x, x.shape[-1:], weight)
 
 
-class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
+class PerExampleRMSNorm(_LayerNormBase):
     """RMSNorm with a weight, y = x / sqrt(mean(x^2) + eps) * (weight_offset + weight), recording the weight's
     per-example norms.
 
@@ -75,7 +75,7 @@ class PEGradNormRMSNorm(_PEGradNormLayerNormBase):
         return super().extra_repr() + (f", weight_offset={self.weight_offset}" if self.weight_offset else "")
 
 
-class PEGradNormShimRMSNorm(PEGradNormRMSNorm):
+class ShimRMSNorm(PerExampleRMSNorm):
     """RMSNorm whose per-example norms are read from the output gradient (shim)."""
 
     def forward(self, x):
@@ -110,7 +110,7 @@ def options(module):
     return dict(eps=module.eps)
 
 
-class PEGradNormFusedRMSNorm(PEGradNormRMSNorm):
+class FusedRMSNorm(PerExampleRMSNorm):
     """RMSNorm y = x / sqrt(mean(x^2) + eps) * (weight_offset + weight), with per-example norms of the weight
     gradient from the Triton kernels where they can run; the kernel takes the scale (offset + weight) as its weight
     and keeps the output in x's dtype."""
@@ -132,9 +132,9 @@ KIND = register(
         group="LayerNorm",
         variants={
             "nn": nn.RMSNorm,
-            "shim": PEGradNormShimRMSNorm,
-            "gns": PEGradNormRMSNorm,
-            "fused": PEGradNormFusedRMSNorm,
+            "shim": ShimRMSNorm,
+            "gns": PerExampleRMSNorm,
+            "fused": FusedRMSNorm,
         },
         replaces=(nn.RMSNorm,),
         params=("weight",),

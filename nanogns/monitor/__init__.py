@@ -15,5 +15,5 @@ from nanogns.monitor.tracked import (  # noqa: F401
     Measurement,
     describe_tracked,
     find_tracked_parameters,
-    summed_sqnorms,
+    summed_squares,
 )

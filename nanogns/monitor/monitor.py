@@ -1,8 +1,8 @@
 """
 The measurements of a training step: for each tracked parameter p,
-    norm = ||p.grad||                    the batch gradient's norm
-    pegn = sqrt(mean_i ||g_i||^2)        from the layer's `<p>_upegsqnorm` buffer
-    batch_size = B                       examples in the step (all micro-batches, all ranks)
+    norm = ||p.grad||                        the batch gradient's norm (the log's `norm` column)
+    rms_pe_norm = sqrt(mean_i ||g_i||^2)     from the layer's `<p>_pe_sqnorm` buffer (the log's `pegn` column)
+    batch_size = B                           examples in the step (all micro-batches, all ranks)
 (see core/buffers.py for how the buffers are filled, estimator.py for the GNS made of them).
 
 One object does it all in a training loop, GNSMonitor:
@@ -12,7 +12,7 @@ One object does it all in a training loop, GNSMonitor:
     monitor.step(batch_size=B)               # before clipping, scaler.step and zero_grad: measure, zero, log
 
 Which parameters are tracked: every trainable one whose layer keeps a
-`<name>_upegsqnorm` buffer (find_tracked_parameters). The others are listed in
+`<name>_pe_sqnorm` buffer (find_tracked_parameters). The others are listed in
 `monitor.untracked` with the reason; frozen parameters (requires_grad=False) are never
 measurements. Parameters are looked up on their modules at every read, so a model
 sharded after the monitor was made (FSDP2) is read correctly.
@@ -42,7 +42,7 @@ from nanogns.monitor.tracked import (
     describe_tracked,
     find_tracked_parameters,
     shared_tensors,
-    summed_sqnorms,
+    summed_squares,
 )
 from nanogns.runlog.record import write_parameter_record
 from nanogns.variants.sogns import SOGNS_SUFFIX
@@ -196,7 +196,7 @@ class GNSMonitor:
         n_exact = len(self.tracked)
         exact = self._measurements(self.tracked, values[:n_exact].tolist(), no_grad, batch_size, scales)
         approx = self._measurements(self.approx_tracked, values[n_exact:].tolist(), no_grad, batch_size, scales, False)
-        if any(not (math.isfinite(m.big_batch_norm) and math.isfinite(m.small_batch_norm)) for m in exact):
+        if any(not (math.isfinite(m.norm) and math.isfinite(m.rms_pe_norm)) for m in exact):
             self.nonfinite_steps += 1
         self.measurements, self.approx_measurements = exact, approx
         return exact
@@ -248,10 +248,9 @@ class GNSMonitor:
             pe_sqnorm = sums * batch_size / world**2
             found.append(
                 Measurement(
-                    big_batch_norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
-                    small_batch_norm=math.sqrt(pe_sqnorm) / scales[1] if pe_sqnorm >= 0 else math.nan,
-                    big_batch_size=batch_size,
-                    small_batch_size=1,
+                    norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
+                    rms_pe_norm=math.sqrt(pe_sqnorm) / scales[1] if pe_sqnorm >= 0 else math.nan,
+                    batch_size=batch_size,
                     metadata={"name": name, "step": self.step_count - 1},
                 )
             )
@@ -292,12 +291,12 @@ class GNSMonitor:
                 key = prefix + m.metadata["name"]
                 row.update(
                     {
-                        key + "/norm": m.big_batch_norm,
-                        key + "/pegn": m.small_batch_norm,
-                        key + "/batch_size": m.big_batch_size,
+                        key + "/norm": m.norm,
+                        key + "/pegn": m.rms_pe_norm,
+                        key + "/batch_size": m.batch_size,
                     }
                 )
-        row["gns"] = self.running.update(*summed_sqnorms(exact or approx))  # the exact GNS when there is one
+        row["gns"] = self.running.update(*summed_squares(exact or approx))  # the exact GNS when there is one
         if self.log is not None:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)
         return row

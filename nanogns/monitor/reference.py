@@ -10,14 +10,41 @@ against it runs unchanged:
     tracker.log(accumulate_gns.get_msg())   # {"train/gns/<param>/norm", "/pegn", "/batch_size"}
 
 Both are thin over GNSMonitor (monitor.py), which reads, zeroes and logs in one call and is what new code uses.
+This module is a face: it keeps the reference's names (big_batch_norm, small_batch_norm, zero_sqgradnorm_buffers),
+which the package calls norm, rms_pe_norm and zero_pe_sqnorm_buffers (docs/architecture.md's glossary).
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Union
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
-from nanogns.monitor.monitor import GNSMonitor, Measurement
+from nanogns.monitor import tracked
+from nanogns.monitor.monitor import GNSMonitor
+
+
+@dataclasses.dataclass
+class Measurement:
+    """The reference's Measurement: one parameter's norms for one step, as a big batch (B examples) against a small
+    one (1 example, or one rank's examples under its DDP block): `big_batch_norm` = ||grad||, `small_batch_norm` =
+    sqrt(mean ||small-batch gradient||^2). `metadata["name"]` is the name in `model.named_parameters()`."""
+
+    big_batch_norm: float
+    small_batch_norm: float
+    big_batch_size: int
+    small_batch_size: int = 1
+    metadata: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, measurement: tracked.Measurement) -> "Measurement":
+        """The reference's form of the monitor's Measurement (a per-example one: small batches of one example)."""
+        return cls(measurement.norm, measurement.rms_pe_norm, measurement.batch_size, 1, dict(measurement.metadata))
+
+    def msg(self, prefix=""):
+        """The scalar fields as a flat dict, for a logger."""
+        return {prefix + k: v for k, v in dataclasses.asdict(self).items() if k != "metadata"}
+
 
 MeasurementCallback = Callable[[Measurement], object]
 
@@ -83,7 +110,7 @@ class MeasurementTracker:
     def step(self, batch_size: int) -> List[Measurement]:
         """Measure this step (B = batch_size examples over every micro-batch) and call the callbacks with each
         Measurement; returns them. A step the GradScaler will skip gives none."""
-        measurements = self.monitor.measure(batch_size)
+        measurements = [Measurement.of(m) for m in self.monitor.measure(batch_size)]
         for measurement in measurements:
             for callback in self.callbacks:
                 callback(measurement)

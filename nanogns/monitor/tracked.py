@@ -1,6 +1,6 @@
 """
 Which parameters of a model are tracked, and what each is: a trainable parameter whose layer keeps a
-`<name>_upegsqnorm` buffer (core/buffers.py) is tracked, under its name or, for a tensor tied between an
+`<name>_pe_sqnorm` buffer (core/buffers.py) is tracked, under its name or, for a tensor tied between an
 Embedding and a Linear, under its names joined by "+" (core/tied.py); every other parameter is listed with the
 reason. A step's numbers for one tracked parameter are a Measurement.
 """
@@ -22,14 +22,13 @@ from nanogns.core.tied import link_tied_parameters
 
 @dataclasses.dataclass
 class Measurement:
-    """One parameter's norms for one step: the batch gradient's norm (big batch,
-    B examples) and the root mean squared per-example gradient norm (small
-    batch of 1). `metadata["name"]` is the name in `model.named_parameters()`."""
+    """One parameter's norms for one step: `norm` = ||grad|| of the batch gradient (B = batch_size examples) and
+    `rms_pe_norm` = sqrt(mean_i ||g_i||^2), the root mean square of the per-example gradient norms (the log's
+    `norm` and `pegn` columns). `metadata["name"]` is the name in `model.named_parameters()`."""
 
-    big_batch_norm: float
-    small_batch_norm: float
-    big_batch_size: int
-    small_batch_size: int = 1
+    norm: float
+    rms_pe_norm: float
+    batch_size: int
     metadata: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def msg(self, prefix=""):
@@ -37,13 +36,13 @@ class Measurement:
         return {prefix + k: v for k, v in dataclasses.asdict(self).items() if k != "metadata"}
 
 
-def summed_sqnorms(measurements):
-    """(sum of norm^2, sum of pegn^2, batch size) over measurements of one step."""
+def summed_squares(measurements):
+    """(sum of norm^2, sum of rms_pe_norm^2, batch size) over measurements of one step."""
     if not measurements:
         return math.nan, math.nan, 0
-    sq_norm = sum(m.big_batch_norm**2 for m in measurements)
-    pe_sqnorm = sum(m.small_batch_norm**2 for m in measurements)
-    return sq_norm, pe_sqnorm, measurements[0].big_batch_size
+    sq_norm = sum(m.norm**2 for m in measurements)
+    pe_sqnorm = sum(m.rms_pe_norm**2 for m in measurements)
+    return sq_norm, pe_sqnorm, measurements[0].batch_size
 
 
 class ParameterRef:

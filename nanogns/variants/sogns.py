@@ -20,7 +20,7 @@ sum over layers of different sizes, so it is left out here.)
 Cost: forward reduces x to one number per example (the layer keeps N floats,
 not x), backward sums g over the sequence: O(N T (K + L)), no GEMM.
 
-Buffers `<param>_sogns_upegsqnorm` = [sum_i SOGNS ||g_i / B||^2, count], read by
+Buffers `<param>_sogns_pe_sqnorm` = [sum_i SOGNS ||g_i / B||^2, count], read by
 GNSMonitor beside the exact ones (find_tracked_parameters(model, suffix=SOGNS_SUFFIX))
 and logged under their own prefix (train.py: `train/sogns/<param>/norm`, `/pegn`,
 `/batch_size`), so a run can log exact and approximate norms side by side;
@@ -42,8 +42,8 @@ from nanogns.core.buffers import (
     refuse_step,
 )
 
-# ends in BUFFER_SUFFIX: zeroed by zero_sqgradnorm_buffers and kept float32 like the exact buffers,
-# but never mistaken for them (the exact GNS monitor looks for `<param>_upegsqnorm` exactly)
+# ends in BUFFER_SUFFIX: zeroed by zero_pe_sqnorm_buffers and kept float32 like the exact buffers,
+# but never mistaken for them (the exact GNS monitor looks for `<param>_pe_sqnorm` exactly)
 SOGNS_SUFFIX = "_sogns" + BUFFER_SUFFIX
 
 
@@ -60,7 +60,7 @@ def sogns_pe_sqnorm(input_scale, gs, has_bias=True):
         input_scale: (N,) from `input_scale(x)`.
         gs: output gradient per example (N, T, L).
     Returns:
-        (weight_sq (N,), bias_sq (N,) or None) in input_scale's dtype.
+        (weight_pe_sqnorms (N,), bias_pe_sqnorms (N,) or None) in input_scale's dtype.
     """
     summed = gs.to(input_scale.dtype).sum(dim=1)  # (N, L): sum_t g_t
     out_sq = summed.pow(2).sum(dim=1)
@@ -98,9 +98,11 @@ def record_sogns(module, x, out):
     weight_buffer, bias_buffer = buffers
 
     def record(g):
-        weight_sq, bias_sq = sogns_pe_sqnorm(scale, rows.per_example(g), has_bias=bias_buffer is not None)
-        accumulate_pe_sqnorm(weight_buffer, weight_sq)
-        accumulate_pe_sqnorm(bias_buffer, bias_sq)
+        weight_pe_sqnorms, bias_pe_sqnorms = sogns_pe_sqnorm(
+            scale, rows.per_example(g), has_bias=bias_buffer is not None
+        )
+        accumulate_pe_sqnorm(weight_buffer, weight_pe_sqnorms)
+        accumulate_pe_sqnorm(bias_buffer, bias_pe_sqnorms)
 
     on_output_grad(out, record)
     return out

@@ -106,7 +106,7 @@ def main(out_path):
     result = {
         f"{m.metadata['name']}/{key}": value
         for m in monitor.measure(batch_size=EXAMPLES)
-        for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm))
+        for key, value in (("norm", m.norm), ("pegn", m.rms_pe_norm))
     }
     result["untracked"] = monitor.untracked
     if exact is not None:

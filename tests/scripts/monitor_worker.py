@@ -63,7 +63,7 @@ def columns(measurements):
     return {
         f"train/gns/{m.metadata['name']}/{key}": value
         for m in measurements
-        for key, value in (("norm", m.big_batch_norm), ("pegn", m.small_batch_norm), ("batch_size", m.big_batch_size))
+        for key, value in (("norm", m.norm), ("pegn", m.rms_pe_norm), ("batch_size", m.batch_size))
     }
 
 

@@ -4,14 +4,14 @@ gradients and the exact per-example squared gradient norms in one backward pass.
 The fused layer classes are declared by their kinds (kinds/layernorm.py, rmsnorm.py,
 linear.py, conv1d.py), each a gns layer whose forward asks `kernel_input` first:
 
-    PEGradNormFusedLayerNorm(ndim, bias=True, eps=1e-5)   forward + backward kernels
-    PEGradNormFusedRMSNorm(ndim, eps=1e-6, weight_offset=0.0)   same kernels, no mean, no bias
-    PEGradNormFusedLinear(in_features, out_features, bias=True, device=None, dtype=None)
+    FusedLayerNorm(ndim, bias=True, eps=1e-5)   forward + backward kernels
+    FusedRMSNorm(ndim, eps=1e-6, weight_offset=0.0)   same kernels, no mean, no bias
+    FusedLinear(in_features, out_features, bias=True, device=None, dtype=None)
         forward is F.linear, dX is a matmul, dW + its per-example norms come from one
         kernel (or from the gns Linear's torch strategies (kinds/linear.py) where they are faster), db in torch
-    PEGradNormFusedConv1D(nf, nx, bias=True)             transformers' Conv1D (weight (in, out)), same kernel
+    FusedConv1D(nf, nx, bias=True)             transformers' Conv1D (weight (in, out)), same kernel
 
-They have the parameters, `<param>_upegsqnorm` buffers and semantics of
+They have the parameters, `<param>_pe_sqnorm` buffers and semantics of
 the gns layers' classes (they subclass them), and the autograd functions are
 exposed as `fused_layer_norm`, `fused_rms_norm` and `fused_linear`.
 

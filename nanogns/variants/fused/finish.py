@@ -66,13 +66,13 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
     )
     sum_programs = triton.cdiv(out.numel(), FINISH_SUM_BLOCK) if split is not None else 0
     sq_part = torch.empty(2, N, blocks, dtype=torch.float32, device=device)
-    pesq = torch.empty(2, N, dtype=torch.float32, device=device)
+    pe_sqnorms = torch.empty(2, N, dtype=torch.float32, device=device)
     any_part = a if a is not None else b
     grad_any = (
         a_grad if a_grad is not None else b_grad if b_grad is not None else sq_part.new_empty(0, dtype=grad_dtype)
     )
     a_buf, b_buf = buffers
-    (a_base, a_at), (b_base, b_at) = (_aligned_at(buf) if buf is not None else (pesq, 0) for buf in buffers)
+    (a_base, a_at), (b_base, b_at) = (_aligned_at(buf) if buf is not None else (pe_sqnorms, 0) for buf in buffers)
     runtime._launch(
         kernels.finish._pe_sqnorm_finish,
         (blocks, 2 + triton.cdiv(sum_programs, blocks)),
@@ -82,7 +82,7 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
         a_grad if a_grad is not None else grad_any,
         b_grad if b_grad is not None else grad_any,
         sq_part,
-        pesq,
+        pe_sqnorms,
         a_base,
         b_base,
         _counter(device),
@@ -107,7 +107,7 @@ def _finish(a, b, N, C, W, stride, grad_dtype, device, buffers, counts=True, a_s
         SUM_BLOCK=FINISH_SUM_BLOCK,
         num_warps=FINISH_WARPS,
     )
-    for part, buffer, row in ((a, a_buf, pesq[0]), (b, b_buf, pesq[1])):
+    for part, buffer, row in ((a, a_buf, pe_sqnorms[0]), (b, b_buf, pe_sqnorms[1])):
         if part is not None and buffer is not None:
             _recorded(buffer, row)
     return a_grad, b_grad

@@ -17,10 +17,10 @@ from nanogns.variants.fused.runtime import kernels, triton
 _linear_choices = {}  # (N, T buckets, K, L, dtype, tf32, device) -> "gram", "materialise" or a LinearConfig
 
 
-def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
+def _linear_kernel_dw_pe_sqnorm(x, grad_out, config, sm_count):
     """(dW (L_pad, K_pad) in x's dtype, the squared norms of each example's dW tiles (N, tiles) fp32, and None;
     or, when examples of some rows of tiles were split over programs, (fp32 partials (chunks, rows, K_pad), the
-    rows of dW they sum to) from _linear_bwd_dw_pesq."""
+    rows of dW they sum to) from _linear_bwd_dw_pe_sqnorm."""
     N, K, L = x.shape[0], x.shape[-1], grad_out.shape[-1]
     # fp32 operands: tensor-core tf32 only where torch's own matmuls may use it; ignored for 16-bit operands
     tf32 = x.dtype != torch.float32 or (x.device.type == "cuda" and runtime.matmul_allows_tf32())
@@ -47,18 +47,18 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
         if split_rows
         else torch.empty(0, dtype=torch.float32, device=x.device)
     )
-    w_pesq_part = alloc(N, tiles_l * tiles_k, dtype=torch.float32, device=x.device)
+    w_pe_sqnorm_part = alloc(N, tiles_l * tiles_k, dtype=torch.float32, device=x.device)
     if launch:
         programs = front * tiles_k + (tiles_l - front) * tiles_k * chunks
         runtime._launch(
-            kernels.linear._linear_bwd_dw_pesq,
+            kernels.linear._linear_bwd_dw_pe_sqnorm,
             (programs,),
             x.device,
             xs,
             gs,
             dw,
             dw_part,
-            w_pesq_part,
+            w_pe_sqnorm_part,
             N,
             T,
             L_pad,
@@ -75,8 +75,8 @@ def _linear_kernel_dw_pesq(x, grad_out, config, sm_count):
             num_stages=config.num_stages,
         )
     if split_rows:
-        return dw, w_pesq_part, (dw_part, dw[L_pad - split_rows :])
-    return dw, w_pesq_part, None
+        return dw, w_pe_sqnorm_part, (dw_part, dw[L_pad - split_rows :])
+    return dw, w_pe_sqnorm_part, None
 
 
 def _trimmed(dw, L, K):
@@ -176,7 +176,7 @@ def _linear_weight_grad(x, grad_out, choice=None, defer_sum=False):
     if isinstance(choice, str):
         dw, w_sq = linear_weight_grad_and_pe_sqnorm(x, grad_out, choice)
         return (dw, w_sq.view(-1, 1), None) if defer_sum else (dw, w_sq.view(-1, 1))
-    dw, w_sq, split = _linear_kernel_dw_pesq(x, grad_out, choice, runtime._sm_count(x.device))
+    dw, w_sq, split = _linear_kernel_dw_pe_sqnorm(x, grad_out, choice, runtime._sm_count(x.device))
     if defer_sum:
         return dw, w_sq, split
     if split is not None:
@@ -259,7 +259,7 @@ def _fused_linear_backward(ctx, grad_out):
 
 class FusedLinearFunction(torch.autograd.Function):
     """fused_linear(x (N, ..., K), weight (L, K), bias (L,) or None, weight_buffer, bias_buffer);
-    buffers may be None. x, weight and bias share one dtype (PEGradNormFusedLinear casts under autocast).
+    buffers may be None. x, weight and bias share one dtype (FusedLinear casts under autocast).
     Forward, the input gradient and the bias are the gns Linear's; the weight gradient and its norms come
     from the kernel or a torch strategy (_linear_choice). Frozen parameters get no gradient and no norms."""
 

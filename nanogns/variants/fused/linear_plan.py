@@ -21,7 +21,7 @@ from nanogns.variants.fused.runtime import triton
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """A launch configuration of _linear_bwd_dw_pesq: tile of dW, rows per step, warps, pipeline stages."""
+    """A launch configuration of _linear_bwd_dw_pe_sqnorm: tile of dW, rows per step, warps, pipeline stages."""
 
     block_l: int
     block_k: int
@@ -174,7 +174,7 @@ def wave_efficiency(programs, slots):
 
 
 class LinearSplit(NamedTuple):
-    """How _linear_bwd_dw_pesq's programs share dW: the first `front_rows` rows of tiles each owned by one program
+    """How _linear_bwd_dw_pe_sqnorm's programs share dW: the first `front_rows` rows of tiles each owned by one program
     (all examples; dW written in its dtype), every tile after them split over `chunks` programs of `per_chunk`
     examples, each writing an fp32 partial that the finishing kernel sums."""
 
@@ -234,7 +234,7 @@ def split_busy_share(N, tiles_l, tiles_k, slots, split):
 
 @functools.lru_cache(maxsize=1024)
 def linear_split(N, T, K, L, config, dtype, allow_tf32, capability, sm_count):
-    """The LinearSplit of _linear_bwd_dw_pesq on a GPU of sm_count SMs (plan_linear_split with the cost model
+    """The LinearSplit of _linear_bwd_dw_pe_sqnorm on a GPU of sm_count SMs (plan_linear_split with the cost model
     above); every tile owned on the CPU (sm_count None)."""
     tiles_l, tiles_k = linear_tile_grid(L, K, config)
     if sm_count is None or N == 0:

@@ -16,7 +16,7 @@ from nanogns.variants.fused.runtime import kernels, triton
 
 
 def _norm_chunks(N, T, sm_count):
-    """(chunks per example, rows per chunk) for _ln_bwd_dx_pesq: on a GPU about 4 programs per SM
+    """(chunks per example, rows per chunk) for _ln_bwd_dx_pe_sqnorm: on a GPU about 4 programs per SM
     (more chunks: more parallelism but a larger (N * chunks, D) partial buffer); one chunk on CPU."""
     return runtime._split_for_gpu(T, N, 4, sm_count)
 
@@ -97,7 +97,7 @@ def _norm_bwd_op(
     db_part = alloc(N * chunks, stride, dtype=torch.float32, device=x2.device) if has_bias else dw_part
     if M > 0:
         runtime._launch(
-            kernels.layernorm._ln_bwd_dx_pesq,
+            kernels.layernorm._ln_bwd_dx_pe_sqnorm,
             (N, chunks),
             x2.device,
             x2,
