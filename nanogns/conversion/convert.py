@@ -94,6 +94,11 @@ class Conversion:
             reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
         elif module is not model and owns_untracked_parameters(module):
             reason = self.convert_probed(module)
+        elif module is not model and replay.reads_children_parameters(module):
+            # its code reads a child's parameter itself (SigLIP2's embeddings resize their position table, LFM2's
+            # short convolution passes its conv's weight to a kernel): the child's layer would not see that use, so
+            # the module is replayed per example as one unit, children included (replay.py)
+            reason = self.replay_subtree(module)
         elif owns_untracked_parameters(module):  # the model itself: its forward kept, its parameters' uses followed
             reason = self.follow_uses(module, "it is the model itself")
         if reason is not None:
@@ -170,6 +175,14 @@ class Conversion:
         roles = swapcheck.role_names(module, options)  # parameters named otherwise play their roles
         adopt(module, chosen[found.kind][0], {**found.options, **roles})
         return True, None
+
+    def replay_subtree(self, module):
+        """None: the module (which owns no parameter itself) replayed per example with its children; or why not."""
+        kinds = {name: "Linear" for name, _ in module.named_parameters()}
+        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
+            return None
+        adopt(module, replay.ReplayedForward, {})
+        return None
 
     def follow_uses(self, module, problem):
         """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that

@@ -28,6 +28,7 @@ The module's children stay as they are (plain torch layers): it is one unit, who
 `<name>_pe_sqnorm` buffer on the module that owns it.
 """
 
+import functools
 import inspect
 import re
 
@@ -131,19 +132,44 @@ _QUERIES = "dtype|device|shape|size|ndim|dim|requires_grad|is_cuda|numel"  # a c
 
 def reads_children_parameters(module):
     """True when the code of the module's class reads a parameter of one of its children itself
-    (`self.conv1d.weight`), rather than calling the child; True when the code cannot be read."""
-    own = next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns"))  # before adopt
-    try:
-        source = inspect.getsource(own)
-    except (OSError, TypeError):
+    (`self.conv1d.weight`), rather than calling the child; True when the code cannot be read. What its forward runs
+    is read (its forward and the methods that calls), not its constructor nor its initialisation."""
+    children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if not children:
+        return False
+    source = _source(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")))  # before adopt
+    if source is None:
         return True
-    for child_name, child in module.named_children():
+    for child_name, child in children:
         for path, _ in child.named_parameters():
             if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b(?!\.({_QUERIES}))", source):
                 return True
         if re.search(rf"self\.{re.escape(child_name)}\.parameters\(", source):
             return True
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _source(cls):
+    """The source of the methods of `cls` that its forward runs: forward, and the methods of the class it calls as
+    self.<method>(...), followed through them; None when some cannot be read."""
+    found, seen, todo = [], set(), ["forward"]
+    while todo:
+        name = todo.pop()
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if name in seen or owner is None or owner.__module__.startswith("torch.nn"):
+            continue
+        seen.add(name)
+        function = getattr(vars(owner)[name], "__func__", vars(owner)[name])
+        if not inspect.isfunction(function):
+            continue
+        try:
+            text = inspect.getsource(function)
+        except (OSError, TypeError):
+            return None
+        found.append(text)
+        todo.extend(re.findall(r"self\.(\w+)\(", text))
+    return "\n".join(found)
 
 
 def _first_dim(args, kwargs):

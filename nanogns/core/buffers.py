@@ -159,7 +159,8 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
     when they cannot be mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism.
     A table shared by the examples (core/shared.py) gives (None, Nones) without refusing: the layer computes
     plainly, and the table follows its parameters; ids with one row for every example give Rows 'shared' when
-    `lookup` (an Embedding then looks up a table)."""
+    `lookup` (an Embedding then looks up a table), as do ids the forward did not compute from its example inputs
+    (layout.looks_up_a_table)."""
     if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
         refuse_step(
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
@@ -168,6 +169,8 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
     if getattr(type(x), "pe_shared", False) or layout.replaying():  # a table, or a module's replay (replay.py)
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
+    if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
+        return layout.Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     rows = layout.rows_for(shape)
     if not isinstance(rows, str) and rows.kind == "shared":
         if lookup:
