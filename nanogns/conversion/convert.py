@@ -88,7 +88,19 @@ class Conversion:
             if any(True for _ in module.parameters()):
                 self.unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
             return
-        kind = self.known.get(type(module)) or next((k for k in self.structural if k.matches(module)), None)
+        if module is not model and replay.reparametrised(module):
+            # a weight computed from other parameters (weight norm, spectral norm, orthogonal): the module is replayed
+            # per example with its parametrisation, so each example's gradient is the original parameters' (replay.py)
+            self.unconverted.pop(path, None)
+            reason = self.replay_subtree(module)
+            if reason is not None:
+                self.unconverted[path] = reason
+            return
+        kind = (
+            self.known.get(type(module))
+            or self.inherited_kind(module)
+            or next((k for k in self.structural if k.matches(module)), None)
+        )
         reason = None
         if kind is not None:
             reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
@@ -108,6 +120,15 @@ class Conversion:
             for name, child in module._modules.items():
                 if child is not None:
                     self.visit(child, path + ("." if path else "") + name, module, model)
+
+    def inherited_kind(self, module):
+        """The kind of a subclass of a class a kind replaces whose forward is that class's (`class MyConv(nn.Conv2d):
+        pass`, timm's and EfficientNet's conv subclasses that add only constructor options): it computes what that
+        class computes, so it is that kind. None for other modules."""
+        for cls, kind in self.known.items():
+            if isinstance(module, cls) and type(module) is not cls and _same_forward(type(module), cls):
+                return kind
+        return None
 
     def excluded(self, module, path):
         return any(
@@ -144,7 +165,9 @@ class Conversion:
         the probe shows one computes the same (swap_probed), else kept with its own forward and its parameters'
         uses followed (intercept.py) when a probe shows that records them all (follow_uses)."""
         kind_name, options = self.named.get(type(module), (None, {}))
-        base = next((k.name for c, k in self.known.items() if isinstance(module, c)), None)
+        base = next((k.name for c, k in self.known.items() if isinstance(module, c) and k.probe is not None), None)
+        if base is None and any(isinstance(module, c) for c in self.known):  # a subclass of a kind no probe tries
+            return self.follow_uses(module, f"it overrides the forward of {type(module).__mro__[1].__name__}")
         names = [kind_name] if kind_name else [base] if base else swapcheck.probed_kinds()
         done, problem = self.swap_probed(module, names, options)
         if done:
@@ -206,6 +229,14 @@ class Conversion:
         # the generic path: its forward (children included) replayed per example in backward (replay.py)
         adopt(module, replay.ReplayedForward, {})
         return None
+
+
+def _same_forward(cls, base):
+    """True when every method the forward of `base` runs is the same function in `cls` (none overridden)."""
+    found = replay.forward_methods(base)
+    if not found:
+        return False
+    return all(getattr(cls, name, None) is getattr(base, name, None) for name in found)
 
 
 def owns_untracked_parameters(module):
