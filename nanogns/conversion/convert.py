@@ -88,6 +88,12 @@ class Conversion:
             if any(True for _ in module.parameters()):
                 self.unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
             return
+        called = replay.methods_called_by(parent, path.rpartition(".")[2], module) if path else ()
+        if called and any(p.requires_grad for p in module.parameters()):
+            # its parent calls other methods of it (Gemma 3n's AltUp.predict and .correct), which run its parameters
+            # outside its forward: it is replayed per example at each of those calls too, its children included
+            adopt(module, replay.replayed_class(called), {"subtree": True})
+            return
         if module is not model and replay.reparametrised(module):
             # a weight computed from other parameters (weight norm, spectral norm, orthogonal): the module is replayed
             # per example with its parametrisation, so each example's gradient is the original parameters' (replay.py)

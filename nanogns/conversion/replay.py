@@ -33,6 +33,7 @@ import inspect
 import os
 import re
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +65,7 @@ class ReplayedForward(PerExampleNormLayer):
     def pe_adopt(self, options):
         # its whole subtree is one unit when its code reads a child's parameters itself (Mamba's mixer passes
         # conv1d.weight to a kernel); else only its own parameters are replayed, its children converted as usual
-        self.__dict__["_pe_subtree"] = reads_children_parameters(self)
+        self.__dict__["_pe_subtree"] = bool(options.get("subtree")) or reads_children_parameters(self)
         for module in self.modules() if self._pe_subtree else [self]:
             names = [name for name, _ in module.named_parameters(recurse=False)]
             register_pe_sqnorm_buffers(module, names)
@@ -83,29 +84,43 @@ class ReplayedForward(PerExampleNormLayer):
         return found
 
     def forward(self, *args, **kwargs):
-        if layout.replaying():  # this module, or a parent, replayed per example: its plain forward
-            return super().forward(*args, **kwargs)
+        return self.pe_replayed("forward", super().forward, args, kwargs)
+
+    def pe_replayed(self, method, plain, args, kwargs):
+        """plain(*args, **kwargs), the module's `method` (its forward, or another method its parent calls), with
+        each example's gradient of the parameters under it recorded by a replay in backward."""
+        calls = self.__dict__.get("_pe_calls", 0)
+        if layout.replaying() or calls:  # this module (or a parent) replayed per example, or a call inside a call
+            return plain(*args, **kwargs)
         params = self.pe_parameters()
         buffers = [b for _, _, b in params if b is not None]
         if not buffers:
-            return super().forward(*args, **kwargs)
+            return plain(*args, **kwargs)
         current = layout.current()
         units, reason = _units(args, kwargs, current)
         if reason is not None:
-            refuse_step(f"its forward is replayed per example, but {reason}", buffers)
-            return super().forward(*args, **kwargs)
+            refuse_step(f"its {method} is replayed per example, but {reason}", buffers)
+            return plain(*args, **kwargs)
         layout.note_uses(buffers)
         if not torch.is_grad_enabled():
-            return super().forward(*args, **kwargs)
+            return plain(*args, **kwargs)
         before = {name: self.get_buffer(name).clone() for name in self.__dict__.get("_pe_changed", ())}
-        with _RandomDraws() as draws:  # what it draws at random, served again to its replay
-            out = super().forward(*args, **kwargs)
+        self.__dict__["_pe_calls"] = calls + 1
+        try:
+            with _RandomDraws() as draws:  # what it draws at random, served again to its replay
+                out = plain(*args, **kwargs)
+        finally:
+            self.__dict__["_pe_calls"] = calls
         flat, spec = pytree.tree_flatten(out)
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return out
         lengths = current.lengths if current is not None else ()
-        held = _Held(self, units, lengths, args, kwargs, flat, positions, draws, before)
+        try:
+            held = _Held(self, units, lengths, args, kwargs, flat, positions, draws, before, method)
+        except _Ambiguous as e:
+            refuse_step(f"its {method} is replayed per example, but {e}", buffers)
+            return out
         if len(positions) == 1 and not flat[positions[0]]._is_view():  # its gradient, read at the node making it
             on_output_grad(flat[positions[0]], lambda grad: held.replay([grad]))
             return out
@@ -115,6 +130,40 @@ class ReplayedForward(PerExampleNormLayer):
         for i, copy in zip(positions, copies):
             flat[i] = copy
         return pytree.tree_unflatten(flat, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def replayed_class(methods):
+    """ReplayedForward with the module's `methods` (names of methods its parent calls besides its forward: Gemma
+    3n's AltUp.predict and .correct) replayed too, each call a use of the parameters under it."""
+
+    def wrapper(name):
+        def method(self, *args, **kwargs):
+            return self.pe_replayed(name, getattr(super(cls, self), name), args, kwargs)
+
+        method.__name__ = name
+        return method
+
+    cls = type("ReplayedMethods", (ReplayedForward,), {name: wrapper(name) for name in methods})
+    cls.__module__ = __name__
+    return cls
+
+
+def methods_called_by(parent, name, child):
+    """The methods of `child` (registered as `name` under `parent`) other than forward that the parent's forward
+    calls (self.<name>.<method>(...)): they run the child's parameters outside its forward."""
+    if parent is None:
+        return ()
+    own = next((c for c in type(parent).__mro__ if not c.__module__.startswith("nanogns")), type(parent))
+    source = _source(own)
+    if not source:
+        return ()
+    found = set()
+    for method in re.findall(rf"self\.{re.escape(name)}\.(\w+)\(", source):
+        function = getattr(type(child), method, None)
+        if method != "forward" and inspect.isfunction(function) and not function.__module__.startswith("torch"):
+            found.add(method)
+    return tuple(sorted(found))
 
 
 class _Boundary(torch.autograd.Function):
@@ -211,47 +260,74 @@ def _changed_in_forward(module):
 
 
 def _units(args, kwargs, current):
-    """(Items, None): what a replay takes one at a time, the items on dim 0 of its per-example inputs (the
-    examples, or their choices, channels, a tower's images: each example's gradient is its items' sum); or (None,
-    why not)."""
+    """(Items, None): what a replay takes one at a time, the items of its per-example inputs (the examples, or
+    their choices, channels, a tower's images on dim 0: each example's gradient is its items' sum); or (None, why
+    not)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
     if current is None:  # outside an installed model: dim 0 of its first input is the example
         return (layout.Items(tensors[0].shape[0], tensors[0].shape[0]), None) if tensors else (None, "no input")
     if current.packed is not None:
         return None, "its rows are packed sequences, which a replay per example cannot slice"
-    for t in tensors:
-        if t.is_floating_point():
-            items = layout.items_of(t.shape[0])
-            if items is not None:
-                return items, None
-    lengths = current.lengths
+    floats = [t for t in tensors if t.is_floating_point()]
+    for t in floats:
+        items = layout.items_of(t.shape[0])
+        if items is not None and items.count != items.examples:
+            return items, None
     N = current.examples
-    if any(t.is_floating_point() and N and t.shape[0] % N == 0 and t.shape[0] // N in lengths for t in tensors):
-        return layout.Items(N, N), None  # (N*T, ...) flattened rows
-    return None, f"none of its inputs has the forward's {N} examples (or their items) on dim 0"
+    for t in floats:
+        found = layout.example_dim(t, N)
+        if isinstance(found, str):
+            return None, found
+        if found is not None or (N and t.shape[0] % N == 0 and t.shape[0] // N in current.lengths):
+            return layout.Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
+    return None, f"none of its inputs has the forward's {N} examples (or their items) on a dim"
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """How a tensor holds the replay's units: on `dim` (per=1), or as flattened rows on dim 0, `per` each."""
+
+    dim: int
+    per: int = 1
 
 
 def _rows(t, units, lengths):
-    """How a tensor's dim 0 holds the replay's units: 1 (dim 0 is the unit), T (flattened (N*T, ...) rows of the
-    examples, unit i's are rows i*T .. (i+1)*T), or None (shared by every unit)."""
+    """_Rows of a tensor with respect to the replay's units, or None (shared by every unit); _Ambiguous when two of
+    its dims could hold the examples and its history does not say which (layout.example_dim)."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
     count = units.count
-    if t.shape[0] == count:
-        return 1
+    if count == units.examples:  # the examples themselves: on whichever dim holds them (Gemma 3n stacks (K, N, ...))
+        found = layout.example_dim(t, count)
+        if isinstance(found, str):
+            raise _Ambiguous(found)
+        if found is not None:
+            return _Rows(found)
+    elif t.shape[0] == count:
+        return _Rows(0)
     if count and t.shape[0] % count == 0 and (t.shape[0] // count in lengths or layout.in_windows()):
-        return t.shape[0] // count  # (inside a layer splitting its examples into windows: k windows each)
+        return _Rows(0, t.shape[0] // count)  # (inside a layer splitting its examples into windows: k windows each)
     return None
 
 
+class _Ambiguous(Exception):
+    pass
+
+
 def _by_example(t, rows):
-    """t viewed with the examples on dim 0: (N, ...) as it is, flattened rows (N*T, ...) as (N, T, ...)."""
-    return t if rows in (None, 1) else t.view(-1, rows, *t.shape[1:])
+    """t with its units on dim 0: (N, ...) as it is (its example dim moved first), flattened rows (N*T, ...) as
+    (N, T, ...)."""
+    if rows is None:
+        return t
+    if rows.per == 1:
+        return t.movedim(rows.dim, 0) if rows.dim else t
+    return t.view(-1, rows.per, *t.shape[1:])
 
 
 def _one_example(t, rows):
-    """One example's slice of _by_example (no example dim) as the module takes it: (1, ...) or its T rows."""
-    return t.unsqueeze(0) if rows == 1 else t
+    """One unit's slice of _by_example (no unit dim) as the module takes it: its example dim back, of size 1, or
+    its T rows."""
+    return t.unsqueeze(rows.dim) if rows.per == 1 else t
 
 
 def _held_input(value):
@@ -269,10 +345,11 @@ class _Held:
     tensor's rows (_rows) with respect to its units (the items on dim 0 its replay takes one at a time), the
     parameters under it, the autocast state it ran in and the random numbers it drew."""
 
-    def __init__(self, module, units, lengths, args, kwargs, flat, positions, draws, before):
+    def __init__(self, module, units, lengths, args, kwargs, flat, positions, draws, before, method="forward"):
         self.module, self.units, self.params, self.before = module, units, module.pe_parameters(), before
+        self.method = method
+        self.in_rows = pytree.tree_map(lambda t: _rows(t, units, lengths), (args, kwargs))  # (their history too)
         inputs = pytree.tree_map(_held_input, (args, kwargs))
-        self.in_rows = pytree.tree_map(lambda t: _rows(t, units, lengths), inputs)
         self.inputs = pytree.tree_map(_by_example, inputs, self.in_rows)
         self.positions = positions
         self.out_rows = [_rows(flat[i], units, lengths) for i in positions]
@@ -301,7 +378,7 @@ class _Held:
             _by_example(g, r) if g is not None else torch.zeros_like(o)
             for g, r, o in zip(grads, self.out_rows, self.out)
         ]
-        values = {name: p.detach() for name, p, _ in self.params}
+        values = {name: p.detach().clone() for name, p, _ in self.params}  # (a forward may write into them)
         names = [name for name, _ in trained]
         chunk = max(1, min(N, uses.GATHER_CHUNK_ELEMENTS // max(1, sum(values[n].numel() for n in names))))
         pieces = {name: [] for name in names}
@@ -318,7 +395,7 @@ class _Held:
             refuse_step_in_backward(str(e), buffers)
             return
         except Exception as e:  # never a number, nor a crash in the model's backward
-            refuse_step_in_backward(_failure(self.module, e), buffers)
+            refuse_step_in_backward(_failure(self.module, self.method, e), buffers)
             return
         for name, buffer in trained:
             per_example = self.units.to_examples(torch.cat(pieces[name]))  # (examples, *shape): its units summed
@@ -344,8 +421,13 @@ class _Held:
         """The module's outputs with gradients for one example's inputs (each as _one_example gives it)."""
         args_i, kwargs_i = pytree.tree_map(lambda t, r: _one_example(t, r) if r else t, inputs_i, self.in_rows)
         values = {**values, **{name: b.clone() for name, b in self.before.items()}}  # (buffers it updates in place)
-        flat = pytree.tree_leaves(torch.func.functional_call(self.module, values, tuple(args_i), kwargs_i))
-        return [flat[i].squeeze(0) if r == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
+        if self.method == "forward":
+            out = torch.func.functional_call(self.module, values, tuple(args_i), kwargs_i)
+        else:  # another method, with the same parameters swapped in as functional_call swaps them
+            with torch.nn.utils.stateless._reparametrize_module(self.module, values):
+                out = getattr(self.module, self.method)(*args_i, **kwargs_i)
+        flat = pytree.tree_leaves(out)
+        return [flat[i].squeeze(r.dim) if r.per == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
 
     def per_example(self, values, names, part, grads):
         """(replayed outputs (n, ...), {name: (n, *shape) per-example gradients}) of examples `part`."""
@@ -390,19 +472,20 @@ class _Held:
         return [torch.stack(o) for o in outs], {name: torch.stack(g) for name, g in found.items()}
 
 
-def _failure(module, error):
-    """The reason for a replay that raised `error`: the module's own forward failing on one example's inputs, or
-    this project's code failing (named as such, with where: a bug to report, not the examples' doing)."""
+def _failure(module, method, error):
+    """The reason for a replay that raised `error`: the module's own `method` (its forward, or another method its
+    parent calls) failing on one example's inputs, or this project's code failing (named as such, with where: a bug
+    to report, not the examples' doing)."""
     frames = traceback.extract_tb(error.__traceback__)
     ours = [f for f in frames if f"{os.sep}nanogns{os.sep}" in f.filename and not f.filename.endswith("replay.py")]
     name = own_class_name(module)
     if ours:
         where = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})"
         return (
-            f"nanogns failed while replaying {name}'s forward per example, in {where} ({type(error).__name__}: "
+            f"nanogns failed while replaying {name}'s {method} per example, in {where} ({type(error).__name__}: "
             f"{error}): an error of this project's code, not of the model's (please report it)"
         )
-    return f"{name}'s forward, replayed on one example's inputs, fails ({type(error).__name__}: {error})"
+    return f"{name}'s {method}, replayed on one example's inputs, fails ({type(error).__name__}: {error})"
 
 
 # random functions (and the dropouts drawing inside torch): what a replayed module draws is drawn once, in its

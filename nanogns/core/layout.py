@@ -509,6 +509,62 @@ def in_windows():
     return found is not None and WINDOWS in found.scopes
 
 
+def example_dim(t, count):
+    """The dim of t that holds `count` examples: the only dim of that size; where several have it (Gemma 3n stacks its
+    (N, T, D) states into (K, N, T, D), and K may equal N), the one t's autograd history puts the examples on
+    (torch.stack, unsqueeze, repeat, expand, permute, transpose, select followed back to data with the examples on
+    dim 0). None when no dim has that size; a str saying why when the history does not tell."""
+    dims = [d for d, n in enumerate(t.shape) if n == count]
+    if len(dims) <= 1:
+        return dims[0] if dims else None
+    found = _traced_example_dim(t.grad_fn, t.dim(), 0)
+    if found in dims:
+        return found
+    return (
+        f"two of its dims (shape {tuple(t.shape)}) have the forward's {count} examples and its history does not "
+        "say which holds them"
+    )
+
+
+_SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
+
+
+def _traced_example_dim(node, ndim, depth):
+    """The dim holding the examples in the output (ndim dims) of autograd node `node`, followed back through ops that
+    move dims; 0 where the history gives no such op (data arrives with its examples on dim 0)."""
+    if node is None or depth > 64:
+        return 0
+    name = type(node).__name__
+    inputs = [f for f, _ in node.next_functions if f is not None]
+    first = inputs[0] if inputs else None
+    if name in ("StackBackward0", "UnsqueezeBackward0"):  # a new dim d: dims from d on move one up
+        d = node._saved_dim % ndim
+        inner = _traced_example_dim(first, ndim - 1, depth + 1)
+        return inner + 1 if d <= inner else inner
+    if name in ("RepeatBackward0", "ExpandBackward0"):  # new leading dims
+        before = len(node._saved_self_sym_sizes)
+        return _traced_example_dim(first, before, depth + 1) + ndim - before
+    if name == "PermuteBackward0":
+        inner = _traced_example_dim(first, ndim, depth + 1)
+        return [d % ndim for d in node._saved_dims].index(inner)
+    if name == "TransposeBackward0":
+        d0, d1 = node._saved_dim0 % ndim, node._saved_dim1 % ndim
+        inner = _traced_example_dim(first, ndim, depth + 1)
+        return d1 if inner == d0 else d0 if inner == d1 else inner
+    if name == "SelectBackward0":
+        before = len(node._saved_self_sym_sizes)
+        d, inner = node._saved_dim % before, _traced_example_dim(first, before, depth + 1)
+        return inner - 1 if d < inner else inner
+    if name == "AsStridedBackward0":  # a view of a contiguous base written in place (x.permute(...) += y)
+        strides = node._saved_stride
+        outermost = sorted(range(len(strides)), key=lambda j: -strides[j])  # the base's dims, as the view's
+        inner = _traced_example_dim(first, len(strides), depth + 1)
+        return outermost[inner] if inner < len(outermost) else 0
+    if name == "CopySlices" or name.rstrip("0123456789").removesuffix("Backward") in _SAME_DIMS:
+        return _traced_example_dim(first, ndim, depth + 1)
+    return 0
+
+
 # -----------------------------------------------------------------------------
 # the tag that follows the examples' ids
 

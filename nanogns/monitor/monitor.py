@@ -51,6 +51,9 @@ if TYPE_CHECKING:
     import pandas
 
 APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
+# mean_i ||g_i||^2 >= ||mean_i g_i||^2 for any examples (Jensen): a measurement further below than rounding (bf16
+# gradients, float32 buffers) can reach is no measurement, and its step is refused naming the parameter
+IMPOSSIBLE_TOLERANCE = 2e-2
 
 
 class LogSink(Protocol):
@@ -246,6 +249,15 @@ class GNSMonitor:
             # mean_i ||g_i||^2 = (B / world)^2 * (sum of the contributions' squared norms) / B. GradScaler multiplies
             # every gradient by scale. nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too
             pe_sqnorm = sums * batch_size / world**2
+            impossible = pe_sqnorm / scales[1] ** 2 < (1 - IMPOSSIBLE_TOLERANCE) * grad_sq / scales[0] ** 2
+            if exact and impossible and math.isfinite(grad_sq) and math.isfinite(pe_sqnorm):
+                raise ValueError(
+                    f"GNS: {name}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
+                    f"{pe_sqnorm / scales[1] ** 2:.4g}, below ||mean_i g_i||^2 = {grad_sq / scales[0] ** 2:.4g}, which "
+                    "no examples can give: its gradient comes in part from a use its layer did not record (code "
+                    "outside the module's forward reading the parameter, a hook changing the gradient). Leave it out "
+                    f"of convert() (exclude=[its module]) or call functional.py's per-example functions where it is used"
+                )
             found.append(
                 Measurement(
                     norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
