@@ -150,20 +150,33 @@ def replayed_class(methods):
 
 
 def methods_called_by(parent, name, child):
-    """The methods of `child` (registered as `name` under `parent`) other than forward that the parent's forward
-    calls (self.<name>.<method>(...)): they run the child's parameters outside its forward."""
+    """The methods of `child` (registered as `name` under `parent`), other than forward, that the parent's forward
+    calls (self.<name>.<method>(...)) and that run parameters of the child which its forward does not: they run
+    those parameters outside its forward (Gemma 3n's AltUp.predict and .correct run its coefficient layers)."""
     if parent is None:
         return ()
     own = next((c for c in type(parent).__mro__ if not c.__module__.startswith("nanogns")), type(parent))
     source = _source(own)
     if not source:
         return ()
+    cls = next((c for c in type(child).__mro__ if not c.__module__.startswith("nanogns")), type(child))
+    trained = {n for n, p in child.named_parameters(recurse=False) if p.requires_grad}
+    trained |= {n for n, c in child.named_children() if any(p.requires_grad for p in c.parameters())}
+    in_forward = _referenced(cls, "forward")
     found = set()
-    for method in re.findall(rf"self\.{re.escape(name)}\.(\w+)\(", source):
-        function = getattr(type(child), method, None)
-        if method != "forward" and inspect.isfunction(function) and not function.__module__.startswith("torch"):
-            found.add(method)
+    for method in set(re.findall(rf"self\.{re.escape(name)}\.(\w+)\(", source)) - {"forward"}:
+        function = getattr(cls, method, None)
+        if inspect.isfunction(function) and not function.__module__.startswith("torch"):
+            if (_referenced(cls, method) & trained) - in_forward:
+                found.add(method)
     return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=None)
+def _referenced(cls, method):
+    """The attributes self.<name> that `method` of `cls` (and the methods it calls) reads."""
+    found = forward_methods(cls, start=method) or {}
+    return frozenset(n for _, text in found.values() for n in re.findall(r"self\.(\w+)", text))
 
 
 class _Boundary(torch.autograd.Function):
@@ -197,6 +210,10 @@ def reads_children_parameters(module):
     if source is None:
         return True
     for child_name, child in children:
+        if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):  # parameters read by key (PEFT's
+            if re.search(rf"self\.{re.escape(child_name)}\b", source):  # adapters: self.ia3_l[adapter])
+                return True
+            continue
         for path, _ in child.named_parameters():
             if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b(?!\.({_QUERIES}))", source):
                 return True
@@ -205,11 +222,11 @@ def reads_children_parameters(module):
     return False
 
 
-def forward_methods(cls, skip_torch=False):
-    """{name: function} of the methods of `cls` that its forward runs: forward, and the methods it calls as
-    self.<method>(...), followed through them (those of nn.Module itself left out; of any torch.nn class too with
-    skip_torch); None when the source of one cannot be read."""
-    found, todo = {}, ["forward"]
+def forward_methods(cls, skip_torch=False, start="forward"):
+    """{name: (function, source)} of the methods of `cls` that its forward (or method `start`) runs: it, and the
+    methods it calls as self.<method>(...), followed through them (those of nn.Module itself left out; of any
+    torch.nn class too with skip_torch); None when the source of one cannot be read."""
+    found, todo = {}, [start]
     while todo:
         name = todo.pop()
         owner = next((c for c in cls.__mro__ if name in vars(c)), None)
@@ -274,7 +291,7 @@ def _units(args, kwargs, current):
         if items is not None and items.count != items.examples:
             return items, None
     N = current.examples
-    for t in floats:
+    for t in floats or tensors:  # (a module looking up ids takes integer inputs: PEFT's trainable tokens)
         found = layout.example_dim(t, N)
         if isinstance(found, str):
             return None, found

@@ -37,6 +37,7 @@ import functools
 import math
 
 import torch
+from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, uses
 
@@ -144,7 +145,7 @@ class PerExampleNormLayer:
         buffers = tuple(buffers)
         if all(b is None for b in buffers):
             return None, buffers
-        return rows_or_refuse(x, buffers, params, lookup)
+        return rows_or_refuse(x, buffers, params, lookup, module=self)
 
 
 SHARED_INPUT = (
@@ -154,13 +155,14 @@ SHARED_INPUT = (
 )
 
 
-def rows_or_refuse(x, buffers, params=(), lookup=False):
+def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     """(Rows of the rows of input `x` (a tensor, or its shape), buffers), or (None, Nones) after refusing the step
     when they cannot be mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism.
     A table shared by the examples (core/shared.py) gives (None, Nones) without refusing: the layer computes
     plainly, and the table follows its parameters; ids with one row for every example give Rows 'shared' when
     `lookup` (an Embedding then looks up a table), as do ids the forward did not compute from its example inputs
-    (layout.looks_up_a_table)."""
+    (layout.looks_up_a_table). A layer `module` whose rows cannot be mapped refuses the step only when a gradient
+    reaches its output (PEFT's DoRA runs its LoRA layers on an identity matrix for a norm it detaches)."""
     if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
         refuse_step(
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
@@ -177,10 +179,35 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
             return rows, tuple(None for _ in buffers)
         rows = SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
     if isinstance(rows, str):
-        refuse_step(rows, buffers)
+        # (a module called with hooks runs those registered during its forward; adopt() gives every converted one)
+        hooked = module is not None and (module._forward_pre_hooks or module._forward_hooks)
+        if hooked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            refuse_when_gradient_arrives(module, rows, buffers)
+        else:
+            refuse_step(rows, buffers)
         return None, tuple(None for _ in buffers)
     layout.note_uses(buffers)
     return rows, buffers
+
+
+def refuse_when_gradient_arrives(module, reason, buffers):
+    """Refuse the step for `buffers` when a gradient reaches the output of this call of `module` (a call whose output
+    is detached, or unused, leaves the step measured). A hook on the module, for this one call."""
+
+    def refuse(grad):
+        with torch.no_grad():
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer[..., 1] = math.nan
+        layout.note_refusal(reason, buffers)
+
+    def hook(module, args, output):
+        handle.remove()
+        found = next((t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if found is not None:
+            on_output_grad(found, refuse)
+
+    handle = module.register_forward_hook(hook)
 
 
 def refuse_step(reason, buffers):

@@ -367,7 +367,6 @@ class Pass:
         self.pending = {}  # {key: what uses.py gathers for a tensor used more than once}
         self.groups = {}  # {buffer's data_ptr: SharedTensor}
         self.scopes = []  # where layers run now, innermost last: WINDOWS, SEQUENCE_FIRST, a Tower
-        self.replaying = 0  # > 0 while a module's forward is replayed per example (replay.py): layers plain
         self.backward_seen = False  # a layer's backward asked about this pass's uses (uses.py)
         self.interleaved = False  # it began before the backward of an earlier forward with tensors used twice
         if counting:
@@ -397,6 +396,7 @@ class Pass:
 _active = []
 _last = None
 _collectors = []
+_replays = 0  # > 0 while a module is replayed per example (replay.py)
 
 
 def _in_backward():
@@ -486,21 +486,19 @@ def looks_up_a_table(ids):
 
 def replaying():
     """True while a module's forward is replayed per example (replay.py): layers under it compute plainly."""
-    found = current_pass()
-    return found is not None and found.replaying > 0
+    return _replays > 0
 
 
 @contextlib.contextmanager
 def replay():
-    """Mark the current pass as replaying a module's forward per example (its backward's, usually)."""
-    found = current_pass()
-    if found is not None:
-        found.replaying += 1
+    """Mark what runs inside as a module's forward replayed per example (in its backward, usually), in a model's
+    forward or outside any (a bare module): a replay's own backward then starts no replay of its own."""
+    global _replays
+    _replays += 1
     try:
         yield
     finally:
-        if found is not None:
-            found.replaying -= 1
+        _replays -= 1
 
 
 def in_windows():
