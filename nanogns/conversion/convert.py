@@ -88,6 +88,8 @@ class Conversion:
             if any(True for _ in module.parameters()):
                 self.unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
             return
+        if isinstance(module, replay.ReplayedForward):  # converted already (convert() called again)
+            return
         called = replay.methods_called_by(parent, path.rpartition(".")[2], module) if path else ()
         if called and any(p.requires_grad for p in module.parameters()):
             # its parent calls other methods of it (Gemma 3n's AltUp.predict and .correct), which run its parameters

@@ -28,6 +28,7 @@ The module's children stay as they are (plain torch layers): it is one unit, who
 `<name>_pe_sqnorm` buffer on the module that owns it.
 """
 
+import contextlib
 import functools
 import inspect
 import os
@@ -263,17 +264,32 @@ def reparametrised(module):
 
 
 def _changed_in_forward(module):
-    """The buffers a reparametrisation updates in place in a training forward (spectral norm's power iteration:
-    its u and v), by name under `module`: the replay starts from their values before the forward."""
+    """The buffers a parametrisation updates in place in a training forward (spectral norm's power iteration: its
+    u and v), by name under `module`: the replay starts from their values before the forward."""
     names = []
     for path, sub in module.named_modules():
         prefix = path + "." if path else ""
         if isinstance(sub, parametrize.ParametrizationList):
             names += [prefix + name for name, _ in sub.named_buffers()]
-        for hook in sub._forward_pre_hooks.values():
-            if isinstance(hook, SpectralNorm):
-                names += [prefix + hook.name + "_u", prefix + hook.name + "_v"]
     return names
+
+
+@contextlib.contextmanager
+def _iterated_already(module):
+    """The old spectral_norm hooks run their power iteration before the forward (updating u and v): the replay uses
+    the u and v they left, without iterating again (their eval mode)."""
+    hooked = [
+        sub
+        for sub in module.modules()
+        if sub.training and any(isinstance(h, SpectralNorm) for h in sub._forward_pre_hooks.values())
+    ]
+    for sub in hooked:
+        sub.training = False
+    try:
+        yield
+    finally:
+        for sub in hooked:
+            sub.training = True
 
 
 def _units(args, kwargs, current):
@@ -439,7 +455,8 @@ class _Held:
         args_i, kwargs_i = pytree.tree_map(lambda t, r: _one_example(t, r) if r else t, inputs_i, self.in_rows)
         values = {**values, **{name: b.clone() for name, b in self.before.items()}}  # (buffers it updates in place)
         if self.method == "forward":
-            out = torch.func.functional_call(self.module, values, tuple(args_i), kwargs_i)
+            with _iterated_already(self.module):
+                out = torch.func.functional_call(self.module, values, tuple(args_i), kwargs_i)
         else:  # another method, with the same parameters swapped in as functional_call swaps them
             with torch.nn.utils.stateless._reparametrize_module(self.module, values):
                 out = getattr(self.module, self.method)(*args_i, **kwargs_i)
@@ -494,10 +511,11 @@ def _failure(module, method, error):
     parent calls) failing on one example's inputs, or this project's code failing (named as such, with where: a bug
     to report, not the examples' doing)."""
     frames = traceback.extract_tb(error.__traceback__)
-    ours = [f for f in frames if f"{os.sep}nanogns{os.sep}" in f.filename and not f.filename.endswith("replay.py")]
+    libraries = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__))  # torch and Python raise for
+    innermost = next((f for f in reversed(frames) if not f.filename.startswith(libraries)), None)  # their caller
     name = own_class_name(module)
-    if ours:
-        where = f"{os.path.basename(ours[-1].filename)}:{ours[-1].lineno} ({ours[-1].name})"
+    if innermost is not None and f"{os.sep}nanogns{os.sep}" in innermost.filename:
+        where = f"{os.path.basename(innermost.filename)}:{innermost.lineno} ({innermost.name})"
         return (
             f"nanogns failed while replaying {name}'s {method} per example, in {where} ({type(error).__name__}: "
             f"{error}): an error of this project's code, not of the model's (please report it)"

@@ -198,7 +198,9 @@ class Tower:
                     f"its input has rows {leading or '()'} in {self.name}, whose images' rows are {counts} on "
                     "dim 0: none is its dim 0"
                 )
-            self._rows[key] = ragged(found.repeat_interleave(rows // key[0]) if rows != key[0] else found, self.examples)
+            self._rows[key] = ragged(
+                found.repeat_interleave(rows // key[0]) if rows != key[0] else found, self.examples
+            )
         return self._rows[key]
 
 
@@ -631,12 +633,18 @@ def layout_of_inputs(args, kwargs, model=None):
         return None
     N = main.shape[0]
     groups = ()
-    choices = (main.dim() == 3 and not main.is_floating_point()) or (main is kwargs.get("inputs_embeds") and main.dim() == 4)
+    choices = (main.dim() == 3 and not main.is_floating_point()) or (
+        main is kwargs.get("inputs_embeds") and main.dim() == 4
+    )
     if choices and main.shape[1] > 1:  # (N, C, T) ids: N questions of C choices, folded into N*C rows by the model
         groups = (main.shape[1],)
     config = getattr(model, "config", None)
     past = kwargs.get("past_values")
-    if getattr(config, "model_type", None) in CHANNEL_INDEPENDENT and isinstance(past, torch.Tensor) and past.dim() == 3:
+    if (
+        getattr(config, "model_type", None) in CHANNEL_INDEPENDENT
+        and isinstance(past, torch.Tensor)
+        and past.dim() == 3
+    ):
         groups = (past.shape[-1],)  # (N, L, C) series: each channel a row of the model's batch
     lengths = ()  # the distinct T of ids, masks, labels, (N, T, D) embeddings: compared, never hashed (a hash would
     for _, t in tensors:  # make torch.compile specialise on each T, and recompile this hook for every new length)
@@ -716,7 +724,7 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
     for module in model.modules():
         if type(module).__name__.endswith(WINDOWED):
             scope = _scope_hooks(lambda module, args, kwargs: WINDOWS)
-        elif module is not model and getattr(module, "batch_first", None) is False:
+        elif module is not model and _sequence_first(module):
             scope = _scope_hooks(lambda module, args, kwargs: SEQUENCE_FIRST)
         else:
             continue
@@ -732,6 +740,17 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         )
     model.__dict__[_HOOK_ATTRIBUTE] = mapper  # not a submodule or buffer: state_dict and copies stay clean
     return mapper
+
+
+def _sequence_first(module):
+    """True for a module whose rows are (T, N): batch_first=False, or torch's Transformer layers (which keep theirs
+    on their attention) around a sequence-first attention."""
+    if getattr(module, "batch_first", None) is False:
+        return True
+    attention = getattr(module, "self_attn", None)
+    return isinstance(module, (torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)) and (
+        getattr(attention, "batch_first", None) is False
+    )
 
 
 def _scope_hooks(scope_of):

@@ -144,7 +144,9 @@ class _ConvBase(PerExampleNormLayer):
         x, weight, bias = autocast_inputs(padded_input(self, x), self.weight, self.bias)
         items = None
         if rows is not None:
-            items = layout.items_of(x.shape[0]) if layout.current() is not None else layout.Items(x.shape[0], x.shape[0])
+            items = (
+                layout.items_of(x.shape[0]) if layout.current() is not None else layout.Items(x.shape[0], x.shape[0])
+            )
             if items is None:
                 refuse_step(
                     f"a convolution's input must have the forward's examples (or their items) on dim 0, got shape "

@@ -54,6 +54,7 @@ APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
 # mean_i ||g_i||^2 >= ||mean_i g_i||^2 for any examples (Jensen): a measurement further below than rounding (bf16
 # gradients, float32 buffers) can reach is no measurement, and its step is refused naming the parameter
 IMPOSSIBLE_TOLERANCE = 2e-2
+NUMERICALLY_ZERO = 1e-30  # a squared gradient norm below it is zero (its per-example sums underflow in float32)
 
 
 class LogSink(Protocol):
@@ -250,7 +251,8 @@ class GNSMonitor:
             # every gradient by scale. nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too
             pe_sqnorm = sums * batch_size / world**2
             impossible = pe_sqnorm / scales[1] ** 2 < (1 - IMPOSSIBLE_TOLERANCE) * grad_sq / scales[0] ** 2
-            if exact and impossible and math.isfinite(grad_sq) and math.isfinite(pe_sqnorm):
+            zero = grad_sq / scales[0] ** 2 < NUMERICALLY_ZERO  # (a key projection's bias: its float32 sums underflow)
+            if exact and impossible and not zero and math.isfinite(grad_sq) and math.isfinite(pe_sqnorm):
                 raise ValueError(
                     f"GNS: {name}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
                     f"{pe_sqnorm / scales[1] ** 2:.4g}, below ||mean_i g_i||^2 = {grad_sq / scales[0] ** 2:.4g}, which "
