@@ -28,11 +28,13 @@ The module's children stay as they are (plain torch layers): it is one unit, who
 `<name>_pe_sqnorm` buffer on the module that owns it.
 """
 
+import ast
 import contextlib
 import functools
 import inspect
 import os
 import re
+import textwrap
 import traceback
 from dataclasses import dataclass
 
@@ -199,26 +201,65 @@ _QUERIES = "dtype|device|shape|size|ndim|dim|requires_grad|is_cuda|numel"  # a c
 
 
 def reads_children_parameters(module):
-    """True when the code of the module's class reads a parameter of one of its children itself
-    (`self.conv1d.weight`), rather than calling the child; True when the code cannot be read. What its forward runs
-    is read (its forward and the methods that calls), not its constructor nor its initialisation."""
+    """True when the code of the module's class computes with a parameter of one of its children itself
+    (`self.conv1d.weight.view(...)`, `F.linear(x, self.proj.weight)`), rather than calling the child; True when
+    the code cannot be read. What its forward runs is read (its forward and the methods it calls), not its
+    constructor nor its initialisation; a parameter only asked about (`.dtype`, `isinstance`), assigned to a name or
+    handed to another child (DeBERTa's relative embeddings given to its LayerNorm: a table, core/shared.py) is
+    no computation of its own."""
     if parametrize.is_parametrized(module):  # its weight is a parametrisation (a child) of its parameters
         return True
-    children = [(name, child) for name, child in module.named_children() if any(True for _ in child.parameters())]
+    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
     if not children:
         return False
-    source = _source(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")))  # before adopt
-    if source is None:
+    found = forward_methods(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")), True)
+    if found is None:
         return True
-    for child_name, child in children:
-        if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):  # parameters read by key (PEFT's
-            if re.search(rf"self\.{re.escape(child_name)}\b", source):  # adapters: self.ia3_l[adapter])
+    for _, text in found.values():
+        try:
+            tree = ast.parse(textwrap.dedent(text))
+        except SyntaxError:
+            return True
+        if _computes_with_children(tree, children):
+            return True
+    return False
+
+
+_ASKING = {"isinstance", "getattr", "hasattr", "type", "id", "len", "callable"}
+
+
+def _computes_with_children(tree, children):
+    """True when the parsed method reads self.<child>.<parameter> (or a ParameterDict child's entries, or the
+    child's .parameters()) in a computation (see reads_children_parameters)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            continue
+        child = children.get(node.attr)
+        if child is None:
+            continue
+        up = parents.get(node)
+        if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):  # PEFT's adapters: self.ia3_l[name]
+            if isinstance(up, ast.Subscript) or (isinstance(up, ast.Attribute) and up.attr in ("values", "items")):
                 return True
             continue
-        for path, _ in child.named_parameters():
-            if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b(?!\.({_QUERIES}))", source):
+        if isinstance(up, ast.Attribute) and up.attr == "parameters" and isinstance(parents.get(up), ast.Call):
+            return True
+        if not (isinstance(up, ast.Attribute) and up.attr in dict(child.named_parameters())):
+            continue
+        use = parents.get(up)  # what is done with self.<child>.<parameter>
+        if isinstance(use, ast.Attribute):
+            if use.attr not in _QUERIES.split("|"):
                 return True
-        if re.search(rf"self\.{re.escape(child_name)}\.parameters\(", source):
+        elif isinstance(use, ast.Subscript):
+            return True
+        elif isinstance(use, ast.Call) and up is not use.func:
+            func = use.func
+            asking = isinstance(func, ast.Name) and func.id in _ASKING
+            to_child = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+            if not asking and not to_child:
+                return True
+        elif isinstance(use, (ast.BinOp, ast.UnaryOp)):
             return True
     return False
 
