@@ -244,6 +244,60 @@ def gemma3_multimodal(images, B=3, T=14):
     return model, loss_of
 
 
+def llama4(images, B=3, T=14):
+    """Llama 4: dense experts (every token through every expert: E x N x T rows) and a vision tower whose 16
+    patches per image pixel-shuffle into 4 tokens; images[i] images in example i."""
+    text = dict(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=24,
+        intermediate_size_mlp=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        no_rope_layers=[1, 0],
+        attn_temperature_tuning=False,
+        pad_token_id=0,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=2,
+        vision_output_dim=16,
+        projector_input_dim=16,
+        projector_output_dim=16,
+        pixel_shuffle_ratio=0.5,
+    )
+    config = transformers.Llama4Config(
+        text_config=text, vision_config=vision, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END
+    )
+    torch.manual_seed(0)
+    model = transformers.Llama4ForConditionalGeneration(config).double()
+    gen = torch.Generator().manual_seed(2)
+    ids, _ = token_batch(B, T, pad=False)
+    pixels, owner = [], []
+    for example, n in enumerate(images):
+        for j in range(n):
+            ids[example, 1 + 5 * j : 5 + 5 * j] = IMAGE
+            pixels.append(torch.randn(3, 8, 8, generator=gen, dtype=torch.float64))
+            owner.append(example)
+    pixels, owner = torch.stack(pixels), torch.tensor(owner)
+
+    def loss_of(part):
+        mine = (owner >= part.start) & (owner < part.stop)
+        inputs = dict(pixel_values=pixels[mine]) if mine.any() else {}
+        return next_token_losses(model(input_ids=ids[part], **inputs).logits, ids[part])
+
+    return model, loss_of
+
+
 VISION = dict(
     hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4
 )
@@ -432,6 +486,56 @@ def gemma3n(B):
     )
 
 
+def packed_llama(lengths):
+    """A Llama batch of sequences packed into one row (position_ids restarting at 0, a block-diagonal mask)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = transformers.LlamaForCausalLM(config).double()
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(1, V, (n,), generator=gen) for n in lengths]
+
+    def loss_of(part):
+        group = sequences[part]
+        segment = torch.cat([torch.full((len(s),), i) for i, s in enumerate(group)])
+        mask = (segment[:, None] == segment[None, :]) & torch.ones(len(segment), len(segment), dtype=torch.bool).tril()
+        positions = torch.cat([torch.arange(len(s)) for s in group])[None]
+        logits = model(
+            input_ids=torch.cat(group)[None], position_ids=positions, attention_mask=mask[None, None]
+        ).logits[0]
+        ends = torch.tensor([0] + [len(s) for s in group]).cumsum(0)
+        return torch.stack([F.cross_entropy(logits[a : b - 1], s[1:]) for s, a, b in zip(group, ends, ends[1:])])
+
+    return model, loss_of
+
+
+def swin(B):
+    """Swin on 16x16 images of 2x2 patches in windows of 4x4 patches: 4 windows per image, and B images."""
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=2,
+        num_channels=3,
+        embed_dim=8,
+        depths=[1],
+        num_heads=[2],
+        window_size=4,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.SwinForImageClassification(config).double()
+    pixels = torch.randn(B, 3, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return model, lambda part: model(pixel_values=pixels[part]).logits.pow(2).sum(1)
+
+
 # layout: (build() -> (model, loss_of), B, micro-batches) with sizes that coincide
 COINCIDING = {
     "dim0: pooled head, B == padded length": (lambda: bert_classifier_padded_by_the_collator(4), 4, [slice(0, 4)]),
@@ -456,6 +560,8 @@ COINCIDING = {
     "tower tiles, 3 tiles == B": (lambda: idefics3((1, 0, 2), 3, 12), 3, [slice(0, 3)]),
     "NaFlex, B == 2 == spatial_shapes' dims": (lambda: siglip2(3), 3, [slice(0, 1), slice(1, 3)]),
     "stacked (K, B, ...), B == K": (lambda: gemma3n(2), 2, [slice(0, 2)]),
+    "packed, 3 sequences of 3 tokens": (lambda: packed_llama((3, 3, 3)), 3, [slice(0, 3)]),
+    "windows, B == 4 windows per image": (lambda: swin(4), 4, [slice(0, 4)]),
 }
 
 
@@ -482,20 +588,7 @@ FAMILIES = {
     "SigLIP2": lambda: (*siglip2(3), 3),
     "multiple choice": lambda: (*multiple_choice(3, 4, 5), 3),
     "PatchTST channels": lambda: (*patchtst(3), 3),
-    "Llama 4 experts": lambda: (
-        *causal_lm(
-            transformers.Llama4TextConfig,
-            transformers.Llama4ForCausalLM,
-            num_local_experts=4,
-            num_experts_per_tok=1,
-            intermediate_size_mlp=24,
-            head_dim=8,
-            interleave_moe_layer_step=1,
-            no_rope_layers=[1, 0],
-            attn_temperature_tuning=False,
-        ),
-        3,
-    ),
+    "Llama 4 (experts, vision)": lambda: (*llama4((1, 0, 2)), 3),
     "LFM2": lambda: (
         *causal_lm(
             transformers.Lfm2Config,
