@@ -8,7 +8,7 @@ nanogns: exact per-example gradient norms, and the gradient noise scale (GNS) ma
     monitor.step(batch_size=B)              # before clipping: one CSV row per optimizer step
     # then: python gns-analysis.py out-mymodel  (or nanogns.analysis.analyze.analyze_gns)
 
-The package, in the order one step's data flows through it (README, "Architecture"):
+The package, in the order one step's data flows through it (docs/architecture.md):
     kernels/      Triton kernels (gradients and per-example norms in one pass)
     layers/       one module per layer kind, the registry, row maps (which example each row is), buffers
     monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is

@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from nanogns.analysis.analyze import analyze_gns
-from nanogns.analysis.plots import save_png, terminal_plot
+from nanogns.analysis.plots import HAS_MATPLOTLIB, HAS_PLOTILLE, PLOT_EXTRA, save_png, terminal_plot
 from nanogns.analysis.report import approx_line, block_table, group_table, layernorm_line, summary, tradeoff_lines
 from nanogns.runlog.record import GROUPS
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
@@ -191,16 +191,23 @@ def main(argv=None):
     for line in (layernorm_line(results), approx_line(results)):
         if line:
             print(line)
-    if not args.no_plots:
-        print_plots(results)
     output_dir, note = _output_dir(run_dir, args.output_dir)
     if note:
         print(f"\n{note}")
-    paths = save_plots(results, output_dir)
     output_path = os.path.join(output_dir, "gns_analysis.csv")
-    results.to_csv(output_path, index=False)
-    print(f"\nFigures saved to: {', '.join(paths)}")
+    results.to_csv(output_path, index=False)  # the numbers first: they need no plotting library
+    if not args.no_plots and HAS_PLOTILLE:
+        print_plots(results)
+    if HAS_MATPLOTLIB:
+        print(f"\nFigures saved to: {', '.join(save_plots(results, output_dir))}")
     print(f"Detailed results saved to: {output_path}")
+    missing = [
+        name
+        for name, found in (("plotille", HAS_PLOTILLE or args.no_plots), ("matplotlib", HAS_MATPLOTLIB))
+        if not found
+    ]
+    if missing:
+        print(f"No {' or '.join(missing)}: for the plots, {PLOT_EXTRA}")
     return 0
 
 
