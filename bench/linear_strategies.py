@@ -101,11 +101,11 @@ def layer_factories(device):
         "shim": (lambda K, L: linear_kind.ShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
-        import fused_gns
+        from nanogns.kinds.linear import FusedLinear
 
-        layers["fused"] = (lambda K, L: fused_gns.FusedLinear(K, L), _plain, buffer_norm)
+        layers["fused"] = (lambda K, L: FusedLinear(K, L), _plain, buffer_norm)
         layers["fused kernel"] = (
-            lambda K, L: fused_gns.FusedLinear(K, L),
+            lambda K, L: FusedLinear(K, L),
             _forced(fused_linear="kernel"),
             buffer_norm,
         )
