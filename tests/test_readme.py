@@ -13,7 +13,8 @@ import glob
 import os
 import re
 
-from conftest import REPO
+import pytest
+from conftest import REPO, run_script
 
 DOCS = ["README.md", *sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))]
 RUN_LANGUAGES = ("bash", "sh", "python")
@@ -151,3 +152,33 @@ def test_quick_start_installs_torch_as_ci_does():
     """The quick start's torch install line is .ci/run's (same pin, index and retries), less --quiet."""
     ci_install = next(line for line in read(".ci/run").splitlines() if "torch==" in line and line.startswith("pip"))
     assert ci_install.replace("--quiet ", "").strip() in readme()
+
+
+@pytest.mark.slow
+def test_the_quick_start_prints_what_the_readme_shows(tmp_path, shakespeare_data):
+    """The quick start's training and analysis, as the README writes them (into a scratch out_dir): every line of
+    the README's output excerpt is printed, digit for digit (an iteration's loss and running GNS; timings vary)."""
+    command = next(body for mark, lang, body in blocks("README.md") if lang == "bash" and "train.py" in body)
+    steps = [step.strip() for step in command.split("&&")]
+    train = next(s for s in steps if s.startswith("python train.py")).split()[2:]
+    analysis = next(s for s in steps if s.startswith("python gns-analysis.py")).split()[2:]
+    assert train == ["config/train_shakespeare_char_cpu.py"] and analysis == ["out-shakespeare-char"]
+    trained = run_script("train.py", *train, f"--out_dir={tmp_path}", timeout=1200)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    analysed = run_script("gns-analysis.py", str(tmp_path))
+    assert analysed.returncode == 0, analysed.stderr[-3000:]
+    printed = trained.stdout + analysed.stdout
+    excerpt = next(body for mark, lang, body in blocks("README.md") if lang == "" and "Final GNS" in body)
+    missing = []
+    for line in excerpt.splitlines():
+        if not line.strip() or line.strip() == "...":
+            continue
+        if line.startswith("iter "):  # dt, mfu and tokens_per_sec are timings
+            loss_and_gns = re.match(r"(iter \d+: train/lossf=[\d.]+),.*(gns=[\d.]+)$", line).groups()
+            if not any(
+                line_.startswith(loss_and_gns[0]) and line_.endswith(loss_and_gns[1]) for line_ in printed.splitlines()
+            ):
+                missing.append(line)
+        elif line not in printed.splitlines():
+            missing.append(line)
+    assert not missing, "README output lines not printed:\n" + "\n".join(missing)
