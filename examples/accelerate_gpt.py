@@ -34,7 +34,9 @@ def train(args, watch=None):
     # gns: convert, log to out_dir; log.csv written and out_dir released however the loop ends
     with AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY) as monitor:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
+        loader = DataLoader(
+            examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         model.train()
         steps = 0

@@ -12,11 +12,11 @@ configurator.py has checked each key's name and type already; this checks values
 function returns one line (or None) and raises nothing: the scripts print it and exit.
 
 What a resume may change (resume_check), decided for a user who trusts the run's log:
-- the model's shape (n_layer, n_head, n_embd, bias) cannot change: the checkpoint's weights are that model, so a
-  different flag is refused naming it; a larger block_size too (the position table has the checkpoint's rows);
-- a smaller block_size crops the model, as nanoGPT does; batch_size and gradient_accumulation_steps may change:
-  the log's batch_size and tokens_processed columns record each step's, gns-analysis reports the change, and
-  config.json (rewritten at every start) holds what trains now;
+- the model's shape (n_layer, n_head, n_embd, bias, block_size) cannot change: the checkpoint's weights and
+  optimizer state are that model's, so a different flag is refused naming it (a block_size that changed would
+  also change what one example is, in which the GNS counts);
+- batch_size and gradient_accumulation_steps may change: the log's batch_size and tokens_processed columns record
+  each step's, gns-analysis reports the change, and config.json (rewritten at every start) holds what trains now;
 - what the log measures cannot change while the directory holds the log: a layer choice that would stop (or
   start, or swap exact for approximate) per-example norms is refused naming the flag; shim, gns and fused
   measure the same and may be swapped. Without a log (a new out_dir holding a copy of ckpt.pt) it may change;
@@ -155,6 +155,13 @@ def parameter_count(n_layer, n_embd, block_size, vocab_size, bias=True):
     return n_layer * per_block + (vocab_size + block_size) * n_embd + (2 if bias else 1) * n_embd
 
 
+def activation_bytes(n_layer, n_embd, block_size, batch_size, dtype="float32"):
+    """A lower bound on what one micro-batch's forward keeps for its backward: per token and block at least 16
+    vectors of n_embd (the inputs of the two LayerNorms, of the QKV, output and MLP projections, the attention's
+    output, the MLP's 4 n_embd hidden layer before and after GELU), in the run's dtype."""
+    return n_layer * batch_size * block_size * 16 * n_embd * (4 if dtype == "float32" else 2)
+
+
 def memory_of(device):
     """(bytes of memory of `device`, its name in words): a GPU's own memory, else the machine's RAM."""
     d = torch.device(device)
@@ -164,21 +171,26 @@ def memory_of(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
 
 
-def model_size_problem(model_args, device, vocab_source=""):
-    """Why a GPT of `model_args` cannot be trained on `device` (its parameters, gradients and AdamW state alone
-    exceed the memory), sized before anything is allocated; or None. vocab_source names where vocab_size came
-    from, for the message."""
+def model_size_problem(model_args, device, batch_size=0, dtype="float32", training=True, vocab_source=""):
+    """Why a GPT of `model_args` cannot run on `device`, sized before anything is allocated, or None: training
+    needs its float32 weights, gradients and AdamW's two moments and one micro-batch's activations (of
+    batch_size examples); sampling (training=False) its weights. vocab_source names where vocab_size came from."""
     m = model_args
     n = parameter_count(m["n_layer"], m["n_embd"], m["block_size"], m["vocab_size"], m.get("bias", True))
-    need = n * TRAINING_BYTES_PER_PARAMETER
+    if training:
+        need = n * TRAINING_BYTES_PER_PARAMETER
+        need += activation_bytes(m["n_layer"], m["n_embd"], m["block_size"], batch_size, dtype)
+        what = "float32 weights, gradients and AdamW's two moments, and one micro-batch's activations"
+    else:
+        need, what = n * (2 if dtype in ("bfloat16", "float16") else 4), f"{dtype} weights"
     have, where = memory_of(device)
     if need <= have:
         return None
     shape = ", ".join(f"{k}={m[k]:,}" for k in ("n_layer", "n_embd", "block_size", "vocab_size"))
     return (
-        f"the model would have {n:,} parameters ({shape}{vocab_source}): training it takes at least "
-        f"{need / 2**30:,.1f} GiB (float32 weights, gradients and AdamW's two moments), more than the "
-        f"{have / 2**30:,.1f} GiB of {where}; lower --n_layer or --n_embd"
+        f"the model would have {n:,} parameters ({shape}{vocab_source}): {'training' if training else 'running'} "
+        f"it takes at least {need / 2**30:,.1f} GiB ({what}), more than the {have / 2**30:,.1f} GiB of {where}; "
+        "lower --n_layer or --n_embd" + (" (or --batch_size)" if training else "")
     )
 
 
@@ -231,11 +243,11 @@ def resume_check(config, checkpoint, has_log):
                 f"--{k}={config[k]} differs from the checkpoint's {k}={model_args[k]}: a resume continues the "
                 f"checkpoint's model; resume with --{k}={model_args[k]} (or train a new model in a new out_dir)"
             ), []
-    if config["block_size"] > model_args["block_size"]:
+    if config["block_size"] != model_args["block_size"]:
         return (
-            f"--block_size={config['block_size']} is above the checkpoint's block_size={model_args['block_size']}: "
-            f"its position table has {model_args['block_size']} rows; resume with --block_size={model_args['block_size']} "
-            "(a smaller one crops the model)"
+            f"--block_size={config['block_size']} differs from the checkpoint's block_size={model_args['block_size']}: "
+            f"its model and optimizer state hold {model_args['block_size']} positions, and the GNS counts examples, "
+            f"which would change length mid-run; resume with --block_size={model_args['block_size']}"
         ), []
     if has_log:
         for k in LAYER_CHOICES:
@@ -246,12 +258,6 @@ def resume_check(config, checkpoint, has_log):
                     f"with --{k}={old[k]}, or copy ckpt.pt into a new --out_dir and resume there to start a new log"
                 ), []
     notes = []
-    if config["block_size"] < model_args["block_size"]:
-        notes.append(
-            f"note: --block_size={config['block_size']} is below the checkpoint's {model_args['block_size']}: the "
-            "model is cropped (as nanoGPT does) and each example is shorter from here on (gns-analysis reports "
-            "the change of tokens per example)"
-        )
     for k in ("batch_size", "gradient_accumulation_steps"):
         if k in old and old[k] != config[k]:
             notes.append(
@@ -276,4 +282,14 @@ def resumed_tokens(checkpoint, tokens_per_iter):
         f"note: the checkpoint holds no token count (nanoGPT's checkpoints do not): the run continues at "
         f"{iter_num} iterations x {per_iter:,} tokens ({source}) = {tokens:,} tokens, where the learning-rate "
         "schedule and max_tokens count from; the running GNS starts afresh"
+    )
+
+
+def what_ends(iter_num, tokens, max_iters, max_tokens):
+    """The words after 'nothing left to do: ...': which limit ends the run and what to raise, for a resume."""
+    reached = [f"max_iters={max_iters}"] * (iter_num >= max_iters) + [f"max_tokens={max_tokens:,}"] * (tokens >= max_tokens)
+    flags = " and ".join(f"--{limit.split('=')[0]}" for limit in reached)
+    return (
+        f"{' and '.join(reached)} {'end' if len(reached) > 1 else 'ends'} the run; its files are left untouched "
+        f"(raise {flags} to train further{', both' if len(reached) > 1 else ''})"
     )

@@ -24,7 +24,7 @@ from nanogns.runlog.record import PARAMETERS_JSON, write_parameter_record
 N_STEPS = 12
 GAP = (
     "a log lost before a resume starts at the checkpoint's step, rows set aside at a resume are in "
-    "log_after_step_<N>.csv; the EMAs go on across the gap"
+    "log_after_step_<N>.csv; the EMAs skip them"
 )
 NORM = "train/gns/transformer.h.0.attn.c_attn.weight/norm"
 BATCH = "train/gns/transformer.h.0.attn.c_attn.weight/batch_size"

@@ -47,7 +47,10 @@ CASES = [
     ({"gradient_accumulation_steps": -2}, "--gradient_accumulation_steps=-2 is out of range"),
     ({"max_iters": -5}, "--max_iters=-5 is out of range: it must be an integer >= 1"),
     ({"eval_iters": 0}, "--eval_iters=0 is out of range: it must be an integer in [1, 1,000,000]"),
-    ({"eval_iters": 10**20}, "--eval_iters=100000000000000000000 is out of range: it must be an integer in [1, 1,000,000]"),
+    (
+        {"eval_iters": 10**20},
+        "--eval_iters=100000000000000000000 is out of range: it must be an integer in [1, 1,000,000]",
+    ),
     ({"gns_ema_decay": 1.0}, "--gns_ema_decay=1.0 is out of range: it must be a number in (0, 1)"),
     ({"block_size": -1}, "--block_size=-1 is out of range: it must be an integer >= 1"),
     ({"n_embd": 0}, "--n_embd=0 is out of range: it must be an integer >= 1"),

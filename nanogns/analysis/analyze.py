@@ -116,6 +116,7 @@ PLAIN = ("tokens_processed", "batch_size", *DDP_RAW, "ddp/gns")
 # a row holding any of these is a training step (an eval-only row of the reference's logs holds none)
 TRAINING = ("train/lossf", "lr", "iter_num", "tokens_processed", "grad_norm")
 MEASURED, TRAINED, NONFINITE, LACKING, UNEVEN = "_measured", "_trained", "_nonfinite", "_lacking", "_uneven"
+OWN_BATCH_SIZE = ("all", "sogns")  # the sums with batch-size columns of their own
 
 
 def ema(series, alpha):
@@ -210,7 +211,8 @@ def _reducer(params, chosen, sets, columns):
             for name, (n, g, b) in index.items():
                 out[f"sgn:{name}"] = (values[:, n] ** 2).sum(axis=1)  # NaN where a parameter is missing
                 out[f"spegn:{name}"] = (values[:, g] ** 2).sum(axis=1)
-                out[f"bs:{name}"] = np.fmax.reduce(values[:, b], axis=1)
+                if name in OWN_BATCH_SIZE:  # the others' is all's (a step whose parameters differ is refused)
+                    out[f"bs:{name}"] = np.fmax.reduce(values[:, b], axis=1)
         norm, pegn, bs = values[:, norm_at], values[:, pegn_at], values[:, bs_at]
         logged = ~np.isnan(norm) | ~np.isnan(pegn) | ~np.isnan(bs)
         finite = np.isfinite(norm) & np.isfinite(pegn)
@@ -226,7 +228,8 @@ def _reducer(params, chosen, sets, columns):
 
 def gns_of(steps, name, alpha):
     """_stats of the set `name` from read_steps' reduced rows."""
-    return _stats(steps[f"sgn:{name}"], steps[f"spegn:{name}"], steps[f"bs:{name}"], alpha)
+    batch_size = steps[f"bs:{name}"] if name in OWN_BATCH_SIZE else steps["bs:all"]
+    return _stats(steps[f"sgn:{name}"], steps[f"spegn:{name}"], batch_size, alpha)
 
 
 def analysis_sets(chosen, facts, approx):
@@ -324,29 +327,6 @@ def _report_steps(steps, path):
         )
 
 
-def _report_changes(measured, x):
-    """Note where the tokens per example change (a resume with another block_size): the GNS counts examples, so
-    its values on either side count examples of different lengths."""
-    if x != "tokens_processed" or "step" not in measured or len(measured) < 2:
-        return
-    step, tokens, bs = (measured[c].to_numpy(dtype=np.float64) for c in ("step", "tokens_processed", "bs:all"))
-    consecutive = np.diff(step) == 1
-    with np.errstate(divide="ignore", invalid="ignore"):
-        per_example = np.diff(tokens) / bs[1:]
-    per_example = np.where(consecutive & np.isfinite(per_example), np.round(per_example, 3), np.nan)
-    known = np.flatnonzero(np.isfinite(per_example))
-    changes = [
-        (int(step[i + 1]), per_example[j], per_example[i])
-        for j, i in zip(known, known[1:])
-        if per_example[i] != per_example[j]
-    ]
-    for at, before, after in changes[:5]:
-        print(
-            f"note: the tokens per example change at step {at}: {before:g} -> {after:g} (a resume with another "
-            "block_size): the GNS is in examples, so its values before and after count examples of other lengths"
-        )
-
-
 def analyze_gns(
     out_dir: str, alpha: float = 0.95, prefix: str = "train/gns", approx_prefix: str = "train/sogns"
 ) -> pd.DataFrame:
@@ -375,7 +355,7 @@ def analyze_gns(
         [f"tied weights left out (one use's norm, not exact): {', '.join(excluded)}"] if excluded else []
     )
     _report_steps(steps, m.path)
-    df = steps[steps[MEASURED]].reset_index(drop=True)
+    df = steps if steps[MEASURED].all() else steps[steps[MEASURED]].reset_index(drop=True)
     if df.empty:
         raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
     print(f"Processing {len(chosen)} parameters" + (f" ({'; '.join(notes)})" if notes else ""))
@@ -391,7 +371,6 @@ def analyze_gns(
 
     step = df["step"] if "step" in df else pd.Series(np.arange(len(df)), index=df.index)
     x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
-    _report_changes(df, x)
     results = pd.DataFrame({"step": step, x: df[x] if x in df else batch_size.cumsum(), "batch_size": batch_size})
     results = pd.concat([results, gns_of(df, "all", alpha)], axis=1)
 

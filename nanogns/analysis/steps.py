@@ -78,6 +78,8 @@ def missing_ranges(present, limit=6):
 
 
 def _note_missing_steps(path, steps):
+    if not len(steps):
+        return
     present = np.unique(steps)
     present = present[present >= 0]
     if not len(present):
@@ -86,8 +88,7 @@ def _note_missing_steps(path, steps):
     if count:
         print(
             f"note: {path}: no row for {count} step(s) ({ranges}): a log lost before a resume starts at the "
-            "checkpoint's step, rows set aside at a resume are in log_after_step_<N>.csv; the EMAs go on "
-            "across the gap"
+            "checkpoint's step, rows set aside at a resume are in log_after_step_<N>.csv; the EMAs skip them"
         )
 
 
@@ -151,23 +152,24 @@ def read_steps(source, checked, reduce, usecols):
         )
     if not parts:
         return pd.DataFrame(columns=["step", LINE, BAD])
-    steps = pd.concat(parts)
+    steps = pd.concat(parts, ignore_index=True)
+    parts.clear()
 
+    keep = ~steps[BAD]
     earlier = pd.Series(dtype=np.int64)  # {step: line of its last superseded row}, for steps skipped below
     if has_step:
         repeated = steps["step"].duplicated(keep="last")
         if repeated.any():
-            superseded = steps[repeated].drop_duplicates("step", keep="last")
+            superseded = steps.loc[repeated, ["step", LINE]].drop_duplicates("step", keep="last")
             earlier = pd.Series(superseded[LINE].to_numpy(), index=superseded["step"].to_numpy())
             print(
                 f"warning: {path}: step(s) {_steps(steps.loc[repeated, 'step'])} logged more than once; the last row "
                 "of each is used (a later write replaces an earlier one, as a resume does)"
             )
-            steps = steps[~repeated]
-    if has_step and len(steps):
-        _note_missing_steps(path, steps["step"].to_numpy())
+        keep &= ~repeated
+        _note_missing_steps(path, steps.loc[~repeated, "step"].to_numpy())
     reports = []
-    skipped = steps[steps[BAD]]
+    skipped = steps.loc[steps[BAD] & (~repeated if has_step else True)]
     for line, step in zip(skipped[LINE], skipped["step"] if has_step else [None] * len(skipped)):
         reports.extend(reasons[line])
         if step in earlier.index:
@@ -176,7 +178,7 @@ def read_steps(source, checked, reduce, usecols):
         print(f"warning: {path}: {report}; step skipped")
     if len(reports) > SHOWN:
         print(f"warning: {path}: {len(reports) - SHOWN} more bad cells like these; their steps skipped")
-    steps = steps[~steps[BAD]].drop(columns=BAD)
+    steps = steps.loc[keep, [c for c in steps.columns if c != BAD]]
     if has_step and not steps["step"].is_monotonic_increasing:
         print(f"note: {path}: the rows are not in step order; analysed in step order")
         steps = steps.sort_values("step", kind="stable")
