@@ -151,7 +151,7 @@ TRAINING_BYTES_PER_PARAMETER = 16  # float32 weight, gradient and AdamW's two mo
 def parameter_count(n_layer, n_embd, block_size, vocab_size, bias=True):
     """The parameters of model.py's GPT: token and position tables (the head is tied to the first), and per block
     the attention (4 n_embd^2) and the MLP (8 n_embd^2), biases and LayerNorms included."""
-    per_block = 12 * n_embd**2 + (13 if bias else 4) * n_embd
+    per_block = 12 * n_embd**2 + (13 if bias else 2) * n_embd
     return n_layer * per_block + (vocab_size + block_size) * n_embd + (2 if bias else 1) * n_embd
 
 
@@ -287,7 +287,9 @@ def resumed_tokens(checkpoint, tokens_per_iter):
 
 def what_ends(iter_num, tokens, max_iters, max_tokens):
     """The words after 'nothing left to do: ...': which limit ends the run and what to raise, for a resume."""
-    reached = [f"max_iters={max_iters}"] * (iter_num >= max_iters) + [f"max_tokens={max_tokens:,}"] * (tokens >= max_tokens)
+    reached = ([f"max_iters={max_iters}"] if iter_num >= max_iters else []) + (
+        [f"max_tokens={max_tokens:,}"] if tokens >= max_tokens else []
+    )
     flags = " and ".join(f"--{limit.split('=')[0]}" for limit in reached)
     return (
         f"{' and '.join(reached)} {'end' if len(reached) > 1 else 'ends'} the run; its files are left untouched "
