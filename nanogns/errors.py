@@ -28,6 +28,16 @@ No import here: the log, the analysis and the scripts raise these without torch.
 class NanoGNSError(Exception):
     """A refusal of the package: str(error) is one line naming the problem and the fix."""
 
+    def __reduce__(self):  # picklable whatever a subclass's __init__ takes (errors cross processes under DDP)
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls, args, state):
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class DirectoryInUse(NanoGNSError, RuntimeError):
     """Another process holds the run directory's lock. `out_dir` is the directory, `pid` the holder's pid (None
