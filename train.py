@@ -33,8 +33,9 @@ from tracker import LogWrapper
 from nanogns import schedules
 from nanogns import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
 from nanogns import settings # gns: the valid range of every setting
-from nanogns.dataset import load_meta # gns: the dataset's vocabulary, read as data (meta.json)
+from nanogns.dataset import load_meta, token_ids_problem # gns: the dataset's vocabulary, read as data (meta.json)
 from nanogns.runlog.lock import RunLock, DirectoryInUse # gns: one run per out_dir
+from nanogns.errors import NanoGNSError # gns: what the package raises when it refuses (one line each)
 from model import PEAK_FLOPS
 
 # -----------------------------------------------------------------------------
@@ -111,8 +112,16 @@ def fail(message):
         sys.exit(1)
     sys.exit(0)
 
-# gns: every value in its range before anything starts (one line naming the flag and its range)
-problem = settings.check(config, device_names=PEAK_FLOPS)
+# gns: the package raises a NanoGNSError (a failed write, a checkpoint it cannot use, ...): one line, exit 1
+def excepthook(kind, error, tb):
+    if not issubclass(kind, NanoGNSError):
+        return sys.__excepthook__(kind, error, tb)
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(f"train.py: {error}", file=sys.stderr, flush=True)
+sys.excepthook = excepthook
+
+# gns: every value in its range, and the device, before anything starts (one line naming the flag)
+problem = settings.check(config, device_names=PEAK_FLOPS) or settings.device_problem(device)
 if problem:
     fail(problem)
 # gns: check the layer choice before anything starts, and say why B = 1 cannot work
@@ -136,9 +145,6 @@ if bs_schedule == 'gns' and not tracked:
          "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
-if device.startswith('cuda') and not torch.cuda.is_available():
-    fail(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; run with "
-         "--device=cpu --dtype=float32 --compile=False, or install a CUDA build of torch on a GPU machine")
 # gns: wandb without a login would fail inside wandb.init, after out_dir is made; say so before anything starts
 if wandb_log and os.environ.get('WANDB_MODE') not in ('offline', 'disabled', 'dryrun'):
     import wandb
@@ -244,6 +250,14 @@ except ValueError as e:
 if meta is not None:
     meta_vocab_size = meta['vocab_size']
     print(f"found vocab_size = {meta_vocab_size} (inside {meta['path']})")
+# gns: before anything is made: the data's token ids fit the vocabulary, and the model fits this machine's memory
+problem = token_ids_problem(data_dir, meta_vocab_size, meta['path'], prepare) if meta is not None else None
+if init_from == 'scratch' and not problem:
+    problem = settings.model_size_problem(dict(n_layer=n_layer, n_embd=n_embd, block_size=block_size, bias=bias,
+        vocab_size=meta_vocab_size or 50304), device, batch_size, dtype,
+        vocab_source=f" from {meta['path']}" if meta is not None else "")
+if problem:
+    fail(problem)
 
 # gns: only now (bad input above leaves no empty out_dir behind), rank 0 locks out_dir until its process ends: a
 # second run or a resume while this one runs is refused; and a new run never mixes its log, checkpoint or schedule
@@ -299,8 +313,17 @@ with lc.set_contextual_config(**layer_classes):
         print(f"Resuming training from {out_dir}")
         # resume training from a checkpoint.
         ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        checkpoint = engines.load_checkpoint(ckpt_path, fsdp, master_process) # gns: or exit saying what is wrong
+        checkpoint = engines.load_checkpoint(ckpt_path, fsdp, master_process) # gns: or raise saying what is wrong
         checkpoint_model_args = checkpoint['model_args']
+        # gns: a resume continues the checkpoint's run: a flag that would change its model, or what its log
+        # measures, is refused naming it; a change of batch size is said, and the log records it
+        has_log = any(os.path.exists(os.path.join(out_dir, f)) for f in ('log.csv', 'log_header.csv.tmp'))
+        problem, notes = settings.resume_check(config, checkpoint, engine.broadcast(has_log))
+        if problem:
+            engine.close()
+            fail(problem)
+        for note in notes:
+            print(note)
         # force these config attributes to be equal otherwise we can't even resume training
         # the rest of the attributes (e.g. dropout) can stay as desired from command line
         for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
@@ -315,15 +338,17 @@ with lc.set_contextual_config(**layer_classes):
         for k,v in list(state_dict.items()):
             if k.startswith(unwanted_prefix):
                 state_dict[k[len(unwanted_prefix):]] = state_dict.pop(k)
-        tokens_processed = int(state_dict.pop('tokens_processed', 0))
+        tokens_processed = int(state_dict.pop('tokens_processed', -1))
         model.load_state_dict(state_dict)
         iter_num = checkpoint['iter_num']
+        if tokens_processed < 0: # gns: a nanoGPT checkpoint counts no tokens: iter_num x the tokens of its steps
+            tokens_processed, note = settings.resumed_tokens(checkpoint, tokens_per_iter)
+            print(note)
         best_val_loss = checkpoint['best_val_loss']
         resume_log_step = checkpoint.get('log_step', iter_num) # gns: the log rows the weights have seen
         if not eval_only and (iter_num >= max_iters or tokens_processed >= max_tokens): # gns: a finished run stays as it is
             print(f"train.py: nothing left to do: the checkpoint in {out_dir} is at iteration {iter_num} and "
-                  f"{tokens_processed:,} tokens, where max_iters={max_iters} or max_tokens={max_tokens:,} ends the run; "
-                  f"its files are left untouched (raise --max_iters or --max_tokens to train further)")
+                  f"{tokens_processed:,} tokens; {settings.what_ends(iter_num, tokens_processed, max_iters, max_tokens)}")
             engine.close()
             sys.exit(0)
     elif init_from.startswith('gpt2'):
@@ -461,6 +486,8 @@ if init_from == 'resume': # gns: continue exactly where the checkpoint was writt
         gradient_accumulation_steps = checkpoint['accum_steps']
     if len(checkpoint.get('ranks', [])) == ddp_world_size:
         X, Y = engines.restore_rank_state(checkpoint['ranks'][ddp_rank], device)
+        if X.shape != (batch_size, block_size): # gns: the batch size changed: this run's first batch
+            X, Y = get_batch('train', (iter_num, 0))
     elif 'ranks' in checkpoint:
         print(f"warning: the checkpoint holds the random state of {len(checkpoint['ranks'])} rank(s), this run has "
               f"{ddp_world_size}: dropout, evaluation batches (and training batches without --data_seed) will differ "

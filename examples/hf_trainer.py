@@ -13,7 +13,7 @@ then weighs by its label tokens. --loss=sequences takes the mean over sequences 
 """
 
 import torch
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser
+from common import EMA_DECAY, build_model, padded_examples, run_script, trainer_parser
 from transformers import Trainer, TrainingArguments
 
 from nanogns.integrations import TrainerGNSCallback, sequence_mean_loss
@@ -82,4 +82,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

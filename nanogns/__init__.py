@@ -16,6 +16,7 @@ The package, in the order one step's data flows through it (docs/architecture.md
     engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules
     integrations  transformers.Trainer, Lightning and Accelerate
     runlog/       the CSV log: writer (LogWrapper) and reader (load_csv); no torch
+    errors.py     what the package raises when it refuses (NanoGNSError and its kinds); it never exits the process
     estimator.py  the GNS maths; no torch
     analysis/     the GNS from a run's log: summary, groups, plots, figures; no torch
 
@@ -44,6 +45,12 @@ _EXPORTS = {
     "load_csv": "nanogns.runlog.reader",
     "RunningGNS": "nanogns.estimator",
     "analyze_gns": "nanogns.analysis.analyze",
+    "NanoGNSError": "nanogns.errors",
+    "DirectoryInUse": "nanogns.errors",
+    "DirectoryHoldsAnotherRun": "nanogns.errors",
+    "WriteFailed": "nanogns.errors",
+    "LogNotContinuable": "nanogns.errors",
+    "CheckpointNotUsable": "nanogns.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -96,8 +96,13 @@ def save_png(path, series, x_label="x", y_label="y", title=None, scatter=False, 
     if series:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:  # a full disk: the caller names the file
+        e.filename = e.filename or path
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 
