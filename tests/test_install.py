@@ -153,7 +153,7 @@ def test_the_git_install_form_installs_the_committed_package(tmp_path):
     URL builds the package from git (what a user's URL gives), checked without installing its dependencies."""
     line = next(line for line in install_lines() if "git+" in line)
     assert line == 'pip install "git+$REPO_URL"', line
-    if not os.path.isdir(os.path.join(REPO, ".git")):
+    if not os.path.exists(os.path.join(REPO, ".git")):  # a directory, or a file in a git worktree
         pytest.skip("the checkout is not a git clone")
     wheel_dir = tmp_path / "wheels"
     url = shlex.split(line.replace("$REPO_URL", f"file://{REPO}"))[-1]
