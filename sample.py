@@ -8,7 +8,7 @@ the model is built with torch's layers. Besides nanoGPT's keys it carries
 `tokens_processed` (a buffer of the run's token count, dropped here) and, for
 character-level data, the vocabulary comes from the dataset's meta.json (an older
 meta.pkl is read as plain data only). Both files are read as data, never run: see
-"What is trusted" in README.md.
+"What is trusted" in docs/long-runs.md.
 """
 import os
 import sys

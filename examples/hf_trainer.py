@@ -9,7 +9,7 @@ its DDP under torchrun. Right-padded Shakespeare windows of random lengths.
 
 --loss=tokens (Trainer's default) divides the step's summed token losses by their number: an example's gradient
 then weighs by its label tokens. --loss=sequences takes the mean over sequences of each one's mean token loss
-(the README's per-example gradient, "What is logged") by overriding compute_loss.
+(the per-example gradient of docs/log-format.md) by overriding compute_loss.
 """
 
 import torch

@@ -19,10 +19,10 @@ line; it never exits the caller's process.
 What is measured, whatever the trainer's loss weighting: the step's gradient G is a sum of one part per example
 (all micro-batches, all ranks), and example i's gradient is taken to be h_i = B x (its part), so G = mean_i h_i.
 With a loss that is the mean over examples of each example's mean token loss, h_i is the gradient of that
-example's loss (the README, "What is logged"). transformers.Trainer's default loss instead divides the sum of all token losses of the
+example's loss (docs/log-format.md). transformers.Trainer's default loss instead divides the sum of all token losses of the
 step by their number N (`num_items_in_batch`), so h_i = (n_i / mean_j n_j) x (gradient of example i's mean token
 loss), n_i its label tokens: the two agree when every example has as many label tokens (packed, unpadded blocks).
-README.md ("Trainers") says how to get the per-sequence mean.
+docs/integrations.md ("Trainers") says how to get the per-sequence mean.
 """
 
 import functools
@@ -394,7 +394,7 @@ class AccelerateGNS:
 
 
 # -----------------------------------------------------------------------------
-# the per-sequence-mean loss (the README's definition, "What is logged") for a causal LM
+# the per-sequence-mean loss (docs/log-format.md's definition) for a causal LM
 
 
 def sequence_mean_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from nanogns.analysis.analyze import analyze_gns
-from nanogns.analysis.plots import save_png, terminal_plot
+from nanogns.analysis.plots import HAS_MATPLOTLIB, HAS_PLOTILLE, PLOT_EXTRA, save_png, terminal_plot
 from nanogns.analysis.report import approx_line, block_table, group_table, layernorm_line, summary, tradeoff_lines
 from nanogns.runlog.record import GROUPS
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
@@ -192,15 +192,15 @@ def main(argv=None):
     for line in (layernorm_line(results), approx_line(results)):
         if line:
             print(line)
-    if not args.no_plots:
-        print_plots(results)
     try:
         output_dir, note = _output_dir(run_dir, args.output_dir)
         if note:
             print(f"\n{note}")
-        paths = save_plots(results, output_dir)
         output_path = os.path.join(output_dir, "gns_analysis.csv")
-        _write_csv(results, output_path)
+        _write_csv(results, output_path)  # the numbers first: they need no plotting library
+        if not args.no_plots and HAS_PLOTILLE:
+            print_plots(results)
+        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB else []
     except OSError as e:  # a full disk, an unwritable --output-dir
         where = e.filename or args.output_dir or run_dir
         print(
@@ -209,8 +209,16 @@ def main(argv=None):
             file=sys.stderr,
         )
         return 1
-    print(f"\nFigures saved to: {', '.join(paths)}")
+    if paths:
+        print(f"\nFigures saved to: {', '.join(paths)}")
     print(f"Detailed results saved to: {output_path}")
+    missing = [
+        name
+        for name, found in (("plotille", HAS_PLOTILLE or args.no_plots), ("matplotlib", HAS_MATPLOTLIB))
+        if not found
+    ]
+    if missing:
+        print(f"No {' or '.join(missing)}: for the plots, {PLOT_EXTRA}")
     return 0
 
 

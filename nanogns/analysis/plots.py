@@ -11,12 +11,18 @@ x or y is missing or non-finite are left out.
 
 import argparse
 import difflib
+import importlib.util
 import sys
 
 import numpy as np
 import pandas as pd
 
 from nanogns.runlog.reader import load_csv
+
+# the plot extra (pip install "nanogns[plot]"): without it the analysis prints and saves its numbers, no figures
+HAS_PLOTILLE = importlib.util.find_spec("plotille") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PLOT_EXTRA = 'pip install "nanogns[plot]" (plotille for terminal plots, matplotlib for PNG figures)'
 
 COLORS = (200, 100, 40, 160, 220, 75)  # plotille byte colours, one per series
 MARKERS = ("*", "o", "x", "+", "#", "@")  # and a glyph each, so that the series differ without colour too
