@@ -549,7 +549,8 @@ def check_pieces():
             decay = cosine(i, len(trace), 0.1)
             d = ctl.decide(4e-3 * decay, decay)
             decisions.append(d)
-            ctl.observe(s["sq_norm"], s["pe_sqnorm"], s["B"], step_seconds=0.002 + 0.0003 * d.batch_size)
+            ctl.observe(s["sq_norm"], s["pe_sqnorm"], s["B"])  # the recorded step's norms
+            ctl.observe_time(d.batch_size, 0.002 + 0.0003 * d.batch_size)  # the decided batch's time, t(B) known
         twin = schedules.BatchSizeController(
             rule, micro_batch_size=4, base_batch_size=64, max_accum_steps=128, beta2=0.99, weight_decay=0.1, **kw
         )
@@ -559,7 +560,8 @@ def check_pieces():
             decay = cosine(i, len(trace), 0.1)
             d = twin.decide(4e-3 * decay, decay)
             twin_decisions.append(d)
-            twin.observe(s["sq_norm"], s["pe_sqnorm"], s["B"], step_seconds=0.002 + 0.0003 * d.batch_size)
+            twin.observe(s["sq_norm"], s["pe_sqnorm"], s["B"])
+            twin.observe_time(d.batch_size, 0.002 + 0.0003 * d.batch_size)
         assert twin_decisions == decisions[half:], f"{rule}: resumed decisions differ"
         batches = [d.batch_size for d in decisions]
         assert all(b % 4 == 0 and 4 <= b <= 512 for b in batches), rule
@@ -576,6 +578,9 @@ def check_pieces():
                     and mult <= 1 / math.sqrt(cosine(i, len(trace), 0.1)) + 1e-9
                 )
             assert abs(d.weight_decay * mult - 0.1 * d.batch_size / 64) < 1e-9  # B / (lr wd) constant
+        if rule == "goodput":  # the goodput optimum of t(B) = 0.002 + 0.0003 B: B* = sqrt(t0 GNS / t1)
+            best = math.sqrt(0.002 * ctl.gns / 0.0003)
+            assert 0.6 * best <= batches[-1] <= 1.6 * best, (batches[-1], best)
         checks.append((rule, batches[0], batches[len(batches) // 2], batches[-1], switches))
     # the LR coupling: sqrt below the GNS, held above it
     ctl = schedules.BatchSizeController("sqrt", micro_batch_size=4, base_batch_size=16, max_accum_steps=64)

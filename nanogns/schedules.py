@@ -319,10 +319,15 @@ class BatchSizeController:
         gns = self.estimator.update(sq_norm, pe_sqnorm, batch_size)
         if math.isfinite(gns) and gns > 0:
             self.max_gns = gns if math.isnan(self.max_gns) else max(self.max_gns, gns)
-        if step_seconds is not None and math.isfinite(step_seconds) and batch_size > 0:
-            self.times = (self.times + [(int(batch_size), float(step_seconds))])[-self.time_window :]
+        if step_seconds is not None:
+            self.observe_time(batch_size, step_seconds)
         self.steps += 1
         return gns
+
+    def observe_time(self, batch_size: int, step_seconds: float) -> None:
+        """Add one step's duration at batch B to the step-time model ('goodput'); `observe` does with step_seconds."""
+        if math.isfinite(step_seconds) and batch_size > 0:
+            self.times = (self.times + [(int(batch_size), float(step_seconds))])[-self.time_window :]
 
     def step_time_model(self) -> Optional[Tuple[float, float]]:
         """(t0, t1) of t(B) = t0 + t1 B, least squares over the timed steps (both >= 0); None before two batch sizes."""
