@@ -260,9 +260,9 @@ class BatchSizeController:
       'goodput': Pollux's goodput, throughput(B) x efficiency(B) = B / t(B) x (GNS + B0) / (GNS + B), with
           t(B) = t0 + t1 B fitted to the step times given to `observe` (the last `time_window` steps; until two
           batch sizes have been timed, the batch grows past the hysteresis band to measure a second one).
-    Couplings (every rule): the LR scales as sqrt(B / base_batch_size) for Adam, and above the base batch only up
-    to the hold (lr_hold x GNS), held beyond it (Surge: Adam's best LR peaks near B_noise), except 'grow', whose
-    LR never exceeds the schedule's peak (a sqrt(B/B0) <= sqrt(a) <= 1); beta2 keeps its half-life in tokens (beta2^(B/B0), Marek et
+    Couplings (every rule): the LR scales as sqrt(B / base_batch_size) for Adam below the GNS and is held once the
+    batch passes it (lr_hold x GNS; Surge: Adam's best LR peaks near B_noise), except 'grow', whose LR follows
+    Seesaw (sqrt(B / B0), never above the schedule's peak: a sqrt(B/B0) <= sqrt(a) <= 1); beta2 keeps its half-life in tokens (beta2^(B/B0), Marek et
     al.); weight decay keeps AdamW's timescale B / (lr wd) (Power Lines); at a switch Adam's second moment is
     rescaled by E|g_B'|^2 / E|g_B|^2 = (1 + GNS/B') / (1 + GNS/B). The GNS is RatioGNS (a horizon in examples,
     bias-corrected). Switches are by whole micro-batches and only when the target leaves the band [n / (1 +
@@ -367,12 +367,14 @@ class BatchSizeController:
         return float(b[int(np.argmax(goodput))])
 
     def lr_multiplier(self, batch_size: int) -> float:
-        """The LR coupling for Adam: sqrt(B / B0) below the base batch B0 (whose LR the caller tuned); above it
-        sqrt(min(B, H) / B0), held once B passes H = max(B0, lr_hold x GNS) (no hold when lr_hold is None or the
-        GNS is unknown). 'grow': sqrt(B / B0) throughout, which its growth (B <= B0 / decay) keeps <= 1 / sqrt(decay)."""
-        if batch_size <= self.base or self.rule == "grow" or self.lr_hold is None or not (self.gns > 0):
+        """The LR coupling for Adam: sqrt(min(B, H) / min(B0, H)) with H = lr_hold x GNS: the square root of the
+        batch ratio while both batches are below the GNS, held once the batch passes it (Surge: Adam's best LR
+        rises with B up to about B_noise). Pure sqrt(B / B0) when lr_hold is None or the GNS is unknown, and for
+        'grow', whose growth (B <= B0 / decay) keeps it <= 1 / sqrt(decay)."""
+        if self.rule == "grow" or self.lr_hold is None or not (self.gns > 0):
             return math.sqrt(batch_size / self.base)
-        return math.sqrt(min(batch_size, max(self.base, self.lr_hold * self.gns)) / self.base)
+        hold = self.lr_hold * self.gns
+        return math.sqrt(min(batch_size, hold) / min(self.base, hold))
 
     def decide(self, lr: float, decay: float = 1.0) -> Decision:
         """This step's Decision. lr: the loop's learning rate now (its schedule's, for base_batch_size);

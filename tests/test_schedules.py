@@ -308,8 +308,11 @@ def test_couplings_lr_beta2_weight_decay_and_adam_state_at_a_switch():
     d = ctl.decide(1e-3)
     assert d.batch_size == 200
     assert d.lr == pytest.approx(1e-3 * math.sqrt(100 / 64))  # sqrt up to the GNS, held beyond it
-    assert ctl.lr_multiplier(32) == pytest.approx(math.sqrt(32 / 64))  # sqrt below the base batch
     assert ctl.lr_multiplier(400) == ctl.lr_multiplier(200)
+    assert ctl.lr_multiplier(32) == pytest.approx(math.sqrt(32 / 64))  # both below the GNS: the square root
+    small = controller("sqrt", hysteresis=0.0)
+    small.observe(*exact_step(1.0, 8.0, 64))  # GNS 8: every batch from 8 up gets the base batch's LR
+    assert small.lr_multiplier(8) == small.lr_multiplier(16) == 1.0 and small.lr_multiplier(4) == math.sqrt(4 / 8)
     half_life = lambda beta2, B: math.log(0.5) / math.log(beta2) * B  # noqa: E731  (in examples, so in tokens)
     assert half_life(d.beta2, 200) == pytest.approx(half_life(0.99, 64))
     assert 200 / (d.lr * d.weight_decay) == pytest.approx(64 / (1e-3 * 0.1))  # AdamW's timescale B / (lr wd)
