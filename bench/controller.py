@@ -487,7 +487,7 @@ def report(task, fit, cpu_model, rows, ref_name):
     return "\n".join(lines)
 
 
-def figures(task, sweep_runs, fit, results, out_dir):
+def figures(task, sweep_runs, fit, results, out_dir, ref_name=None):
     """steps_vs_tokens.png (every method on the fixed-batch curve) and trajectories.png (batch and LR vs tokens)."""
     import matplotlib
 
@@ -504,12 +504,19 @@ def figures(task, sweep_runs, fit, results, out_dir):
     ax.plot(bb * s * T, s, "k-", lw=1, label="fit: S = S_min + E_min/B")
     e = np.geomspace(fit["E_min"] * 1.05, fit["E_min"] * 20, 200)  # the goal's boundary: (S/Smin-1)(E/Emin-1) = 0.5
     ax.plot(e * T, fit["S_min"] * (1 + 0.5 / (e / fit["E_min"] - 1)), "k:", lw=1, label="(S/Smin-1)(E/Emin-1) = 0.5")
-    markers = "osD^v<>phX*P"
+    if ref_name in results:  # the goal, against the reference's median: at most 70% of its steps, no more tokens
+        ref = [r for r in results[ref_name] if r["reached"]]
+        s_ref, e_ref = np.median([r["steps"] for r in ref]), np.median([r["examples"] for r in ref])
+        ax.fill_between(
+            [fit["E_min"] * T, e_ref * T], 1, 0.7 * s_ref, color="g", alpha=0.12, label="goal (median ref.)"
+        )
+    markers, colors = "osD^v<>phX*Pd", plt.get_cmap("tab20")
     for i, (name, rs) in enumerate(results.items()):
         pts = [(r["examples"] * T, r["steps"]) for r in rs if r["reached"]]
         if pts:
-            ax.scatter(*zip(*pts), marker=markers[i % len(markers)], s=30, label=name, zorder=3)
+            ax.scatter(*zip(*pts), marker=markers[i % len(markers)], color=colors(i % 20), s=30, label=name, zorder=3)
     ax.set(xscale="log", yscale="log", xlabel="tokens to target", ylabel="optimizer steps to target")
+    ax.set_ylim(0.8 * fit["S_min"], None)
     ax.set_title(f"val loss {task.target}: every seed of every method", fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
@@ -521,10 +528,9 @@ def figures(task, sweep_runs, fit, results, out_dir):
     for i, (name, rs) in enumerate(results.items()):
         r = rs[0]
         tokens = np.cumsum([b for b, _, _ in r["trace"]]) * T
-        axes[0].plot(
-            tokens, [b for b, _, _ in r["trace"]], lw=1, label=name, color=f"C{i % 10}", ls="-" if i < 10 else "--"
-        )
-        axes[1].plot(tokens, [lr for _, lr, _ in r["trace"]], lw=1, color=f"C{i % 10}", ls="-" if i < 10 else "--")
+        color = plt.get_cmap("tab20")(i % 20)
+        axes[0].plot(tokens, [b for b, _, _ in r["trace"]], lw=1, label=name, color=color)
+        axes[1].plot(tokens, [lr for _, lr, _ in r["trace"]], lw=1, color=color)
     axes[0].axhline(fit["B_crit"], color="k", ls=":", lw=1, label=f"B_crit {fit['B_crit']:.0f}")
     axes[0].set(
         xscale="log", yscale="log", xlabel="tokens", ylabel="batch size (examples)", title=f"seed {task.seeds[0]}"
@@ -678,7 +684,7 @@ def main(argv=None):
         f"{', '.join(f'{c:.3f}' for _, c in bounds)})"
     )
     print(text)
-    paths = figures(task, runs, fit, results, out_dir)
+    paths = figures(task, runs, fit, results, out_dir, ref_name)
     if not args.quick:  # the recorded trace the quick check replays
         r = results[f"ctl sqrt x{task.sqrt_factors[0]:g}"][0]
         with open(os.path.join(out_dir, "gns_trace.json"), "w") as f:
@@ -689,6 +695,7 @@ def main(argv=None):
                 task=dataclasses.asdict(task),
                 fit=fit,
                 sweep=summary["table"],
+                sweep_runs=[{k: r[k] for k in ("B", "lr", "seed", "reached", "steps", "examples")} for r in runs],
                 reference=dict(name=ref_name, lr=row["lr"], cosine=cos, trials=trials),
                 cpu_model=cpu_model,
                 mccandlish_bound=bounds,
