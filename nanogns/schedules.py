@@ -385,6 +385,8 @@ class BatchSizeController:
             wanted = self._clamp(round(target / self.micro))
             if wanted >= old * (1 + self.hysteresis) or wanted <= old / (1 + self.hysteresis):
                 self.accum = wanted
+        if self.rule == "grow":  # never past B0 / decay, hysteresis or not: the LR stays <= the schedule's peak
+            self.accum = min(self.accum, max(self.min_steps, math.floor(self.base / max(decay, 1e-12) / self.micro)))
         switched = self.accum != old
         self.switches += switched
         batch = self.accum * self.micro
