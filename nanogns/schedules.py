@@ -1,5 +1,5 @@
 """
-Batch-size schedules for train.py (`--bs_schedule=none|linear|gns`).
+Batch-size schedules for train.py (`--bs_schedule=none|linear|gns|sqrt|grow|goodput`).
 
 A schedule decides, before each optimizer step, the step's gradient accumulation
 steps counted over the whole job (nanoGPT's `gradient_accumulation_steps`, an
@@ -15,6 +15,9 @@ B = batch_size x per_rank_steps x world_size examples.
   one warning per distinct bad content.
 - 'gns': adaptive, steps -> bs_gns_factor x GNS / batch_size (that is B ~ factor x GNS),
   clamped to [min, max] and moved by at most `max_delta` per step.
+- 'sqrt', 'grow', 'goodput': BatchSizeController, a controller any loop asks each step for its
+  accumulation steps, learning rate, Adam's beta2 and weight decay, from its own GNS estimate
+  (RatioGNS); measured against fixed batches and published schedules in bench/controller.py.
 """
 
 import math
