@@ -262,7 +262,8 @@ class BatchSizeController:
           small, the cap makes it a warmup of the batch (Merrill et al. 2025).
       'goodput': Pollux's goodput, throughput(B) x efficiency(B) = B / t(B) x (GNS + B0) / (GNS + B), with
           t(B) = t0 + t1 B fitted to the step times given to `observe` (the last `time_window` steps; until two
-          batch sizes have been timed, the batch grows past the hysteresis band to measure a second one).
+          batch sizes have been timed, or while the fit finds no cost per example (noisy times), the batch grows
+          one hysteresis band to measure another, rather than jump to the largest).
     Couplings (every rule): the LR scales as sqrt(B / base_batch_size) for Adam below the GNS and is held once the
     batch passes it (lr_hold x GNS; Surge: Adam's best LR peaks near B_noise), except 'grow', whose LR follows
     Seesaw (sqrt(B / B0), never above the schedule's peak: a sqrt(B/B0) <= sqrt(a) <= 1); beta2 keeps its half-life in tokens (beta2^(B/B0), Marek et
@@ -361,8 +362,8 @@ class BatchSizeController:
             anchor = self.anchor if self.anchor is not None else self.max_gns
             return self.factor * math.sqrt(gns * anchor)
         model = self.step_time_model()  # goodput
-        if model is None:
-            return (math.ceil(self.accum * (1 + self.hysteresis)) + 1) * self.micro  # explore: time a second batch size
+        if model is None or model[1] <= 0:  # one batch size timed, or no sign yet that a bigger one costs more:
+            return (math.ceil(self.accum * (1 + self.hysteresis)) + 1) * self.micro  # explore one band up, not max
         t0, t1 = model
         n = np.arange(self.min_steps, self.max_steps + 1, dtype=np.float64)
         b = n * self.micro

@@ -301,6 +301,17 @@ def test_goodput_rule_finds_pollux_optimum_of_the_measured_step_time():
     assert abs(seen[-1] - best) <= 4 * 1.1 + 0.1 * best
 
 
+def test_goodput_explores_one_band_up_when_noisy_times_show_no_cost_per_example():
+    """Times that fall with the batch (noise) fit t1 <= 0: goodput would then rise with B up to the largest batch;
+    the controller grows one hysteresis band instead (the full run's goodput seed 0 once jumped to 512)."""
+    ctl = controller("goodput", max_accum_steps=128, start_accum_steps=8, hysteresis=0.1)
+    for B, seconds in ((32, 0.020), (36, 0.019), (32, 0.021), (36, 0.018)):
+        ctl.observe(*exact_step(1.0, 50.0, B), step_seconds=seconds)
+    assert ctl.step_time_model()[1] == 0.0
+    d = ctl.decide(1e-3)
+    assert d.batch_size == 4 * (math.ceil(8 * 1.1) + 1)  # 40, not 512
+
+
 def test_couplings_lr_beta2_weight_decay_and_adam_state_at_a_switch():
     ctl = controller("sqrt", beta2=0.99, weight_decay=0.1, anchor=400.0, hysteresis=0.0, lr_hold=1.0)
     for _ in range(3):
