@@ -13,7 +13,7 @@ The package, in the order one step's data flows through it (README, "Architectur
     layers/       one module per layer kind, the registry, row maps (which example each row is), buffers
     monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is
     conversion/   convert(model): a finished model's layers made per-example norm layers, checked by probes
-    engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules
+    engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules and the controller
     integrations  transformers.Trainer, Lightning and Accelerate
     runlog/       the CSV log: writer (LogWrapper) and reader (load_csv); no torch
     estimator.py  the GNS maths; no torch
@@ -43,6 +43,7 @@ _EXPORTS = {
     "LogWrapper": "nanogns.runlog.writer",
     "load_csv": "nanogns.runlog.reader",
     "RunningGNS": "nanogns.estimator",
+    "BatchSizeController": "nanogns.schedules",
     "analyze_gns": "nanogns.analysis.analyze",
 }
 
