@@ -18,6 +18,7 @@ To shard the model, gradients and optimizer state with FSDP2 instead of DDP:
 $ torchrun --standalone --nproc_per_node=4 train.py --fsdp=True
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ import layer_config as lc
 import gnstracking
 from tracker import LogWrapper
 from nanogns import schedules
+from nanogns.monitor import summed_squares # gns: a step's summed squared norms, for a batch-size controller
 from nanogns import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
 from nanogns import settings # gns: the valid range of every setting
 from nanogns.dataset import load_meta, token_ids_problem # gns: the dataset's vocabulary, read as data (meta.json)
@@ -96,7 +98,10 @@ bs_schedule = 'none' # 'none', 'linear' (out_dir/grad_accum_schedule.txt, re-rea
 # from bs_min_accum_steps at 0 tokens to bs_max_accum_steps at max_tokens) or 'gns' (follows the running GNS); both end at max_tokens
 bs_min_accum_steps = 1
 bs_max_accum_steps = 0 # 0 = gradient_accumulation_steps
-bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples
+bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples; 'sqrt': B = factor x sqrt(GNS x its max so far)
+# controllers (schedules.BatchSizeController: 'sqrt', 'grow', 'goodput'), from the configured batch and learning rate:
+bs_cap = 4.0 # 'grow': the batch grows in place of LR decay up to bs_cap x GNS
+bs_gns_horizon = 0 # their GNS's horizon in examples; 0 = 20 x the configured batch
 data_seed = -1 # >= 0: training batches drawn from (data_seed, iter_num, global micro-batch index), the same for any number of ranks
 # -----------------------------------------------------------------------------
 config_keys = [k for k,v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
@@ -138,10 +143,10 @@ if spectral_c_attn and linearclass != 'nn':
          "norms still give a GNS), or drop spectral_c_attn")
 # gns: check the batch-size schedule
 bs_max_accum_steps = bs_max_accum_steps or gradient_accumulation_steps
-if bs_schedule not in ('none', 'linear', 'gns'):
-    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear' or 'gns'")
-if bs_schedule == 'gns' and not tracked:
-    fail("bs_schedule='gns' follows the measured GNS: set a layer class other than 'nn' "
+if bs_schedule not in ('none', 'linear', 'gns', *schedules.CONTROLLER_RULES):
+    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear', 'gns', 'sqrt', 'grow' or 'goodput'")
+if bs_schedule not in ('none', 'linear') and not tracked:
+    fail(f"bs_schedule={bs_schedule!r} follows the measured GNS: set a layer class other than 'nn' "
          "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
@@ -177,6 +182,7 @@ if not master_process: # gns: the start-up lines (model size, optimizer, ...) on
 seed_offset = engine.seed_offset # each process gets a different seed
 # world_size number of processes will be training simultaneously, so we can scale
 # down the desired gradient accumulation iterations per process proportionally
+bs_base_batch = gradient_accumulation_steps * batch_size # gns: the configured batch (a controller's base)
 gradient_accumulation_steps = schedules.per_rank_steps(gradient_accumulation_steps, ddp_world_size)
 if bs_schedule != 'none': # gns: a schedule sets these before every step; 'gns' starts at the minimum
     gradient_accumulation_steps = schedules.per_rank_steps(bs_min_accum_steps, ddp_world_size)
@@ -397,6 +403,12 @@ tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else
 # gns: one object reads every layer's per-example norms after a step's backward, zeroes them and logs them
 # (on every rank: it all-reduces once); it also writes out_dir/gns_parameters.json, what each parameter is
 monitor = gnstracking.GNSMonitor(model, log=tracker, scaler=scaler, ema_decay=gns_ema_decay) if tracked else None
+# gns: a batch-size controller (micro-batches of batch_size x ranks examples, counted per rank)
+controller = schedules.BatchSizeController(
+    bs_schedule, batch_size * ddp_world_size, bs_base_batch, *(schedules.per_rank_steps(n, ddp_world_size) for n in (bs_min_accum_steps, bs_max_accum_steps)),
+    factor=bs_gns_factor, cap=bs_cap, horizon_examples=bs_gns_horizon or None, beta2=beta2, weight_decay=weight_decay,
+) if bs_schedule in schedules.CONTROLLER_RULES else None
+decision = None
 
 # compile the model
 if compile:
@@ -411,6 +423,11 @@ ddp_grad_stats = engine.gns_hook(model)
 
 # gns: this step's accumulation steps per rank under a batch-size schedule, decided by rank 0
 def scheduled_accum_steps():
+    global decision
+    if controller is not None: # a controller: rank 0's decision on every rank (its lr is a multiplier of get_lr's)
+        decay = get_lr(max(tokens_processed, warmup_tokens), 0) / learning_rate if decay_lr else 1.0
+        decision = engine.broadcast(controller.decide(1.0, decay))
+        return decision.accum_steps
     if bs_schedule == 'linear':
         total = accum_schedule(tokens_processed) if master_process else 1
     else: # 'gns': the running GNS from the last step (NaN early on keeps the current value)
@@ -471,6 +488,7 @@ def save_checkpoint():
         'fsdp': fsdp,
         'gns': monitor.state_dict() if monitor is not None else None, # gns: the running GNS's EMAs
         'accum_steps': gradient_accumulation_steps, # gns: where a batch-size schedule stands
+        'bs_controller': controller.state_dict() if controller is not None else None, # gns: and a controller
         'ranks': ranks, # gns: every rank's random state and prefetched batch, for an exact resume
     }
     print(f"saving checkpoint to {out_dir}")
@@ -484,6 +502,8 @@ if init_from == 'resume': # gns: continue exactly where the checkpoint was writt
         monitor.load_state_dict(checkpoint['gns'])
     if bs_schedule != 'none' and 'accum_steps' in checkpoint:
         gradient_accumulation_steps = checkpoint['accum_steps']
+    if controller is not None and checkpoint.get('bs_controller') is not None:
+        controller.load_state_dict(checkpoint['bs_controller'])
     if len(checkpoint.get('ranks', [])) == ddp_world_size:
         X, Y = engines.restore_rank_state(checkpoint['ranks'][ddp_rank], device)
         if X.shape != (batch_size, block_size): # gns: the batch size changed: this run's first batch
@@ -515,6 +535,10 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
 
     # determine and set the learning rate for this iteration
     lr = get_lr(tokens_processed, tokens_per_iter) if decay_lr else learning_rate
+    if controller is not None: # gns: the controller's LR, beta2, weight decay, and Adam's state at a switch
+        decision = dataclasses.replace(decision, lr=lr * decision.lr)
+        controller.apply(optimizer, decision)
+        lr = decision.lr
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
@@ -552,6 +576,8 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
     t1 = time.time()
     dt = t1 - t0
     t0 = t1
+    if controller is not None: # gns: the step's GNS measurement and duration (for 'goodput')
+        controller.observe(*summed_squares(monitor.measurements), step_seconds=dt)
     if iter_num % log_interval == 0 and master_process:
         # get loss as float. note: this is a CPU-GPU sync point
         # scale up to undo the division above, approximating the true total loss (exact would have been a sum)

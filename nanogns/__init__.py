@@ -10,7 +10,7 @@ nanogns: exact per-example gradient norms, and the gradient noise scale (GNS) ma
 
 The package, from the top of its import layers down (docs/architecture.md):
     integrations  transformers.Trainer, Lightning and Accelerate
-    engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules
+    engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules and the controller
     conversion/   convert(model): a finished model's layers made per-example norm layers, checked by probes
     monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is
     kinds/        one module per layer kind, declaring all its variants; the classes model.py builds with
@@ -46,6 +46,7 @@ _EXPORTS = {
     "LogWrapper": "nanogns.runlog.writer",
     "load_csv": "nanogns.runlog.reader",
     "RunningGNS": "nanogns.estimator",
+    "BatchSizeController": "nanogns.schedules",
     "analyze_gns": "nanogns.analysis.analyze",
     "NanoGNSError": "nanogns.errors",
     "DirectoryInUse": "nanogns.errors",

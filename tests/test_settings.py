@@ -75,7 +75,10 @@ CASES = [
     ({"min_lr": 1.0}, "--min_lr=1.0 is above --learning_rate=0.0006: the decay goes down to min_lr"),
     ({"warmup_tokens": -1}, "--warmup_tokens=-1 is out of range: it must be an integer >= 0"),
     ({"lr_decay_tokens": 10, "warmup_tokens": 10}, "--lr_decay_tokens=10 must be above --warmup_tokens=10"),
-    ({"bs_schedule": "cosine"}, "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns']"),
+    (
+        {"bs_schedule": "cosine"},
+        "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns', 'sqrt', 'grow', 'goodput']",
+    ),
     ({"bs_gns_factor": 0.0}, "--bs_gns_factor=0.0 is out of range: it must be a number in (0, inf)"),
     ({"bs_min_accum_steps": 0}, "--bs_min_accum_steps=0 is out of range: it must be an integer >= 1"),
     ({"cos_attn": [12]}, "--cos_attn=[12]: block indices must be integers in [0, n_layer=12), got [12]"),
