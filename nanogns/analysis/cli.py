@@ -196,11 +196,11 @@ def main(argv=None):
         output_dir, note = _output_dir(run_dir, args.output_dir)
         if note:
             print(f"\n{note}")
-        output_path = os.path.join(output_dir, "gns_analysis.csv")
-        _write_csv(results, output_path)  # the numbers first: they need no plotting library
         if not args.no_plots and HAS_PLOTILLE:
             print_plots(results)
-        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB else []
+        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB else []  # without the plot extra: the CSV alone
+        output_path = os.path.join(output_dir, "gns_analysis.csv")
+        _write_csv(results, output_path)  # last: a write that fails before it leaves no results file
     except OSError as e:  # a full disk, an unwritable --output-dir
         where = e.filename or args.output_dir or run_dir
         print(
