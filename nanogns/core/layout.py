@@ -63,11 +63,11 @@ from torch.utils import _pytree as pytree
 
 from nanogns.core import towers
 
-# keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
 BUFFER_SUFFIX = "_pe_sqnorm"  # buffers.py's (which imports this module)
 # layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
 # (transformers' Swin blocks: window_partition of (N, H, W, C) into (N * windows, ws, ws, C)), and join them back
 WINDOWED = ("SwinLayer", "Swinv2Layer")
+# keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
 EXAMPLE_ARGUMENTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "idx")
 # arguments that describe shapes (SigLIP2's spatial_shapes (N, 2), Qwen2-VL's image_grid_thw): no token grid
 _SHAPE_ARGUMENT = re.compile(r"(shapes|sizes|_thw|_hw)$")
