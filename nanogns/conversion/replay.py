@@ -110,7 +110,7 @@ class ReplayedForward(PerExampleNormLayer):
         before = {name: self.get_buffer(name).clone() for name in self.__dict__.get("_pe_changed", ())}
         self.__dict__["_pe_calls"] = calls + 1
         try:
-            with _RandomDraws() as draws:  # what it draws at random, served again to its replay
+            with _RandomDraws(self.training) as draws:  # what it draws at random, served again to its replay
                 out = plain(*args, **kwargs)
         finally:
             self.__dict__["_pe_calls"] = calls
@@ -593,11 +593,18 @@ _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, 
 
 class _RandomDraws(TorchFunctionMode):
     """During a replayed module's forward: keeps the tensors it draws at random (`drawn`, in order); a dropout
-    draws its keep-mask here (bernoulli), so that its replay can be given the same mask."""
+    draws its keep-mask here (bernoulli), so that its replay can be given the same mask. Off (`watching` False: a
+    module in eval mode, which draws nothing) it costs nothing."""
 
-    def __init__(self):
+    def __init__(self, watching=True):
         super().__init__()
-        self.drawn = []
+        self.drawn, self.watching = [], watching
+
+    def __enter__(self):
+        return super().__enter__() if self.watching else self
+
+    def __exit__(self, *exc):
+        return super().__exit__(*exc) if self.watching else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -603,23 +603,27 @@ def _tensors(args, kwargs):
 
 
 def _tagged_inputs(args, kwargs):
-    """The root's arguments with its integer tensors tagged (masks are left plain: they only mask, and the models'
-    mask builders run under vmap, which a subclass would break); None when it has none."""
+    """The root's arguments with their integer tensors tagged, in lists, tuples and dicts too (masks are left plain:
+    they only mask, and the models' mask builders run under vmap, which a subclass would break); None when there is
+    none."""
     found = False
 
-    def tag(name, value):
+    def tag(value, name=""):
         nonlocal found
+        if isinstance(value, dict):
+            return {k: tag(v, k) for k, v in value.items()} if type(value) is dict else value
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(tag(v, name) for v in value)
         if (
             type(value) is torch.Tensor
             and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
-            and not (name or "").endswith("mask")
+            and not name.endswith("mask")
         ):
             found = True
             return value.as_subclass(ExampleIds)
         return value
 
-    args = tuple(tag(None, a) for a in args)
-    kwargs = {k: tag(k, v) for k, v in kwargs.items()}
+    args, kwargs = tag(tuple(args)), tag(dict(kwargs))
     return (args, kwargs) if found else None
 
 

@@ -23,11 +23,19 @@ How a table is known: it is a SharedRows tensor, a torch.Tensor subclass that fo
 (__torch_function__): an op on tables, constants and parameters gives a table (the parameters join its sources);
 an op meeting the examples' data (dim 0 holding the forward's N examples) is where the copies are made:
 elementwise broadcasts and matmuls, Tensor.expand(N, ...), Tensor.repeat(N, ...) (DeBERTa), the attention mask of
-scaled_dot_product_attention. Any other meeting, or data whose examples cannot be told apart (dim 0 neither 1 nor
-N: Swin's windows), refuses the step with the op named. Tables start where a layer of a kind is handed one: an
-Embedding looking up ids with one row for N examples (GPT-2's and BERT's default positions, CLIP's), an Embedding
-its parent feeds a table (T5's relative_attention_bias), or a layer whose input is a parameter itself (DeBERTa's
-LayerNorm of its relative embeddings); layers running on a table compute plainly.
+scaled_dot_product_attention. Which part of the table an example gets is torch's broadcasting's: where the table's
+dim aligned with the data's example dim has size 1 (or the table has no such dim), every example gets all of it, a
+copy each; where it has size N, example i gets slice i (no copies: a table of one row per example, per-example ids
+looked up without the examples' tag, core/layout.py), so no decision rests on sizes that happen to match. The data's
+dim 0 may hold items of the examples (their choices, windows, a tower's images: layout.Items): the copies are then
+per item, and an example's gradient its items' sum. Any other meeting refuses the step with the op named. A table
+that is an Embedding's lookup met as it is is looked up again for each example (the Embedding kind's own
+per-example norms, no pull-back).
+
+Tables start where a layer of a kind is handed one: an Embedding looking up ids the forward did not compute from
+its example inputs (positions from torch.arange, as one (1, T) row or (T,); GPT-2's, BERT's, CLIP's and nanoGPT's
+default positions), an Embedding its parent feeds a table (T5's relative_attention_bias), or a layer whose input is
+a parameter itself (DeBERTa's LayerNorm of its relative embeddings); layers running on a table compute plainly.
 
 Cost: the copies (N times the table, the size of the broadcast's result), and per meeting the batched backward of
 the table's computation, forming each example's gradient of its parameters (N x their elements).
