@@ -35,6 +35,7 @@ output dtype (under autocast too), and allow in-place ops on their output.
 
 import functools
 import math
+import operator
 
 import torch
 
@@ -82,13 +83,120 @@ def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
 
 def zero_pe_sqnorm_buffers(model):
     """Clear every per-example norm buffer of `model`, and what its layers noted about the step; call after
-    each optimizer step's reading."""
-    for name, buffer in model.named_buffers():
-        if name.endswith(BUFFER_SUFFIX):
-            buffer.zero_()
+    each optimizer step's reading. A model a monitor reads (its BufferTable) is cleared in one op per device, as
+    the monitor's own step clears it; any other module buffer by buffer."""
+    table = model.__dict__.get(TABLE_ATTRIBUTE)
+    if table is not None:
+        if not table.current():
+            table.build()
+        table.zero()
+    else:
+        for name, buffer in model.named_buffers():
+            if name.endswith(BUFFER_SUFFIX):
+                buffer.zero_()
     mapper = layout.mapper_of(model)
     if mapper is not None:
         mapper.clear()
+
+
+# -----------------------------------------------------------------------------
+# one flat tensor behind every buffer of a model
+
+
+TABLE_ATTRIBUTE = "_pe_buffer_table"  # in the model's __dict__: not a submodule or buffer, state_dict stays clean
+_registrations = [0]  # buffers and submodules registered anywhere since the first table was built (see BufferTable)
+_watching = []  # the global registration hooks' handles, once a table exists
+
+
+def _registered(module, name, value):
+    _registrations[0] += 1
+
+
+def _watch_registrations():
+    """Count every buffer and submodule registered from now on (torch's global registration hooks): a table built
+    before one was registered must look again for buffers (a layer attached, a buffer added)."""
+    if not _watching:
+        _watching.append(torch.nn.modules.module.register_module_buffer_registration_hook(_registered))
+        _watching.append(torch.nn.modules.module.register_module_module_registration_hook(_registered))
+
+
+class BufferTable:
+    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
+    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
+
+    A buffer replaced since (model.to(device) moves buffers), and a buffer or submodule registered since anywhere
+    (torch's registration hooks count them), are noticed by `current()` (the monitor's read and
+    zero_pe_sqnorm_buffers ask it), and the table is rebuilt. The check is one pass in C over the table's buffers,
+    not a walk of the model's modules in Python.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.views = []  # [(module, buffer name, view)]
+        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
+        self.slot = {}  # (id(module), buffer name) -> (device, offset in its flat)
+        self._owners, self._names, self._views = [], [], []  # the views' columns, for current()
+        self._built_at = -1  # _registrations when built
+        _watch_registrations()
+        self.build()
+
+    def current(self):
+        """True when every buffer is still the table's view and no buffer or submodule was registered since."""
+        if self._built_at != _registrations[0]:
+            return False
+        buffers = map(dict.get, map(_BUFFERS_OF, self._owners), self._names)
+        return all(map(operator.is_, buffers, self._views))
+
+    def build(self):
+        self._built_at = _registrations[0]
+        entries = [
+            (m, n, b)
+            for m in self.model.modules()
+            for n, b in m._buffers.items()
+            if b is not None and n.endswith(BUFFER_SUFFIX)
+        ]
+        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
+            raise ValueError(
+                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
+                + TENSOR_PARALLEL
+            )
+        sizes = {}
+        for _, _, b in entries:
+            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
+        self.flats = {
+            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
+        }
+        offsets = {device: 0 for device in sizes}
+        self.views, self.slot = [], {}
+        with torch.no_grad():
+            for module, name, buffer in entries:
+                device, n = buffer.device, buffer.numel()
+                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
+                view.copy_(buffer)
+                module._buffers[name] = view
+                self.views.append((module, name, view))
+                self.slot[(id(module), name)] = (device, offsets[device])
+                offsets[device] += n
+        self._owners = [module for module, _, _ in self.views]
+        self._names = [name for _, name, _ in self.views]
+        self._views = [view for _, _, view in self.views]
+
+    def zero(self):
+        """Zero every buffer (one op per device)."""
+        for flat in self.flats.values():
+            flat.zero_()
+
+
+_BUFFERS_OF = operator.attrgetter("_buffers")
+
+
+def buffer_table(model):
+    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
+    buffers and rebuild at every read)."""
+    table = model.__dict__.get(TABLE_ATTRIBUTE)
+    if table is None:
+        table = model.__dict__[TABLE_ATTRIBUTE] = BufferTable(model)
+    return table
 
 
 class PerExampleNormLayer:

@@ -1,6 +1,6 @@
 """
 A step's numbers in a handful of ops whatever the model's size: every per-example norm buffer is a view of one
-flat tensor (BufferTable), the gradients' norms come from one torch._foreach_norm, the ranks' sums from one
+flat tensor (core/buffers.py's BufferTable, which zeroes them in one op too), the gradients' norms come from one torch._foreach_norm, the ranks' sums from one
 all-reduce, and the numbers reach the host in one sync (StepReader). Under data parallelism (DDP, FSDP2, HSDP) a
 gradient may be a DTensor: each rank reads its shard (grad_piece).
 """
@@ -8,7 +8,7 @@ gradient may be a DTensor: each rank reads its shard (grad_piece).
 import numpy as np
 import torch
 
-from nanogns.core.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
+from nanogns.core.buffers import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
 
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters
@@ -49,82 +49,6 @@ def _copies(mesh, placements):
             copies *= size if placement.is_replicate() else 1
         _copies_by_layout[key] = copies
     return _copies_by_layout[key]
-
-
-class BufferTable:
-    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
-    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
-
-    A buffer replaced since (model.to(device) moves buffers) is noticed at the next read, and the table rebuilt.
-    """
-
-    def __init__(self, model):
-        self.model = model
-        self.views = []  # [(module, buffer name, view)]
-        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
-        self.build()
-
-    def current(self):
-        """True when every buffer is still the table's view and no buffer was added."""
-        found = [
-            (m, n)
-            for m in self.model.modules()
-            for n, b in m._buffers.items()
-            if b is not None and n.endswith(BUFFER_SUFFIX)
-        ]
-        return len(found) == len(self.views) and all(m._buffers.get(n) is v for m, n, v in self.views)
-
-    def build(self):
-        entries = [
-            (m, n, b)
-            for m in _unique_modules(self.model)
-            for n, b in m._buffers.items()
-            if b is not None and n.endswith(BUFFER_SUFFIX)
-        ]
-        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
-            raise ValueError(
-                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
-                + TENSOR_PARALLEL
-            )
-        sizes = {}
-        for _, _, b in entries:
-            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
-        self.flats = {
-            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
-        }
-        offsets = {device: 0 for device in sizes}
-        self.views, self.slot = [], {}
-        with torch.no_grad():
-            for module, name, buffer in entries:
-                device, n = buffer.device, buffer.numel()
-                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
-                view.copy_(buffer)
-                module._buffers[name] = view
-                self.views.append((module, name, view))
-                self.slot[(id(module), name)] = (device, offsets[device])
-                offsets[device] += n
-
-    def zero(self):
-        """Zero every buffer (one op per device)."""
-        for flat in self.flats.values():
-            flat.zero_()
-
-
-def buffer_table(model):
-    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
-    buffers and rebuild at every read)."""
-    table = model.__dict__.get("_pe_buffer_table")
-    if table is None:
-        table = model.__dict__["_pe_buffer_table"] = BufferTable(model)
-    return table
-
-
-def _unique_modules(model):
-    seen = set()
-    for module in model.modules():
-        if id(module) not in seen:
-            seen.add(id(module))
-            yield module
 
 
 class StepReader:
