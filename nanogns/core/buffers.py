@@ -34,6 +34,7 @@ output dtype (under autocast too), and allow in-place ops on their output.
 """
 
 import functools
+import itertools
 import math
 import operator
 
@@ -104,30 +105,18 @@ def zero_pe_sqnorm_buffers(model):
 
 
 TABLE_ATTRIBUTE = "_pe_buffer_table"  # in the model's __dict__: not a submodule or buffer, state_dict stays clean
-_registrations = [0]  # buffers and submodules registered anywhere since the first table was built (see BufferTable)
-_watching = []  # the global registration hooks' handles, once a table exists
-
-
-def _registered(module, name, value):
-    _registrations[0] += 1
-
-
-def _watch_registrations():
-    """Count every buffer and submodule registered from now on (torch's global registration hooks): a table built
-    before one was registered must look again for buffers (a layer attached, a buffer added)."""
-    if not _watching:
-        _watching.append(torch.nn.modules.module.register_module_buffer_registration_hook(_registered))
-        _watching.append(torch.nn.modules.module.register_module_module_registration_hook(_registered))
+_BUFFERS_OF = operator.attrgetter("_buffers")
+_CHILDREN_OF = operator.attrgetter("_modules")
 
 
 class BufferTable:
     """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
     float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
 
-    A buffer replaced since (model.to(device) moves buffers), and a buffer or submodule registered since anywhere
-    (torch's registration hooks count them), are noticed by `current()` (the monitor's read and
-    zero_pe_sqnorm_buffers ask it), and the table is rebuilt. The check is one pass in C over the table's buffers,
-    not a walk of the model's modules in Python.
+    A buffer replaced since (model.to(device) moves buffers), a buffer added to a module of the model, and a
+    submodule attached or replaced are noticed by `current()` (the monitor's read and zero_pe_sqnorm_buffers ask
+    it), and the table is rebuilt. The check compares the modules' children, their numbers of buffers and the
+    table's buffers with what they were when it was built, by identity, in C: no walk of the modules in Python.
     """
 
     def __init__(self, model):
@@ -136,22 +125,26 @@ class BufferTable:
         self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
         self.slot = {}  # (id(module), buffer name) -> (device, offset in its flat)
         self._owners, self._names, self._views = [], [], []  # the views' columns, for current()
-        self._built_at = -1  # _registrations when built
-        _watch_registrations()
+        self._modules, self._children, self._buffer_counts = [], [], []  # the module tree as built, for current()
         self.build()
 
     def current(self):
-        """True when every buffer is still the table's view and no buffer or submodule was registered since."""
-        if self._built_at != _registrations[0]:
-            return False
-        buffers = map(dict.get, map(_BUFFERS_OF, self._owners), self._names)
-        return all(map(operator.is_, buffers, self._views))
+        """True when every buffer is still the table's view, and no submodule or buffer was added or replaced."""
+        children = list(itertools.chain.from_iterable(map(dict.values, map(_CHILDREN_OF, self._modules))))
+        return (
+            len(children) == len(self._children)
+            and all(map(operator.is_, children, self._children))
+            and list(map(len, map(_BUFFERS_OF, self._modules))) == self._buffer_counts
+            and all(map(operator.is_, map(dict.get, map(_BUFFERS_OF, self._owners), self._names), self._views))
+        )
 
     def build(self):
-        self._built_at = _registrations[0]
+        self._modules = list(self.model.modules())
+        self._children = list(itertools.chain.from_iterable(map(dict.values, map(_CHILDREN_OF, self._modules))))
+        self._buffer_counts = list(map(len, map(_BUFFERS_OF, self._modules)))
         entries = [
             (m, n, b)
-            for m in self.model.modules()
+            for m in self._modules
             for n, b in m._buffers.items()
             if b is not None and n.endswith(BUFFER_SUFFIX)
         ]
@@ -185,9 +178,6 @@ class BufferTable:
         """Zero every buffer (one op per device)."""
         for flat in self.flats.values():
             flat.zero_()
-
-
-_BUFFERS_OF = operator.attrgetter("_buffers")
 
 
 def buffer_table(model):
@@ -327,6 +317,8 @@ def autocast_result_dtype(op, x, *params):
     enabled = torch.is_autocast_enabled(device_type)
     autocast_dtype = torch.get_autocast_dtype(device_type) if enabled else None
     key = (op, x.device, enabled, autocast_dtype, x.dtype, tuple(p.dtype if p is not None else None for p in params))
+    if torch.compiler.is_compiling():  # Dynamo traces through a cache (and warns): the empty op is traced, then dropped
+        return _result_dtype.__wrapped__(key, x.shape[-1])
     return _result_dtype(key, x.shape[-1])
 
 
