@@ -69,17 +69,28 @@ def register_pe_sqnorm_buffers(module, param_names):
             )
 
 
-def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
+def add_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     """buffer += [sum of pe_sqnorm (N,), N]; the sum only when counted is False (a layer that counts its
-    forward's examples once, itself, as a mixture of experts does for its experts)."""
+    forward's examples once, itself, as a mixture of experts does for its experts). For a layer that asked
+    uses.hand_over first (its tensor was used once); accumulate_pe_sqnorm for one that hands over no factors."""
     if buffer is None:
         return
-    if counted and uses.multiple(buffer):  # a tensor used several times, by a layer that gives no factors
+    total = pe_sqnorm.sum()
+    if total.requires_grad:  # a backward that builds a graph (create_graph=True): the buffer takes the value only
+        total = total.detach()
+    buffer[0].add_(total if total.dtype == buffer.dtype else total.to(buffer.dtype))  # in place on the views: 2 ops
+    # each, no copy back
+    if counted:
+        buffer[1].add_(pe_sqnorm.numel())
+
+
+def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
+    """add_pe_sqnorm for a layer that hands over no per-example factors (core/uses.py): when its tensor was used
+    several times per forward, that is noted, and the tensor's uses are recorded each on its own (the monitor then
+    stops measuring it, saying why)."""
+    if buffer is not None and counted and uses.multiple(buffer):
         uses.add_direct(buffer)
-    with torch.no_grad():
-        buffer[0].add_(pe_sqnorm.sum().to(buffer.dtype))  # in place on the views: 2 ops each, no copy back
-        if counted:
-            buffer[1].add_(pe_sqnorm.numel())
+    add_pe_sqnorm(buffer, pe_sqnorm, counted)
 
 
 def zero_pe_sqnorm_buffers(model):
@@ -233,16 +244,15 @@ class PerExampleNormLayer:
         table shared by the examples (see rows_or_refuse)."""
         params, buffers = [], []
         for role in param_names:  # pe_buffer's rule, inlined: this runs in every forward
-            name = self.pe_roles.get(role, role)
+            name = self.pe_roles.get(role, role) if self.pe_roles else role
             param = self._parameters[name] if name in self._parameters else getattr(self, name, None)
             params.append(param)
             buffers.append(
                 self._buffers.get(name + BUFFER_SUFFIX) if param is not None and param.requires_grad else None
             )
-        buffers = tuple(buffers)
-        if all(b is None for b in buffers):
-            return None, buffers
-        return rows_or_refuse(x, buffers, params, lookup)
+        if buffers.count(None) == len(buffers):
+            return None, tuple(buffers)
+        return rows_or_refuse(x, tuple(buffers), params, lookup)
 
 
 SHARED_INPUT = (
@@ -258,8 +268,8 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
     A table shared by the examples (core/shared.py) gives (None, Nones) without refusing: the layer computes
     plainly, and the table follows its parameters; ids with one row for every example give Rows 'shared' when
     `lookup` (an Embedding then looks up a table)."""
-    if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
-        refuse_step(
+    if DTensor is not None and any(map(isinstance, params, itertools.repeat(DTensor))):  # FSDP2 all-gathers its
+        refuse_step(  # shards into plain tensors before a forward: a DTensor here is tensor parallelism
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
         )
         return None, tuple(None for _ in buffers)
@@ -267,13 +277,13 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
     rows = layout.rows_for(shape)
-    if not isinstance(rows, str) and rows.kind == "shared":
-        if lookup:
-            return rows, tuple(None for _ in buffers)
-        rows = SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
-    if isinstance(rows, str):
+    if isinstance(rows, str) or rows.kind == "shared" and not lookup:
+        if not isinstance(rows, str):
+            rows = SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
         refuse_step(rows, buffers)
         return None, tuple(None for _ in buffers)
+    if rows.kind == "shared":  # an Embedding's ids, one row for every example: it looks up a table (shared.py)
+        return rows, tuple(None for _ in buffers)
     layout.note_uses(buffers)
     return rows, buffers
 
@@ -315,6 +325,8 @@ def autocast_result_dtype(op, x, *params):
     op on empty tensors."""
     device_type = x.device.type
     enabled = torch.is_autocast_enabled(device_type)
+    if not enabled and {p.dtype for p in params if p is not None} <= {x.dtype}:
+        return x.dtype  # the norms' ops (layer_norm, rms_norm) keep the dtype they are all given
     autocast_dtype = torch.get_autocast_dtype(device_type) if enabled else None
     key = (op, x.device, enabled, autocast_dtype, x.dtype, tuple(p.dtype if p is not None else None for p in params))
     if torch.compiler.is_compiling():  # Dynamo traces through a cache (and warns): the empty op is traced, then dropped

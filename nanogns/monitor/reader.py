@@ -5,10 +5,21 @@ all-reduce, and the numbers reach the host in one sync (StepReader). Under data 
 gradient may be a DTensor: each rank reads its shard (grad_piece).
 """
 
+import itertools
+import operator
+
 import numpy as np
 import torch
 
 from nanogns.core.buffers import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
+
+_PARAMETERS_OF = operator.attrgetter("_parameters")
+_GRAD_OF = operator.attrgetter("grad")
 
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters
@@ -17,6 +28,11 @@ from nanogns.core.buffers import BufferTable, buffer_table, is_dtensor  # noqa: 
 def world_size():
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def any_dtensor(tensors):
+    """True when one of `tensors` (None allowed) is a DTensor: a pass in C over them, then one check per type."""
+    return DTensor is not None and any(issubclass(t, DTensor) for t in set(map(type, tensors)))
 
 
 def grad_piece(grad):
@@ -65,6 +81,8 @@ class StepReader:
     def __init__(self, table, tracked, untracked_params):
         self.table, self.tracked, self.untracked_params = table, tracked, untracked_params
         self._indices = self._built_for = None
+        self._modules = [entry.ref.module for entry in tracked]  # where each parameter lives (gradients())
+        self._attrs = [entry.ref.attr for entry in tracked]
         self._plans = {}  # the index tensors squared_norms needs, by the gradients' pattern (dtypes, shards, absences)
 
     def indices(self):
@@ -103,12 +121,8 @@ class StepReader:
             self.table.build()
         indices = self.indices()
         n = len(self.tracked)
-        grads, no_grad = [], []
-        for entry in self.tracked:
-            grad = entry.ref.get().grad
-            if grad is None:
-                no_grad.append(entry.name)
-            grads.append(grad)
+        grads = self.gradients()
+        no_grad = [entry.name for entry, grad in zip(self.tracked, grads) if grad is None]
         device = next(iter(self.table.flats), torch.device("cpu"))
         whole_sq, shard_sq = self.squared_norms(grads, device)
         sums = torch.zeros(n, dtype=torch.float32, device=device)
@@ -136,12 +150,23 @@ class StepReader:
         finite = bool(np.isfinite(grad_sq).all() and np.isfinite(rest).all()) if scaler_on else True
         return table, finite, no_grad
 
+    def gradients(self):
+        """The tracked tensors' gradients (None where absent), each parameter looked up on its module now (an engine
+        may have replaced it since: FSDP2's fully_shard); in C, not a Python call per parameter."""
+        parameters = map(dict.__getitem__, map(_PARAMETERS_OF, self._modules), self._attrs)
+        return list(map(_GRAD_OF, parameters))
+
     def squared_norms(self, grads, device, plan_key="tracked"):
         """(squared norms of the whole gradients (n,) float64, of this rank's shards divided by their copies (n,)
         float64, or None when no gradient is sharded); zero where a gradient is absent. One _foreach_norm per
         dtype family (float64 gradients keep float64 norms; any other dtype: float32), index tensors cached."""
-        pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
-        pattern = tuple((t is not None and t.dtype == torch.float64, t is None, copies) for t, copies in pieces)
+        sharded_engine = any_dtensor(grads)
+        if sharded_engine:
+            pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
+        else:  # plain tensors: each whole on this rank
+            pieces = list(zip(grads, itertools.repeat(None)))
+        dtypes = tuple(map(getattr, grads, itertools.repeat("dtype"), itertools.repeat(None)))  # None: no gradient
+        pattern = (dtypes, tuple(copies for _, copies in pieces) if sharded_engine else None)
         plans = self._plans.setdefault(plan_key, {})
         if pattern not in plans:
             groups = []
