@@ -250,7 +250,7 @@ class PerExampleNormLayer:
             buffers.append(
                 self._buffers.get(name + BUFFER_SUFFIX) if param is not None and param.requires_grad else None
             )
-        if buffers.count(None) == len(buffers):
+        if all(b is None for b in buffers):
             return None, tuple(buffers)
         return rows_or_refuse(x, tuple(buffers), params, lookup)
 
