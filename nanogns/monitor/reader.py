@@ -1,8 +1,8 @@
 """
 A step's numbers in a handful of ops whatever the model's size: every per-example norm buffer is a view of one
-flat tensor (core/buffers.py's BufferTable, which zeroes them in one op too), the gradients' norms come from one torch._foreach_norm, the ranks' sums from one
-all-reduce, and the numbers reach the host in one sync (StepReader). Under data parallelism (DDP, FSDP2, HSDP) a
-gradient may be a DTensor: each rank reads its shard (grad_piece).
+flat tensor (core/buffers.py's BufferTable, which zeroes them in one op too), the gradients' norms come from one
+torch._foreach_norm, the ranks' sums from one all-reduce, and the numbers reach the host in one sync (StepReader).
+Under data parallelism (DDP, FSDP2, HSDP) a gradient may be a DTensor: each rank reads its shard (grad_piece).
 """
 
 import itertools
