@@ -78,8 +78,9 @@ def add_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     total = pe_sqnorm.sum()
     if total.requires_grad:  # a backward that builds a graph (create_graph=True): the buffer takes the value only
         total = total.detach()
-    buffer[0].add_(total if total.dtype == buffer.dtype else total.to(buffer.dtype))  # in place on the views: 2 ops
-    # each, no copy back
+    if total.dtype != buffer.dtype:
+        total = total.to(buffer.dtype)
+    buffer[0].add_(total)  # in place on the views: 2 ops each, no copy back
     if counted:
         buffer[1].add_(pe_sqnorm.numel())
 
@@ -277,13 +278,12 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
     rows = layout.rows_for(shape)
-    if isinstance(rows, str) or rows.kind == "shared" and not lookup:
-        if not isinstance(rows, str):
-            rows = SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
-        refuse_step(rows, buffers)
+    if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
+        if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
+            return rows, tuple(None for _ in buffers)
+        reason = rows if isinstance(rows, str) else SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
+        refuse_step(reason, buffers)
         return None, tuple(None for _ in buffers)
-    if rows.kind == "shared":  # an Embedding's ids, one row for every example: it looks up a table (shared.py)
-        return rows, tuple(None for _ in buffers)
     layout.note_uses(buffers)
     return rows, buffers
 
