@@ -8,13 +8,16 @@ A positional argument is a config file: Python assignments, run with the current
 config in scope and applied in order. `--key=value` overrides one key; the value
 is parsed with ast.literal_eval (numbers, bools, lists), else kept as a string.
 Every key must already be a config global of train.py and keep its type (an int
-may stand in for a float). Mistakes end the run with a one-line message.
+may stand in for a float). Mistakes end the run with a one-line message: a config file
+that does not parse or fails as it runs (a name it does not define) is named with its line.
 Names starting with `_` here and in config files are scratch, not config.
 """
 
+import builtins as _builtins
 import difflib
 import os
 import sys
+import traceback as _traceback
 from ast import literal_eval
 
 _config_types = (int, float, bool, str, list, type(None))
@@ -53,11 +56,21 @@ for _arg in sys.argv[1:]:
         if not os.path.isfile(_arg):
             _fail(f"config file {_arg!r} not found (relative paths start at {os.getcwd()})")
         _print(f"Overriding config with {_arg}:")
-        with open(_arg) as _f:
-            _source = _f.read()
+        try:
+            with open(_arg, encoding='utf-8') as _f:
+                _source = _f.read()
+            _code = _builtins.compile(_source, _arg, 'exec')  # (train.py's config has a `compile` of its own)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError) as _e:  # ValueError: a NUL byte
+            _where = f"{_arg}, line {_e.lineno}" if isinstance(_e, SyntaxError) and _e.lineno else _arg
+            _fail(f"config file {_where}: {type(_e).__name__}: {getattr(_e, 'msg', None) or _e}")
         _print(_source)
         _scope = {k: globals()[k] for k in _config_keys}
-        exec(_source, _scope)
+        try:
+            exec(_code, _scope)
+        except Exception as _e:  # a name it does not define, an import it lacks, ...: the file and line, one line
+            _line = next((f.lineno for f in reversed(_traceback.extract_tb(_e.__traceback__))
+                          if f.filename == _arg), '?')
+            _fail(f"config file {_arg}, line {_line}: {type(_e).__name__}: {_e}")
         for _key, _value in _scope.items():
             if not _key.startswith('_') and not isinstance(_value, type(sys)):  # skip scratch names and imports
                 globals()[_key] = _checked(_key, _value, _arg)

@@ -1,6 +1,6 @@
 """
-The GNS of a run, from its log: the command line of gns_analysis.py, where the logic lives
-(import that module from a notebook or a script).
+The GNS of a run, from its log: nanogns/analysis/cli.py's command line (installed as `nanogns-analysis`; from a
+notebook or a script, call nanogns.analyze_gns).
 
     python gns-analysis.py OUT_DIR [--alpha 0.95] [--prefix train/gns]
                            [--approx-prefix train/sogns] [--no-plots]

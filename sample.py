@@ -8,15 +8,17 @@ the model is built with torch's layers. Besides nanoGPT's keys it carries
 `tokens_processed` (a buffer of the run's token count, dropped here) and, for
 character-level data, the vocabulary comes from the dataset's meta.json (an older
 meta.pkl is read as plain data only). Both files are read as data, never run: see
-"What is trusted" in README.md.
+"What is trusted" in docs/long-runs.md.
 """
 import os
+import sys
 from contextlib import nullcontext
 
 import torch
 
 from model import GPTConfig, GPT
 from nanogns import engines # gns: checkpoints are read as data (torch.load with weights_only=True)
+from nanogns import settings # gns: a device, a dtype and a checkpoint's model_args checked before use
 from nanogns.dataset import load_meta
 
 # -----------------------------------------------------------------------------
@@ -32,6 +34,15 @@ dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read()) # overrides from command line or config file
 # -----------------------------------------------------------------------------
 
+# gns: each mistake is one line naming it (a script exits; the package raises)
+def fail(message):
+    sys.exit(f"sample.py: {message}")
+
+problem = settings.device_problem(device)
+if problem:
+    fail(problem)
+if dtype not in settings.DTYPES:
+    fail(f"unknown dtype {dtype!r}; choose from {list(settings.DTYPES)}")
 torch.manual_seed(seed)
 device_type = 'cuda' if 'cuda' in device else 'cpu'
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
@@ -40,21 +51,30 @@ ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(device_type=
 # model
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 if not os.path.exists(ckpt_path):
-    raise SystemExit(f"sample.py: no checkpoint {ckpt_path}; train first (python train.py ...) or pass the run's "
-                     f"--out_dir (a run writes ckpt.pt at every eval_interval)")
+    fail(f"no checkpoint {ckpt_path}; train first (python train.py ...) or pass the run's "
+         f"--out_dir (a run writes ckpt.pt at every eval_interval)")
 try:
     checkpoint = engines.read_checkpoint(ckpt_path)
 except ValueError as e:
-    raise SystemExit(f"sample.py: {e}")
+    fail(str(e))
 if not isinstance(checkpoint.get('model_args'), dict):
-    raise SystemExit(f"sample.py: {ckpt_path} is not a checkpoint of train.py (it has no model_args)")
+    fail(f"{ckpt_path} is not a checkpoint of train.py (it has no model_args)")
+problem = settings.model_args_problem(checkpoint['model_args'])
+if problem or not isinstance(checkpoint.get('model'), dict):
+    fail(f"{ckpt_path} is not a checkpoint of train.py's GPT (its model_args {problem or 'come without weights'})")
 model_args = {k: v for k, v in checkpoint['model_args'].items() if k in GPTConfig.__dataclass_fields__}
+problem = settings.model_size_problem(model_args, device, dtype=dtype, training=False)
+if problem:
+    fail(f"{ckpt_path}: {problem}")
 model = GPT(GPTConfig(**model_args))
 state_dict = checkpoint['model']
 state_dict.pop('tokens_processed', None) # the run's token counter, not a weight
 unwanted_prefix = '_orig_mod.' # torch.compile's wrapper
 state_dict = {k.removeprefix(unwanted_prefix): v for k, v in state_dict.items()}
-model.load_state_dict(state_dict)
+try:
+    model.load_state_dict(state_dict)
+except RuntimeError as e: # weights of another shape than model_args says
+    fail(f"{ckpt_path}: its weights do not fit its model_args ({str(e).splitlines()[1].strip()[:200]} ...)")
 model.eval()
 model.to(device)
 
@@ -66,15 +86,23 @@ data_dir = next((d for d in data_dirs if os.path.isdir(d)), None)
 try:
     meta = load_meta(data_dir) if data_dir else None
 except ValueError as e:
-    raise SystemExit(f"sample.py: {e}; re-run the dataset's prepare.py")
+    fail(f"{e}; re-run the dataset's prepare.py")
 if meta is None and model_args.get('vocab_size', 50304) < 50257:
-    raise SystemExit(f"sample.py: the model has a {model_args['vocab_size']}-token vocabulary, but no meta.json of "
-                     f"dataset {dataset!r} was found (looked in {', '.join(data_dirs) or 'no data dir'}); run from the "
-                     f"directory train.py ran in, or prepare the dataset there")
+    fail(f"the model has a {model_args['vocab_size']}-token vocabulary, but no meta.json of "
+         f"dataset {dataset!r} was found (looked in {', '.join(data_dirs) or 'no data dir'}); run from the "
+         f"directory train.py ran in, or prepare the dataset there")
 if meta is not None and 'stoi' in meta:
     print(f"Loading meta from {data_dir}...")
     stoi, itos = meta['stoi'], meta['itos']
-    encode = lambda s: [stoi[c] for c in s]
+    if model_args['vocab_size'] > meta['vocab_size']:
+        fail(f"the model has a {model_args['vocab_size']}-token vocabulary, but {meta['path']} names characters for "
+             f"{meta['vocab_size']}: its ids could not all be written as text; re-run the dataset's prepare.py")
+    def encode(s):
+        unknown = sorted(set(c for c in s if c not in stoi))
+        if unknown:
+            fail(f"--start holds {len(unknown)} character(s) not in the vocabulary of {meta['path']} "
+                 f"({''.join(unknown)[:20]!r}); the model knows only its {len(stoi)} characters")
+        return [stoi[c] for c in s]
     decode = lambda l: ''.join([itos[i] for i in l])
 else:
     import tiktoken
@@ -85,9 +113,14 @@ else:
 
 # encode the beginning of the prompt
 if start.startswith('FILE:'):
-    with open(start[5:], 'r', encoding='utf-8') as f:
-        start = f.read()
+    try:
+        with open(start[5:], 'r', encoding='utf-8') as f:
+            start = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"--start={start!r}: cannot read {start[5:]!r} ({getattr(e, 'strerror', None) or e})")
 start_ids = encode(start)
+if not start_ids:
+    fail("--start is empty: give at least one character (the default is a newline) or FILE:prompt.txt")
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 
 # run generation

@@ -18,6 +18,7 @@ To shard the model, gradients and optimizer state with FSDP2 instead of DDP:
 $ torchrun --standalone --nproc_per_node=4 train.py --fsdp=True
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -31,10 +32,12 @@ import layer_config as lc
 import gnstracking
 from tracker import LogWrapper
 from nanogns import schedules
+from nanogns.monitor import summed_squares # gns: a step's summed squared norms, for a batch-size controller
 from nanogns import engines # gns: one process, DDP or FSDP2, and the checkpoint's contents, behind one interface
 from nanogns import settings # gns: the valid range of every setting
-from nanogns.dataset import load_meta # gns: the dataset's vocabulary, read as data (meta.json)
+from nanogns.dataset import load_meta, token_ids_problem # gns: the dataset's vocabulary, read as data (meta.json)
 from nanogns.runlog.lock import RunLock, DirectoryInUse # gns: one run per out_dir
+from nanogns.errors import NanoGNSError # gns: what the package raises when it refuses (one line each)
 from model import PEAK_FLOPS
 
 # -----------------------------------------------------------------------------
@@ -95,7 +98,10 @@ bs_schedule = 'none' # 'none', 'linear' (out_dir/grad_accum_schedule.txt, re-rea
 # from bs_min_accum_steps at 0 tokens to bs_max_accum_steps at max_tokens) or 'gns' (follows the running GNS); both end at max_tokens
 bs_min_accum_steps = 1
 bs_max_accum_steps = 0 # 0 = gradient_accumulation_steps
-bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples
+bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples; 'sqrt': B = factor x sqrt(GNS x its max so far)
+# controllers (schedules.BatchSizeController: 'sqrt', 'grow', 'goodput'), from the configured batch and learning rate:
+bs_cap = 4.0 # 'grow': the batch grows in place of LR decay up to bs_cap x GNS
+bs_gns_horizon = 0 # their GNS's horizon in examples; 0 = 20 x the configured batch
 data_seed = -1 # >= 0: training batches drawn from (data_seed, iter_num, global micro-batch index), the same for any number of ranks
 # -----------------------------------------------------------------------------
 config_keys = [k for k,v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
@@ -111,8 +117,16 @@ def fail(message):
         sys.exit(1)
     sys.exit(0)
 
-# gns: every value in its range before anything starts (one line naming the flag and its range)
-problem = settings.check(config, device_names=PEAK_FLOPS)
+# gns: the package raises a NanoGNSError (a failed write, a checkpoint it cannot use, ...): one line, exit 1
+def excepthook(kind, error, tb):
+    if not issubclass(kind, NanoGNSError):
+        return sys.__excepthook__(kind, error, tb)
+    if int(os.environ.get('RANK', 0)) == 0:
+        print(f"train.py: {error}", file=sys.stderr, flush=True)
+sys.excepthook = excepthook
+
+# gns: every value in its range, and the device, before anything starts (one line naming the flag)
+problem = settings.check(config, device_names=PEAK_FLOPS) or settings.device_problem(device)
 if problem:
     fail(problem)
 # gns: check the layer choice before anything starts, and say why B = 1 cannot work
@@ -129,16 +143,13 @@ if spectral_c_attn and linearclass != 'nn':
          "norms still give a GNS), or drop spectral_c_attn")
 # gns: check the batch-size schedule
 bs_max_accum_steps = bs_max_accum_steps or gradient_accumulation_steps
-if bs_schedule not in ('none', 'linear', 'gns'):
-    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear' or 'gns'")
-if bs_schedule == 'gns' and not tracked:
-    fail("bs_schedule='gns' follows the measured GNS: set a layer class other than 'nn' "
+if bs_schedule not in ('none', 'linear', 'gns', *schedules.CONTROLLER_RULES):
+    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear', 'gns', 'sqrt', 'grow' or 'goodput'")
+if bs_schedule not in ('none', 'linear') and not tracked:
+    fail(f"bs_schedule={bs_schedule!r} follows the measured GNS: set a layer class other than 'nn' "
          "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
-if device.startswith('cuda') and not torch.cuda.is_available():
-    fail(f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; run with "
-         "--device=cpu --dtype=float32 --compile=False, or install a CUDA build of torch on a GPU machine")
 # gns: wandb without a login would fail inside wandb.init, after out_dir is made; say so before anything starts
 if wandb_log and os.environ.get('WANDB_MODE') not in ('offline', 'disabled', 'dryrun'):
     import wandb
@@ -171,6 +182,7 @@ if not master_process: # gns: the start-up lines (model size, optimizer, ...) on
 seed_offset = engine.seed_offset # each process gets a different seed
 # world_size number of processes will be training simultaneously, so we can scale
 # down the desired gradient accumulation iterations per process proportionally
+bs_base_batch = gradient_accumulation_steps * batch_size # gns: the configured batch (a controller's base)
 gradient_accumulation_steps = schedules.per_rank_steps(gradient_accumulation_steps, ddp_world_size)
 if bs_schedule != 'none': # gns: a schedule sets these before every step; 'gns' starts at the minimum
     gradient_accumulation_steps = schedules.per_rank_steps(bs_min_accum_steps, ddp_world_size)
@@ -244,6 +256,14 @@ except ValueError as e:
 if meta is not None:
     meta_vocab_size = meta['vocab_size']
     print(f"found vocab_size = {meta_vocab_size} (inside {meta['path']})")
+# gns: before anything is made: the data's token ids fit the vocabulary, and the model fits this machine's memory
+problem = token_ids_problem(data_dir, meta_vocab_size, meta['path'], prepare) if meta is not None else None
+if init_from == 'scratch' and not problem:
+    problem = settings.model_size_problem(dict(n_layer=n_layer, n_embd=n_embd, block_size=block_size, bias=bias,
+        vocab_size=meta_vocab_size or 50304), device, batch_size, dtype,
+        vocab_source=f" from {meta['path']}" if meta is not None else "")
+if problem:
+    fail(problem)
 
 # gns: only now (bad input above leaves no empty out_dir behind), rank 0 locks out_dir until its process ends: a
 # second run or a resume while this one runs is refused; and a new run never mixes its log, checkpoint or schedule
@@ -299,8 +319,17 @@ with lc.set_contextual_config(**layer_classes):
         print(f"Resuming training from {out_dir}")
         # resume training from a checkpoint.
         ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        checkpoint = engines.load_checkpoint(ckpt_path, fsdp, master_process) # gns: or exit saying what is wrong
+        checkpoint = engines.load_checkpoint(ckpt_path, fsdp, master_process) # gns: or raise saying what is wrong
         checkpoint_model_args = checkpoint['model_args']
+        # gns: a resume continues the checkpoint's run: a flag that would change its model, or what its log
+        # measures, is refused naming it; a change of batch size is said, and the log records it
+        has_log = any(os.path.exists(os.path.join(out_dir, f)) for f in ('log.csv', 'log_header.csv.tmp'))
+        problem, notes = settings.resume_check(config, checkpoint, engine.broadcast(has_log))
+        if problem:
+            engine.close()
+            fail(problem)
+        for note in notes:
+            print(note)
         # force these config attributes to be equal otherwise we can't even resume training
         # the rest of the attributes (e.g. dropout) can stay as desired from command line
         for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
@@ -315,15 +344,17 @@ with lc.set_contextual_config(**layer_classes):
         for k,v in list(state_dict.items()):
             if k.startswith(unwanted_prefix):
                 state_dict[k[len(unwanted_prefix):]] = state_dict.pop(k)
-        tokens_processed = int(state_dict.pop('tokens_processed', 0))
+        tokens_processed = int(state_dict.pop('tokens_processed', -1))
         model.load_state_dict(state_dict)
         iter_num = checkpoint['iter_num']
+        if tokens_processed < 0: # gns: a nanoGPT checkpoint counts no tokens: iter_num x the tokens of its steps
+            tokens_processed, note = settings.resumed_tokens(checkpoint, tokens_per_iter)
+            print(note)
         best_val_loss = checkpoint['best_val_loss']
         resume_log_step = checkpoint.get('log_step', iter_num) # gns: the log rows the weights have seen
         if not eval_only and (iter_num >= max_iters or tokens_processed >= max_tokens): # gns: a finished run stays as it is
             print(f"train.py: nothing left to do: the checkpoint in {out_dir} is at iteration {iter_num} and "
-                  f"{tokens_processed:,} tokens, where max_iters={max_iters} or max_tokens={max_tokens:,} ends the run; "
-                  f"its files are left untouched (raise --max_iters or --max_tokens to train further)")
+                  f"{tokens_processed:,} tokens; {settings.what_ends(iter_num, tokens_processed, max_iters, max_tokens)}")
             engine.close()
             sys.exit(0)
     elif init_from.startswith('gpt2'):
@@ -372,6 +403,12 @@ tracker = LogWrapper(logf, config=config, out_dir=out_dir if master_process else
 # gns: one object reads every layer's per-example norms after a step's backward, zeroes them and logs them
 # (on every rank: it all-reduces once); it also writes out_dir/gns_parameters.json, what each parameter is
 monitor = gnstracking.GNSMonitor(model, log=tracker, scaler=scaler, ema_decay=gns_ema_decay) if tracked else None
+# gns: a batch-size controller (micro-batches of batch_size x ranks examples, counted per rank)
+controller = schedules.BatchSizeController(
+    bs_schedule, batch_size * ddp_world_size, bs_base_batch, *(schedules.per_rank_steps(n, ddp_world_size) for n in (bs_min_accum_steps, bs_max_accum_steps)),
+    factor=bs_gns_factor, cap=bs_cap, horizon_examples=bs_gns_horizon or None, beta2=beta2, weight_decay=weight_decay,
+) if bs_schedule in schedules.CONTROLLER_RULES else None
+decision = None
 
 # compile the model
 if compile:
@@ -386,6 +423,11 @@ ddp_grad_stats = engine.gns_hook(model)
 
 # gns: this step's accumulation steps per rank under a batch-size schedule, decided by rank 0
 def scheduled_accum_steps():
+    global decision
+    if controller is not None: # a controller: rank 0's decision on every rank (its lr is a multiplier of get_lr's)
+        decay = get_lr(max(tokens_processed, warmup_tokens), 0) / learning_rate if decay_lr else 1.0
+        decision = engine.broadcast(controller.decide(1.0, decay))
+        return decision.accum_steps
     if bs_schedule == 'linear':
         total = accum_schedule(tokens_processed) if master_process else 1
     else: # 'gns': the running GNS from the last step (NaN early on keeps the current value)
@@ -446,6 +488,7 @@ def save_checkpoint():
         'fsdp': fsdp,
         'gns': monitor.state_dict() if monitor is not None else None, # gns: the running GNS's EMAs
         'accum_steps': gradient_accumulation_steps, # gns: where a batch-size schedule stands
+        'bs_controller': controller.state_dict() if controller is not None else None, # gns: and a controller
         'ranks': ranks, # gns: every rank's random state and prefetched batch, for an exact resume
     }
     print(f"saving checkpoint to {out_dir}")
@@ -459,8 +502,12 @@ if init_from == 'resume': # gns: continue exactly where the checkpoint was writt
         monitor.load_state_dict(checkpoint['gns'])
     if bs_schedule != 'none' and 'accum_steps' in checkpoint:
         gradient_accumulation_steps = checkpoint['accum_steps']
+    if controller is not None and checkpoint.get('bs_controller') is not None:
+        controller.load_state_dict(checkpoint['bs_controller'])
     if len(checkpoint.get('ranks', [])) == ddp_world_size:
         X, Y = engines.restore_rank_state(checkpoint['ranks'][ddp_rank], device)
+        if X.shape != (batch_size, block_size): # gns: the batch size changed: this run's first batch
+            X, Y = get_batch('train', (iter_num, 0))
     elif 'ranks' in checkpoint:
         print(f"warning: the checkpoint holds the random state of {len(checkpoint['ranks'])} rank(s), this run has "
               f"{ddp_world_size}: dropout, evaluation batches (and training batches without --data_seed) will differ "
@@ -488,6 +535,10 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
 
     # determine and set the learning rate for this iteration
     lr = get_lr(tokens_processed, tokens_per_iter) if decay_lr else learning_rate
+    if controller is not None: # gns: the controller's LR, beta2, weight decay, and Adam's state at a switch
+        decision = dataclasses.replace(decision, lr=lr * decision.lr)
+        controller.apply(optimizer, decision)
+        lr = decision.lr
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
 
@@ -525,6 +576,8 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
     t1 = time.time()
     dt = t1 - t0
     t0 = t1
+    if controller is not None: # gns: the step's GNS measurement and duration (for 'goodput')
+        controller.observe(*summed_squares(monitor.measurements), step_seconds=dt)
     if iter_num % log_interval == 0 and master_process:
         # get loss as float. note: this is a CPU-GPU sync point
         # scale up to undo the division above, approximating the true total loss (exact would have been a sum)

@@ -1,7 +1,7 @@
 """
 Which share of the trainable elements of real-size models `nanogns.convert` tracks exactly, and why the rest is not.
 
-    python bench/coverage.py                       # every model; a Markdown table (README's model table)
+    python bench/coverage.py                       # every model; a Markdown table (the README's and docs/results.md's model tables)
     python bench/coverage.py --models=Llama-3-8B,ResNet-50
 
 Each model is built twice from configs written below (transformers 5.23, nothing downloaded):

@@ -44,9 +44,12 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from oracle import per_example_sqnorms_by_loop  # noqa: E402
 
-import fused_gns  # noqa: E402
 from nanogns import kinds as layer_kinds  # noqa: E402
 from nanogns.core.strategy import forced as forced_strategy  # noqa: E402
+from nanogns.kinds.layernorm import FusedLayerNorm
+from nanogns.kinds.linear import FusedLinear
+from nanogns.kinds.rmsnorm import FusedRMSNorm
+from nanogns.variants import fused as fused_gns  # noqa: E402
 from nanogns.variants.fused import linear as fused_linear
 from nanogns.variants.fused import linear_plan as fused_linear_plan
 from nanogns.variants.fused import runtime as fused_runtime
@@ -91,7 +94,7 @@ def layer_cases():
             (
                 f"Linear fused {strategy or 'choice'}",
                 "linear",
-                lambda f: fused_gns.FusedLinear(f, f + 9),
+                lambda f: FusedLinear(f, f + 9),
                 linear_twin,
                 {"fused_linear": strategy},
             )
@@ -107,7 +110,7 @@ def layer_cases():
         (
             "Linear fused no bias",
             "linear",
-            lambda f: fused_gns.FusedLinear(f, f + 9, bias=False),
+            lambda f: FusedLinear(f, f + 9, bias=False),
             linear_twin,
             None,
         ),
@@ -127,16 +130,16 @@ def layer_cases():
         ),
         ("LayerNorm shim", "norm", lambda f: layer_kinds.layernorm.SeparatedLayerNorm(f), norm_twin, None),
         ("LayerNorm gns", "norm", lambda f: layer_kinds.layernorm.PerExampleLayerNorm(f), norm_twin, None),
-        ("LayerNorm fused", "norm", lambda f: fused_gns.FusedLayerNorm(f), norm_twin, None),
+        ("LayerNorm fused", "norm", lambda f: FusedLayerNorm(f), norm_twin, None),
         (
             "LayerNorm fused no bias",
             "norm",
-            lambda f: fused_gns.FusedLayerNorm(f, bias=False),
+            lambda f: FusedLayerNorm(f, bias=False),
             norm_twin,
             None,
         ),
         ("RMSNorm gns", "norm", lambda f: layer_kinds.rmsnorm.PerExampleRMSNorm(f), rms_twin, None),
-        ("RMSNorm fused", "norm", lambda f: fused_gns.FusedRMSNorm(f), rms_twin, None),
+        ("RMSNorm fused", "norm", lambda f: FusedRMSNorm(f), rms_twin, None),
     ]
     return cases
 
@@ -168,7 +171,7 @@ def check_case(label, kind, make, twin_of, strategy, device, dtype, lead, featur
     expected = per_example_sqnorms_by_loop(twin, inputs.double() if kind != "embedding" else inputs, grad_out.double())
     x = inputs.clone().requires_grad_(True) if kind != "embedding" else inputs
     x_twin = inputs.double().requires_grad_(True) if kind != "embedding" else inputs
-    fused = isinstance(layer, (fused_gns.FusedLinear, fused_gns.FusedLayerNorm, fused_gns.FusedRMSNorm))
+    fused = isinstance(layer, (FusedLinear, FusedLayerNorm, FusedRMSNorm))
     if fused and (device.startswith("cuda") or fused_gns.kernels_interpreted()):
         reason = fused_gns.kernel_unavailable_reason(inputs)
         assert reason is None, f"{label}: the kernel would not run ({reason})"
@@ -259,7 +262,7 @@ def _candidate_error(config, dtype, tf32, device, N, T, K, L):
     """Worst relative error of one forced kernel configuration against per-example matmuls in float64 (weight
     gradient, its per-example norms through the buffer, the bias's); returns (error, tolerance)."""
     torch.manual_seed(0)
-    layer = fused_gns.FusedLinear(K, L).to(device, dtype)
+    layer = FusedLinear(K, L).to(device, dtype)
     x = torch.randn(N, T, K, device=device).to(dtype)
     g = torch.randn(N, T, L, device=device).to(dtype)
     old_tf32 = fused_runtime.matmul_allows_tf32()

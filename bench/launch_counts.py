@@ -25,7 +25,10 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import fused_gns  # noqa: E402
+from nanogns.kinds.layernorm import FusedLayerNorm
+from nanogns.kinds.linear import FusedLinear
+from nanogns.kinds.rmsnorm import FusedRMSNorm
+from nanogns.variants import fused as fused_gns  # noqa: E402
 from nanogns.variants.fused import runtime as fused_runtime
 
 # ops that allocate or describe memory and launch no kernel
@@ -90,11 +93,11 @@ def count_backward(layer, x, grad=None):
 def layer_pairs(D, L, device, dtype):
     """(label, torch layer, fused layer) with the same parameters."""
     pairs = [
-        ("LayerNorm", torch.nn.LayerNorm(D), fused_gns.FusedLayerNorm(D)),
-        ("LayerNorm no bias", torch.nn.LayerNorm(D, bias=False), fused_gns.FusedLayerNorm(D, bias=False)),
-        ("RMSNorm", torch.nn.RMSNorm(D, eps=1e-6), fused_gns.FusedRMSNorm(D)),
-        ("Linear", torch.nn.Linear(D, L), fused_gns.FusedLinear(D, L)),
-        ("Linear no bias", torch.nn.Linear(D, L, bias=False), fused_gns.FusedLinear(D, L, bias=False)),
+        ("LayerNorm", torch.nn.LayerNorm(D), FusedLayerNorm(D)),
+        ("LayerNorm no bias", torch.nn.LayerNorm(D, bias=False), FusedLayerNorm(D, bias=False)),
+        ("RMSNorm", torch.nn.RMSNorm(D, eps=1e-6), FusedRMSNorm(D)),
+        ("Linear", torch.nn.Linear(D, L), FusedLinear(D, L)),
+        ("Linear no bias", torch.nn.Linear(D, L, bias=False), FusedLinear(D, L, bias=False)),
     ]
     for _, plain, fused in pairs:
         fused.load_state_dict(plain.state_dict())

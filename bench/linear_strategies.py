@@ -3,7 +3,7 @@ Per-Linear cost of exact per-example gradient norms: forward + backward (input
 gradient included) + per-example weight norms, as a ratio to plain nn.Linear
 forward + backward measured in the same round, plus peak memory.
 
-    python bench/linear_strategies.py                        # the README's five shapes, CPU, fp32
+    python bench/linear_strategies.py                        # docs/results.md's five shapes, CPU, fp32
     python bench/linear_strategies.py --shapes=16,64,384,1536 --rounds=31
     python bench/linear_strategies.py --device=cuda --dtype=bfloat16   # adds the fused kernel
 
@@ -43,7 +43,7 @@ DEFAULT_SHAPES = "16,256,128,512;16,64,384,1536;4,512,768,3072;64,32,256,256;8,2
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--shapes", default=DEFAULT_SHAPES, help="B,T,K,L;... (default: the five shapes of the README's table)"
+        "--shapes", default=DEFAULT_SHAPES, help="B,T,K,L;... (default: the five shapes of docs/results.md's table)"
     )
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per layer (default: 2)")
@@ -101,11 +101,11 @@ def layer_factories(device):
         "shim": (lambda K, L: linear_kind.ShimLinear(K, L), _plain, buffer_norm),
     }
     if device == "cuda":
-        import fused_gns
+        from nanogns.kinds.linear import FusedLinear
 
-        layers["fused"] = (lambda K, L: fused_gns.FusedLinear(K, L), _plain, buffer_norm)
+        layers["fused"] = (lambda K, L: FusedLinear(K, L), _plain, buffer_norm)
         layers["fused kernel"] = (
-            lambda K, L: fused_gns.FusedLinear(K, L),
+            lambda K, L: FusedLinear(K, L),
             _forced(fused_linear="kernel"),
             buffer_norm,
         )

@@ -11,7 +11,7 @@ Shakespeare windows of random lengths).
 
 import torch
 from accelerate import Accelerator
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser
+from common import EMA_DECAY, build_model, padded_examples, run_script, trainer_parser
 from torch.utils.data import DataLoader
 
 from nanogns.integrations import AccelerateGNS, sequence_mean_loss
@@ -31,28 +31,30 @@ def train(args, watch=None):
     model = build_model(args.model, vocab_size, block_size=BLOCK_SIZE).to(getattr(torch, args.dtype))
     if watch is not None:
         watch(model)
-    monitor = AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY)  # gns: convert, log here
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0))
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    model.train()
-    steps = 0
-    while steps < args.steps:
-        for batch in loader:
-            with accelerator.accumulate(model):
-                labels = batch.pop("labels")
-                loss = sequence_mean_loss(model(**batch).logits, labels)
-                accelerator.backward(loss)
+    # gns: convert, log to out_dir; log.csv written and out_dir released however the loop ends
+    with AccelerateGNS(accelerator, model, out_dir=args.out_dir, ema_decay=EMA_DECAY) as monitor:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = DataLoader(
+            examples, batch_size=args.batch_size, shuffle=True, generator=torch.Generator().manual_seed(0)
+        )
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        model.train()
+        steps = 0
+        while steps < args.steps:
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    labels = batch.pop("labels")
+                    loss = sequence_mean_loss(model(**batch).logits, labels)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        monitor.step()  # gns: after the step's last backward, before clipping
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
                 if accelerator.sync_gradients:
-                    monitor.step()  # gns: after the step's last backward, before clipping
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
-            if accelerator.sync_gradients:
-                steps += 1
-                if steps == args.steps:
-                    break
-    monitor.close()
+                    steps += 1
+                    if steps == args.steps:
+                        break
     return monitor
 
 
@@ -67,4 +69,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -7,11 +7,23 @@ shows.
 
 import argparse
 import os
+import sys
 
 import torch
 
+from nanogns.errors import NanoGNSError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMA_DECAY = 0.95  # the running GNS's decay: gns-analysis.py's default --alpha, so both print the same final GNS
+
+
+def run_script(main):
+    """Run an example's main() as a script: a refusal of the package (a NanoGNSError: the directory in use or
+    holding another run's log, a failed write) is one line on stderr and exit status 1, as train.py does."""
+    try:
+        main()
+    except NanoGNSError as e:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {e}")
 
 
 def parse_args(doc, argv=None, name=None):

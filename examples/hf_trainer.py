@@ -9,11 +9,11 @@ its DDP under torchrun. Right-padded Shakespeare windows of random lengths.
 
 --loss=tokens (Trainer's default) divides the step's summed token losses by their number: an example's gradient
 then weighs by its label tokens. --loss=sequences takes the mean over sequences of each one's mean token loss
-(the README's per-example gradient, "What is logged") by overriding compute_loss.
+(the per-example gradient of docs/log-format.md) by overriding compute_loss.
 """
 
 import torch
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser
+from common import EMA_DECAY, build_model, padded_examples, run_script, trainer_parser
 from transformers import Trainer, TrainingArguments
 
 from nanogns.integrations import TrainerGNSCallback, sequence_mean_loss
@@ -82,4 +82,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

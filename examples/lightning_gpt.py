@@ -14,7 +14,7 @@ import os
 
 import lightning as L
 import torch
-from common import EMA_DECAY, build_model, padded_examples, trainer_parser
+from common import EMA_DECAY, build_model, padded_examples, run_script, trainer_parser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
@@ -103,4 +103,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

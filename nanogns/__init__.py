@@ -6,16 +6,19 @@ nanogns: exact per-example gradient norms, and the gradient noise scale (GNS) ma
     monitor = convert(model, log=log)       # the model's layers record per-example norms; the monitor reads them
     ...backward of every micro-batch...
     monitor.step(batch_size=B)              # before clipping: one CSV row per optimizer step
-    # then: python gns-analysis.py out-mymodel  (or nanogns.analysis.analyze.analyze_gns)
+    # then: nanogns-analysis out-mymodel  (or nanogns.analyze_gns("out-mymodel"))
 
-The package, in the order one step's data flows through it (README, "Architecture"):
-    kernels/      Triton kernels (gradients and per-example norms in one pass)
-    layers/       one module per layer kind, the registry, row maps (which example each row is), buffers
-    monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is
-    conversion/   convert(model): a finished model's layers made per-example norm layers, checked by probes
-    engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules
+The package, from the top of its import layers down (docs/architecture.md):
     integrations  transformers.Trainer, Lightning and Accelerate
+    engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules and the controller
+    conversion/   convert(model): a finished model's layers made per-example norm layers, checked by probes
+    monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is
+    kinds/        one module per layer kind, declaring all its variants; the classes model.py builds with
+    variants/     the fused variant's Triton glue and SOGNS's approximate norms
+    core/         what every kind shares: the registry, row maps (which example each row is), buffers, summed uses
+    kernels/      Triton kernels (gradients and per-example norms in one pass)
     runlog/       the CSV log: writer (LogWrapper) and reader (load_csv); no torch
+    errors.py     what the package raises when it refuses (NanoGNSError and its kinds); it never exits the process
     estimator.py  the GNS maths; no torch
     analysis/     the GNS from a run's log: summary, groups, plots, figures; no torch
 
@@ -43,7 +46,14 @@ _EXPORTS = {
     "LogWrapper": "nanogns.runlog.writer",
     "load_csv": "nanogns.runlog.reader",
     "RunningGNS": "nanogns.estimator",
+    "BatchSizeController": "nanogns.schedules",
     "analyze_gns": "nanogns.analysis.analyze",
+    "NanoGNSError": "nanogns.errors",
+    "DirectoryInUse": "nanogns.errors",
+    "DirectoryHoldsAnotherRun": "nanogns.errors",
+    "WriteFailed": "nanogns.errors",
+    "LogNotContinuable": "nanogns.errors",
+    "CheckpointNotUsable": "nanogns.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,6 +19,8 @@ import json
 import os
 import pickle
 
+import numpy as np
+
 META_JSON = "meta.json"
 META_PKL = "meta.pkl"
 
@@ -51,6 +53,12 @@ def _checked(meta, path):
     if itos is not None:
         if not isinstance(itos, dict) or not all(type(k) is int and isinstance(v, str) for k, v in itos.items()):
             raise ValueError(f"{path}: itos must map token ids to strings")
+        covered = sum(1 for k in itos if 0 <= k < meta["vocab_size"])
+        if covered < meta["vocab_size"]:
+            raise ValueError(
+                f"{path}: itos names the characters of {covered} of the vocab_size={meta['vocab_size']:,} token "
+                "ids; every id needs one (sample.py writes each generated id as its character)"
+            )
         out["itos"] = itos
         stoi = meta.get("stoi", {v: k for k, v in itos.items()})
         if not isinstance(stoi, dict) or not all(isinstance(k, str) and type(v) is int for k, v in stoi.items()):
@@ -73,6 +81,8 @@ def load_meta(data_dir):
                 return _checked(json.load(f), json_path)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read {json_path} ({type(e).__name__}: {e})") from None
+        except RecursionError:  # json's parser recurses once per level
+            raise ValueError(f"cannot read {json_path} (it is nested too deeply to be a meta.json)") from None
     if os.path.exists(pkl_path):
         try:
             with open(pkl_path, "rb") as f:
@@ -81,7 +91,29 @@ def load_meta(data_dir):
             raise ValueError(
                 f"{pkl_path} is not plain data ({e}); it was not loaded, as loading it could run code"
             ) from None
+        except RecursionError:
+            raise ValueError(f"cannot read {pkl_path} (it is nested too deeply to be a meta.pkl)") from None
         except Exception as e:  # truncated or damaged: EOFError, UnpicklingError, ...
             raise ValueError(f"cannot read {pkl_path} ({type(e).__name__}: {e})") from None
         return _checked(meta, pkl_path)
+    return None
+
+
+def max_token_id(path, chunk=1 << 24):
+    """The largest token id in a uint16 token file (nanoGPT's train.bin / val.bin), read in pieces; -1 if empty."""
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    return max((int(data[i : i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
+
+
+def token_ids_problem(data_dir, vocab_size, source, fix):
+    """Why the token ids of data_dir's train.bin and val.bin do not fit `vocab_size` (from `source`, named in the
+    line with `fix`, how to make the data again), or None: an id at or above it would index past the embedding."""
+    for split in ("train", "val"):
+        path = os.path.join(data_dir, f"{split}.bin")
+        top = max_token_id(path)
+        if top >= vocab_size:
+            return (
+                f"{path} holds token id {top:,}, but vocab_size is {vocab_size:,} (from {source}): every id must be "
+                f"below it; make the data and its meta.json again: {fix}"
+            )
     return None

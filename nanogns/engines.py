@@ -29,6 +29,8 @@ from torch.distributed.checkpoint import state_dict as dcp_state
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from nanogns import settings
+from nanogns.errors import CheckpointNotUsable, WriteFailed
 from nanogns.monitor import ddp as ddpgns
 
 
@@ -245,9 +247,10 @@ def restore_rank_state(state, device):
 
 
 def save_checkpoint(path, checkpoint):
-    """Write `checkpoint` to `path` through a temporary file: a crash while saving keeps the previous one. A
-    write that fails (a full disk, an unwritable directory) ends the run with one line; the previous checkpoint
-    and the log are kept."""
+    """Write `checkpoint` to `path` through a temporary file: a crash while saving keeps the previous one.
+
+    Raises WriteFailed (one line naming the file and the free space) when the write fails (a full disk, an
+    unwritable directory); the previous checkpoint and the log are kept."""
     try:
         torch.save(checkpoint, path + '.tmp')
         os.replace(path + '.tmp', path)
@@ -257,9 +260,11 @@ def save_checkpoint(path, checkpoint):
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         kept = 'the previous checkpoint and the log are' if os.path.exists(path) else 'the log is'
-        raise SystemExit(
-            f"train.py: cannot write the checkpoint {path} ({reason}; {free / 2**20:,.0f} MiB free on its disk): "
-            f"{kept} kept; free some space, then continue with --init_from=resume"
+        raise WriteFailed(
+            f"cannot write the checkpoint {path} ({reason}; {free / 2**20:,.0f} MiB free on its disk): "
+            f"{kept} kept; free some space, then continue with --init_from=resume",
+            path,
+            reason,
         ) from None
 
 
@@ -305,28 +310,39 @@ def read_checkpoint(path):
 
 
 def load_checkpoint(path, fsdp, master_process):
-    """The checkpoint at `path` for a resume, or exit with what is wrong and what to do."""
+    """The checkpoint at `path` for a resume.
+
+    Raises CheckpointNotUsable (one line: what is wrong and what to do): no file, a damaged one, one holding more
+    than data, keys missing, model_args that build no GPT, or written with another fsdp setting."""
     if master_process and os.path.exists(path + '.tmp'):  # left by a crash while saving; path is the previous one
         print(f"removing {path}.tmp, an unfinished checkpoint")
         os.remove(path + '.tmp')
     if not os.path.exists(path):
-        raise SystemExit(
-            f"train.py: cannot resume: no checkpoint {path} (the run stopped before its first "
+        raise CheckpointNotUsable(
+            f"cannot resume: no checkpoint {path} (the run stopped before its first "
             f"save, at iteration eval_interval); start it again with --init_from=scratch in a fresh out_dir"
         )
     try:
         checkpoint = read_checkpoint(path)
     except ValueError as e:
-        raise SystemExit(f"train.py: cannot resume: {e}; restore it from a backup or start again in a fresh out_dir")
+        raise CheckpointNotUsable(
+            f"cannot resume: {e}; restore it from a backup or start again in a fresh out_dir"
+        ) from None
     missing = [k for k in ('model', 'optimizer', 'model_args', 'iter_num', 'best_val_loss') if k not in checkpoint]
     if missing:
-        raise SystemExit(
-            f"train.py: cannot resume: {path} is not a readable checkpoint (missing or damaged: "
+        raise CheckpointNotUsable(
+            f"cannot resume: {path} is not a readable checkpoint (missing or damaged: "
             f"{', '.join(missing)}); restore it from a backup or start again in a fresh out_dir"
         )
+    problem = settings.model_args_problem(checkpoint['model_args'])
+    if problem:
+        raise CheckpointNotUsable(
+            f"cannot resume: {path} is not a checkpoint of train.py's GPT (its model_args {problem}); restore it "
+            "from a backup or start again in a fresh out_dir"
+        )
     if checkpoint.get('fsdp', False) != fsdp:
-        raise SystemExit(
-            f"train.py: cannot resume: {path} was written with fsdp={checkpoint.get('fsdp', False)} "
+        raise CheckpointNotUsable(
+            f"cannot resume: {path} was written with fsdp={checkpoint.get('fsdp', False)} "
             f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}"
         )
     return checkpoint

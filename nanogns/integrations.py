@@ -10,15 +10,22 @@ reads every optimizer step before gradient clipping (the logged `norm` is the un
 `log.csv` and `gns_parameters.json` to its out_dir on the main process (`python gns-analysis.py OUT_DIR`), and
 sends the running GNS to the trainer's own logger under "gns". Every rank must run it (one all-reduce a step).
 
+The out_dir is locked while a run trains (one run per directory) and released however the run ends: at its
+end, and when training raises (an exception, a KeyboardInterrupt): Trainer's train() is wrapped to close the
+log, Lightning calls on_exception, AccelerateGNS is a context manager (`with AccelerateGNS(...) as monitor:`).
+A refusal raises a nanogns.errors.NanoGNSError (DirectoryInUse, DirectoryHoldsAnotherRun, WriteFailed), one
+line; it never exits the caller's process.
+
 What is measured, whatever the trainer's loss weighting: the step's gradient G is a sum of one part per example
 (all micro-batches, all ranks), and example i's gradient is taken to be h_i = B x (its part), so G = mean_i h_i.
 With a loss that is the mean over examples of each example's mean token loss, h_i is the gradient of that
-example's loss (the README, "What is logged"). transformers.Trainer's default loss instead divides the sum of all token losses of the
+example's loss (docs/log-format.md). transformers.Trainer's default loss instead divides the sum of all token losses of the
 step by their number N (`num_items_in_batch`), so h_i = (n_i / mean_j n_j) x (gradient of example i's mean token
 loss), n_i its label tokens: the two agree when every example has as many label tokens (packed, unpadded blocks).
-README.md ("Trainers") says how to get the per-sequence mean.
+docs/integrations.md ("Trainers") says how to get the per-sequence mean.
 """
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
@@ -27,8 +34,10 @@ import torch
 from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
 from nanogns.core import layout
-from nanogns.core.buffers import BUFFER_SUFFIX
-from nanogns.runlog.lock import DirectoryInUse, RunLock
+from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
+from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
+from nanogns.estimator import RunningGNS
+from nanogns.runlog.lock import RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
 
@@ -57,42 +66,63 @@ def _open_log(out_dir, main_process, monitor, resume_step):
     directory is locked until the log closes (or the process ends): a second run on it is refused, in one line
     naming its pid. A new run (step 0) never replaces another run's log. A resumed run continues its log, rows
     written after the checkpoint set aside (as train.py does), and replays the rows kept into the running GNS,
-    which a trainer's checkpoint does not hold. A refusal is one line (SystemExit), not a traceback."""
+    which a trainer's checkpoint does not hold. Each opening starts from zeroed buffers and a fresh running GNS
+    (a run that raised mid-step may have left partial sums).
+
+    Raises DirectoryInUse, DirectoryHoldsAnotherRun or WriteFailed (nanogns.errors), one line each; nothing is
+    left locked or open then."""
+    zero_pe_sqnorm_buffers(monitor.model)
+    monitor.running = RunningGNS(decay=monitor.running.gtg.decay)
     if not main_process:
         return None, None
     try:
         lock = RunLock(out_dir)
-    except DirectoryInUse as e:
-        raise SystemExit(f"GNS: {e}") from None
     except OSError as e:
-        raise SystemExit(f"GNS: cannot write the GNS log's directory {out_dir!r} ({e.strerror}); pass another out_dir")
-    existing = [f for f in (LOG_CSV, HEADER_TMP) if os.path.exists(os.path.join(out_dir, f))]
-    if resume_step == 0 and existing:
-        lock.release()
-        raise SystemExit(
-            f"GNS: {out_dir!r} already holds the GNS log of another run ({', '.join(existing)}), which this new run "
-            "would replace: give this run another output directory, or move the old log away (to continue that "
-            "run's log instead, resume it from a checkpoint it saved)"
-        )
-    log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
-    monitor.write_record(out_dir)
-    if resume_step > 0 and existing:
+        raise WriteFailed(
+            f"cannot write the GNS log's directory {out_dir!r} ({e.strerror}); pass another out_dir",
+            out_dir,
+            e.strerror or str(e),
+        ) from None
+    try:
+        existing = [f for f in (LOG_CSV, HEADER_TMP) if os.path.exists(os.path.join(out_dir, f))]
+        if resume_step == 0 and existing:
+            raise DirectoryHoldsAnotherRun(
+                f"{out_dir!r} already holds the GNS log of another run ({', '.join(existing)}), which this new run "
+                "would replace: give this run another output directory, or move the old log away (to continue "
+                "that run's log instead, resume it from a checkpoint it saved)",
+                out_dir,
+                existing,
+            )
+        log = LogWrapper(out_dir=out_dir, resume=resume_step > 0, resume_step=resume_step if resume_step > 0 else None)
         try:
-            kept = load_csv(out_dir)
-        except ValueError:  # no row was written before the checkpoint
-            kept = None
-        if kept is not None:
-            monitor.replay(kept)
+            monitor.write_record(out_dir)
+            if resume_step > 0 and existing:
+                try:
+                    kept = load_csv(out_dir)
+                except ValueError:  # no row was written before the checkpoint
+                    kept = None
+                if kept is not None:
+                    monitor.replay(kept)
+        except BaseException:
+            log.close()
+            raise
+    except BaseException:
+        lock.release()
+        raise
     monitor.log = log
     return log, lock
 
 
-def _close_log(log, lock):
-    """Write log.csv and release the directory."""
-    if log is not None:
-        log.close()
-    if lock is not None:
-        lock.release()
+def _close_log(monitor, log, lock):
+    """Write log.csv and release the directory (the lock even when the write fails); the monitor stops logging."""
+    if monitor is not None and monitor.log is log:
+        monitor.log = None
+    try:
+        if log is not None:
+            log.close()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 # -----------------------------------------------------------------------------
@@ -124,6 +154,10 @@ class TrainerGNSCallback(TrainerCallback):
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         convert_options: keyword arguments of nanogns.convert (linearclass, exclude, ...).
     The running GNS goes to Trainer's log (`gns`) at every logging step.
+
+    Trainer calls no callback when train() raises (an exception, Ctrl-C in a notebook), so this callback wraps
+    the trainer's train(): however it ends, the log is written (log.csv) and the directory released, and a later
+    train(resume_from_checkpoint=...) in the same process continues the log. Refusals raise NanoGNSError.
     """
 
     def __init__(
@@ -141,6 +175,21 @@ class TrainerGNSCallback(TrainerCallback):
         scaler = getattr(trainer.accelerator, "scaler", None)
         self.monitor = _monitor(trainer.model, ema_decay, scaler, convert_options)
         self.measured = False  # this optimizer step has been read
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_then_close(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            finally:
+                self.close()
+
+        trainer.train = train_then_close
+
+    def close(self) -> None:
+        """Write log.csv and release the directory (done when train() returns or raises; safe to repeat)."""
+        log, lock, self.log, self.lock = self.log, self.lock, None, None
+        _close_log(self.monitor, log, lock)
 
     def on_train_begin(self, args, state, control, **kwargs):
         accelerator = self.trainer.accelerator
@@ -150,6 +199,8 @@ class TrainerGNSCallback(TrainerCallback):
                 f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
                 "and clips them itself; the GNS is read under one process, DDP and FSDP2"
             )
+        self.close()  # a log still open: Trainer restarted its loop (auto_find_batch_size after an OOM)
+        self.measured = False
         # state.global_step: 0, or the checkpoint's step under train(resume_from_checkpoint=...)
         self.log, self.lock = _open_log(
             self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step
@@ -185,8 +236,7 @@ class TrainerGNSCallback(TrainerCallback):
             control.should_log = True  # again for the loss entry that follows
 
     def on_train_end(self, args, state, control, **kwargs):
-        _close_log(self.log, self.lock)
-        self.log = self.lock = None
+        self.close()
 
 
 # -----------------------------------------------------------------------------
@@ -215,14 +265,16 @@ class LightningGNSCallback(LightningCallback):
             run per directory: another is refused, in one line naming its pid).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         convert_options: keyword arguments of nanogns.convert.
-    The running GNS is logged with `pl_module.log("gns", ...)` every step.
+    The running GNS is logged with `pl_module.log("gns", ...)` every step. The log is written and the directory
+    released at teardown, and at on_exception when fit raises (a later fit(ckpt_path=...) in the same process
+    continues the log). Refusals raise NanoGNSError (Lightning runs on_exception, then raises it from fit).
     """
 
     def __init__(self, out_dir: Optional[str] = None, ema_decay: float = 0.95, **convert_options: Any):
         if LightningCallback is object:
             raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
         self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
-        self.monitor = self.log = self.lock = None
+        self.monitor = self.gns_log = self.lock = None  # (Lightning sets callback.log to the module's log method)
 
     def setup(self, trainer, pl_module, stage):
         if stage != "fit" or self.monitor is not None:
@@ -234,20 +286,28 @@ class LightningGNSCallback(LightningCallback):
                 layout.install(child, mapper=self.monitor.row_map)
 
     def on_train_start(self, trainer, pl_module):
+        self.close()  # (a log left open would be this process's own lock: closed at teardown and on_exception)
         # trainer.global_step: 0, or the checkpoint's step under fit(ckpt_path=...), restored by now
         out_dir = self.out_dir if self.out_dir is not None else trainer.default_root_dir
-        self.log, self.lock = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
+        self.gns_log, self.lock = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         row = self.monitor.step(gradients_unscaled=True)  # Lightning unscaled a GradScaler's gradients already
-        if self.log is not None:
-            self.log.log({"iter_num": trainer.global_step})
-            self.log.step()
+        if self.gns_log is not None:
+            self.gns_log.log({"iter_num": trainer.global_step})
+            self.gns_log.step()
         pl_module.log("gns", row["gns"], on_step=True, on_epoch=False, rank_zero_only=True)
 
+    def close(self) -> None:
+        """Write log.csv and release the directory (at teardown and on_exception; safe to repeat)."""
+        log, lock, self.gns_log, self.lock = self.gns_log, self.lock, None, None
+        _close_log(self.monitor, log, lock)
+
+    def on_exception(self, trainer, pl_module, exception):
+        self.close()
+
     def teardown(self, trainer, pl_module, stage):
-        _close_log(self.log, self.lock)
-        self.log = self.lock = None
+        self.close()
 
 
 # -----------------------------------------------------------------------------
@@ -257,14 +317,17 @@ class LightningGNSCallback(LightningCallback):
 class AccelerateGNS:
     """Accelerate: exact per-example gradient norms and the GNS, read where the loop clips.
 
-        monitor = AccelerateGNS(accelerator, model)             # before or after accelerator.prepare
-        for batch in loader:
-            with accelerator.accumulate(model):
-                accelerator.backward(loss_of(model, batch))
-                if accelerator.sync_gradients:                  # the last micro-batch of the step
-                    monitor.step()                              # before clipping
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step(); optimizer.zero_grad()
+        with AccelerateGNS(accelerator, model) as monitor:      # before or after accelerator.prepare
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    accelerator.backward(loss_of(model, batch))
+                    if accelerator.sync_gradients:              # the last micro-batch of the step
+                        monitor.step()                          # before clipping
+                        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                    optimizer.step(); optimizer.zero_grad()
+
+    The `with` block writes log.csv and releases the directory however the loop ends, an exception included
+    (without it, call monitor.close(); the process's end releases them too).
 
     Args:
         accelerator: the accelerate.Accelerator (its GradScaler, if fp16, is divided out).
@@ -318,14 +381,20 @@ class AccelerateGNS:
         self.steps += 1
         return row
 
-    def close(self):
-        """Write log.csv and release the directory (also done at exit)."""
-        _close_log(self.log, self.lock)
-        self.log = self.lock = None
+    def __enter__(self) -> "AccelerateGNS":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write log.csv and release the directory (also done at exit; safe to repeat)."""
+        log, lock, self.log, self.lock = self.log, self.lock, None, None
+        _close_log(self.monitor, log, lock)
 
 
 # -----------------------------------------------------------------------------
-# the per-sequence-mean loss (the README's definition, "What is logged") for a causal LM
+# the per-sequence-mean loss (docs/log-format.md's definition) for a causal LM
 
 
 def sequence_mean_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

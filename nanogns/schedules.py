@@ -1,5 +1,5 @@
 """
-Batch-size schedules for train.py (`--bs_schedule=none|linear|gns`).
+Batch-size schedules for train.py (`--bs_schedule=none|linear|gns|sqrt|grow|goodput`).
 
 A schedule decides, before each optimizer step, the step's gradient accumulation
 steps counted over the whole job (nanoGPT's `gradient_accumulation_steps`, an
@@ -15,13 +15,20 @@ B = batch_size x per_rank_steps x world_size examples.
   one warning per distinct bad content.
 - 'gns': adaptive, steps -> bs_gns_factor x GNS / batch_size (that is B ~ factor x GNS),
   clamped to [min, max] and moved by at most `max_delta` per step.
+- 'sqrt', 'grow', 'goodput': BatchSizeController, a controller any loop asks each step for its
+  accumulation steps, learning rate, Adam's beta2 and weight decay, from its own GNS estimate
+  (RatioGNS); measured against fixed batches and published schedules in bench/controller.py.
 """
 
 import math
 import os
 import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from nanogns.estimator import gns_from_emas, unbiased_stats
 
 SCHEDULE_FILE = "grad_accum_schedule.txt"
 
@@ -144,3 +151,294 @@ def gns_steps(current, gns, batch_size, factor=1.0, min_steps=1, max_steps=1, ma
         return current
     target = min(max(int(round(factor * gns / batch_size)), min_steps), max_steps)
     return current + max(-max_delta, min(max_delta, target - current))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The batch-size controller: each step, from the measured GNS, the batch (whole micro-batches) and what is coupled
+# to it (learning rate, Adam's beta2, weight decay, Adam's second moment at a switch).
+
+CONTROLLER_RULES = ("sqrt", "grow", "goodput")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a step should run with (BatchSizeController.decide).
+
+    accum_steps: micro-batches over the whole job (all ranks); batch_size = accum_steps x micro_batch_size.
+    lr, beta2, weight_decay: the coupled values (beta2 / weight_decay None where the controller was given none).
+    second_moment_scale: multiply Adam's exp_avg_sq by this before the step (1.0 unless the batch switched).
+    gns: the controller's bias-corrected GNS estimate the decision used (NaN before the first measurement).
+    """
+
+    accum_steps: int
+    batch_size: int
+    lr: float
+    beta2: Optional[float]
+    weight_decay: Optional[float]
+    second_moment_scale: float
+    switched: bool
+    gns: float
+
+
+class RatioGNS:
+    """The GNS as a ratio of separate EMAs of the unbiased |G|^2 and tr(Sigma), with a horizon in examples.
+
+    A step of B examples decays the EMAs by exp(-B / horizon_examples), so small batches (noisier estimates)
+    average over more steps and a switch of batch does not change how much data the estimate spans (AdaptDL's
+    rule: decay^(B/B0)). The EMAs are zero-initialised and debiased (as Adam's moments). The ratio of two
+    averages is biased when the |G|^2 average is noisy, which it is at small batches (its per-step variance
+    grows as (tr(Sigma)/B)^2): by the delta method E[A/G] ~ (A/G)(1 + Var(G)/G^2 - Cov(A, G)/(A G)), so the
+    estimate is divided by that factor, with Var and Cov of the averages from EMAs of the products and the
+    weights' sum of squares (exact for independent steps); the factor is clamped to [1/2, 2].
+    """
+
+    def __init__(self, horizon_examples: float):
+        if not horizon_examples > 0:
+            raise ValueError(f"horizon_examples must be > 0, got {horizon_examples!r}")
+        self.horizon_examples = float(horizon_examples)
+        self.sums = dict(w=0.0, w2=0.0, g=0.0, a=0.0, gg=0.0, aa=0.0, ag=0.0)
+
+    def update(self, sq_norm: float, pe_sqnorm: float, batch_size: int) -> float:
+        """Add one step: the summed squared norms of the batch gradient and of the per-example gradients, B."""
+        gtg, trsigma = unbiased_stats(sq_norm, pe_sqnorm, batch_size)
+        if not (math.isfinite(gtg) and math.isfinite(trsigma)):
+            return self.gns
+        d = math.exp(-batch_size / self.horizon_examples)
+        s = self.sums
+        for key, value in (("g", gtg), ("a", trsigma), ("gg", gtg * gtg), ("aa", trsigma * trsigma)):
+            s[key] = d * s[key] + (1 - d) * value
+        s["ag"] = d * s["ag"] + (1 - d) * trsigma * gtg
+        s["w"] = d * s["w"] + (1 - d)
+        s["w2"] = d * d * s["w2"] + (1 - d) ** 2
+        return self.gns
+
+    @property
+    def raw_gns(self) -> float:
+        """EMA(tr(Sigma)) / EMA(|G|^2), debiased, without the ratio's bias correction."""
+        s = self.sums
+        return gns_from_emas(s["g"], s["a"]) if s["w"] > 0 else math.nan
+
+    @property
+    def gns(self) -> float:
+        s = self.sums
+        raw = self.raw_gns
+        if not math.isfinite(raw):
+            return raw
+        w, g, a = s["w"], s["g"] / s["w"], s["a"] / s["w"]
+        shrink = s["w2"] / (w * w)  # the variance of the weighted mean, per unit variance of one step
+        var_g = max(s["gg"] / w - g * g, 0.0) * shrink
+        cov_ag = (s["ag"] / w - a * g) * shrink
+        factor = 1 + var_g / (g * g) - (cov_ag / (a * g) if a > 0 else 0.0)
+        return raw / min(max(factor, 0.5), 2.0)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"horizon_examples": self.horizon_examples, **self.sums}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.horizon_examples = float(state["horizon_examples"])
+        self.sums = {key: float(state[key]) for key in self.sums}
+
+
+class BatchSizeController:
+    """Each step's batch (whole micro-batches) from the measured GNS, and what is coupled to it.
+
+        controller = BatchSizeController("grow", micro_batch_size=4, base_batch_size=64, max_accum_steps=128,
+                                         beta2=0.99, weight_decay=0.1)
+        for step ...:
+            d = controller.decide(lr=base_lr_now, decay=base_lr_now / peak_lr)  # the loop's own LR schedule
+            controller.apply(optimizer, d)          # lr, betas, weight decay; Adam's state at a switch
+            ...d.accum_steps micro-batches of micro_batch_size examples...
+            monitor.step(batch_size=d.batch_size)
+            controller.observe(*summed_squares(monitor.measurements), step_seconds=dt)
+
+    Rules (`rule`):
+      'sqrt': B = factor x sqrt(GNS x anchor): the batch minimising steps + examples / anchor per unit of
+          progress under McCandlish et al. 2018 (S/S_min - 1 = B_noise / B); anchor (default: the largest GNS
+          measured so far) is the batch at which B = factor x GNS.
+      'grow': batch growth in place of learning-rate decay (Smith et al. 2018, Seesaw): where the loop's
+          schedule multiplies the LR by `decay` = a, the batch is base_batch_size / a and the LR lr x sqrt(B /
+          base_batch_size) (so LR x sqrt(a) at B / a), capped at cap x GNS: beyond it growth stops paying
+          (S/S_min - 1 = B_noise / B) and the rest of the decay stays in the LR. Early on, while the GNS is
+          small, the cap makes it a warmup of the batch (Merrill et al. 2025).
+      'goodput': Pollux's goodput, throughput(B) x efficiency(B) = B / t(B) x (GNS + B0) / (GNS + B), with
+          t(B) = t0 + t1 B fitted to the step times given to `observe` (the last `time_window` steps; until two
+          batch sizes have been timed, or while the fit finds no cost per example (noisy times), the batch grows
+          one hysteresis band to measure another, rather than jump to the largest).
+    Couplings (every rule): the LR scales as sqrt(B / base_batch_size) for Adam below the GNS and is held once the
+    batch passes it (lr_hold x GNS; Surge: Adam's best LR peaks near B_noise), except 'grow', whose LR follows
+    Seesaw (sqrt(B / B0), never above the schedule's peak: a sqrt(B/B0) <= sqrt(a) <= 1); beta2 keeps its half-life in tokens (beta2^(B/B0), Marek et
+    al.); weight decay keeps AdamW's timescale B / (lr wd) (Power Lines); at a switch Adam's second moment is
+    rescaled by E|g_B'|^2 / E|g_B|^2 = (1 + GNS/B') / (1 + GNS/B). The GNS is RatioGNS (a horizon in examples,
+    bias-corrected). Switches are by whole micro-batches and only when the target leaves the band [n / (1 +
+    hysteresis), n (1 + hysteresis)] around the current n micro-batches. `state_dict` holds all that a resume
+    needs (the rule's settings are the caller's, given again).
+    """
+
+    def __init__(
+        self,
+        rule: str,
+        micro_batch_size: int,
+        base_batch_size: int,
+        min_accum_steps: int = 1,
+        max_accum_steps: int = 1,
+        factor: float = 1.0,
+        anchor: Optional[float] = None,
+        cap: float = 4.0,
+        lr_hold: Optional[float] = 1.0,
+        horizon_examples: Optional[float] = None,
+        hysteresis: float = 0.1,
+        beta2: Optional[float] = None,
+        weight_decay: Optional[float] = None,
+        time_window: int = 50,
+        start_accum_steps: Optional[int] = None,
+    ):
+        if rule not in CONTROLLER_RULES:
+            raise ValueError(f"unknown controller rule {rule!r}; choose from {list(CONTROLLER_RULES)}")
+        if not 1 <= min_accum_steps <= max_accum_steps:
+            raise ValueError(f"need 1 <= min_accum_steps ({min_accum_steps}) <= max_accum_steps ({max_accum_steps})")
+        if micro_batch_size < 1 or base_batch_size < 1:
+            raise ValueError(
+                f"micro_batch_size ({micro_batch_size}) and base_batch_size ({base_batch_size}) must be >= 1"
+            )
+        if hysteresis < 0 or factor <= 0 or cap <= 0:
+            raise ValueError(f"need hysteresis >= 0, factor > 0 and cap > 0 (got {hysteresis}, {factor}, {cap})")
+        self.rule, self.micro, self.base = rule, int(micro_batch_size), int(base_batch_size)
+        self.min_steps, self.max_steps = int(min_accum_steps), int(max_accum_steps)
+        self.factor, self.anchor, self.cap, self.lr_hold = factor, anchor, cap, lr_hold
+        self.hysteresis, self.beta2, self.weight_decay = hysteresis, beta2, weight_decay
+        self.time_window = time_window
+        self.estimator = RatioGNS(horizon_examples or 20 * base_batch_size)
+        self.accum = self._clamp(start_accum_steps if start_accum_steps is not None else min_accum_steps)
+        self.max_gns = math.nan
+        self.times: List[Tuple[int, float]] = []  # (B, seconds) of the last time_window steps
+        self.steps = self.switches = 0
+
+    # -- what the controller has measured --
+    @property
+    def gns(self) -> float:
+        return self.estimator.gns
+
+    def observe(self, sq_norm: float, pe_sqnorm: float, batch_size: int, step_seconds: Optional[float] = None) -> float:
+        """Add one step's measurement (the summed squared norms, B) and, for 'goodput', its duration; the GNS."""
+        gns = self.estimator.update(sq_norm, pe_sqnorm, batch_size)
+        if math.isfinite(gns) and gns > 0:
+            self.max_gns = gns if math.isnan(self.max_gns) else max(self.max_gns, gns)
+        if step_seconds is not None:
+            self.observe_time(batch_size, step_seconds)
+        self.steps += 1
+        return gns
+
+    def observe_time(self, batch_size: int, step_seconds: float) -> None:
+        """Add one step's duration at batch B to the step-time model ('goodput'); `observe` does with step_seconds."""
+        if math.isfinite(step_seconds) and batch_size > 0:
+            self.times = (self.times + [(int(batch_size), float(step_seconds))])[-self.time_window :]
+
+    def step_time_model(self) -> Optional[Tuple[float, float]]:
+        """(t0, t1) of t(B) = t0 + t1 B, least squares over the timed steps (both >= 0); None before two batch sizes."""
+        if len({b for b, _ in self.times}) < 2:
+            return None
+        b = np.array([b for b, _ in self.times], dtype=np.float64)
+        t = np.array([t for _, t in self.times], dtype=np.float64)
+        t1, t0 = np.polyfit(b, t, 1)
+        if t1 <= 0:
+            return float(np.mean(t)), 0.0
+        if t0 < 0:
+            return 0.0, float(np.sum(b * t) / np.sum(b * b))
+        return float(t0), float(t1)
+
+    # -- the decision --
+    def _clamp(self, n):
+        return min(max(int(n), self.min_steps), self.max_steps)
+
+    def target_batch(self, decay: float = 1.0) -> float:
+        """The rule's wanted batch in examples (before whole micro-batches, bounds and hysteresis); NaN = keep."""
+        gns = self.gns
+        if self.rule == "grow":
+            wanted = self.base / max(decay, 1e-12)
+            return min(wanted, self.cap * gns) if math.isfinite(gns) else math.nan
+        if not (math.isfinite(gns) and gns > 0):
+            return math.nan
+        if self.rule == "sqrt":
+            anchor = self.anchor if self.anchor is not None else self.max_gns
+            return self.factor * math.sqrt(gns * anchor)
+        model = self.step_time_model()  # goodput
+        if model is None or model[1] <= 0:  # one batch size timed, or no sign yet that a bigger one costs more:
+            return (math.ceil(self.accum * (1 + self.hysteresis)) + 1) * self.micro  # explore one band up, not max
+        t0, t1 = model
+        n = np.arange(self.min_steps, self.max_steps + 1, dtype=np.float64)
+        b = n * self.micro
+        goodput = b / np.maximum(t0 + t1 * b, 1e-12) * (gns + self.base) / (gns + b)
+        return float(b[int(np.argmax(goodput))])
+
+    def lr_multiplier(self, batch_size: int) -> float:
+        """The LR coupling for Adam: sqrt(min(B, H) / min(B0, H)) with H = lr_hold x GNS: the square root of the
+        batch ratio while both batches are below the GNS, held once the batch passes it (Surge: Adam's best LR
+        rises with B up to about B_noise). Pure sqrt(B / B0) when lr_hold is None or the GNS is unknown, and for
+        'grow', whose growth (B <= B0 / decay) keeps it <= 1 / sqrt(decay)."""
+        if self.rule == "grow" or self.lr_hold is None or not (self.gns > 0):
+            return math.sqrt(batch_size / self.base)
+        hold = self.lr_hold * self.gns
+        return math.sqrt(min(batch_size, hold) / min(self.base, hold))
+
+    def decide(self, lr: float, decay: float = 1.0) -> Decision:
+        """This step's Decision. lr: the loop's learning rate now (its schedule's, for base_batch_size);
+        decay: the schedule's decay factor now (1 at the peak; 'grow' turns it into batch growth)."""
+        target = self.target_batch(decay)
+        old = self.accum
+        if math.isfinite(target):
+            wanted = self._clamp(round(target / self.micro))
+            if wanted >= old * (1 + self.hysteresis) or wanted <= old / (1 + self.hysteresis):
+                self.accum = wanted
+        if self.rule == "grow":  # never past B0 / decay, hysteresis or not: the LR stays <= the schedule's peak
+            self.accum = min(self.accum, max(self.min_steps, math.floor(self.base / max(decay, 1e-12) / self.micro)))
+        switched = self.accum != old
+        self.switches += switched
+        batch = self.accum * self.micro
+        gns = self.gns
+        scale = 1.0
+        if switched and math.isfinite(gns) and gns > 0:
+            scale = (1 + gns / batch) / (1 + gns / (old * self.micro))
+        mult = self.lr_multiplier(batch)
+        wd = None
+        if self.weight_decay is not None:  # B / (lr wd) constant, at the schedule's peak (decay = 1)
+            wd = self.weight_decay * (batch / self.base) / mult
+        beta2 = self.beta2 ** (batch / self.base) if self.beta2 is not None else None
+        return Decision(self.accum, batch, lr * mult, beta2, wd, scale, switched, gns)
+
+    @staticmethod
+    def apply(optimizer, decision: Decision, decay_groups: Optional[List[int]] = None) -> None:
+        """Set the decision's lr, beta2 and weight decay (on `decay_groups`, default the groups whose weight decay
+        is not 0) in every param group of a torch Adam/AdamW, and rescale its exp_avg_sq at a switch."""
+        for i, group in enumerate(optimizer.param_groups):
+            group["lr"] = decision.lr
+            if decision.beta2 is not None and "betas" in group:
+                group["betas"] = (group["betas"][0], decision.beta2)
+            decays = group.get("weight_decay", 0) != 0 if decay_groups is None else i in decay_groups
+            if decision.weight_decay is not None and decays:
+                group["weight_decay"] = decision.weight_decay
+        if decision.second_moment_scale != 1.0:
+            for state in optimizer.state.values():
+                if "exp_avg_sq" in state:
+                    state["exp_avg_sq"].mul_(decision.second_moment_scale)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "rule": self.rule,
+            "accum": self.accum,
+            "max_gns": self.max_gns,
+            "times": [list(t) for t in self.times],
+            "steps": self.steps,
+            "switches": self.switches,
+            "estimator": self.estimator.state_dict(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state["rule"] != self.rule:
+            raise ValueError(
+                f"the checkpoint's batch-size controller ran rule {state['rule']!r}, this one {self.rule!r}"
+            )
+        self.accum = int(state["accum"])
+        self.max_gns = float(state["max_gns"])
+        self.times = [(int(b), float(t)) for b, t in state["times"]]
+        self.steps, self.switches = int(state["steps"]), int(state["switches"])
+        self.estimator.load_state_dict(state["estimator"])

@@ -3,19 +3,41 @@ The valid range of each train.py setting, checked at start-up before anything is
 line naming the flag and its range, never a run that trains silently wrong or a traceback deep inside.
 
     problem = settings.check(config)     # None, or "--grad_clip=-1.0: ..." for train.py's fail()
+    problem = settings.device_problem(device)                     # a device torch cannot use here
+    problem = settings.model_size_problem(model_args, device)     # a model too large to allocate, sized first
+    problem = settings.model_args_problem(model_args)             # a checkpoint's model_args that build no GPT
+    problem, notes = settings.resume_check(config, checkpoint, has_log)   # a resume that would not continue its run
 
-configurator.py has checked each key's name and type already; this checks values and their relations.
+configurator.py has checked each key's name and type already; this checks values and their relations. Each
+function returns one line (or None) and raises nothing: the scripts print it and exit.
+
+What a resume may change (resume_check), decided for a user who trusts the run's log:
+- the model's shape (n_layer, n_head, n_embd, bias, block_size) cannot change: the checkpoint's weights and
+  optimizer state are that model's, so a different flag is refused naming it (a block_size that changed would
+  also change what one example is, in which the GNS counts);
+- batch_size and gradient_accumulation_steps may change: the log's batch_size and tokens_processed columns record
+  each step's, gns-analysis reports the change, and config.json (rewritten at every start) holds what trains now;
+- what the log measures cannot change while the directory holds the log: a layer choice that would stop (or
+  start, or swap exact for approximate) per-example norms is refused naming the flag; shim, gns and fused
+  measure the same and may be swapped. Without a log (a new out_dir holding a copy of ckpt.pt) it may change;
+- a checkpoint without a token count (nanoGPT's) continues at iter_num x the tokens of one of its steps
+  (resumed_tokens), said in one line.
 """
 
 import math
+import os
+
+import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-BS_SCHEDULES = ("none", "linear", "gns")
+BS_SCHEDULES = ("none", "linear", "gns", "sqrt", "grow", "goodput")  # the last three: schedules.CONTROLLER_RULES
 
 
-def _integer(low):
-    return lambda v: v >= low, f"an integer >= {low}"
+def _integer(low, high=None):
+    if high is None:
+        return lambda v: v >= low, f"an integer >= {low}"
+    return lambda v: low <= v <= high, f"an integer in [{low}, {high:,}]"
 
 
 def _number(low, high, low_open=False):
@@ -38,7 +60,7 @@ RANGES = {
     "max_iters": (*_integer(1), ""),
     "max_tokens": (*_integer(1), ""),
     "eval_interval": (*_integer(1), "evaluate (and save) every eval_interval steps"),
-    "eval_iters": (*_integer(1), "batches per validation loss: 0 gives no loss to save on"),
+    "eval_iters": (*_integer(1, 10**6), "batches per validation loss: 0 gives no loss to save on"),
     "log_interval": (*_integer(1), ""),
     "warmup_tokens": (*_integer(0), ""),
     "lr_decay_tokens": (*_integer(0), ""),
@@ -53,6 +75,8 @@ RANGES = {
     "beta2": (*_number(0, 1), "AdamW's decays; 0 means no averaging"),
     "gns_ema_decay": (*_number(0, 1, low_open=True), "a decay: 1 would freeze the running GNS"),
     "bs_gns_factor": (*_number(0, None, low_open=True), ""),
+    "bs_cap": (*_number(0, None, low_open=True), "the 'grow' controller's cap, a multiple of the GNS"),
+    "bs_gns_horizon": (*_integer(0), "examples; 0 means 20 x the configured batch"),
 }
 CHOICES = {"dtype": DTYPES, "init_from": INIT_FROM, "bs_schedule": BS_SCHEDULES}
 
@@ -95,3 +119,181 @@ def check(config, device_names=None):
         if bad:
             return f"--{key}={c[key]}: block indices must be integers in [0, n_layer={c['n_layer']}), got {bad}"
     return None
+
+
+# -----------------------------------------------------------------------------
+# the device, and a model's size before it is allocated
+
+
+def device_problem(device):
+    """Why `device` (train.py's or sample.py's --device) cannot run here, or None."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"--device={device!r} is not a device: use cpu, cuda, cuda:N (a GPU's index) or mps"
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            return (
+                f"device={device!r} but this torch ({torch.__version__}) sees no CUDA GPU; run with "
+                "--device=cpu --dtype=float32 --compile=False, or install a CUDA build of torch on a GPU machine"
+            )
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            return f"--device={device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), cuda:0 and on"
+    elif d.type == "mps":
+        if not torch.backends.mps.is_available():
+            return f"--device={device!r}: this machine or torch build has no MPS (Apple GPU) backend; use --device=cpu"
+    elif d.type != "cpu":
+        return f"--device={device!r}: the scripts run on cpu, cuda or mps"
+    return None
+
+
+TRAINING_BYTES_PER_PARAMETER = 16  # float32 weight, gradient and AdamW's two moments
+
+
+def parameter_count(n_layer, n_embd, block_size, vocab_size, bias=True):
+    """The parameters of model.py's GPT: token and position tables (the head is tied to the first), and per block
+    the attention (4 n_embd^2) and the MLP (8 n_embd^2), biases and LayerNorms included."""
+    per_block = 12 * n_embd**2 + (13 if bias else 2) * n_embd
+    return n_layer * per_block + (vocab_size + block_size) * n_embd + (2 if bias else 1) * n_embd
+
+
+def activation_bytes(n_layer, n_embd, block_size, batch_size, dtype="float32"):
+    """A lower bound on what one micro-batch's forward keeps for its backward: per token and block at least 16
+    vectors of n_embd (the inputs of the two LayerNorms, of the QKV, output and MLP projections, the attention's
+    output, the MLP's 4 n_embd hidden layer before and after GELU), in the run's dtype."""
+    return n_layer * batch_size * block_size * 16 * n_embd * (4 if dtype == "float32" else 2)
+
+
+def memory_of(device):
+    """(bytes of memory of `device`, its name in words): a GPU's own memory, else the machine's RAM."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory, f"{device}'s memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory"
+
+
+def model_size_problem(model_args, device, batch_size=0, dtype="float32", training=True, vocab_source=""):
+    """Why a GPT of `model_args` cannot run on `device`, sized before anything is allocated, or None: training
+    needs its float32 weights, gradients and AdamW's two moments and one micro-batch's activations (of
+    batch_size examples); sampling (training=False) its weights. vocab_source names where vocab_size came from."""
+    m = model_args
+    n = parameter_count(m["n_layer"], m["n_embd"], m["block_size"], m["vocab_size"], m.get("bias", True))
+    if training:
+        need = n * TRAINING_BYTES_PER_PARAMETER
+        need += activation_bytes(m["n_layer"], m["n_embd"], m["block_size"], batch_size, dtype)
+        what = "float32 weights, gradients and AdamW's two moments, and one micro-batch's activations"
+    else:
+        need, what = n * (2 if dtype in ("bfloat16", "float16") else 4), f"{dtype} weights"
+    have, where = memory_of(device)
+    if need <= have:
+        return None
+    shape = ", ".join(f"{k}={m[k]:,}" for k in ("n_layer", "n_embd", "block_size", "vocab_size"))
+    return (
+        f"the model would have {n:,} parameters ({shape}{vocab_source}): {'training' if training else 'running'} "
+        f"it takes at least {need / 2**30:,.1f} GiB ({what}), more than the {have / 2**30:,.1f} GiB of {where}; "
+        "lower --n_layer or --n_embd" + (" (or --batch_size)" if training else "")
+    )
+
+
+GPT_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+MODEL_ARGS = (*GPT_SIZES, "bias")
+
+
+def model_args_problem(model_args):
+    """What in a checkpoint's model_args builds no GPT (a missing key, a string for a number, n_head not
+    dividing n_embd), as words to follow "its model_args ..."; or None."""
+    if not isinstance(model_args, dict):
+        return f"are a {type(model_args).__name__}, not a dict"
+    missing = [k for k in MODEL_ARGS if k not in model_args]
+    if missing:
+        return f"lack {', '.join(missing)}"
+    for k in GPT_SIZES:
+        if type(model_args[k]) is not int or model_args[k] < 1:
+            return f"have {k}={model_args[k]!r}, not a positive integer"
+    if type(model_args["bias"]) is not bool:
+        return f"have bias={model_args['bias']!r}, not True or False"
+    if model_args["n_embd"] % model_args["n_head"]:
+        return f"have n_embd={model_args['n_embd']} not divisible by n_head={model_args['n_head']}"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# a resume continues the checkpoint's run (see the module docstring for what may change)
+
+LAYER_CHOICES = ("linearclass", "embeddingclass", "lnclass")
+
+
+def measures(layer_choice):
+    """What a layer choice writes to the log: the registry's variants all record exact norms but 'nn' (nothing),
+    'sogns' (approximate) and 'gns+sogns' (both)."""
+    return {"nn": "nothing", "sogns": "approximate norms", "gns+sogns": "exact and approximate norms"}.get(
+        layer_choice, "exact per-example norms"
+    )
+
+
+def resume_check(config, checkpoint, has_log):
+    """(the first reason this resume would not continue the checkpoint's run, as one line naming the flag, or None;
+    notes: lines saying what changes, to print).
+
+    config: train.py's settings; checkpoint: the loaded checkpoint (model_args checked already); has_log: out_dir
+    holds the run's log."""
+    old, model_args = checkpoint.get("config") or {}, checkpoint["model_args"]
+    for k in ("n_layer", "n_head", "n_embd", "bias"):
+        if config[k] != model_args[k]:
+            return (
+                f"--{k}={config[k]} differs from the checkpoint's {k}={model_args[k]}: a resume continues the "
+                f"checkpoint's model; resume with --{k}={model_args[k]} (or train a new model in a new out_dir)"
+            ), []
+    if config["block_size"] != model_args["block_size"]:
+        return (
+            f"--block_size={config['block_size']} differs from the checkpoint's block_size={model_args['block_size']}: "
+            f"its model and optimizer state hold {model_args['block_size']} positions, and the GNS counts examples, "
+            f"which would change length mid-run; resume with --block_size={model_args['block_size']}"
+        ), []
+    if has_log:
+        for k in LAYER_CHOICES:
+            if k in old and measures(old[k]) != measures(config[k]):
+                return (
+                    f"--{k}={config[k]} measures {measures(config[k])}, where the checkpoint's run measured "
+                    f"{measures(old[k])} with {k}={old[k]!r}: its log would change what it records mid-run; resume "
+                    f"with --{k}={old[k]}, or copy ckpt.pt into a new --out_dir and resume there to start a new log"
+                ), []
+    notes = []
+    for k in ("batch_size", "gradient_accumulation_steps"):
+        if k in old and old[k] != config[k]:
+            notes.append(
+                f"note: --{k}={config[k]} differs from the checkpoint's {old[k]}: from this step on the log's "
+                "batch_size and tokens_processed columns count the new batch (gns-analysis reports the change)"
+            )
+    return None, notes
+
+
+def resumed_tokens(checkpoint, tokens_per_iter):
+    """(the tokens a checkpoint without a token count (nanoGPT's) had trained on, a note saying how they were
+    counted): iter_num x the tokens of one of its steps, from its config where it has them, else this run's."""
+    old, iter_num = checkpoint.get("config") or {}, checkpoint["iter_num"]
+    keys = ("gradient_accumulation_steps", "batch_size", "block_size")
+    if all(type(old.get(k)) is int for k in keys):
+        per_iter = math.prod(old[k] for k in keys)
+        source = "its config's gradient_accumulation_steps x batch_size x block_size"
+    else:
+        per_iter, source = tokens_per_iter, "this run's tokens per iteration"
+    tokens = iter_num * per_iter
+    return tokens, (
+        f"note: the checkpoint holds no token count (nanoGPT's checkpoints do not): the run continues at "
+        f"{iter_num} iterations x {per_iter:,} tokens ({source}) = {tokens:,} tokens, where the learning-rate "
+        "schedule and max_tokens count from; the running GNS starts afresh"
+    )
+
+
+def what_ends(iter_num, tokens, max_iters, max_tokens):
+    """The words after 'nothing left to do: ...': which limit ends the run and what to raise, for a resume."""
+    reached = ([f"max_iters={max_iters}"] if iter_num >= max_iters else []) + (
+        [f"max_tokens={max_tokens:,}"] if tokens >= max_tokens else []
+    )
+    flags = " and ".join(f"--{limit.split('=')[0]}" for limit in reached)
+    return (
+        f"{' and '.join(reached)} {'end' if len(reached) > 1 else 'ends'} the run; its files are left untouched "
+        f"(raise {flags} to train further{', both' if len(reached) > 1 else ''})"
+    )

@@ -22,6 +22,10 @@ from nanogns.analysis import cli as analysis_cli
 from nanogns.runlog.record import PARAMETERS_JSON, write_parameter_record
 
 N_STEPS = 12
+GAP = (
+    "a log lost before a resume starts at the checkpoint's step, rows set aside at a resume are in "
+    "log_after_step_<N>.csv; the EMAs skip them"
+)
 NORM = "train/gns/transformer.h.0.attn.c_attn.weight/norm"
 BATCH = "train/gns/transformer.h.0.attn.c_attn.weight/batch_size"
 
@@ -162,9 +166,10 @@ def test_a_row_without_a_step_number_is_dropped_naming_its_line(run, tmp_path, c
     expected, _ = analyse(with_log(tmp_path / "expected", df.drop(index=3)), capsys)
     results, notes = analyse(with_log(tmp_path / "damaged", damaged), capsys)
     pd.testing.assert_frame_equal(results, expected)
-    assert notes == [
+    assert notes[0] == (
         f"warning: {tmp_path / 'damaged' / 'log.csv'}, line 5: step 'three' is not a step number; row skipped"
-    ]
+    )
+    assert notes[1:] == [f"note: {tmp_path / 'damaged' / 'log.csv'}: no row for 1 step(s) (3): " + GAP]
 
 
 @pytest.mark.parametrize("tmp_files", [False, True], ids=["log.csv", "tmp-files-of-a-killed-run"])
@@ -271,3 +276,98 @@ def test_the_path_of_the_log_file_reads_its_run_directory_and_another_file_is_on
     assert f"Loading data from {directory}\n" in proc.stdout and (directory / "gns_analysis.csv").exists()
     err = refusal(directory / "gns_analysis.csv", capsys)
     assert f"{directory / 'gns_analysis.csv'} is a file: gns-analysis.py reads a run directory" in err
+
+
+# -----------------------------------------------------------------------------
+# issue 37: duplicates resolved before cells are judged; steps without norms reported; every mistake one line
+
+
+def test_a_bad_later_write_of_a_step_skips_the_step_and_never_uses_the_earlier_row(run, tmp_path, capsys):
+    """Step 7 written again further down with a bad cell: the later write replaces the earlier one, so the step is
+    skipped (as if it were not logged), and the warning names both rows."""
+    directory, df = run
+    row = df.index[df["step"] == 7][0]
+    rewritten = df.loc[[row]].astype({NORM: object})
+    rewritten.loc[row, NORM] = "0.7x"
+    expected, _ = analyse(with_log(tmp_path / "expected", without_step(df, 7)), capsys)
+    damaged = pd.concat([df.iloc[: row + 3], rewritten, df.iloc[row + 3 :]])
+    results, notes = analyse(with_log(tmp_path / "damaged", damaged), capsys)
+    pd.testing.assert_frame_equal(results, expected)
+    path = tmp_path / "damaged" / "log.csv"
+    assert notes[0].startswith(f"warning: {path}: step(s) 7 logged more than once; the last row of each is used")
+    first, later = row + 2, row + 3 + 2  # file lines: the header is line 1
+    assert notes[1] == (
+        f"warning: {path}: step 7, column {NORM}: '0.7x' is not a number (its last row, line {later}; the earlier "
+        f"row at line {first} is not used); step skipped"
+    )
+
+
+def test_steps_without_norms_are_reported_and_the_totals_cover_the_whole_log(run, tmp_path, capsys):
+    """A run resumed with layers that record no norms (steps 12-19: training columns only): one warning names the
+    steps, the GNS is the last measured step's, the total tokens the whole log's."""
+    directory, df = run
+    measured = df[df[NORM].notna()]
+    later = pd.DataFrame(
+        {"step": range(int(df["step"].max()) + 1, int(df["step"].max()) + 9), "train/lossf": 1.0}
+    ).assign(tokens_processed=lambda d: (d["step"] + 1) * 32 * 256)
+    expected, _ = analyse(directory, capsys)
+    results, notes = analyse(with_log(tmp_path / "resumed", pd.concat([df, later])), capsys)
+    pd.testing.assert_frame_equal(results, expected)
+    first, last = later["step"].iloc[0], later["step"].iloc[-1]
+    assert notes == [
+        f"warning: {tmp_path / 'resumed' / 'log.csv'}: 8 of the log's {len(measured) + 8} training steps have no "
+        f"per-example norms (steps {first}-{last}): the GNS leaves them out, the totals count them (a step a "
+        "GradScaler skipped has none; so have steps trained with layer classes 'nn')"
+    ]
+    lines = final_lines(tmp_path / "resumed", capsys)
+    assert f"Total tokens processed: {(last + 1) * 32 * 256:,}" in lines
+    out = analysis_cli.main([str(tmp_path / "resumed"), "--no-plots"]) or capsys.readouterr().out
+    assert (
+        f"  (the GNS above is at step {int(measured['step'].iloc[-1])} ({int(measured['tokens_processed'].iloc[-1]):,} "
+        f"tokens), the last step with per-example norms; the log goes on to step {last} without them, and the "
+        "total counts those steps too)"
+    ) in out
+
+
+def test_a_log_without_batch_size_columns_is_one_line_saying_so(run, tmp_path, capsys):
+    _, df = run
+    damaged = df[[c for c in df.columns if not c.endswith("/batch_size")]]
+    err = refusal(with_log(tmp_path / "no-batch-size", damaged), capsys)
+    n = sum(c.endswith("/norm") for c in df.columns)
+    assert err.startswith(
+        f"gns-analysis.py: error: no parameter under 'train/gns' has all three columns norm, pegn and batch_size: "
+        f"{n} of {n} lack batch_size (e.g. "
+    ), err
+
+
+def test_a_binary_file_as_the_log_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "log.csv").write_bytes(bytes(range(256)) * 64)
+    err = refusal(tmp_path / "run" / "log.csv", capsys)
+    assert err.startswith(f"gns-analysis.py: error: {tmp_path / 'run' / 'log.csv'} is not a text CSV log ("), err
+    header = b"step,train/gns/a.weight/norm,train/gns/a.weight/pegn,train/gns/a.weight/batch_size\n"
+    (tmp_path / "run" / "log.csv").write_bytes(header + b"0,1.0,2.0,8\n\xff\xfe\x00\x01\n")  # text, then not
+    err = refusal(tmp_path / "run", capsys)
+    assert err.startswith(f"gns-analysis.py: error: {tmp_path / 'run' / 'log.csv'} is not a text CSV log ("), err
+
+
+FULL_DISK = """
+import resource, sys
+sys.argv = ["gns-analysis.py", sys.argv[1], "--no-plots"]
+resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))  # files stop growing at 4 kB, as on a full disk
+from nanogns.analysis.cli import main
+sys.exit(main())
+"""
+
+
+def test_a_full_disk_while_writing_the_results_is_one_line(run):
+    directory, _ = run
+    before = sorted(os.listdir(directory))
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(directory)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("gns-analysis.py: error: cannot write "), proc.stderr
+    assert "(File too large); free some space, or write the results elsewhere with --output-dir" in proc.stderr
+    assert not (directory / "gns_analysis.csv").exists() and not (directory / "gns_analysis.csv.tmp").exists()
+    assert set(before) <= set(os.listdir(directory))

@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 
-import fused_gns
-from nanogns.kinds.layernorm import PerExampleLayerNorm
-from nanogns.kinds.linear import PerExampleLinear
+from nanogns.kinds.layernorm import FusedLayerNorm, PerExampleLayerNorm
+from nanogns.kinds.linear import FusedLinear, PerExampleLinear
+from nanogns.variants import fused as fused_gns
 from nanogns.variants.fused import finish as fused_finish
 from nanogns.variants.fused import linear_plan as fused_linear_plan
 from nanogns.variants.fused import norms as fused_norms
@@ -133,8 +133,8 @@ def test_glue_launches_only_the_compiled_specialisation(features, outputs, monke
     torch.manual_seed(0)
     base = torch.randn(3 * 5 * features + 1)
     x = base[1:].view(3, 5, features).requires_grad_(True)  # a view 4 bytes past an aligned address
-    norm = fused_gns.FusedLayerNorm(features)
-    linear = fused_gns.FusedLinear(features, outputs)
+    norm = FusedLayerNorm(features)
+    linear = FusedLinear(features, outputs)
     linear(norm(x)).sum().backward()
     assert {kernel.__name__ for kernel, _ in launches} == {
         "_ln_fwd",

@@ -84,7 +84,11 @@ from nanogns import engines
 path = sys.argv[1]
 engines.save_checkpoint(path, {"model": torch.zeros(10)})
 resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000))  # files stop growing at 100 kB, as on a full disk
-engines.save_checkpoint(path, {"model": torch.zeros(100000)})
+try:
+    engines.save_checkpoint(path, {"model": torch.zeros(100000)})
+except Exception as e:  # what a caller catches: the library raised, it did not exit
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(1)
 """
 
 
@@ -92,7 +96,7 @@ def test_a_save_on_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp
     path = tmp_path / "ckpt.pt"
     proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
-    assert proc.stderr.startswith(f"train.py: cannot write the checkpoint {path} (")
+    assert proc.stderr.startswith(f"WriteFailed: cannot write the checkpoint {path} (")
     assert "the previous checkpoint and the log are kept; free some space, then continue with --init_from=resume" in (
         proc.stderr
     )

@@ -1,73 +1,56 @@
 """
-The package installs into another project's environment: `pip install .` (not editable) of this checkout into a
-fresh virtual environment, then, from a directory outside the checkout and with no PYTHONPATH, a convert() loop and a
-transformers.Trainer run with only the README's import lines, and the installed analysis command on their logs.
+The package installs into another project's environment, as the README says, in a fresh virtual environment that
+borrows nothing from this one (no site-packages of ours, no PYTHONPATH): first with torch, numpy and pandas alone
+(no Triton, no trainers, no plotting), then with the extras. Each time, from a directory outside the checkout, the
+README's library example runs as written and `nanogns-analysis` reads its log.
 
-The fresh environment borrows torch, transformers and the rest from the test's own environment through a .pth line
-(so nothing large is downloaded); a path added that way is not a site directory, so the checkout's editable install
-there is not seen, and the test checks that nanogns is imported from the fresh environment's own site-packages.
+Installs use this environment's pip (`pip --python`, so the new environment needs no pip of its own), torch's CPU
+build of the version running here from PyTorch's index (as .ci/run), and `--no-compile` (bytecode is compiled on
+first import instead: the install takes seconds, not minutes).
 
     python -m pytest -q tests/test_install.py
 """
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
-import sysconfig
 import textwrap
 
 import pytest
+import torch
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORED = (".git", ".venv", "out*", "build", "*.egg-info", "__pycache__", "*.bin", "*.pt", "wandb", ".pytest_cache")
+TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+EXAMPLE_MARK = "<!-- run by tests/test_install.py: the library example, in a clean environment -->"
+INSTALL_MARK = "<!-- run by tests/test_install.py: the install lines -->"
 
-CONVERT_SCRIPT = """
+FUSED_SCRIPT = """
+import warnings
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from nanogns import convert, GNSMonitor, LogWrapper
-
-import nanogns
-assert nanogns.__file__.startswith(VENV), nanogns.__file__
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(11, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, 11)
-
-    def forward(self, ids):
-        return self.head(self.norm(self.emb(ids)))
-
-torch.manual_seed(0)
-model = TinyLM()
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-log = LogWrapper(out_dir="out-convert")
-monitor = convert(model, log=log)
-assert isinstance(monitor, GNSMonitor) and len(monitor.tracked) == 5, monitor.untracked
-for step in range(3):
-    for _ in range(2):  # gradient accumulation
-        ids = torch.randint(0, 11, (4, 6))
-        loss = F.cross_entropy(model(ids).transpose(1, 2), ids) / 2
-        loss.backward()
-    monitor.step(batch_size=8)
-    optimizer.step()
-    optimizer.zero_grad()
-    log.log({"iter_num": step, "tokens_processed": (step + 1) * 48})
-    log.step()
-log.close()
-print("convert: ok")
+from nanogns import convert
+from nanogns.variants.fused import HAS_TRITON
+assert not HAS_TRITON
+model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+convert(model, linearclass="fused", lnclass="fused")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    model(torch.randn(2, 5, 4)).sum().backward()
+messages = sorted({str(w.message) for w in caught})
+assert len(messages) == 1 and "Triton is not installed" in messages[0], messages
+print("fused:", messages[0].splitlines()[0])
 """
 
 TRAINER_SCRIPT = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 from nanogns.integrations import TrainerGNSCallback
-
-import nanogns.integrations
-assert nanogns.integrations.__file__.startswith(VENV), nanogns.integrations.__file__
+from nanogns.variants.fused import HAS_TRITON
+assert HAS_TRITON
 
 config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
@@ -85,55 +68,100 @@ print("trainer: ok")
 """
 
 
+def readme():
+    with open(os.path.join(REPO, "README.md")) as f:
+        return f.read()
+
+
+def block_after(text, mark, language):
+    """The fenced block of `language` right after the marker comment."""
+    found = re.search(re.escape(mark) + r"\s*```" + language + r"\n(.*?)```", text, re.DOTALL)
+    assert found, f"README.md has no {language} block after {mark!r}"
+    return found.group(1)
+
+
+def install_lines():
+    """The README's install commands, each with its comment stripped: [(command, what it installs)]."""
+    lines = [line.split("#")[0].strip() for line in block_after(readme(), INSTALL_MARK, "bash").splitlines()]
+    return [line for line in lines if line]
+
+
+def run(args, cwd, env, timeout=900):
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def pip_into(python, *args, cwd, env):
+    return run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile", *args], cwd, env)
+
+
 @pytest.mark.slow
-def test_pip_install_then_the_readme_imports_from_outside_the_checkout(tmp_path):
+def test_install_lines_then_the_readme_example_without_and_with_the_extras(tmp_path):
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = str(venv / "bin" / "python")
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    with open(os.path.join(site, "zz_borrowed_packages.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")  # torch, transformers, pandas...: not a site dir
-    source = tmp_path / "checkout"  # a copy: setuptools builds in the source tree, which stays clean
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*IGNORED))
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(source)],
-        capture_output=True,
-        text=True,
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    isolated = run(
+        [python, "-c", "import sys; print(sys.flags.no_site, [p for p in sys.path if 'site-packages' in p])"],
+        tmp_path,
+        env,
     )
-    assert install.returncode == 0, install.stdout + install.stderr
-    with open(os.path.join(site, f"nanogns-{installed_version(python)}.dist-info", "top_level.txt")) as f:
-        assert f.read().split() == ["nanogns"]  # one package: no loose or generic top-level module
+    assert str(venv) in isolated and REPO not in isolated, isolated  # its own site-packages only
+
+    # torch first (the README's step before the package), the build of the version running here
+    version = torch.__version__.split("+")[0]
+    pip_into(python, f"torch=={version}", "--index-url", TORCH_INDEX, "--retries", "0", cwd=tmp_path, env=env)
+    # the checkout, by the README's first install line, from the directory above a copy of it
+    parent = tmp_path / "src"
+    shutil.copytree(REPO, parent / "nanoGNS-exact", ignore=shutil.ignore_patterns(*IGNORED))
+    plain, with_extras = install_lines()[:2]
+    assert plain.startswith("pip install ") and "[" not in plain, plain
+    pip_into(python, *shlex.split(plain)[2:], cwd=parent, env=env)
+    assert not (venv / "bin" / "pip").exists()  # every install went through this environment's pip --python
+    for absent in ("triton", "plotille", "matplotlib", "transformers"):
+        found = subprocess.run([python, "-c", f"import {absent}"], cwd=tmp_path, env=env, capture_output=True)
+        assert found.returncode != 0, f"{absent} is in the clean environment"
 
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for name, script in (("convert_loop.py", CONVERT_SCRIPT), ("trainer_run.py", TRAINER_SCRIPT)):
-        (work / name).write_text(f"VENV = {str(venv)!r}\n" + textwrap.dedent(script))
-        done = subprocess.run([python, name], cwd=work, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert done.stdout.strip().endswith("ok"), done.stdout
-    for out_dir in ("out-convert", "out-trainer"):
-        analysis = subprocess.run(
-            [str(venv / "bin" / "nanogns-analysis"), out_dir, "--no-plots"],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        assert analysis.returncode == 0, analysis.stdout + analysis.stderr
-        assert "Final GNS" in analysis.stdout, analysis.stdout
-    assert not (work / "nanogns").exists() and not os.path.exists(os.path.join(work, "gns_analysis.csv"))
+    (work / "library_example.py").write_text(block_after(readme(), EXAMPLE_MARK, "python"))
+    assert "running GNS" in run([python, "library_example.py"], work, env)
+    (work / "fused_without_triton.py").write_text(textwrap.dedent(FUSED_SCRIPT))
+    assert "pip install triton" in run([python, "fused_without_triton.py"], work, env)
+    analysis = run([str(venv / "bin" / "nanogns-analysis"), "out-tiny"], work, env)
+    assert "Final GNS" in analysis and "Traceback" not in analysis, analysis
+    assert 'for the plots, pip install "nanogns[plot]"' in analysis.splitlines()[-1], analysis
+    assert (work / "out-tiny" / "gns_analysis.csv").exists()
+    assert not list((work / "out-tiny").glob("*.png"))
+
+    # the extras, by the README's second install line: trainers, plots and Triton on top
+    assert with_extras.startswith("pip install ") and "[" in with_extras, with_extras
+    pip_into(python, *shlex.split(with_extras)[2:], cwd=parent, env=env)
+    (work / "trainer_run.py").write_text(textwrap.dedent(TRAINER_SCRIPT))
+    assert run([python, "trainer_run.py"], work, env).strip().endswith("trainer: ok")
+    for out_dir in ("out-tiny", "out-trainer"):
+        analysis = run([str(venv / "bin" / "nanogns-analysis"), out_dir], work, env)
+        assert "Final GNS" in analysis and "for the plots" not in analysis, analysis
+        assert list((work / out_dir).glob("gns_over_tokens.png")), analysis
+    assert not (work / "nanogns").exists()
 
 
-def installed_version(python):
-    return subprocess.run(
-        [python, "-c", "import importlib.metadata as m; print(m.version('nanogns'))"],
+def test_the_git_install_form_installs_the_committed_package(tmp_path):
+    """The README's git line is `pip install "git+$REPO_URL"`: the same line with REPO_URL a local clone's file://
+    URL builds the package from git (what a user's URL gives), checked without installing its dependencies."""
+    line = next(line for line in install_lines() if "git+" in line)
+    assert line == 'pip install "git+$REPO_URL"', line
+    if not os.path.exists(os.path.join(REPO, ".git")):  # a directory, or a file in a git worktree
+        pytest.skip("the checkout is not a git clone")
+    wheel_dir = tmp_path / "wheels"
+    url = shlex.split(line.replace("$REPO_URL", f"file://{REPO}"))[-1]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), url],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout.strip()
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p.name.split("-")[0] for p in wheel_dir.iterdir()] == ["nanogns"]

@@ -24,6 +24,8 @@ import pytest
 import torch
 from conftest import REPO, run_script
 
+from nanogns.errors import DirectoryHoldsAnotherRun, DirectoryInUse, NanoGNSError
+from nanogns.runlog.lock import LOCK_FILE
 from nanogns.runlog.reader import load_csv
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
 
 import integrations_worker  # noqa: E402
 from common import build_model  # noqa: E402
+from test_runlog_lock import hold  # noqa: E402
 
 from nanogns.integrations import sequence_mean_loss  # noqa: E402
 
@@ -215,7 +218,7 @@ def test_trainer_resume_continues_the_log_and_the_running_gns(tmp_path):
     pd.testing.assert_frame_equal(resumed[measured], whole[measured], rtol=1e-9, atol=0)
     set_aside = pd.read_csv(tmp_path / "log_after_step_2.csv")
     assert list(set_aside["step"]) == [2, 3]
-    with pytest.raises(SystemExit, match="already holds the GNS log of another run"):
+    with pytest.raises(DirectoryHoldsAnotherRun, match="already holds the GNS log of another run"):
         trainer_example.main(flags)
     pd.testing.assert_frame_equal(load_csv(str(tmp_path)), resumed)
 
@@ -232,7 +235,7 @@ def test_lightning_and_accelerate_keep_another_runs_log_and_accelerate_resumes(t
         flags = ["--steps=2", "--batch_size=2", "--dtype=float64", f"--out_dir={out_dir}"]
         integrations_worker.example(name).main(flags)
         before = load_csv(str(out_dir))
-        with pytest.raises(SystemExit, match="already holds the GNS log of another run"):
+        with pytest.raises(DirectoryHoldsAnotherRun, match="already holds the GNS log of another run"):
             integrations_worker.example(name).main(flags)
         pd.testing.assert_frame_equal(load_csv(str(out_dir)), before)
     model = build_model("llama", vocab_size=256, block_size=32).double()
@@ -277,13 +280,151 @@ def test_a_refused_directory_is_one_line_under_the_trainers(tmp_path):
     proc = run_script("examples/lightning_gpt.py", *flags)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert [line for line in proc.stderr.splitlines() if "GNS" in line] == [
-        f"GNS: {str(tmp_path)!r} already holds the GNS log of another run (log.csv), which this new run would "
-        "replace: give this run another output directory, or move the old log away (to continue that run's log "
-        "instead, resume it from a checkpoint it saved)"
+        f"lightning_gpt.py: {str(tmp_path)!r} already holds the GNS log of another run (log.csv), which this new "
+        "run would replace: give this run another output directory, or move the old log away (to continue that "
+        "run's log instead, resume it from a checkpoint it saved)"
     ]
     holder = hold(tmp_path / "held")
     model = build_model("llama", vocab_size=256, block_size=32).double()
-    with pytest.raises(SystemExit, match=rf"^GNS: '{tmp_path}/held' is in use by another run \(pid {holder.pid} "):
+    with pytest.raises(DirectoryInUse, match=rf"^'{tmp_path}/held' is in use by another run \(pid {holder.pid} "):
         AccelerateGNS(Accelerator(cpu=True), model, out_dir=str(tmp_path / "held"))
     holder.stdin.close()
     assert holder.wait() == 0
+
+
+# -----------------------------------------------------------------------------
+# however a run ends, its directory is released; a refusal is an exception, never an exit of the process
+
+
+def test_a_trainer_run_that_raises_releases_its_directory_and_a_second_train_continues(tmp_path):
+    """Trainer.train() interrupted after step 3 (KeyboardInterrupt, as Ctrl-C in a notebook) writes its log and
+    releases the lock: train(resume_from_checkpoint=...) on the same trainer, in the same process, runs and
+    continues the log from checkpoint-2; a new train() over that log is refused as another run's log, not as a
+    directory in use by this very process."""
+    from transformers import TrainerCallback
+
+    class InterruptAt(TrainerCallback):
+        def __init__(self, step):
+            self.step, self.done = step, False
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == self.step and not self.done:
+                self.done = True
+                raise KeyboardInterrupt
+
+    trainer_example = integrations_worker.example("hf_trainer")
+    args = trainer_example.parse_args(
+        ["--steps=4", "--batch_size=2", "--dtype=float64", "--save_steps=2", f"--out_dir={tmp_path}"]
+    )
+    trainer = trainer_example.make_trainer(args, callbacks=[InterruptAt(3)])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert not (tmp_path / LOCK_FILE).exists() and (tmp_path / "log.csv").exists()
+    assert list(load_csv(str(tmp_path))["step"]) == [0, 1, 2]
+    trainer.train(resume_from_checkpoint=True)
+    assert list(load_csv(str(tmp_path))["step"]) == [0, 1, 2, 3] and not (tmp_path / LOCK_FILE).exists()
+    assert list(pd.read_csv(tmp_path / "log_after_step_2.csv")["step"]) == [2]  # logged after checkpoint-2
+    try:
+        trainer.train()
+    except Exception as e:  # what a script that runs several trainings catches
+        assert isinstance(e, DirectoryHoldsAnotherRun) and "already holds the GNS log of another run" in str(e)
+    else:
+        raise AssertionError("a new run over another run's log was not refused")
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_lightning_fit_that_raises_releases_its_directory_and_a_second_fit_continues(tmp_path):
+    """fit() raising after step 3 (on_exception closes the log), then a second fit from the step-2 checkpoint in the
+    same process runs and continues the log."""
+    import lightning as L
+
+    class FailAt(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise RuntimeError("out of memory (simulated)")
+
+    lightning_example = integrations_worker.example("lightning_gpt")
+    flags = ["--steps=4", "--batch_size=2", "--dtype=float64", "--save_steps=2", f"--out_dir={tmp_path}"]
+    trainer, module, loader = lightning_example.make_trainer(lightning_example.parse_args(flags), callbacks=[FailAt()])
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.fit(module, loader)
+    assert not (tmp_path / LOCK_FILE).exists()
+    assert list(load_csv(str(tmp_path))["step"]) == [0, 1, 2]
+    lightning_example.main([*flags, f"--ckpt_path={tmp_path / 'checkpoints' / 'step=2.ckpt'}"])
+    assert list(load_csv(str(tmp_path))["step"]) == [0, 1, 2, 3] and not (tmp_path / LOCK_FILE).exists()
+
+
+def test_accelerate_with_block_releases_its_directory_when_the_loop_raises(tmp_path):
+    from accelerate import Accelerator
+
+    from nanogns.integrations import AccelerateGNS
+
+    model = build_model("llama", vocab_size=256, block_size=32).double()
+    ids = torch.randint(0, 256, (2, 8))
+    with pytest.raises(ZeroDivisionError):
+        with AccelerateGNS(Accelerator(cpu=True), model, out_dir=str(tmp_path)) as monitor:
+            sequence_mean_loss(model(input_ids=ids).logits, ids).backward()
+            monitor.step()
+            1 / 0  # the loop fails after one logged step
+    assert not (tmp_path / LOCK_FILE).exists() and list(load_csv(str(tmp_path))["step"]) == [0]
+    model.zero_grad()
+    with AccelerateGNS(Accelerator(cpu=True), model, out_dir=str(tmp_path), resume_step=1) as monitor:
+        sequence_mean_loss(model(input_ids=ids).logits, ids).backward()
+        monitor.step()
+    assert list(load_csv(str(tmp_path))["step"]) == [0, 1] and not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_directory_in_use_is_refused_through_every_trainer_as_an_exception(tmp_path):
+    """Another process holds out_dir: Trainer, Lightning and Accelerate each raise DirectoryInUse naming its pid,
+    caught by `except Exception` (no SystemExit reaches the caller), and nothing is left behind."""
+    from accelerate import Accelerator
+
+    from nanogns.integrations import AccelerateGNS
+
+    holder = hold(tmp_path)
+    flags = ["--steps=2", "--batch_size=2", "--dtype=float64", f"--out_dir={tmp_path}"]
+    runs = {
+        "Trainer": lambda: integrations_worker.example("hf_trainer").main(flags),
+        "Lightning": lambda: integrations_worker.example("lightning_gpt").main(flags),
+        "Accelerate": lambda: AccelerateGNS(
+            Accelerator(cpu=True), build_model("llama", vocab_size=256, block_size=32), out_dir=str(tmp_path)
+        ),
+    }
+    for name, run in runs.items():
+        try:
+            run()
+        except Exception as e:
+            assert isinstance(e, DirectoryInUse) and isinstance(e, NanoGNSError), (name, e)
+            assert f"is in use by another run (pid {holder.pid} holds" in str(e), (name, e)
+        else:
+            raise AssertionError(f"{name}: a directory in use was not refused")
+    holder.stdin.close()
+    assert holder.wait() == 0
+    assert sorted(os.listdir(tmp_path)) in ([], ["lightning_logs"]), os.listdir(tmp_path)
+
+
+def test_no_module_of_the_package_exits_its_callers_process():
+    """Beside the refusals driven above: no `raise SystemExit`, sys.exit(), exit() or quit() in nanogns/ outside a
+    script's entry point (`if __name__ == "__main__":`, __main__.py)."""
+    import ast
+
+    found = []
+    for folder, _, names in os.walk(os.path.join(REPO, "nanogns")):
+        for name in names:
+            if not name.endswith(".py") or name == "__main__.py":
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            entry = {
+                id(n)
+                for top in tree.body
+                if isinstance(top, ast.If) and "__main__" in ast.unparse(top.test)
+                for n in ast.walk(top)
+            }
+            for node in ast.walk(tree):
+                text = ast.unparse(node) if isinstance(node, (ast.Raise, ast.Call)) else ""
+                exits = text.startswith("raise SystemExit") or re.match(r"(sys\.exit|exit|quit)\(", text)
+                if exits and id(node) not in entry:
+                    found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {text[:60]}")
+    assert not found, found

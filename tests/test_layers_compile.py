@@ -127,7 +127,9 @@ def gpt2_steps(convert, compile=True, lengths=(16, 12, 16, 9)):
         ids = torch.randint(0, 97, (BATCH, T), generator=torch.Generator().manual_seed(T))
         mask = torch.ones(BATCH, T, dtype=torch.long)
         mask[1, T - 3 :] = 0
-        positions = torch.arange(T).expand(BATCH, T)  # GPT-2's default (1, T) positions are refused (README)
+        positions = torch.arange(T).expand(
+            BATCH, T
+        )  # GPT-2's default (1, T) positions are refused (docs/integrations.md)
         compiled(input_ids=ids, attention_mask=mask, labels=ids, position_ids=positions).loss.backward()
         if monitor is not None:
             rows.append(monitor.step(batch_size=BATCH))

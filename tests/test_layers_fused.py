@@ -29,10 +29,12 @@ import pytest
 import torch.nn as nn
 from oracle import per_example_sqnorms_by_loop
 
-import fused_gns
 from nanogns.core import buffers as buffered
 from nanogns.kinds import linear as linear_kind
-from nanogns.kinds.linear import PerExampleLinear
+from nanogns.kinds.layernorm import FusedLayerNorm
+from nanogns.kinds.linear import FusedLinear, PerExampleLinear
+from nanogns.kinds.rmsnorm import FusedRMSNorm
+from nanogns.variants import fused as fused_gns
 from nanogns.variants.fused import finish as fused_finish
 from nanogns.variants.fused import linear as fused_linear
 from nanogns.variants.fused import linear_plan as fused_linear_plan
@@ -102,10 +104,10 @@ def captured(monkeypatch):
 def make_norm(kind, D, dtype):
     """(fused layer, float64 torch reference with the same parameters)."""
     if kind == "rmsnorm":
-        fused, ref = fused_gns.FusedRMSNorm(D), nn.RMSNorm(D, eps=1e-6)
+        fused, ref = FusedRMSNorm(D), nn.RMSNorm(D, eps=1e-6)
     else:
         bias = kind == "layernorm"
-        fused, ref = fused_gns.FusedLayerNorm(D, bias=bias), nn.LayerNorm(D, bias=bias)
+        fused, ref = FusedLayerNorm(D, bias=bias), nn.LayerNorm(D, bias=bias)
     with torch.no_grad():  # non-trivial affine parameters
         for p in fused.parameters():
             p.copy_(torch.randn_like(p))
@@ -115,7 +117,7 @@ def make_norm(kind, D, dtype):
 
 
 def make_linear(K, L, bias, dtype):
-    fused = fused_gns.FusedLinear(K, L, bias=bias)
+    fused = FusedLinear(K, L, bias=bias)
     ref = nn.Linear(K, L, bias=bias)
     ref.load_state_dict(fused.state_dict())
     return fused.to(DEVICE, dtype), ref.to(DEVICE, torch.float64)
@@ -365,7 +367,7 @@ def test_linear_autocast(dtype):
     """fp32 parameters and input under autocast: computed in autocast's dtype like F.linear, gradients
     in fp32, norms as buffered.PerExampleLinear computes them from the same cast tensors."""
     torch.manual_seed(8)
-    fused = fused_gns.FusedLinear(40, 72).to(DEVICE)
+    fused = FusedLinear(40, 72).to(DEVICE)
     plain = PerExampleLinear(40, 72).to(DEVICE)
     plain.load_state_dict(fused.state_dict())
     x, g = inputs((3, 17), 40, torch.float32, out_features=72)
@@ -391,9 +393,9 @@ def test_linear_autocast(dtype):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: fused_gns.FusedLayerNorm(40),
-        lambda: fused_gns.FusedRMSNorm(40),
-        lambda: fused_gns.FusedLinear(40, 40),
+        lambda: FusedLayerNorm(40),
+        lambda: FusedRMSNorm(40),
+        lambda: FusedLinear(40, 40),
     ],
 )
 def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
@@ -421,7 +423,7 @@ def test_fallback_same_numbers_and_warns_once(make, monkeypatch):
 
 def test_float64_falls_back_with_reason(monkeypatch):
     monkeypatch.setattr(fused_runtime, "_warned_reasons", set())
-    layer = fused_gns.FusedLayerNorm(40).to(DEVICE, torch.float64)
+    layer = FusedLayerNorm(40).to(DEVICE, torch.float64)
     x = torch.randn(3, 5, 40, dtype=torch.float64, device=DEVICE)
     assert "float64" in fused_gns.kernel_unavailable_reason(x)
     with pytest.warns(RuntimeWarning, match="float64"):
@@ -431,14 +433,12 @@ def test_float64_falls_back_with_reason(monkeypatch):
 
 def test_shape_guards():
     with pytest.raises(RuntimeError, match=r"\(40,\).*unsqueeze"):
-        fused_gns.FusedLayerNorm(40).to(DEVICE)(torch.randn(40, device=DEVICE))
+        FusedLayerNorm(40).to(DEVICE)(torch.randn(40, device=DEVICE))
     with pytest.raises(RuntimeError, match=r"\(40,\).*unsqueeze"):
-        fused_gns.FusedLinear(40, 8).to(DEVICE)(torch.randn(40, device=DEVICE))
+        FusedLinear(40, 8).to(DEVICE)(torch.randn(40, device=DEVICE))
     wide = 40000  # 80 kB of fp16 per row: more than one block holds
     with pytest.raises(RuntimeError, match=rf"{wide}.*lnclass='gns'"):
-        fused_gns.FusedLayerNorm(wide).to(DEVICE, torch.float16)(
-            torch.randn(2, wide, device=DEVICE, dtype=torch.float16)
-        )
+        FusedLayerNorm(wide).to(DEVICE, torch.float16)(torch.randn(2, wide, device=DEVICE, dtype=torch.float16))
 
 
 def test_functions_without_buffers():
@@ -455,8 +455,8 @@ def test_registered_in_layer_config():
     import nanogns as layer_config
 
     classes = layer_config.layer_classes(linearclass="fused", lnclass="fused")
-    assert classes["Linear"] is fused_gns.FusedLinear
-    assert classes["LayerNorm"] is fused_gns.FusedLayerNorm
+    assert classes["Linear"] is FusedLinear
+    assert classes["LayerNorm"] is FusedLayerNorm
 
 
 # -----------------------------------------------------------------------------

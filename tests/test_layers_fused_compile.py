@@ -21,7 +21,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fused_gns
+from nanogns.kinds.layernorm import FusedLayerNorm
+from nanogns.kinds.linear import FusedLinear
+from nanogns.kinds.rmsnorm import FusedRMSNorm
+from nanogns.variants import fused as fused_gns
 
 DEVICE = "cpu" if fused_gns.kernels_interpreted() else "cuda"
 pytestmark = pytest.mark.skipif(
@@ -32,10 +35,10 @@ pytestmark = pytest.mark.skipif(
 class Block(nn.Module):
     def __init__(self, D):
         super().__init__()
-        self.ln = fused_gns.FusedLayerNorm(D)
-        self.fc = fused_gns.FusedLinear(D, 2 * D)
-        self.proj = fused_gns.FusedLinear(2 * D, D, bias=False)
-        self.rms = fused_gns.FusedRMSNorm(D)
+        self.ln = FusedLayerNorm(D)
+        self.fc = FusedLinear(D, 2 * D)
+        self.proj = FusedLinear(2 * D, D, bias=False)
+        self.rms = FusedRMSNorm(D)
 
     def forward(self, x):
         return self.rms(x + self.proj(torch.relu(self.fc(self.ln(x)))))

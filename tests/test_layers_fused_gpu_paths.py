@@ -19,7 +19,9 @@ import warnings
 import pytest
 import torch
 
-import fused_gns
+from nanogns.kinds.layernorm import FusedLayerNorm
+from nanogns.kinds.linear import FusedLinear
+from nanogns.variants import fused as fused_gns
 from nanogns.variants.fused import linear as fused_linear
 from nanogns.variants.fused import linear_plan as fused_linear_plan
 from nanogns.variants.fused import runtime as fused_runtime
@@ -88,7 +90,7 @@ def test_every_launch_is_on_its_tensors_device(monkeypatch):
 
         monkeypatch.setattr(kernel, "pre_run_hooks", [check])
     x = torch.randn(3, 5, 40, requires_grad=True)
-    norm, linear = fused_gns.FusedLayerNorm(40), fused_gns.FusedLinear(40, 24)
+    norm, linear = FusedLayerNorm(40), FusedLinear(40, 24)
     linear(norm(x)).sum().backward()
     assert len(seen) >= 3 and all(device == x.device for _, device in seen), seen
 
@@ -159,7 +161,7 @@ def test_ragged_output_width_masked_not_copied(monkeypatch):
         "pre_run_hooks",
         [lambda *args, **kw: pointers.append(args[1].data_ptr())],
     )
-    linear = fused_gns.FusedLinear(32, 40)
+    linear = FusedLinear(32, 40)
     x = torch.randn(3, 5, 32)
     g = torch.randn(3, 5, 40)
     linear(x).backward(g)
@@ -187,8 +189,8 @@ def test_buffers_viewed_in_one_flat_tensor(monkeypatch):
         kernel, "pre_run_hooks", [lambda *args, **kw: launches.append(dict(zip(kernel.arg_names, args)))]
     )
     torch.manual_seed(0)
-    layers = [fused_gns.FusedLayerNorm(32), fused_gns.FusedLinear(32, 24)]
-    reference = [fused_gns.FusedLayerNorm(32), fused_gns.FusedLinear(32, 24)]
+    layers = [FusedLayerNorm(32), FusedLinear(32, 24)]
+    reference = [FusedLayerNorm(32), FusedLinear(32, 24)]
     flat = torch.zeros(2 + 4 * 2)
     for i, (layer, twin) in enumerate(zip(layers, reference)):
         twin.load_state_dict(layer.state_dict())

@@ -272,18 +272,60 @@ import resource, sys
 from nanogns.runlog.writer import LogWrapper
 t = LogWrapper(out_dir=sys.argv[1], config={"a": 1})
 resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))  # files stop growing at 20 kB, as on a full disk
-for s in range(100000):
-    t.log({"a": float(s), "b": "x" * 100})
-    t.step()
+try:
+    for s in range(100000):
+        t.log({"a": float(s), "b": "x" * 100})
+        t.step()
+except Exception as e:  # what a caller catches: the library raised, it did not exit
+    print(f"{type(e).__name__} {e.path}: {e}", file=sys.stderr)
+    sys.exit(1)
 """
 
 
-def test_a_full_disk_is_one_line_and_the_rows_written_before_are_kept(tmp_path):
+def test_a_full_disk_raises_one_line_and_the_rows_written_before_are_kept(tmp_path):
     proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"log: cannot write {tmp_path / DATA_TMP} (File too large): logging stopped; the rows")
+    assert lines[0].startswith(
+        f"WriteFailed {tmp_path / DATA_TMP}: cannot write the log {tmp_path / DATA_TMP} (File too large): logging "
+        "stopped; the rows"
+    )
     df = load_csv(tmp_path)  # the .tmp files: every row written before, a row cut by the full disk dropped
     assert len(df) > 100 and df["step"].tolist() == list(range(len(df))) and df["b"].notna().all()
     assert df["a"].tolist() == [float(s) for s in range(len(df))]
+
+
+def test_a_log_without_a_row_writes_no_log_csv_so_the_same_command_runs_again(tmp_path):
+    """A run that fails before its first step (an evaluation that raises) leaves config.json but no log.csv, which
+    train.py would take for another run's log; a later LogWrapper starts there without refusal."""
+    with pytest.raises(ZeroDivisionError):
+        with LogWrapper(out_dir=str(tmp_path), config={"a": 1}):
+            1 / 0
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]
+    with LogWrapper(out_dir=str(tmp_path)) as log:
+        log.log({"a": 1.0})
+        log.step()
+    assert load_csv(str(tmp_path))["a"].tolist() == [1.0]
+
+
+def test_the_package_errors_are_one_exception_family_that_pickles():
+    import pickle
+
+    from nanogns import errors
+
+    raised = [
+        errors.DirectoryInUse("out", 42, "out/run.lock"),
+        errors.DirectoryHoldsAnotherRun("'out' already holds ...", "out", ["log.csv"]),
+        errors.WriteFailed("cannot write the log out/log.csv (No space left on device): ...", "out/log.csv", "full"),
+        errors.LogNotContinuable("cannot continue ..."),
+        errors.CheckpointNotUsable("cannot resume: ..."),
+    ]
+    for error in raised:
+        assert isinstance(error, errors.NanoGNSError) and isinstance(error, Exception)
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error) and again.__dict__ == error.__dict__
+    assert raised[0].pid == 42 and "pid 42 holds out/run.lock" in str(raised[0])
+    import nanogns
+
+    assert all(getattr(nanogns, name) is getattr(errors, name) for name in ("NanoGNSError", "WriteFailed"))

@@ -80,3 +80,13 @@ def test_a_directory_the_lock_made_goes_with_it_when_nothing_was_written(tmp_pat
     (tmp_path / "kept" / "log.csv").write_text("step\n")
     lock.release()
     assert os.listdir(tmp_path / "kept") == ["log.csv"]
+
+
+def test_the_with_form_releases_the_lock_when_the_block_raises(tmp_path):
+    with pytest.raises(ZeroDivisionError):
+        with RunLock(str(tmp_path)):
+            assert (tmp_path / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+            1 / 0
+    assert not (tmp_path / LOCK_FILE).exists()
+    with RunLock(str(tmp_path)):  # this process takes it again: not "in use by another run"
+        pass

@@ -8,6 +8,8 @@ Batch-size schedules (nanogns/schedules.py) as pure functions, and one tiny trai
 import math
 import warnings
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import TINY, run_script
 
@@ -197,3 +199,220 @@ def test_an_edited_linear_schedule_cannot_take_a_step_below_its_minimum(tmp_path
 def test_bad_schedule_settings_are_clear_errors(tmp_path, flags, message):
     out = run_script("train.py", *TINY, *flags, f"--out_dir={tmp_path}")
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the batch-size controller (schedules.BatchSizeController) and its GNS (schedules.RatioGNS)
+
+
+def exact_step(gtg, trsigma, B):
+    """The squared norms a step of B examples has in expectation: |g_B|^2 = |G|^2 + tr(Sigma) / B and
+    mean_i |g_i|^2 = |G|^2 + tr(Sigma)."""
+    return gtg + trsigma / B, gtg + trsigma, B
+
+
+def controller(rule="sqrt", **kw):
+    kw = {"micro_batch_size": 4, "base_batch_size": 64, "max_accum_steps": 128, **kw}
+    return schedules.BatchSizeController(rule, **kw)
+
+
+def test_ratio_gns_is_exact_on_exact_norms_and_its_horizon_is_in_examples():
+    est = schedules.RatioGNS(horizon_examples=1000)
+    for B in (4, 16, 64, 256):
+        est.update(*exact_step(2.0, 60.0, B))
+    assert est.gns == pytest.approx(30.0, rel=1e-9) and est.raw_gns == pytest.approx(30.0, rel=1e-9)
+    # the weight of the past after n steps of B examples is exp(-n B / horizon): 10 x 64 examples = 40 x 16
+    a, b = schedules.RatioGNS(1000), schedules.RatioGNS(1000)
+    for est2, B, n in ((a, 64, 10), (b, 16, 40)):
+        est2.update(*exact_step(1.0, 10.0, 64))  # the old GNS (10), from the same step ...
+        for _ in range(n):
+            est2.update(*exact_step(1.0, 50.0, B))  # ... forgotten alike, in examples
+    assert a.gns == pytest.approx(b.gns, rel=1e-6) and 10 < a.gns < 50
+
+
+def test_ratio_gns_bias_correction_removes_most_of_the_small_batch_bias():
+    """At B = 2 the unbiased |G|^2 of one step is very noisy, and a ratio of averages reads high on average (Jensen:
+    +29% here, over ~10 steps' worth of examples); the delta-method correction takes it to within a few percent."""
+    rng = np.random.default_rng(0)
+    raw, corrected = [], []
+    for _ in range(400):
+        est = schedules.RatioGNS(horizon_examples=20)
+        for _ in range(60):
+            g = rng.normal(0.3, 1.0, size=(2, 50))  # |G|^2 = 50 x 0.09 = 4.5, tr(Sigma) = 50: GNS 11.1
+            mean = g.mean(0)
+            est.update(float(mean @ mean), float((g * g).sum(1).mean()), 2)
+        raw.append(est.raw_gns)
+        corrected.append(est.gns)
+    bias_raw = np.mean(raw) / (50 / 4.5) - 1
+    bias_corrected = np.mean(corrected) / (50 / 4.5) - 1
+    assert bias_raw > 0.15 and abs(bias_corrected) < bias_raw / 4, (bias_raw, bias_corrected)
+
+
+def test_sqrt_rule_follows_factor_times_sqrt_gns_anchor_in_whole_micro_batches_with_hysteresis():
+    ctl = controller("sqrt", factor=2.0, anchor=25.0, hysteresis=0.1)
+    assert ctl.decide(1e-3).batch_size == 4 and math.isnan(ctl.gns)  # no measurement yet: min batch kept
+    for _ in range(5):
+        ctl.observe(*exact_step(1.0, 16.0, 64))
+    d = ctl.decide(1e-3)
+    assert d.switched and d.batch_size == 40 and d.batch_size % 4 == 0  # 2 sqrt(16 x 25) = 40
+    ctl.anchor = 36.0  # 2 sqrt(16 x 36) = 48: 12 micro-batches, out of the band [40 / 1.1, 40 x 1.1]: switched
+    assert ctl.decide(1e-3).batch_size == 48
+    ctl.anchor = 30.25  # 44: 11 micro-batches, inside [12 / 1.1, 12 x 1.1]: kept
+    assert not ctl.decide(1e-3).switched and ctl.decide(1e-3).batch_size == 48
+    ctl.anchor = 1e9  # clamped to max_accum_steps micro-batches
+    assert ctl.decide(1e-3).batch_size == 128 * 4
+
+
+def test_sqrt_rule_anchors_on_the_largest_gns_measured_by_default():
+    ctl = controller("sqrt", horizon_examples=64)
+    for trsigma in (10.0, 40.0, 10.0, 10.0, 10.0, 10.0, 10.0):
+        ctl.observe(*exact_step(1.0, trsigma, 64))
+    assert ctl.max_gns > 30 and ctl.gns < 15
+    d = ctl.decide(1e-3)
+    assert d.batch_size == 4 * round(math.sqrt(ctl.gns * ctl.max_gns) / 4)
+
+
+def test_grow_rule_trades_lr_decay_for_batch_growth_up_to_the_cap():
+    ctl = controller("grow", cap=4.0, hysteresis=0.0, max_accum_steps=1000)
+    for _ in range(5):
+        ctl.observe(*exact_step(1.0, 100.0, 64))  # GNS 100: the cap is at 400 examples
+    for decay, batch in ((1.0, 64), (0.5, 128), (0.25, 256), (0.1, 400)):
+        d = ctl.decide(4e-3 * decay, decay)
+        assert d.batch_size == batch
+        assert d.lr == pytest.approx(4e-3 * decay * math.sqrt(batch / 64))  # LR x sqrt(a) at B / a
+        assert d.lr <= 4e-3 * math.sqrt(decay) + 1e-12
+    # early, while the GNS is small, the cap makes a batch warmup
+    early = controller("grow", cap=4.0, start_accum_steps=16)
+    early.observe(*exact_step(1.0, 3.0, 64))
+    assert early.decide(4e-3, 1.0).batch_size == 12
+
+
+def test_goodput_rule_finds_pollux_optimum_of_the_measured_step_time():
+    ctl = controller("goodput", max_accum_steps=256, start_accum_steps=4)
+    gns, t0, t1 = 50.0, 0.004, 0.0004
+    seen = []
+    for _ in range(60):
+        d = ctl.decide(1e-3)
+        seen.append(d.batch_size)
+        ctl.observe(*exact_step(1.0, gns, d.batch_size), step_seconds=t0 + t1 * d.batch_size)
+    assert len(set(seen[:3])) > 1  # it explored a second batch size to fit t(B)
+    assert ctl.step_time_model() == pytest.approx((t0, t1), rel=1e-6)
+    best = math.sqrt(t0 * gns / t1)  # argmax B / (t0 + t1 B) / (GNS + B)
+    assert abs(seen[-1] - best) <= 4 * 1.1 + 0.1 * best
+
+
+def test_goodput_explores_one_band_up_when_noisy_times_show_no_cost_per_example():
+    """Times that fall with the batch (noise) fit t1 <= 0: goodput would then rise with B up to the largest batch;
+    the controller grows one hysteresis band instead (the full run's goodput seed 0 once jumped to 512)."""
+    ctl = controller("goodput", max_accum_steps=128, start_accum_steps=8, hysteresis=0.1)
+    for B, seconds in ((32, 0.020), (36, 0.019), (32, 0.021), (36, 0.018)):
+        ctl.observe(*exact_step(1.0, 50.0, B), step_seconds=seconds)
+    assert ctl.step_time_model()[1] == 0.0
+    d = ctl.decide(1e-3)
+    assert d.batch_size == 4 * (math.ceil(8 * 1.1) + 1)  # 40, not 512
+
+
+def test_couplings_lr_beta2_weight_decay_and_adam_state_at_a_switch():
+    ctl = controller("sqrt", beta2=0.99, weight_decay=0.1, anchor=400.0, hysteresis=0.0, lr_hold=1.0)
+    for _ in range(3):
+        ctl.observe(*exact_step(1.0, 100.0, 64))  # GNS 100, target sqrt(100 x 400) = 200
+    d = ctl.decide(1e-3)
+    assert d.batch_size == 200
+    assert d.lr == pytest.approx(1e-3 * math.sqrt(100 / 64))  # sqrt up to the GNS, held beyond it
+    assert ctl.lr_multiplier(400) == ctl.lr_multiplier(200)
+    assert ctl.lr_multiplier(32) == pytest.approx(math.sqrt(32 / 64))  # both below the GNS: the square root
+    small = controller("sqrt", hysteresis=0.0)
+    small.observe(*exact_step(1.0, 8.0, 64))  # GNS 8: every batch from 8 up gets the base batch's LR
+    assert small.lr_multiplier(8) == small.lr_multiplier(16) == 1.0 and small.lr_multiplier(4) == math.sqrt(4 / 8)
+    half_life = lambda beta2, B: math.log(0.5) / math.log(beta2) * B  # noqa: E731  (in examples, so in tokens)
+    assert half_life(d.beta2, 200) == pytest.approx(half_life(0.99, 64))
+    assert 200 / (d.lr * d.weight_decay) == pytest.approx(64 / (1e-3 * 0.1))  # AdamW's timescale B / (lr wd)
+    assert d.second_moment_scale == pytest.approx((1 + 100 / 200) / (1 + 100 / 4))  # from the 4 it started at
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([{"params": [p], "weight_decay": 0.1}, {"params": [q], "weight_decay": 0.0}], lr=1.0)
+    (p.sum() + q.sum()).backward()
+    opt.step()
+    before = opt.state[p]["exp_avg_sq"].clone()
+    schedules.BatchSizeController.apply(opt, d)
+    g_decay, g_rest = opt.param_groups
+    assert g_decay["lr"] == d.lr and g_decay["betas"] == (0.9, d.beta2) and g_decay["weight_decay"] == d.weight_decay
+    assert g_rest["weight_decay"] == 0.0  # parameters without decay keep none
+    assert torch.allclose(opt.state[p]["exp_avg_sq"], before * d.second_moment_scale)
+    assert not ctl.decide(1e-3).switched and ctl.decide(1e-3).second_moment_scale == 1.0
+
+
+@pytest.mark.parametrize("rule", schedules.CONTROLLER_RULES)
+def test_controller_state_round_trips_through_json_and_resumes_exactly(rule):
+    import json
+
+    rng = np.random.default_rng(1)
+    trace = [exact_step(1.0 / (1 + i / 30), (2 + i) / (1 + i / 30) * rng.uniform(0.7, 1.3), 16) for i in range(80)]
+
+    def run(ctl, steps, start=0):
+        out = []
+        for i, step in enumerate(steps, start):
+            d = ctl.decide(1e-3 * (1 - i / 100), 1 - i / 100)
+            out.append(d)
+            ctl.observe(*step, step_seconds=0.003 + 0.0002 * d.batch_size)
+        return out
+
+    whole = run(controller(rule, beta2=0.99, weight_decay=0.1), trace)
+    first = controller(rule, beta2=0.99, weight_decay=0.1)
+    run(first, trace[:40])
+    resumed = controller(rule, beta2=0.99, weight_decay=0.1)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert run(resumed, trace[40:], 40) == whole[40:]
+    other = "grow" if rule != "grow" else "sqrt"
+    with pytest.raises(ValueError, match=f"ran rule {rule!r}"):
+        controller(other).load_state_dict(first.state_dict())
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(rule="cubic"), "unknown controller rule 'cubic'"),
+        (dict(min_accum_steps=4, max_accum_steps=2), "need 1 <= min_accum_steps"),
+        (dict(cap=0.0), "cap > 0"),
+    ],
+)
+def test_controller_bad_settings_are_value_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        controller(**kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["sqrt", "grow"])
+def test_a_controller_in_train_py_moves_the_batch_and_resumes_exactly(tmp_path, shakespeare_data, rule):
+    """--bs_schedule=sqrt|grow: the batch moves in whole micro-batches, the LR follows the coupling, and a run
+    resumed from its checkpoint at iteration 4 logs what the run never stopped logs (the controller's state is in
+    the checkpoint)."""
+    common = [
+        *TINY,
+        "--linearclass=gns",
+        "--lnclass=gns",
+        "--data_seed=3",
+        "--eval_interval=4",
+        "--always_save_checkpoint=True",
+        f"--bs_schedule={rule}",
+        "--bs_min_accum_steps=1",
+        "--bs_max_accum_steps=16",
+        "--bs_gns_factor=4.0",
+        "--bs_cap=16.0",
+        "--warmup_tokens=0",
+        "--lr_decay_tokens=3000",
+        "--min_lr=1e-4",
+    ]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert run_script("train.py", *common, "--max_iters=10", f"--out_dir={whole}").returncode == 0
+    first = run_script("train.py", *common, "--max_iters=4", f"--out_dir={part}")
+    assert first.returncode == 0, first.stderr
+    resumed = run_script("train.py", *common, "--max_iters=10", "--init_from=resume", f"--out_dir={part}")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = load_csv(whole), load_csv(part)
+    wall = ["dt", "tokens_per_sec", "mfu"]
+    assert len(set(a["batch_size"])) > 1, a["batch_size"].tolist()  # the controller moved the batch
+    assert (a["batch_size"] % 4 == 0).all() and (a["batch_size"] == a["gradient_accumulation_steps"] * 4).all()
+    pd.testing.assert_frame_equal(a.drop(columns=wall), b.drop(columns=wall), check_exact=True)

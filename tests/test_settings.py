@@ -10,6 +10,7 @@ import os
 import runpy
 
 import pytest
+import torch
 from conftest import REPO
 
 from model import PEAK_FLOPS
@@ -46,7 +47,11 @@ CASES = [
     ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps=0 is out of range: it must be an integer >= 1"),
     ({"gradient_accumulation_steps": -2}, "--gradient_accumulation_steps=-2 is out of range"),
     ({"max_iters": -5}, "--max_iters=-5 is out of range: it must be an integer >= 1"),
-    ({"eval_iters": 0}, "--eval_iters=0 is out of range: it must be an integer >= 1"),
+    ({"eval_iters": 0}, "--eval_iters=0 is out of range: it must be an integer in [1, 1,000,000]"),
+    (
+        {"eval_iters": 10**20},
+        "--eval_iters=100000000000000000000 is out of range: it must be an integer in [1, 1,000,000]",
+    ),
     ({"gns_ema_decay": 1.0}, "--gns_ema_decay=1.0 is out of range: it must be a number in (0, 1)"),
     ({"block_size": -1}, "--block_size=-1 is out of range: it must be an integer >= 1"),
     ({"n_embd": 0}, "--n_embd=0 is out of range: it must be an integer >= 1"),
@@ -70,7 +75,10 @@ CASES = [
     ({"min_lr": 1.0}, "--min_lr=1.0 is above --learning_rate=0.0006: the decay goes down to min_lr"),
     ({"warmup_tokens": -1}, "--warmup_tokens=-1 is out of range: it must be an integer >= 0"),
     ({"lr_decay_tokens": 10, "warmup_tokens": 10}, "--lr_decay_tokens=10 must be above --warmup_tokens=10"),
-    ({"bs_schedule": "cosine"}, "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns']"),
+    (
+        {"bs_schedule": "cosine"},
+        "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns', 'sqrt', 'grow', 'goodput']",
+    ),
     ({"bs_gns_factor": 0.0}, "--bs_gns_factor=0.0 is out of range: it must be a number in (0, inf)"),
     ({"bs_min_accum_steps": 0}, "--bs_min_accum_steps=0 is out of range: it must be an integer >= 1"),
     ({"cos_attn": [12]}, "--cos_attn=[12]: block indices must be integers in [0, n_layer=12), got [12]"),
@@ -89,3 +97,42 @@ def test_each_bad_value_is_one_line_naming_the_flag_and_its_range(changes, messa
 def test_lr_decay_tokens_may_equal_the_warmup_without_decay():
     values = dict(DEFAULTS, device_name="A100", lr_decay_tokens=10, warmup_tokens=10, decay_lr=False)
     assert settings.check(values, device_names=PEAK) is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_parameter_count_that_sizes_a_model_before_it_is_built_is_the_models(bias):
+    from model import GPT, GPTConfig
+
+    sizes = dict(n_layer=3, n_head=2, n_embd=24, block_size=16, vocab_size=65)
+    model = GPT(GPTConfig(**sizes, bias=bias))
+    count = settings.parameter_count(3, 24, 16, 65, bias)
+    assert count == sum(p.numel() for p in model.parameters())
+    fits = settings.model_size_problem({**sizes, "bias": bias}, "cpu", batch_size=4)
+    assert fits is None
+    huge = settings.model_size_problem({**sizes, "n_layer": 10**9, "bias": bias}, "cpu", batch_size=4)
+    assert huge.startswith(f"the model would have {settings.parameter_count(10**9, 24, 16, 65, bias):,} parameters")
+
+
+@pytest.mark.parametrize(
+    "model_args, problem",
+    [
+        ({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 65, "bias": False}, None),
+        ({"n_layer": 2, "n_head": 3, "n_embd": 32, "block_size": 16, "vocab_size": 65, "bias": False}, "have n_embd"),
+        ({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 65}, "lack bias"),
+        ({"n_layer": 2.0, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 65, "bias": False}, "have n_l"),
+        ({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 65, "bias": "no"}, "have bias"),
+        ([1, 2], "are a list, not a dict"),
+    ],
+)
+def test_a_checkpoints_model_args_that_build_no_gpt_are_named(model_args, problem):
+    found = settings.model_args_problem(model_args)
+    assert found == problem if problem is None else found.startswith(problem), found
+
+
+def test_a_device_torch_cannot_use_here_is_named():
+    assert settings.device_problem("cpu") is None
+    assert settings.device_problem("gpu").startswith("--device='gpu' is not a device")
+    if not torch.cuda.is_available():
+        assert "sees no CUDA GPU" in settings.device_problem("cuda:0")
+    else:
+        assert settings.device_problem(f"cuda:{torch.cuda.device_count()}").startswith("--device=")

@@ -126,6 +126,26 @@ def test_two_ranks_follow_a_gns_batch_schedule_together(tmp_path):
     assert (df["ddp/small_batch_size"] == df["batch_size"] / 2).all()
 
 
+@pytest.mark.slow
+def test_two_ranks_follow_a_batch_size_controller_together(tmp_path):
+    """--bs_schedule=sqrt: rank 0's decision (the batch, its LR) is every rank's; the batch moves in whole
+    micro-batches of 2 x 4 examples (one per rank)."""
+    df = train(
+        tmp_path,
+        "--backend=gloo",
+        "--bs_schedule=sqrt",
+        "--bs_gns_factor=4.0",
+        "--bs_min_accum_steps=2",
+        "--bs_max_accum_steps=16",
+        "--max_iters=6",
+        nproc=2,
+    )
+    accum = df["gradient_accumulation_steps"].tolist()
+    assert all(a % 2 == 0 and 2 <= a <= 16 for a in accum) and len(set(accum)) > 1, accum
+    assert (df["batch_size"] == df["gradient_accumulation_steps"] * 4).all()
+    assert (df["ddp/big_batch_size"] == df["batch_size"]).all()
+
+
 def test_gradient_noise_scale_estimator_recovers_known_statistics():
     """E|g_b|^2 = |G|^2 + tr(Sigma) / b: with |G|^2 = 2, tr(Sigma) = 8, b = 4, B = 16 the inputs are 4 and 2.5."""
     gtg, trsigma = two_batch_stats(4.0, 2.5, 4, 16)

@@ -12,6 +12,7 @@ release its lock) until the test reads it. The value range of every flag is test
 """
 
 import fcntl
+import json
 import os
 import pickle
 import resource
@@ -205,6 +206,15 @@ def test_under_torchrun_rank_0_takes_the_lock(tmp_path):
         ("--gns_ema_decay=1.0", "--gns_ema_decay=1.0 is out of range: it must be a number in (0, 1)"),
         ("--max_iters=-5", "--max_iters=-5 is out of range: it must be an integer >= 1"),
         ("--block_size=110000", "val.bin holds 111540 tokens, too few for block_size=110000 with batch_size=4"),
+        ("--device=foo", "--device='foo' is not a device: use cpu, cuda, cuda:N (a GPU's index) or mps"),
+        pytest.param(
+            "--device=mps",
+            "--device='mps': this machine or torch build has no MPS (Apple GPU) backend; use --device=cpu",
+            marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS"),
+        ),
+        ("--n_embd=1000000", "the model would have 24,000,086,000,000 parameters (n_layer=2, n_embd=1,000,000, "),
+        ("--n_layer=10000000", "the model would have 123,520,002,624 parameters (n_layer=10,000,000, n_embd=32, "),
+        ("--eval_iters=100000000000000000000", "--eval_iters=100000000000000000000 is out of range: it must be an "),
     ],
     ids=lambda v: v if v.startswith("--") else "",
 )
@@ -212,6 +222,95 @@ def test_a_bad_flag_is_one_line_and_creates_nothing(tmp_path, flag, message):
     proc = train("--max_iters=2", flag, f"--out_dir={tmp_path / 'o'}")
     assert_clean_error(proc, f"train.py: {message}" if flag != "--block_size=110000" else message)
     assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("batch_size = 4\nmax_iters = = 2\n", "line 2: SyntaxError: invalid syntax"),
+        ("batch_size = 4\n\nmax_iters = steps * 2\n", "line 3: NameError: name 'steps' is not defined"),
+    ],
+    ids=["syntax-error", "unknown-name"],
+)
+def test_a_config_file_mistake_is_one_line_naming_the_file_and_line(tmp_path, text, message):
+    (tmp_path / "my_config.py").write_text(text)
+    proc = train(str(tmp_path / "my_config.py"), f"--out_dir={tmp_path / 'o'}")
+    assert_clean_error(proc, f"configurator: config file {tmp_path / 'my_config.py'}, {message}")
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        ({"vocab_size": 60}, "data/shakespeare_char/train.bin holds token id 64, but vocab_size is 60 (from "),
+        ({"vocab_size": 10**13}, "the model would have 320,000,000,025,248 parameters (n_layer=2, n_embd=32, "),
+        ("deep", "cannot read data/shakespeare_char/meta.json (it is nested too deeply to be a meta.json)"),
+        (
+            {"vocab_size": 65, "itos": ["a", "b"]},
+            "data/shakespeare_char/meta.json: itos names the characters of 2 of the vocab_size=65 token ids",
+        ),
+    ],
+    ids=["vocab-below-the-data", "vocab-absurd", "deeply-nested", "itos-short"],
+)
+def test_a_bad_meta_json_is_one_line_for_train_and_sample(tmp_path, meta, message):
+    data = make_dataset(tmp_path, meta=None)
+    text = '{"vocab_size": 65, "x": ' + "[" * 100000 + "]" * 100000 + "}" if meta == "deep" else json.dumps(meta)
+    (data / "meta.json").write_text(text)
+    proc = train(f"--out_dir={tmp_path / 'o'}", cwd=tmp_path)
+    assert_clean_error(proc, f"train.py: {message}")
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "o").exists()
+    if "vocab_size is" in message or "would have" in message:
+        return  # sample.py reads meta.json for its characters only; the model's vocabulary is the checkpoint's
+    tiny_checkpoint(tmp_path / "ckpt.pt")
+    proc = sample(f"--out_dir={tmp_path}", cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stderr.startswith(f"sample.py: {message}"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (dict(n_head=3), "have n_embd=16 not divisible by n_head=3"),
+        (dict(n_layer=None), "lack n_layer"),
+        (dict(n_embd="16"), "have n_embd='16', not a positive integer"),
+    ],
+    ids=["n_head", "missing-key", "string"],
+)
+def test_a_checkpoint_whose_model_args_build_no_model_is_one_line_for_train_and_sample(tmp_path, change, problem):
+    path = tmp_path / "ckpt.pt"
+    tiny_checkpoint(path, optimizer={}, best_val_loss=1.0)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["model_args"].update({k: v for k, v in change.items() if v is not None})
+    for k in [k for k, v in change.items() if v is None]:
+        del checkpoint["model_args"][k]
+    torch.save(checkpoint, path)
+    before = sorted(os.listdir(tmp_path))
+    proc = train("--init_from=resume", f"--out_dir={tmp_path}")
+    assert_clean_error(
+        proc, f"train.py: cannot resume: {path} is not a checkpoint of train.py's GPT (its model_args {problem}); "
+    )
+    assert len(proc.stderr.splitlines()) == 1 and sorted(os.listdir(tmp_path)) == before
+    proc = sample(f"--out_dir={tmp_path}")
+    assert proc.returncode == 1 and proc.stderr == (
+        f"sample.py: {path} is not a checkpoint of train.py's GPT (its model_args {problem})\n"
+    )
+
+
+def test_sample_start_outside_the_vocabulary_or_a_missing_file_is_one_line(tmp_path):
+    tiny_checkpoint(tmp_path / "ckpt.pt")
+    proc = sample(f"--out_dir={tmp_path}", "--start=h\u00e9llo")
+    meta = os.path.join("data", "shakespeare_char", "meta.json")
+    assert proc.returncode == 1 and proc.stderr == (
+        f"sample.py: --start holds 1 character(s) not in the vocabulary of {meta} ('\u00e9'); the model knows only "
+        "its 65 characters\n"
+    )
+    proc = sample(f"--out_dir={tmp_path}", f"--start=FILE:{tmp_path / 'prompt.txt'}")
+    assert proc.returncode == 1 and proc.stderr == (
+        f"sample.py: --start='FILE:{tmp_path / 'prompt.txt'}': cannot read '{tmp_path / 'prompt.txt'}' (No such "
+        "file or directory)\n"
+    )
+    proc = sample(f"--out_dir={tmp_path}", "--device=foo")
+    assert proc.returncode == 1 and proc.stderr.startswith("sample.py: --device='foo' is not a device")
 
 
 def test_an_out_dir_that_is_a_file_or_unwritable_is_one_line(tmp_path, read_only):  # noqa: F811
@@ -267,9 +366,8 @@ def test_a_finished_run_resumed_says_nothing_is_left_and_leaves_its_files(tmp_pa
     again = train("--max_iters=2", "--init_from=resume", f"--out_dir={tmp_path}")
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[-1] == (
-        f"train.py: nothing left to do: the checkpoint in {tmp_path} is at iteration 2 and 256 tokens, where "
-        "max_iters=2 or max_tokens=81,920,000 ends the run; its files are left untouched (raise --max_iters or "
-        "--max_tokens to train further)"
+        f"train.py: nothing left to do: the checkpoint in {tmp_path} is at iteration 2 and 256 tokens; "
+        "max_iters=2 ends the run; its files are left untouched (raise --max_iters to train further)"
     )
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path)} == before
 

@@ -91,6 +91,9 @@ OUT_DIR is read-only, to a new temporary directory, with a note naming it. OUT_D
 may be given as the path of its log.csv.
 """
 
+from dataclasses import dataclass
+from typing import Callable, Optional
+
 import numpy as np
 import pandas as pd
 
@@ -102,17 +105,36 @@ from nanogns.analysis.parameters import (
     parameter_facts,
     usable_parameters,
 )
-from nanogns.analysis.steps import in_step_order
+from nanogns.analysis.steps import read_steps, step_ranges
 from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
-from nanogns.runlog.reader import load_csv
+from nanogns.runlog.reader import log_source
 from nanogns.runlog.record import GROUPS, read_parameter_record
 
 DDP_RAW = ("ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size")
+# columns kept as they are for each step (besides the sums): the x-axis, the DDP GNS, the step's batch
+PLAIN = ("tokens_processed", "batch_size", *DDP_RAW, "ddp/gns")
+# a row holding any of these is a training step (an eval-only row of the reference's logs holds none)
+TRAINING = ("train/lossf", "lr", "iter_num", "tokens_processed", "grad_norm")
+MEASURED, TRAINED, NONFINITE, LACKING, UNEVEN = "_measured", "_trained", "_nonfinite", "_lacking", "_uneven"
+OWN_BATCH_SIZE = ("all", "sogns")  # the sums with batch-size columns of their own
 
 
 def ema(series, alpha):
     """EMA with decay alpha that skips NaN entries (previous value carried over)."""
     return series.ewm(alpha=1 - alpha, adjust=False, ignore_na=True).mean()
+
+
+def _stats(sgn, spegn, batch_size, alpha):
+    """Per-step sgn, spegn, gtg, trsigma, their EMAs and the GNS, from the summed squared norms."""
+    out = pd.DataFrame({"sgn": sgn, "spegn": spegn})
+    gtg, trsigma = unbiased_stats(out["sgn"], out["spegn"], batch_size)
+    finite = np.isfinite(gtg) & np.isfinite(trsigma)
+    out["gtg"] = gtg.where(finite)
+    out["trsigma"] = trsigma.where(finite)
+    out["gtg_ema"] = ema(out["gtg"], alpha)
+    out["trsigma_ema"] = ema(out["trsigma"], alpha)
+    out["gns"] = gns_from_emas(out["gtg_ema"], out["trsigma_ema"])
+    return out
 
 
 def estimate(df, params, alpha):
@@ -122,21 +144,11 @@ def estimate(df, params, alpha):
         df: log rows (only those with GNS columns).
         params: {name: {metric: column}}, every metric present.
     """
-    norm_cols = [params[p]["norm"] for p in params]
-    rms_pe_norm_cols = [params[p]["pegn"] for p in params]
     batch_size = df[[params[p]["batch_size"] for p in params]].max(axis=1)
     # skipna=False: a step missing any parameter is not a measurement of the sum
-    out = pd.DataFrame(index=df.index)
-    out["sgn"] = df[norm_cols].pow(2).sum(axis=1, skipna=False)
-    out["spegn"] = df[rms_pe_norm_cols].pow(2).sum(axis=1, skipna=False)
-    gtg, trsigma = unbiased_stats(out["sgn"], out["spegn"], batch_size)
-    finite = np.isfinite(gtg) & np.isfinite(trsigma)
-    out["gtg"] = gtg.where(finite)
-    out["trsigma"] = trsigma.where(finite)
-    out["gtg_ema"] = ema(out["gtg"], alpha)
-    out["trsigma_ema"] = ema(out["trsigma"], alpha)
-    out["gns"] = gns_from_emas(out["gtg_ema"], out["trsigma_ema"])
-    return out
+    sgn = df[[params[p]["norm"] for p in params]].pow(2).sum(axis=1, skipna=False)
+    spegn = df[[params[p]["pegn"] for p in params]].pow(2).sum(axis=1, skipna=False)
+    return _stats(sgn, spegn, batch_size, alpha)
 
 
 def _no_columns_message(columns, prefix, approx_prefix):
@@ -154,94 +166,171 @@ def _no_columns_message(columns, prefix, approx_prefix):
     )
 
 
-def _count_bad_steps(df, chosen):
-    """Warn about steps with a norm logged as nan/inf, and apart from them, steps lacking a parameter.
+def _nothing_usable_message(params, prefix):
+    """Why no parameter under `prefix` can be summed: its columns are incomplete, or only reference-style tied."""
+    incomplete = {p: [m for m in METRICS if m not in cols] for p, cols in params.items() if len(cols) < len(METRICS)}
+    if incomplete:
+        lacking = sorted({m for missing in incomplete.values() for m in missing})
+        return (
+            f"no parameter under '{prefix.rstrip('/')}' has all three columns norm, pegn and batch_size: "
+            f"{len(incomplete)} of {len(params)} lack {' and '.join(lacking)} (e.g. "
+            f"'{prefix.rstrip('/')}/{next(iter(incomplete))}/{incomplete[next(iter(incomplete))][0]}'); the GNS "
+            "needs each step's batch size and both norms of every parameter (a log that names its batch size "
+            "elsewhere needs a batch_size column per parameter)"
+        )
+    return (
+        f"only tied-weight columns ({', '.join(sorted(params))}) under '{prefix}': each holds one use's "
+        "per-example norm, not the tied tensor's, so it is left out (an exactly logged tied tensor is "
+        "named by all its names joined by '+')"
+    )
 
-    A parameter is logged at a step when any of its cells has a value; a step
-    none of whose parameters is logged (eval-only, skipped by a GradScaler) is
-    not a step here.
+
+def _columns_of(members):
+    return [cols[m] for cols in members.values() for m in METRICS]
+
+
+def _reducer(params, chosen, sets, columns):
+    """reduce(chunk) for read_steps: per step, each set's summed squared norms and batch size, the PLAIN columns,
+    and flags (any norm logged, a training row, a parameter non-finite, some parameters missing, batch sizes that
+    differ across parameters)."""
+    wanted = sorted({c for members in sets.values() for c in _columns_of(members)} | set(_columns_of(chosen)))
+    position = {c: i for i, c in enumerate(wanted)}
+    all_norms = [cols["norm"] for cols in params.values() if "norm" in cols]
+    index = {
+        name: [np.array([position[cols[m]] for cols in members.values()], dtype=np.intp) for m in METRICS]
+        for name, members in sets.items()
+    }
+    norm_at, pegn_at, bs_at = index["all"]
+    plain = [c for c in PLAIN if c in columns]
+    trained = [c for c in TRAINING if c in columns]
+
+    def reduce(chunk):
+        values = chunk[wanted].to_numpy(dtype=np.float64)
+        out = {c: pd.to_numeric(chunk[c], errors="coerce") for c in plain}
+        with np.errstate(over="ignore", invalid="ignore"):
+            for name, (n, g, b) in index.items():
+                out[f"sgn:{name}"] = (values[:, n] ** 2).sum(axis=1)  # NaN where a parameter is missing
+                out[f"spegn:{name}"] = (values[:, g] ** 2).sum(axis=1)
+                if name in OWN_BATCH_SIZE:  # the others' is all's (a step whose parameters differ is refused)
+                    out[f"bs:{name}"] = np.fmax.reduce(values[:, b], axis=1)
+        norm, pegn, bs = values[:, norm_at], values[:, pegn_at], values[:, bs_at]
+        logged = ~np.isnan(norm) | ~np.isnan(pegn) | ~np.isnan(bs)
+        finite = np.isfinite(norm) & np.isfinite(pegn)
+        out[MEASURED] = chunk[all_norms].notna().any(axis=1)
+        out[TRAINED] = chunk[trained].notna().any(axis=1) if trained else pd.Series(False, index=chunk.index)
+        out[NONFINITE] = (logged & ~finite).any(axis=1)
+        out[LACKING] = logged.any(axis=1) & ~logged.all(axis=1)
+        out[UNEVEN] = np.fmax.reduce(bs, axis=1) > np.fmin.reduce(bs, axis=1)
+        return pd.DataFrame(out, index=chunk.index)
+
+    return reduce, wanted
+
+
+def gns_of(steps, name, alpha):
+    """_stats of the set `name` from read_steps' reduced rows."""
+    batch_size = steps[f"bs:{name}"] if name in OWN_BATCH_SIZE else steps["bs:all"]
+    return _stats(steps[f"sgn:{name}"], steps[f"spegn:{name}"], batch_size, alpha)
+
+
+def analysis_sets(chosen, facts, approx):
+    """{name: {param: columns}}: every sum the analysis makes (all, each group and block, without the exactly
+    logged tied tensor, the approximate norms and the exact ones over the same parameters)."""
+    sets = {"all": chosen}
+    for g in GROUPS:
+        members = {p: chosen[p] for p in chosen if facts[p][0] == g}
+        if members:
+            sets[f"group:{g}"] = members
+    for index, members in blocks_of(chosen, facts).items():
+        sets[f"block:{index}"] = members
+    untied = {p: cols for p, cols in chosen.items() if not is_exact_tied(p)}
+    if untied and len(untied) < len(chosen):
+        sets["untied"] = untied
+    if approx:
+        sets["sogns"] = approx
+        if all(p in chosen for p in approx):
+            sets["exact_same"] = {p: chosen[p] for p in approx}
+    return sets
+
+
+@dataclass
+class Measurements:
+    """A log read as steps (read_steps: duplicates resolved, bad steps skipped, in step order), reduced to sums.
+
+    steps: one row per step of the log (measured or not; `MEASURED` says which), the sums of each set
+        (`sgn:<set>`, `spegn:<set>`, `bs:<set>`), the PLAIN columns present; params: every {name: {metric:
+        column}} under the prefix; chosen: those the GNS sums over; facts: {name: (group, block)}; approx: the
+        usable approximate parameters; path: the file of the rows."""
+
+    steps: pd.DataFrame
+    params: dict
+    chosen: dict
+    facts: dict
+    approx: dict
+    path: str
+
+
+def load_measurements(
+    out_dir: str,
+    prefix: str = "train/gns",
+    approx_prefix: Optional[str] = "train/sogns",
+    sets: Optional[Callable] = None,
+) -> Measurements:
+    """The log's steps reduced to the sums the analysis needs, read in pieces: memory grows with the number of
+    steps times the number of sums, not with the log's width.
+
+    sets(chosen, facts, approx) -> {name: {param: columns}} picks the sums (default analysis_sets; "all" is always
+    the chosen parameters). Raises ValueError when there is nothing to sum over; approx_prefix only shapes that
+    message and the approximate sums.
     """
-    logged = pd.DataFrame({p: df[list(cols.values())].notna().any(axis=1) for p, cols in chosen.items()})
-    finite = pd.DataFrame({p: np.isfinite(df[[cols["norm"], cols["pegn"]]]).all(axis=1) for p, cols in chosen.items()})
-    steps = logged.any(axis=1)
-    nonfinite = int((logged & ~finite).any(axis=1).sum())
-    lacking = int((steps & ~logged.all(axis=1)).sum())
+    print(f"Loading data from {out_dir}")
+    source = log_source(out_dir)
+    if source.cut_line:
+        print(f"warning: {source.path}: its last line was cut off mid-write (it ends {source.cut_line!r}); dropped")
+    record = read_parameter_record(out_dir)
+    columns = source.columns
+    params = find_params(columns, prefix)
+    if not params:
+        raise ValueError(_no_columns_message(columns, prefix, approx_prefix))
+    approx_columns = find_params(columns, approx_prefix) if approx_prefix else {}
+    approx = {}
+    if approx_columns and approx_prefix.rstrip("/") != prefix.rstrip("/"):
+        approx = usable_parameters(approx_columns, approx_prefix)
+    chosen = usable_parameters(params, prefix, record)
+    if not chosen:
+        raise ValueError(_nothing_usable_message(params, prefix))
+    facts = parameter_facts(chosen, record)
+    members = dict((sets or analysis_sets)(chosen, facts, approx), all=chosen)
+    reduce, wanted = _reducer(params, chosen, members, columns)
+    checked = ["tokens_processed", *DDP_RAW] + [
+        c for found in (params, approx_columns) for cols in found.values() for c in cols.values()
+    ]
+    all_norms = [cols["norm"] for cols in params.values() if "norm" in cols]
+    usecols = [*PLAIN, *TRAINING, *wanted, *all_norms]
+    steps = read_steps(source, checked, reduce, usecols)
+    return Measurements(steps, params, chosen, facts, approx, source.path)
+
+
+def _report_steps(steps, path):
+    """Warn about steps with a norm logged as nan/inf, steps lacking a parameter, and training steps without any
+    norm (a GradScaler's skipped steps; a part of a run trained with layers that record none)."""
+    nonfinite, lacking = int(steps[NONFINITE].sum()), int(steps[LACKING].sum())
     if nonfinite:
         print(f"warning: {nonfinite} step(s) have non-finite norms (logged as nan/inf); skipped by the EMAs")
     if lacking:
         print(f"warning: {lacking} step(s) lack some parameter's columns (not logged at that step); skipped")
-
-
-def load_measurements(out_dir, prefix="train/gns", approx_prefix="train/sogns"):
-    """The log's measured rows and its parameters under `prefix`.
-
-    Returns:
-        (rows, params, chosen, facts): rows with at least one logged norm (eval-only
-        and skipped steps dropped), every {name: {metric: column}} found, those
-        the GNS sums over (see usable_parameters), and {name: (group, block)} for those.
-    Raises ValueError when there is nothing to sum over; approx_prefix only
-    shapes that message.
-    """
-    print(f"Loading data from {out_dir}")
-    df = load_csv(out_dir)
-    path = df.attrs.get("path", out_dir)
-    if df.attrs.get("cut_line"):
-        print(f"warning: {path}: its last line was cut off mid-write (it ends {df.attrs['cut_line']!r}); dropped")
-    record = read_parameter_record(out_dir)
-    params = find_params(df.columns, prefix)
-    if not params:
-        raise ValueError(_no_columns_message(df.columns, prefix, approx_prefix))
-    numbers = ["tokens_processed", *DDP_RAW] + [
-        column
-        for p in (prefix, approx_prefix)
-        if p
-        for columns in find_params(df.columns, p).values()
-        for column in columns.values()
-    ]
-    df = in_step_order(df, numbers, path, df.attrs.get("first_line", 2))
-    chosen = usable_parameters(params, prefix, record)
-    if not chosen:
-        raise ValueError(
-            f"only tied-weight columns ({', '.join(sorted(params))}) under '{prefix}': each holds one use's "
-            "per-example norm, not the tied tensor's, so it is left out (an exactly logged tied tensor is "
-            "named by all its names joined by '+')"
+    without = steps[steps[TRAINED] & ~steps[MEASURED]]
+    if len(without) and "step" in steps:
+        print(
+            f"warning: {path}: {len(without)} of the log's {int(steps[TRAINED].sum())} training steps have no "
+            f"per-example norms (steps {step_ranges(without['step'])}): the GNS leaves them out, the totals count "
+            "them (a step a GradScaler skipped has none; so have steps trained with layer classes 'nn')"
         )
-    _count_bad_steps(df, chosen)
-    all_norms = [cols["norm"] for cols in params.values() if "norm" in cols]
-    rows = df[df[all_norms].notna().any(axis=1)]
-    if rows.empty:
-        raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
-    return rows, params, chosen, parameter_facts(chosen, record)
-
-
-def _approximate(df, chosen, prefix, approx_prefix, alpha):
-    """The GNS from approximate norms, and the exact one over the same parameters when `prefix` has them all.
-
-    Returns ({results column: series}, what was compared), or ({}, None) when
-    the log has no approximate norms.
-    """
-    if not approx_prefix or approx_prefix.rstrip("/") == prefix.rstrip("/"):
-        return {}, None
-    approx = usable_parameters(find_params(df.columns, approx_prefix), approx_prefix)
-    if not approx:
-        return {}, None
-    columns = {"gns_sogns": estimate(df, approx, alpha)["gns"]}
-    lacking = sorted(p for p in approx if p not in chosen)
-    if not lacking:
-        columns["gns_exact_same_params"] = estimate(df, {p: chosen[p] for p in approx}, alpha)["gns"]
-    return columns, {
-        "prefix": approx_prefix.rstrip("/"),
-        "exact_prefix": prefix.rstrip("/"),
-        "params": sorted(approx),
-        "exact_lacks": lacking,
-        "n_exact": len(chosen),
-    }
 
 
 def analyze_gns(
     out_dir: str, alpha: float = 0.95, prefix: str = "train/gns", approx_prefix: str = "train/sogns"
 ) -> pd.DataFrame:
-    """The GNS estimate for every step of the run in out_dir, as a DataFrame.
+    """The GNS estimate for every measured step of the run in out_dir, as a DataFrame.
 
     Columns: step, tokens_processed (or examples_processed, the running sum of
     the batch sizes, for a log without tokens; `results.attrs["x"]` names it),
@@ -253,34 +342,41 @@ def analyze_gns(
     (approximate norms under approx_prefix) and gns_exact_same_params (exact GNS
     over the approximate parameters, when `prefix` has them all).
     `results.attrs` holds the parameters per group and block, the tied and
-    excluded names, and what the approximate GNS was compared with.
+    excluded names, what the approximate GNS was compared with, and "log_end":
+    the whole log's last training step and its tokens (the totals count steps
+    without norms too).
     Raises FileNotFoundError / ValueError with a message for the user.
     """
-    df, params, chosen, facts = load_measurements(out_dir, prefix, approx_prefix)
-    excluded = sorted(p for p in params if p not in chosen and len(params[p]) == len(METRICS))
+    m = load_measurements(out_dir, prefix, approx_prefix)
+    steps, chosen = m.steps, m.chosen
+    excluded = sorted(p for p in m.params if p not in chosen and len(m.params[p]) == len(METRICS))
     tied = [p for p in chosen if is_exact_tied(p)]
     notes = ([f"tied weights logged exactly, included: {', '.join(tied)}"] if tied else []) + (
         [f"tied weights left out (one use's norm, not exact): {', '.join(excluded)}"] if excluded else []
     )
+    _report_steps(steps, m.path)
+    df = steps if steps[MEASURED].all() else steps[steps[MEASURED]].reset_index(drop=True)
+    if df.empty:
+        raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
     print(f"Processing {len(chosen)} parameters" + (f" ({'; '.join(notes)})" if notes else ""))
 
-    bs = df[[chosen[p]["batch_size"] for p in chosen]]
-    uneven = bs.nunique(axis=1) > 1
-    if uneven.any():
-        steps = df.loc[uneven, "step"].tolist()[:10] if "step" in df else list(df.index[uneven][:10])
-        raise ValueError(f"batch sizes differ across parameters within a step (steps {steps})")
-    batch_size = bs.max(axis=1)
+    if df[UNEVEN].any():
+        where = df["step"] if "step" in df else df.index.to_series()
+        raise ValueError(
+            f"batch sizes differ across parameters within a step (steps {where[df[UNEVEN]].tolist()[:10]})"
+        )
+    batch_size = df["bs:all"]
     if not (batch_size > 1).any():
         raise ValueError("every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)")
 
     step = df["step"] if "step" in df else pd.Series(np.arange(len(df)), index=df.index)
     x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
     results = pd.DataFrame({"step": step, x: df[x] if x in df else batch_size.cumsum(), "batch_size": batch_size})
-    results = pd.concat([results, estimate(df, chosen, alpha)], axis=1)
+    results = pd.concat([results, gns_of(df, "all", alpha)], axis=1)
 
-    groups = {g: {p: chosen[p] for p in chosen if facts[p][0] == g} for g in GROUPS}
+    groups = {g: {p: chosen[p] for p in chosen if m.facts[p][0] == g} for g in GROUPS}
     for g, members in groups.items():
-        results[f"gns_{g.lower()}"] = estimate(df, members, alpha)["gns"] if members else np.nan
+        results[f"gns_{g.lower()}"] = gns_of(df, f"group:{g}", alpha)["gns"] if members else np.nan
     if all(c in df for c in DDP_RAW):
         gtg, trsigma = two_batch_stats(*(df[c] for c in DDP_RAW))
         finite = np.isfinite(gtg) & np.isfinite(trsigma)
@@ -288,24 +384,46 @@ def analyze_gns(
     elif "ddp/gns" in df:  # the paper's reference code logs only its own EMA's GNS: shown as logged
         results["ddp_gns"] = df["ddp/gns"]
     if tied:
-        untied = {p: cols for p, cols in chosen.items() if p not in tied}
-        results["gns_without_tied"] = estimate(df, untied, alpha)["gns"] if untied else np.nan
-    blocks = blocks_of(chosen, facts)
-    for index, members in blocks.items():
-        results[f"gns_block_{index}"] = estimate(df, members, alpha)["gns"]
-    approx_columns, approx = _approximate(df, chosen, prefix, approx_prefix, alpha)
-    for name, series in approx_columns.items():
-        results[name] = series
+        results["gns_without_tied"] = gns_of(df, "untied", alpha)["gns"] if "sgn:untied" in df else np.nan
+    blocks = blocks_of(chosen, m.facts)
+    for index in blocks:
+        results[f"gns_block_{index}"] = gns_of(df, f"block:{index}", alpha)["gns"]
+    approx = None
+    if m.approx:
+        results["gns_sogns"] = gns_of(df, "sogns", alpha)["gns"]
+        lacking = sorted(p for p in m.approx if p not in chosen)
+        if not lacking:
+            results["gns_exact_same_params"] = gns_of(df, "exact_same", alpha)["gns"]
+        approx = {
+            "prefix": approx_prefix.rstrip("/"),
+            "exact_prefix": prefix.rstrip("/"),
+            "params": sorted(m.approx),
+            "exact_lacks": lacking,
+            "n_exact": len(chosen),
+        }
 
     results = results.reset_index(drop=True)
-    results.attrs["groups"] = {g: sorted(m) for g, m in groups.items()}
+    results.attrs["groups"] = {g: sorted(members) for g, members in groups.items()}
     results.attrs["blocks"] = {index: sorted(members) for index, members in blocks.items()}
     results.attrs["tied"] = tied
     results.attrs["excluded"] = excluded
     results.attrs["approx"] = approx
     results.attrs["x"] = x
+    results.attrs["log_end"] = _log_end(steps, df)
     record = read_parameter_record(out_dir)
     results.attrs["grouped_by"] = "record" if record is not None else "name"
     numel = [record[p].get("numel") for p in chosen if p in record] if record else []
     results.attrs["elements"] = sum(numel) if numel and None not in numel and len(numel) == len(chosen) else None
     return results
+
+
+def _log_end(steps, measured):
+    """The whole log's last training step and tokens (measured or not), and the last measured step: the totals
+    count the whole log."""
+    trained = steps[steps[TRAINED] | steps[MEASURED]]
+    end = {"step": None, "tokens_processed": None, "measured_step": None}
+    if "step" in steps and len(trained):
+        end["step"], end["measured_step"] = int(trained["step"].iloc[-1]), int(measured["step"].iloc[-1])
+    if "tokens_processed" in steps and steps["tokens_processed"].notna().any():
+        end["tokens_processed"] = float(steps["tokens_processed"].max())
+    return end

@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from nanogns.analysis.analyze import analyze_gns
-from nanogns.analysis.plots import save_png, terminal_plot
+from nanogns.analysis.plots import HAS_MATPLOTLIB, HAS_PLOTILLE, PLOT_EXTRA, save_png, terminal_plot
 from nanogns.analysis.report import approx_line, block_table, group_table, layernorm_line, summary, tradeoff_lines
 from nanogns.runlog.record import GROUPS
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
@@ -175,8 +175,9 @@ def main(argv=None):
     try:
         run_dir = _run_dir(args.out_dir)
         results = analyze_gns(run_dir, args.alpha, args.prefix, args.approx_prefix)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"gns-analysis.py: error: {e}", file=sys.stderr)
+    except (OSError, ValueError) as e:  # FileNotFoundError, a file that cannot be read, a log that is not one
+        reason = f"cannot read {e.filename} ({e.strerror})" if isinstance(e, OSError) and e.filename else str(e)
+        print(f"gns-analysis.py: error: {reason}", file=sys.stderr)
         return 1
 
     print()
@@ -191,17 +192,46 @@ def main(argv=None):
     for line in (layernorm_line(results), approx_line(results)):
         if line:
             print(line)
-    if not args.no_plots:
-        print_plots(results)
-    output_dir, note = _output_dir(run_dir, args.output_dir)
-    if note:
-        print(f"\n{note}")
-    paths = save_plots(results, output_dir)
-    output_path = os.path.join(output_dir, "gns_analysis.csv")
-    results.to_csv(output_path, index=False)
-    print(f"\nFigures saved to: {', '.join(paths)}")
+    try:
+        output_dir, note = _output_dir(run_dir, args.output_dir)
+        if note:
+            print(f"\n{note}")
+        if not args.no_plots and HAS_PLOTILLE:
+            print_plots(results)
+        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB else []  # without the plot extra: the CSV alone
+        output_path = os.path.join(output_dir, "gns_analysis.csv")
+        _write_csv(results, output_path)  # last: a write that fails before it leaves no results file
+    except OSError as e:  # a full disk, an unwritable --output-dir
+        where = e.filename or args.output_dir or run_dir
+        print(
+            f"gns-analysis.py: error: cannot write {where} ({e.strerror or e}); free some space, or write the "
+            "results elsewhere with --output-dir",
+            file=sys.stderr,
+        )
+        return 1
+    if paths:
+        print(f"\nFigures saved to: {', '.join(paths)}")
     print(f"Detailed results saved to: {output_path}")
+    missing = [
+        name
+        for name, found in (("plotille", HAS_PLOTILLE or args.no_plots), ("matplotlib", HAS_MATPLOTLIB))
+        if not found
+    ]
+    if missing:
+        print(f"No {' or '.join(missing)}: for the plots, {PLOT_EXTRA}")
     return 0
+
+
+def _write_csv(results, path):
+    """results as CSV at `path`, through a temporary file: a write that fails leaves no half-written file."""
+    try:
+        results.to_csv(path + ".tmp", index=False)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        e.filename = e.filename or path
+        raise
 
 
 if __name__ == "__main__":

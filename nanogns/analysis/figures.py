@@ -100,13 +100,19 @@ def per_layer_gns(out_dir, alpha=0.95):
     (the blocks gns-analysis.py uses, the same numbers as its gns_block_<i> columns). `table.attrs["groups"]`:
     {name: group}.
     """
-    df, _, chosen, facts = gns_analysis.load_measurements(out_dir)
+
+    def sets(chosen, facts, approx):  # one sum per parameter and per block
+        blocks = {f"block {index}": members for index, members in blocks_of(chosen, facts).items()}
+        return {**{f"param {name}": {name: columns} for name, columns in chosen.items()}, **blocks}
+
+    m = gns_analysis.load_measurements(out_dir, sets=sets)
+    df, chosen, facts = m.steps[m.steps[gns_analysis.MEASURED]].reset_index(drop=True), m.chosen, m.facts
     x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
-    out = {x: df[x] if x in df else df[[c["batch_size"] for c in chosen.values()]].max(axis=1).cumsum()}
-    for name, columns in chosen.items():
-        out[name] = gns_analysis.estimate(df, {name: columns}, alpha)["gns"]
-    for index, members in blocks_of(chosen, facts).items():
-        out[f"block {index}"] = gns_analysis.estimate(df, members, alpha)["gns"]
+    out = {x: df[x] if x in df else df["bs:all"].cumsum()}
+    for name in chosen:
+        out[name] = gns_analysis.gns_of(df, f"param {name}", alpha)["gns"]
+    for index in blocks_of(chosen, facts):
+        out[f"block {index}"] = gns_analysis.gns_of(df, f"block {index}", alpha)["gns"]
     table = pd.DataFrame(out).reset_index(drop=True)
     table.attrs["groups"] = {name: group for name, (group, _) in facts.items()}
     table.attrs["x"] = x

@@ -68,7 +68,7 @@ def find_params(columns, prefix):
     return params
 
 
-# the group of each layer kind in records of format 1, which did not write it (nanogns.layers' registry has it)
+# the group of each layer kind in records of format 1, which did not write it (nanogns.kinds' registry has it)
 FORMAT_1_GROUPS = {
     "Linear": "Linear",
     "Conv1D": "Linear",

@@ -11,12 +11,18 @@ x or y is missing or non-finite are left out.
 
 import argparse
 import difflib
+import importlib.util
 import sys
 
 import numpy as np
 import pandas as pd
 
 from nanogns.runlog.reader import load_csv
+
+# the plot extra (pip install "nanogns[plot]"): without it the analysis prints and saves its numbers, no figures
+HAS_PLOTILLE = importlib.util.find_spec("plotille") is not None
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+PLOT_EXTRA = 'pip install "nanogns[plot]" (plotille for terminal plots, matplotlib for PNG figures)'
 
 COLORS = (200, 100, 40, 160, 220, 75)  # plotille byte colours, one per series
 MARKERS = ("*", "o", "x", "+", "#", "@")  # and a glyph each, so that the series differ without colour too
@@ -90,8 +96,13 @@ def save_png(path, series, x_label="x", y_label="y", title=None, scatter=False, 
     if series:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:  # a full disk: the caller names the file
+        e.filename = e.filename or path
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -46,12 +46,42 @@ def summary(results):
             "against their average)"
         )
     lines.append(f"Average batch size: {results['batch_size'].mean():.1f}")
+    changes = batch_size_changes(results)
+    if changes:
+        lines.append(changes)
     x = results.attrs.get("x", "tokens_processed")
+    end = results.attrs.get("log_end") or {}
+    total = end.get("tokens_processed") if x == "tokens_processed" else None
     lines.append(
-        f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]))}"
+        f"Total {x.split('_')[0]} processed: {_fmt_tokens(float(last[x]) if total is None else total)}"
         + ("" if x == "tokens_processed" else " (the log has no tokens_processed column)")
     )
+    if end.get("step") is not None and end["step"] > end["measured_step"]:
+        at = f" ({_fmt_tokens(float(last[x]))} {x.split('_')[0]})"
+        lines.append(
+            f"  (the GNS above is at step {end['measured_step']}{at}, the last step with per-example norms; the "
+            f"log goes on to step {end['step']} without them, and the total counts those steps too)"
+        )
     return "\n".join(lines)
+
+
+def batch_size_changes(results, limit=4):
+    """A line saying how the batch size changed over the measured steps (a resume with another batch size, a
+    schedule), or None when it stayed the same."""
+    bs, step = results["batch_size"].to_numpy(), results["step"].to_numpy()
+    starts = np.r_[0, np.flatnonzero(bs[1:] != bs[:-1]) + 1]
+    if len(starts) < 2:
+        return None
+    ends = np.r_[starts[1:] - 1, len(bs) - 1]
+    if len(starts) > limit:
+        return (
+            f"Batch size changed {len(starts) - 1} times, between {np.nanmin(bs):.0f} and {np.nanmax(bs):.0f} "
+            f"(steps {step[0]}-{step[-1]}: a batch-size schedule)"
+        )
+    segments = [
+        f"{bs[a]:.0f} (step{f's {step[a]}-{step[b]}' if a != b else f' {step[a]}'})" for a, b in zip(starts, ends)
+    ]
+    return f"Batch size changed {len(starts) - 1} time(s): " + ", then ".join(segments)
 
 
 def batch_size_tradeoff(gns, batch_size):

@@ -1,16 +1,22 @@
 """
-A log's rows as optimizer steps, before any number is computed from them: the analysis reads steps, not lines.
+A log's rows as optimizer steps, before any number is computed from them: the analysis reads steps, not lines,
+and reads them in pieces, so its memory follows the steps' few sums, not the log's width or length in bytes.
 
-    df = in_step_order(df, columns, path)      # prints a warning for each thing it changes
+    steps = read_steps(source, checked, reduce, usecols)     # prints a warning for each thing it changes
 
 - A row whose `step` is not an integer is dropped (no step to put it at).
-- A bad cell in `columns` (the numbers the analysis uses) is reported in one line naming the step, the column
-  and the file, and its step is skipped (never a silently wrong number): text where a number belongs, a
-  negative norm, pegn or token count, a batch_size that is not an integer >= 2 (the GNS needs two examples).
-  nan and inf are numbers: a step logged non-finite stays, and the estimator skips it.
-- A step logged more than once keeps its last row in file order: a later write replaces an earlier one, as
-  a resume's rewrite does. A warning names the steps.
+- A step logged more than once is its last row in file order: a later write replaces an earlier one, as a resume's
+  rewrite does. This is decided first, before any cell is judged: an earlier row of the step is never used, even
+  when the last one is bad. A warning names the steps.
+- A bad cell in `checked` (the numbers the analysis uses) in a step's last row is reported in one line naming the
+  step, the column and the file, and the step is skipped (never a silently wrong number, never the superseded
+  row): text where a number belongs, a negative norm, pegn or token count, a batch_size that is not an integer
+  >= 2 (the GNS needs two examples). nan and inf are numbers: a step logged non-finite stays, and the estimator
+  skips it.
 - Rows are put in step order (with a note when the file had them otherwise).
+
+Each piece of rows is reduced by the caller (`reduce`: the few per-step sums it needs) as soon as it is read: only
+the reduced rows are kept.
 """
 
 import numpy as np
@@ -19,6 +25,19 @@ import pandas as pd
 SHOWN = 20  # bad cells reported one per line; beyond this, one line counts the rest
 NONNEGATIVE = ("/norm", "/pegn", "tokens_processed")
 BATCH_SIZE = "/batch_size"
+LINE, BAD = "_line", "_bad"  # columns the reduced rows carry besides the caller's: the file line, a bad cell
+
+
+def step_ranges(steps, limit=6):
+    """'0-19, 25, 40-41' for a sorted run of integer steps (the first `limit` ranges, then how many in all)."""
+    steps = np.unique(np.asarray(steps, dtype=np.int64))
+    if not len(steps):
+        return ""
+    breaks = np.flatnonzero(np.diff(steps) != 1)
+    starts, ends = np.r_[steps[0], steps[breaks + 1]], np.r_[steps[breaks], steps[-1]]
+    ranges = [f"{a}" if a == b else f"{a}-{b}" for a, b in zip(starts[:limit], ends[:limit])]
+    more = f", ... ({len(starts)} ranges, {len(steps)} steps in all)" if len(starts) > limit else ""
+    return ", ".join(ranges) + more
 
 
 def _steps(values, limit=10):
@@ -28,7 +47,7 @@ def _steps(values, limit=10):
 
 def _numbers(column):
     """(the column as floats, where a non-empty cell is not a number)."""
-    if pd.api.types.is_numeric_dtype(column):
+    if pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column):
         return column.astype(float), pd.Series(False, index=column.index)
     numbers = pd.to_numeric(column, errors="coerce")
     text = column.astype(str).str.strip().str.lower()
@@ -45,67 +64,122 @@ def _bad_value(column, values):
     return pd.Series(False, index=values.index), ""
 
 
-def in_step_order(df, columns, path, first_line=2):
-    """The rows of `df` (a load_csv frame) as steps: one row per step, in step order, the checked `columns`
-    as floats, steps with a bad cell in them skipped; each change reported in one line (see module docstring).
+def missing_ranges(present, limit=6):
+    """The step numbers from 0 to the last of `present` (distinct, sorted) that it lacks, as step_ranges writes
+    them, and how many."""
+    starts = np.r_[0, present[:-1] + 1]
+    ends = present - 1  # [starts[i], ends[i]]: the steps missing before present[i]
+    gaps = ends >= starts
+    count = int((ends - starts + 1)[gaps].sum())
+    starts, ends = starts[gaps], ends[gaps]
+    ranges = [f"{a}" if a == b else f"{a}-{b}" for a, b in zip(starts[:limit], ends[:limit])]
+    more = f", ... ({len(starts)} ranges)" if len(starts) > limit else ""
+    return ", ".join(ranges) + more, count
+
+
+def _note_missing_steps(path, steps):
+    if not len(steps):
+        return
+    present = np.unique(steps)
+    present = present[present >= 0]
+    if not len(present):
+        return
+    ranges, count = missing_ranges(present)
+    if count:
+        print(
+            f"note: {path}: no row for {count} step(s) ({ranges}): a log lost before a resume starts at the "
+            "checkpoint's step, rows set aside at a resume are in log_after_step_<N>.csv; the EMAs skip them"
+        )
+
+
+def read_steps(source, checked, reduce, usecols):
+    """The log's steps: one reduced row per step, in step order, steps whose last row has a bad cell in `checked`
+    skipped; each change reported in one line (see the module docstring).
 
     Args:
-        columns: the columns whose cells the analysis uses as numbers (those present are checked).
-        path: the file the rows come from, named in the messages.
-        first_line: the line number of the file's first row (2 under a header), for rows without a step.
-    Raises ValueError when every step's batch size is 1 (the GNS is undefined there).
+        source: a runlog.reader.LogSource.
+        checked: the columns whose cells the analysis uses as numbers (those present are checked, then given to
+            `reduce` as floats).
+        reduce: reduce(chunk) -> DataFrame with the chunk's index: what the analysis keeps of each row.
+        usecols: the columns `reduce` reads (besides step).
+    Returns the reduced rows with `step` (when the log has one; int64) and LINE (the row's line in the file).
+    Raises ValueError when every logged batch size is 1 (the GNS is undefined there).
     """
-    df = df.copy()
-    if "step" in df:
-        step, text = _numbers(df["step"])
-        no_step = step.isna() | ~np.isfinite(step) | (step != step.round())
-        for index in df.index[no_step]:
+    path, first_line = source.path, source.first_line
+    has_step = "step" in source.columns
+    checked = [c for c in checked if c in source.columns]
+    parts, reasons = [], {}  # reasons: {line: [why, ...]} of rows with a bad cell
+    batch_sizes_logged = batch_sizes_above_1 = False
+    for chunk in source.chunks(usecols=["step", *usecols, *checked]):
+        line = pd.Series(chunk.index + first_line, index=chunk.index)
+        if has_step:
+            step, _ = _numbers(chunk["step"])
+            no_step = step.isna() | ~np.isfinite(step) | (step != step.round())
+            for index in chunk.index[no_step]:
+                print(
+                    f"warning: {path}, line {line[index]}: step {chunk.at[index, 'step']!r} is not a step number; "
+                    "row skipped"
+                )
+            chunk, line, step = chunk[~no_step], line[~no_step], step[~no_step].astype(np.int64)
+        bad = pd.Series(False, index=chunk.index)
+        chunk = chunk.copy()
+        for column in checked:
+            values, text = _numbers(chunk[column])
+            where = (lambda i: f"step {step[i]}") if has_step else (lambda i: f"line {line[i]}")
+            for index in chunk.index[text]:
+                reasons.setdefault(line[index], []).append(
+                    f"{where(index)}, column {column}: {chunk.at[index, column]!r} is not a number"
+                )
+            wrong, why = _bad_value(column, values)
+            for index in chunk.index[wrong]:
+                reasons.setdefault(line[index], []).append(
+                    f"{where(index)}, column {column}: " + why.format(float(values[index]))
+                )
+            bad |= text | wrong
+            if column.endswith(BATCH_SIZE):
+                logged = values[~text].dropna()
+                batch_sizes_logged |= bool(len(logged))
+                batch_sizes_above_1 |= bool((logged > 1).any())
+            chunk[column] = values
+        reduced = reduce(chunk)
+        if has_step:
+            reduced.insert(0, "step", step)
+        reduced[LINE], reduced[BAD] = line, bad
+        parts.append(reduced)
+    if batch_sizes_logged and not batch_sizes_above_1:
+        raise ValueError(
+            f"{path}: every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)"
+        )
+    if not parts:
+        return pd.DataFrame(columns=["step", LINE, BAD])
+    steps = pd.concat(parts, ignore_index=True)
+    parts.clear()
+
+    keep = ~steps[BAD]
+    earlier = pd.Series(dtype=np.int64)  # {step: line of its last superseded row}, for steps skipped below
+    if has_step:
+        repeated = steps["step"].duplicated(keep="last")
+        if repeated.any():
+            superseded = steps.loc[repeated, ["step", LINE]].drop_duplicates("step", keep="last")
+            earlier = pd.Series(superseded[LINE].to_numpy(), index=superseded["step"].to_numpy())
             print(
-                f"warning: {path}, line {index + first_line}: step {df.at[index, 'step']!r} is not a step number; "
-                "row skipped"
+                f"warning: {path}: step(s) {_steps(steps.loc[repeated, 'step'])} logged more than once; the last row "
+                "of each is used (a later write replaces an earlier one, as a resume does)"
             )
-        df, step = df[~no_step], step[~no_step]
-        df["step"] = step.astype(np.int64)
-
-    def at(index):
-        return f"step {df.at[index, 'step']}" if "step" in df else f"line {index + first_line}"
-
-    bad_rows, reports, batch_sizes = set(), [], []
-    for column in [c for c in columns if c in df]:
-        values, text = _numbers(df[column])
-        for index in df.index[text]:
-            reports.append(f"{at(index)}, column {column}: {df.at[index, column]!r} is not a number")
-        bad_rows.update(df.index[text])
-        bad, why = _bad_value(column, values)
-        for index in df.index[bad]:
-            reports.append(f"{at(index)}, column {column}: " + why.format(float(values[index])))
-        bad_rows.update(df.index[bad])
-        if column.endswith(BATCH_SIZE):
-            batch_sizes.append(values[~text])
-        df[column] = values
-    if batch_sizes:
-        logged = pd.concat(batch_sizes).dropna()
-        if len(logged) and (logged <= 1).all():
-            raise ValueError(
-                f"{path}: every step has batch size {int(logged.max())}: the GNS is undefined at B=1 "
-                "(it needs 2+ examples per step)"
-            )
-    for line in reports[:SHOWN]:
-        print(f"warning: {path}: {line}; step skipped")
+        keep &= ~repeated
+        _note_missing_steps(path, steps.loc[~repeated, "step"].to_numpy())
+    reports = []
+    skipped = steps.loc[steps[BAD] & (~repeated if has_step else True)]
+    for line, step in zip(skipped[LINE], skipped["step"] if has_step else [None] * len(skipped)):
+        reports.extend(reasons[line])
+        if step in earlier.index:
+            reports[-1] += f" (its last row, line {line}; the earlier row at line {earlier[step]} is not used)"
+    for report in reports[:SHOWN]:
+        print(f"warning: {path}: {report}; step skipped")
     if len(reports) > SHOWN:
         print(f"warning: {path}: {len(reports) - SHOWN} more bad cells like these; their steps skipped")
-    df = df.drop(index=sorted(bad_rows))
-
-    if "step" not in df:
-        return df.reset_index(drop=True)
-    repeated = df["step"].duplicated(keep="last")
-    if repeated.any():
-        print(
-            f"warning: {path}: step(s) {_steps(df.loc[repeated, 'step'])} logged more than once; the last row of "
-            "each is used (a later write replaces an earlier one, as a resume does)"
-        )
-        df = df[~repeated]
-    if not df["step"].is_monotonic_increasing:
+    steps = steps.loc[keep, [c for c in steps.columns if c != BAD]]
+    if has_step and not steps["step"].is_monotonic_increasing:
         print(f"note: {path}: the rows are not in step order; analysed in step order")
-        df = df.sort_values("step", kind="stable")
-    return df.reset_index(drop=True)
+        steps = steps.sort_values("step", kind="stable")
+    return steps.reset_index(drop=True)

@@ -39,11 +39,11 @@ from typing import Optional
 
 import torch
 
-# keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
 BUFFER_SUFFIX = "_pe_sqnorm"  # buffers.py's (which imports this module)
 # layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
 # (transformers' Swin blocks: window_partition of (N, H, W, C) into (N * windows, ws, ws, C)), and join them back
 WINDOWED = ("SwinLayer", "Swinv2Layer")
+# keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
 EXAMPLE_ARGUMENTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "idx")
 _HOOK_ATTRIBUTE = "_pe_layout_hook"
 

@@ -2,9 +2,12 @@
 One run per output directory: an exclusive lock on OUT_DIR/run.lock, taken before a run reads or writes
 anything there (its checkpoint, its log) and held until it ends.
 
-    lock = RunLock(out_dir)        # or raises DirectoryInUse, whose message names the holder's pid
+    lock = RunLock(out_dir)        # or raises nanogns.errors.DirectoryInUse, whose message names the holder's pid
     ...                            # train: nothing else writes this directory meanwhile
     lock.release()                 # also at exit; the kernel releases it however the process ends
+
+    with RunLock(out_dir):         # the same, released when the block ends (an exception included)
+        ...
 
 The lock is `fcntl.flock(LOCK_EX | LOCK_NB)` on the file, so a process that dies (SIGKILL included) releases
 it with its file descriptors. The file holds the holder's pid, for people; the pid a refusal names comes from
@@ -18,19 +21,10 @@ import atexit
 import fcntl
 import os
 
+from nanogns.errors import DirectoryInUse
+
 LOCK_FILE = "run.lock"
-
-
-class DirectoryInUse(RuntimeError):
-    """Another process holds the directory's lock. `pid` is its pid, or None where it cannot be found."""
-
-    def __init__(self, out_dir, pid):
-        self.out_dir, self.pid = out_dir, pid
-        holder = f"pid {pid}" if pid else "another process"
-        super().__init__(
-            f"{out_dir!r} is in use by another run ({holder} holds {os.path.join(out_dir, LOCK_FILE)}): one run "
-            "writes a directory at a time; wait for it to end (or stop it), then resume, or choose another out_dir"
-        )
+__all__ = ["LOCK_FILE", "DirectoryInUse", "RunLock"]
 
 
 def _pid_from_kernel(fd):
@@ -76,7 +70,7 @@ class RunLock:
             except BlockingIOError:
                 pid = _pid_from_kernel(fd) or _pid_from_file(fd)
                 os.close(fd)
-                raise DirectoryInUse(out_dir, pid) from None
+                raise DirectoryInUse(out_dir, pid, self.path) from None
             try:
                 current = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -88,6 +82,12 @@ class RunLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
         atexit.register(self.release)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
     def release(self):
         """Remove the lock file and release the lock (safe to repeat); the directory too if this lock made it and

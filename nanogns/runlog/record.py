@@ -13,22 +13,28 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+from nanogns.errors import WriteFailed
+
 PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv
 RECORD_FORMAT = 2
 
 
 def write_parameter_record(out_dir: str, record: Dict[str, Dict[str, Any]]) -> str:
-    """out_dir/PARAMETERS_JSON, written atomically (a resumed run rewrites the same facts); a write that fails ends
-    the process with one line (SystemExit)."""
+    """out_dir/PARAMETERS_JSON, written atomically (a resumed run rewrites the same facts).
+
+    Raises WriteFailed (one line naming the file) when the write fails: a full disk, an unwritable directory."""
     path = os.path.join(out_dir, PARAMETERS_JSON)
     try:
         with open(path + ".tmp", "w") as f:
             json.dump({"format": RECORD_FORMAT, "parameters": record}, f, indent=1)
         os.replace(path + ".tmp", path)
     except OSError as e:  # a full disk, an unwritable directory: one line, as the log's writes
-        raise SystemExit(
-            f"record: cannot write {path} ({e.strerror or e}); free some space or choose a writable out_dir"
-        )
+        raise WriteFailed(
+            f"cannot write the record of the tracked parameters {path} ({e.strerror or e}); free some space or "
+            "choose a writable out_dir",
+            path,
+            e.strerror or str(e),
+        ) from None
     return path
 
 

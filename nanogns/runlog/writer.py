@@ -23,8 +23,13 @@ Files in out_dir (nothing is written when out_dir is None):
 
 close() and a resume's rewrite stream the rows, one line at a time, so their
 memory does not grow with the log (bench/log_writer_memory.py). A write that
-fails (a full disk, an unwritable directory) ends the process with one line
-(SystemExit) naming the file; the rows written before stay in the .tmp files.
+fails (a full disk, an unwritable directory) raises nanogns.errors.WriteFailed,
+one line naming the file; logging stops and the rows written before stay in the
+.tmp files. A log that logged no row writes no log.csv (a run that failed before
+its first step leaves nothing that a rerun would take for another run's log).
+
+`with LogWrapper(...) as log:` closes it when the block ends, an exception
+included.
 
 Columns are `step` (this tracker's counter: the number of step() calls before
 this one, plus the last step of a resumed log) and then every key ever logged,
@@ -50,7 +55,11 @@ With resume_step=N as well (train.py passes the step count its checkpoint
 recorded), the log continues at step N so that log and weights agree: rows with
 step >= N, written after the checkpoint by a run that then crashed, are moved
 to out_dir/log_after_step_N.csv (log_after_step_N_1.csv, ... if it exists),
-kept for inspection but out of the log.
+kept for inspection but out of the log. Where the log lacks steps before N (it
+was lost, or the checkpoint comes from nanoGPT, which writes none), the rows still
+start at step N, with a printed warning naming the missing steps: a row's step is
+always the optimizer step its weights had taken (gns-analysis names the gap too).
+A log that cannot be continued raises nanogns.errors.LogNotContinuable.
 """
 
 import atexit
@@ -64,6 +73,8 @@ import os
 import string
 import sys
 from typing import Any, Callable, Dict, Optional
+
+from nanogns.errors import LogNotContinuable, WriteFailed
 
 HEADER_TMP = "log_header.csv.tmp"
 DATA_TMP = "log_data.csv.tmp"
@@ -147,8 +158,10 @@ class LogWrapper:
         resume: continue the log already in out_dir instead of replacing it.
         resume_step: with resume, the step to continue at (rows from it on are set aside).
 
-    A write that fails (a full disk, an unwritable directory) raises SystemExit with one line naming the file;
-    the rows written before it stay in the .tmp files, which load_csv reads and a resumed run continues.
+    Raises:
+        WriteFailed: a write failed (a full disk, an unwritable directory): one line naming the file. Logging
+            stops; the rows written before stay in the .tmp files, which load_csv reads and a resume continues.
+        LogNotContinuable: resume=True and the log in out_dir cannot be continued (the message names the row).
     """
 
     def __init__(
@@ -191,7 +204,7 @@ class LogWrapper:
 
     @contextlib.contextmanager
     def _writing(self, path):
-        """Turn a failed write of `path` into one line (SystemExit); logging stops, the rows so far are kept."""
+        """Turn a failed write of `path` into WriteFailed (one line); logging stops, the rows so far are kept."""
         try:
             yield
         except OSError as e:
@@ -202,10 +215,12 @@ class LogWrapper:
                     self._data.close()
                 except OSError:
                     pass
-            raise SystemExit(
-                f"log: cannot write {path} ({e.strerror or e}): logging stopped; the rows logged before are "
+            raise WriteFailed(
+                f"cannot write the log {path} ({e.strerror or e}): logging stopped; the rows logged before are "
                 f"kept in {self.out_dir} ({HEADER_TMP} and {DATA_TMP}, which load_csv reads and a resumed run "
-                "continues); free some space or choose a writable out_dir"
+                "continues); free some space or choose a writable out_dir",
+                path,
+                e.strerror or str(e),
             ) from None
 
     def _source(self):
@@ -226,6 +241,12 @@ class LogWrapper:
         data = _Replacement(self._path(DATA_TMP))
         if source is None:
             data.commit()
+            if resume_step:  # the rows still carry the checkpoint's steps: a row's step is what its weights took
+                print(
+                    f"log: warning: no log in {self.out_dir} to continue, but the checkpoint was saved at step "
+                    f"{resume_step}: the log starts at step {resume_step}, steps 0..{resume_step - 1} are not in it"
+                )
+                self.step_count = resume_step
             return
         header_path, data_path = source
         with open(header_path, newline="") as header:
@@ -233,7 +254,10 @@ class LogWrapper:
             columns = next(csv.reader([first]), None) if first.endswith("\n") else None
             if columns:
                 if columns[0] != "step":
-                    raise SystemExit(f"log: cannot continue {header_path}: its first column is not step")
+                    raise LogNotContinuable(
+                        f"cannot continue the log {header_path}: its first column is {columns[0][:40]!r}, not step "
+                        "(not a log this package wrote); move it away to start the log afresh"
+                    )
                 self.columns = columns
             lines = open(data_path, newline="") if data_path else header  # log.csv: its rows follow its header
             aside, last, last_kept, n_aside = None, None, -1, 0
@@ -250,8 +274,8 @@ class LogWrapper:
                     aside.file.write(_padded(line, len(self.columns)))
                     n_aside += 1
             except ValueError as e:
-                raise SystemExit(
-                    f"log: cannot continue the log in {self.out_dir}: a row of {lines.name} has no step number "
+                raise LogNotContinuable(
+                    f"cannot continue the log in {self.out_dir}: a row of {lines.name} has no step number "
                     f"in its first cell ({str(e)!r}); repair or move the file"
                 ) from None
             finally:
@@ -264,7 +288,7 @@ class LogWrapper:
         if resume_step is None:
             self.step_count = last + 1 if last is not None else 0
             return
-        if last_kept != resume_step - 1:
+        if last_kept < resume_step - 1:
             print(
                 f"log: warning: the log ends at step {last_kept} but the checkpoint was saved at step {resume_step}; "
                 f"steps {last_kept + 1}..{resume_step - 1} are missing from the log"
@@ -344,9 +368,15 @@ class LogWrapper:
             f"available: {sorted(self.log_dict)}"
         )
 
+    def __enter__(self) -> "LogWrapper":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Write pending values as a last row, then log.csv atomically, row by row (memory does not grow with the
-        log); remove the tmp files.
+        log); remove the tmp files. A log without a row writes no log.csv (and leaves none an earlier run left).
 
         Runs at exit too; calling it again does nothing."""
         if self.closed:
@@ -359,6 +389,10 @@ class LogWrapper:
             return
         self._data.close()
         width = len(self.columns)
+        if os.path.getsize(self._path(DATA_TMP)) == 0 and not os.path.exists(self._path(LOG_CSV)):
+            for name in (HEADER_TMP, DATA_TMP):  # no row: nothing a rerun would take for another run's log
+                os.remove(self._path(name))
+            return
         with self._writing(self._path(LOG_CSV)):
             log = _Replacement(self._path(LOG_CSV))
             log.file.write(_csv_line(self.columns))
@@ -372,5 +406,5 @@ class LogWrapper:
     def _close_at_exit(self):
         try:
             self.close()
-        except SystemExit as e:  # an exception in an atexit function would print a traceback: the line alone
-            print(e, file=sys.stderr)
+        except WriteFailed as e:  # an exception in an atexit function would print a traceback: the line alone
+            print(f"log: {e}", file=sys.stderr)

@@ -1,0 +1,78 @@
+"""
+What the package raises when it refuses: one class per refusal a caller may want to tell apart, all under
+NanoGNSError. Each message is one line naming the problem (the directory, file or value) and the fix.
+
+    from nanogns import NanoGNSError
+    try:
+        trainer.train()
+    except NanoGNSError as e:      # the directory is in use, holds another run's log, a write failed, ...
+        print(f"not trained: {e}")
+
+The package never exits its caller's process: a script (train.py, sample.py, gns-analysis) turns these into one
+line on stderr and a non-zero exit code; a notebook or a loop over several trainings catches them.
+
+    NanoGNSError              the base: every refusal below
+      DirectoryInUse          another process holds the run directory's lock (runlog/lock.py); .pid names it
+      DirectoryHoldsAnotherRun  a new run would replace another run's log in its directory
+      WriteFailed             a write of the log, the parameter record or a checkpoint failed (a full disk, an
+                              unwritable directory); .path names the file
+      LogNotContinuable       a log a resume cannot continue (a row without a step number, a first column that
+                              is not `step`). Also a ValueError
+      CheckpointNotUsable     a checkpoint a resume (or sample.py) cannot use: missing, damaged, holding more than
+                              data, or with model_args that build no model. Also a ValueError
+
+No import here: the log, the analysis and the scripts raise these without torch.
+"""
+
+
+class NanoGNSError(Exception):
+    """A refusal of the package: str(error) is one line naming the problem and the fix."""
+
+    def __reduce__(self):  # picklable whatever a subclass's __init__ takes (errors cross processes under DDP)
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls, args, state):
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class DirectoryInUse(NanoGNSError, RuntimeError):
+    """Another process holds the run directory's lock. `out_dir` is the directory, `pid` the holder's pid (None
+    where it cannot be found)."""
+
+    def __init__(self, out_dir: str, pid, lock_path: str):
+        self.out_dir, self.pid = out_dir, pid
+        holder = f"pid {pid}" if pid else "another process"
+        super().__init__(
+            f"{out_dir!r} is in use by another run ({holder} holds {lock_path}): one run writes a directory at a "
+            "time; wait for it to end (or stop it), then resume, or choose another out_dir"
+        )
+
+
+class DirectoryHoldsAnotherRun(NanoGNSError):
+    """A new run (at step 0) into a directory that holds another run's log, which it would replace. `out_dir` is
+    the directory, `files` the log files found."""
+
+    def __init__(self, message: str, out_dir: str, files):
+        self.out_dir, self.files = out_dir, list(files)
+        super().__init__(message)
+
+
+class WriteFailed(NanoGNSError):
+    """A write of a run's files failed (a full disk, an unwritable directory): `path` is the file, `reason` the
+    system's reason. What was written before stays (see each writer's docstring)."""
+
+    def __init__(self, message: str, path: str, reason: str = ""):
+        super().__init__(message)
+        self.path, self.reason = path, reason
+
+
+class LogNotContinuable(NanoGNSError, ValueError):
+    """A resume cannot continue the log in its directory (the message names the file and the row)."""
+
+
+class CheckpointNotUsable(NanoGNSError, ValueError):
+    """A checkpoint cannot be used (the message names the file, what is wrong and what to do)."""
