@@ -8,6 +8,9 @@ for GPT-2's structure at growing depth: a count, not a time (each op is about on
 The model is GPT-2's shape at a tiny width (the counts do not depend on the width): tied head, biases on.
 A plain step is forward + backward + AdamW with torch's layers; the read is what per-example norms add after
 the backward. The read's count should stay flat as the model gets deeper (tests/test_monitor_distributed.py holds it at most 40).
+The reference API's read (`MeasurementTracker.step`, then `zero_sqgradnorm_buffers(model)` as the reference's
+train.py calls them, nanogns/monitor/reference.py) is counted the same way, on the same model and step
+(tests/test_reference_api.py holds it at the monitor's count).
 """
 
 import argparse
@@ -25,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns as lc  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from nanogns import monitor as gnstracking  # noqa: E402
+from nanogns.core.buffers import zero_pe_sqnorm_buffers  # noqa: E402
+from nanogns.monitor.reference import MeasurementTracker  # noqa: E402
 
 CHOICES = {"nn": ("nn", "nn", "nn"), "LayerNorm-only gns": ("nn", "nn", "gns"), "all-layer gns": ("gns", "gns", "gns")}
 
@@ -41,8 +46,8 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def counts(choice, n_layer, batch=4, block=16):
-    """(ops of forward + backward + AdamW, ops of the GNS read or None, the read's most frequent ops)."""
+def build(choice, n_layer, block=16):
+    """GPT-2's structure at a tiny width with the choice's layers."""
     linear, embedding, ln = CHOICES[choice]
     torch.manual_seed(0)
     # (model.py prints its size: kept out of the tables)
@@ -50,10 +55,18 @@ def counts(choice, n_layer, batch=4, block=16):
         lc.set_contextual_config(**lc.layer_classes(linearclass=linear, embeddingclass=embedding, lnclass=ln)),
         contextlib.redirect_stdout(io.StringIO()),
     ):
-        model = GPT(
+        return GPT(
             GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=block, vocab_size=64, dropout=0.0, bias=True)
         )
-    monitor = gnstracking.GNSMonitor(model, expect_tracked=False) if choice != "nn" else None
+
+
+def counts(choice, n_layer, batch=4, block=16, reference=False):
+    """(ops of forward + backward + AdamW, ops of the GNS read or None, the read's most frequent ops); `reference`:
+    the read is the reference API's MeasurementTracker.step and zero_sqgradnorm_buffers instead of GNSMonitor.step."""
+    model = build(choice, n_layer, block)
+    monitor = None
+    if choice != "nn":
+        monitor = MeasurementTracker.from_model(model) if reference else gnstracking.GNSMonitor(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x = torch.randint(0, 64, (batch, block + 1))
     for warm in (True, False):  # the first step builds what later steps reuse (optimizer state, read plans)
@@ -64,6 +77,8 @@ def counts(choice, n_layer, batch=4, block=16):
         if monitor is not None:
             with read:
                 monitor.step(batch_size=batch)
+                if reference:
+                    zero_pe_sqnorm_buffers(model)
         with step:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -75,12 +90,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n_layer", default="12,24", help="comma-separated depths (default: 12,24)")
     args = p.parse_args(argv)
-    print(f"{'blocks':>6}  {'layers':<20}{'step ops':>9}{'read ops':>9}  most frequent in the read")
+    print(
+        f"{'blocks':>6}  {'layers':<20}{'step ops':>9}{'read ops':>9}{'reference read':>15}  most frequent in the read"
+    )
     for n_layer in (int(n) for n in args.n_layer.split(",")):
         for choice in CHOICES:
             step, read, common = counts(choice, n_layer)
+            reference = counts(choice, n_layer, reference=True)[1] if read is not None else "-"
             shown = ", ".join(f"{name} {n}" for name, n in common) if read is not None else ""
-            print(f"{n_layer:>6}  {choice:<20}{step:>9}{read if read is not None else '-':>9}  {shown}")
+            print(f"{n_layer:>6}  {choice:<20}{step:>9}{read if read is not None else '-':>9}{reference:>15}  {shown}")
     return 0
 
 

@@ -152,3 +152,53 @@ def test_converted_gpt2_breaks_no_more_than_plain():
         assert row.keys() == eager_row.keys()
         for key, value in eager_row.items():
             assert row[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_compiled_layernorm_backward_does_not_grow_with_the_examples():
+    """Issue 39: rows of at least PER_EXAMPLE_KERNEL_ELEMENTS per example take torch's LayerNorm backward once per
+    example eagerly (out= slices of one input gradient); compiled, that loop became one functional call and one
+    scatter of the whole input gradient per example (the baby GPT's compiled step 1.76x the plain one). Compiled,
+    the backward graph holds one LayerNorm backward whatever N, and gives the eager buffers and gradients."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    from nanogns.kinds import layernorm
+
+    D = 256
+    T = layernorm.PER_EXAMPLE_KERNEL_ELEMENTS // D  # the eager layer takes the per-example kernels here
+    backward_graphs = []
+
+    def keep_backward(graph, example_inputs):
+        backward_graphs.append(graph)
+        return make_boxed_func(graph)
+
+    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: make_boxed_func(graph), bw_compiler=keep_backward)
+    for N in (2, 5):
+        torch.manual_seed(N)
+        eager = layernorm.PerExampleLayerNorm(D)
+        model = copy.deepcopy(eager)
+        x = torch.randn(N, T, D, dtype=torch.float64)
+        g = torch.randn(N, T, D, dtype=torch.float64)
+        eager.double(), model.double()
+        assert layernorm._per_example_kernels(layout_rows(N), x, eager.weight)
+        grads = []
+        for m in (eager, torch.compile(model, backend=backend, fullgraph=True)):
+            xs = x.clone().requires_grad_()  # the input gradient asked for too: the eager layer's per-example path
+            m(xs).backward(g)
+            grads.append(xs.grad)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+        for name, b in pe_buffers(eager).items():
+            torch.testing.assert_close(pe_buffers(model)[name], b, rtol=1e-10, atol=0, msg=name)
+        for p, q in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)
+    calls = [
+        sum(1 for node in graph.graph.nodes if "native_layer_norm_backward" in str(node.target))
+        for graph in backward_graphs
+    ]
+    assert calls == [1, 1], calls
+
+
+def layout_rows(N):
+    from nanogns.core import layout
+
+    return layout.Rows("dim0", N)

@@ -84,9 +84,9 @@ def assert_close(actual, expected, tol, what=""):
 def captured(monkeypatch):
     """Record every per-example norm vector the fused layers add to a buffer, keyed by the buffer's id
     (the kernels report theirs through fused_finish._recorded; layers.linear's torch paths add through
-    accumulate_pe_sqnorm)."""
+    add_pe_sqnorm)."""
     record = {}
-    original = buffered.accumulate_pe_sqnorm
+    original = buffered.add_pe_sqnorm
 
     def recording(buffer, pe_sqnorm, counted=True):
         if buffer is not None:
@@ -97,7 +97,7 @@ def captured(monkeypatch):
         record.setdefault(id(buffer), []).append(pe_sqnorm.detach().clone())
 
     monkeypatch.setattr(fused_finish, "_recorded", kernel_recorded)
-    monkeypatch.setattr(linear_kind, "accumulate_pe_sqnorm", recording)
+    monkeypatch.setattr(linear_kind, "add_pe_sqnorm", recording)
     return record
 
 

@@ -9,6 +9,8 @@ loop over examples (float64, each example's gradient from the same batched forwa
 
 import copy
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -138,3 +140,31 @@ def test_measurement_msg_and_the_ddp_gns_accumulator():
     assert math.isfinite(running.gns)
     assert msg["ddp/gns"] == pytest.approx(running.gns) and stats.get_gns() == pytest.approx(running.gns)
     assert msg["ddp/gtg_ema"] == pytest.approx(running.gtg.value)
+
+
+def test_reference_read_and_zeroing_take_the_monitors_count_of_ops():
+    """Issue 39: MeasurementTracker.step then zero_sqgradnorm_buffers(model), as the reference's train.py calls
+    them, dispatch as many ops as GNSMonitor.step (read and zeroing) for GPT-2's structure: the buffers of a model
+    a tracker reads are views of one flat tensor, zeroed in one op (bench/read_ops.py prints both counts)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import read_ops
+
+    for choice in ("LayerNorm-only gns", "all-layer gns"):
+        monitor_ops = read_ops.counts(choice, 4)[1]  # the count does not grow with the depth (test_monitor.py)
+        reference_ops = read_ops.counts(choice, 4, reference=True)[1]
+        assert reference_ops == monitor_ops <= 40, (choice, reference_ops, monitor_ops)
+
+
+def test_zeroing_finds_buffers_registered_or_replaced_after_the_tracker():
+    """zero_sqgradnorm_buffers clears the tracker's table in one op; a layer attached after the tracker was made,
+    and buffers replaced by model.to(...), are found (torch's registration hooks, the table's identity check)."""
+    model = build("gns", "gns", "shim")
+    gnstracking.MeasurementTracker.from_model(model)
+    model.extra = PEGradNormLinear(4, 3).double()  # attached after: its buffers are not yet the table's views
+    model.float()  # every buffer replaced (cast back to float32 by the layers, but new tensors)
+    buffers = [b for n, b in model.named_buffers() if n.endswith("_pe_sqnorm")]
+    for buffer in buffers:
+        buffer.fill_(1.0)
+    zero_sqgradnorm_buffers(model)
+    assert all(b.abs().sum() == 0 for n, b in model.named_buffers() if n.endswith("_pe_sqnorm"))
+    assert any(n.startswith("extra.") for n, _ in model.named_buffers())

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, shared, uses
-from nanogns.core.buffers import PerExampleNormLayer, accumulate_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, refuse_step
 from nanogns.kinds import functional
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
@@ -344,7 +344,7 @@ class BroadcastOverExamples(torch.autograd.Function):
         per_example = ctx.items.to_examples(grad)
         factor = lambda: uses.DenseFactor(per_example.flatten(1) * ctx.sign)  # noqa: E731
         if ctx.buffer is not None and not uses.hand_over(ctx.buffer, factor):
-            accumulate_pe_sqnorm(ctx.buffer, per_example.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
+            add_pe_sqnorm(ctx.buffer, per_example.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
         return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None, None
 
 

@@ -49,7 +49,7 @@ from torch.utils import _pytree as pytree
 from nanogns.core import layout, uses
 from nanogns.core.buffers import (
     PerExampleNormLayer,
-    accumulate_pe_sqnorm,
+    add_pe_sqnorm,
     on_output_grad,
     refuse_step,
     register_pe_sqnorm_buffers,
@@ -475,7 +475,7 @@ class _Held:
             per_example = self.units.to_examples(torch.cat(pieces[name]))  # (examples, *shape): its units summed
             if not uses.hand_over(buffer, lambda g=per_example: uses.DenseFactor(g)):
                 dtype = torch.float64 if per_example.dtype == torch.float64 else torch.float32
-                accumulate_pe_sqnorm(buffer, per_example.flatten(1).pow(2).sum(1, dtype=dtype))
+                add_pe_sqnorm(buffer, per_example.flatten(1).pow(2).sum(1, dtype=dtype))
 
     def check(self, outs, part):
         """The replayed outputs must be the batch's rows: else the module mixes examples (the step is refused)."""

@@ -34,7 +34,9 @@ output dtype (under autocast too), and allow in-place ops on their output.
 """
 
 import functools
+import itertools
 import math
+import operator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -68,28 +70,136 @@ def register_pe_sqnorm_buffers(module, param_names):
             )
 
 
-def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
+def add_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     """buffer += [sum of pe_sqnorm (N,), N]; the sum only when counted is False (a layer that counts its
-    forward's examples once, itself, as a mixture of experts does for its experts)."""
+    forward's examples once, itself, as a mixture of experts does for its experts). For a layer that asked
+    uses.hand_over first (its tensor was used once); accumulate_pe_sqnorm for one that hands over no factors."""
     if buffer is None:
         return
-    if counted and uses.multiple(buffer):  # a tensor used several times, by a layer that gives no factors
+    total = pe_sqnorm.sum()
+    if total.requires_grad:  # a backward that builds a graph (create_graph=True): the buffer takes the value only
+        total = total.detach()
+    if total.dtype != buffer.dtype:
+        total = total.to(buffer.dtype)
+    buffer[0].add_(total)  # in place on the views: 2 ops each, no copy back
+    if counted:
+        buffer[1].add_(pe_sqnorm.numel())
+
+
+def accumulate_pe_sqnorm(buffer, pe_sqnorm, counted=True):
+    """add_pe_sqnorm for a layer that hands over no per-example factors (core/uses.py): when its tensor was used
+    several times per forward, that is noted, and the tensor's uses are recorded each on its own (the monitor then
+    stops measuring it, saying why)."""
+    if buffer is not None and counted and uses.multiple(buffer):
         uses.add_direct(buffer)
-    with torch.no_grad():
-        buffer[0].add_(pe_sqnorm.sum().to(buffer.dtype))  # in place on the views: 2 ops each, no copy back
-        if counted:
-            buffer[1].add_(pe_sqnorm.numel())
+    add_pe_sqnorm(buffer, pe_sqnorm, counted)
 
 
 def zero_pe_sqnorm_buffers(model):
     """Clear every per-example norm buffer of `model`, and what its layers noted about the step; call after
-    each optimizer step's reading."""
-    for name, buffer in model.named_buffers():
-        if name.endswith(BUFFER_SUFFIX):
-            buffer.zero_()
+    each optimizer step's reading. A model a monitor reads (its BufferTable) is cleared in one op per device, as
+    the monitor's own step clears it; any other module buffer by buffer."""
+    table = model.__dict__.get(TABLE_ATTRIBUTE)
+    if table is not None:
+        if not table.current():
+            table.build()
+        table.zero()
+    else:
+        for name, buffer in model.named_buffers():
+            if name.endswith(BUFFER_SUFFIX):
+                buffer.zero_()
     mapper = layout.mapper_of(model)
     if mapper is not None:
         mapper.clear()
+
+
+# -----------------------------------------------------------------------------
+# one flat tensor behind every buffer of a model
+
+
+TABLE_ATTRIBUTE = "_pe_buffer_table"  # in the model's __dict__: not a submodule or buffer, state_dict stays clean
+_BUFFERS_OF = operator.attrgetter("_buffers")
+_CHILDREN_OF = operator.attrgetter("_modules")
+
+
+class BufferTable:
+    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
+    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
+
+    A buffer replaced since (model.to(device) moves buffers), a buffer added to a module of the model, and a
+    submodule attached or replaced are noticed by `current()` (the monitor's read and zero_pe_sqnorm_buffers ask
+    it), and the table is rebuilt. The check compares the modules' children, their numbers of buffers and the
+    table's buffers with what they were when it was built, by identity, in C: no walk of the modules in Python.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.views = []  # [(module, buffer name, view)]
+        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
+        self.slot = {}  # (id(module), buffer name) -> (device, offset in its flat)
+        self._owners, self._names, self._views = [], [], []  # the views' columns, for current()
+        self._modules, self._children, self._buffer_counts = [], [], []  # the module tree as built, for current()
+        self.build()
+
+    def current(self):
+        """True when every buffer is still the table's view, and no submodule or buffer was added or replaced."""
+        children = list(itertools.chain.from_iterable(map(dict.values, map(_CHILDREN_OF, self._modules))))
+        return (
+            len(children) == len(self._children)
+            and all(map(operator.is_, children, self._children))
+            and list(map(len, map(_BUFFERS_OF, self._modules))) == self._buffer_counts
+            and all(map(operator.is_, map(dict.get, map(_BUFFERS_OF, self._owners), self._names), self._views))
+        )
+
+    def build(self):
+        self._modules = list(self.model.modules())
+        self._children = list(itertools.chain.from_iterable(map(dict.values, map(_CHILDREN_OF, self._modules))))
+        self._buffer_counts = list(map(len, map(_BUFFERS_OF, self._modules)))
+        entries = [
+            (m, n, b)
+            for m in self._modules
+            for n, b in m._buffers.items()
+            if b is not None and n.endswith(BUFFER_SUFFIX)
+        ]
+        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
+            raise ValueError(
+                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
+                + TENSOR_PARALLEL
+            )
+        sizes = {}
+        for _, _, b in entries:
+            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
+        self.flats = {
+            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
+        }
+        offsets = {device: 0 for device in sizes}
+        self.views, self.slot = [], {}
+        with torch.no_grad():
+            for module, name, buffer in entries:
+                device, n = buffer.device, buffer.numel()
+                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
+                view.copy_(buffer)
+                module._buffers[name] = view
+                self.views.append((module, name, view))
+                self.slot[(id(module), name)] = (device, offsets[device])
+                offsets[device] += n
+        self._owners = [module for module, _, _ in self.views]
+        self._names = [name for _, name, _ in self.views]
+        self._views = [view for _, _, view in self.views]
+
+    def zero(self):
+        """Zero every buffer (one op per device)."""
+        for flat in self.flats.values():
+            flat.zero_()
+
+
+def buffer_table(model):
+    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
+    buffers and rebuild at every read)."""
+    table = model.__dict__.get(TABLE_ATTRIBUTE)
+    if table is None:
+        table = model.__dict__[TABLE_ATTRIBUTE] = BufferTable(model)
+    return table
 
 
 class PerExampleNormLayer:
@@ -136,16 +246,15 @@ class PerExampleNormLayer:
         table shared by the examples (see rows_or_refuse)."""
         params, buffers = [], []
         for role in param_names:  # pe_buffer's rule, inlined: this runs in every forward
-            name = self.pe_roles.get(role, role)
+            name = self.pe_roles.get(role, role) if self.pe_roles else role
             param = self._parameters[name] if name in self._parameters else getattr(self, name, None)
             params.append(param)
             buffers.append(
                 self._buffers.get(name + BUFFER_SUFFIX) if param is not None and param.requires_grad else None
             )
-        buffers = tuple(buffers)
         if all(b is None for b in buffers):
-            return None, buffers
-        return rows_or_refuse(x, buffers, params, lookup, module=self)
+            return None, tuple(buffers)
+        return rows_or_refuse(x, tuple(buffers), params, lookup, module=self)
 
 
 SHARED_INPUT = (
@@ -163,8 +272,8 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     `lookup` (an Embedding then looks up a table), as do ids the forward did not compute from its example inputs
     (layout.looks_up_a_table). A layer `module` whose rows cannot be mapped refuses the step only when a gradient
     reaches its output (PEFT's DoRA runs its LoRA layers on an identity matrix for a norm it detaches)."""
-    if any(is_dtensor(p) for p in params):  # FSDP2 all-gathers its shards into plain tensors before a forward
-        refuse_step(
+    if DTensor is not None and any(map(isinstance, params, itertools.repeat(DTensor))):  # FSDP2 all-gathers its
+        refuse_step(  # shards into plain tensors before a forward: a DTensor here is tensor parallelism
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
         )
         return None, tuple(None for _ in buffers)
@@ -174,17 +283,16 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return layout.Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     rows = layout.rows_for(shape)
-    if not isinstance(rows, str) and rows.kind == "shared":
-        if lookup:
+    if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
+        if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)
-        rows = SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
-    if isinstance(rows, str):
+        reason = rows if isinstance(rows, str) else SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
         # (a module called with hooks runs those registered during its forward; adopt() gives every converted one)
         hooked = module is not None and (module._forward_pre_hooks or module._forward_hooks)
         if hooked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            refuse_when_gradient_arrives(module, rows, buffers)
+            refuse_when_gradient_arrives(module, reason, buffers)
         else:
-            refuse_step(rows, buffers)
+            refuse_step(reason, buffers)
         return None, tuple(None for _ in buffers)
     layout.note_uses(buffers)
     return rows, buffers
@@ -247,8 +355,12 @@ def autocast_result_dtype(op, x, *params):
     op on empty tensors."""
     device_type = x.device.type
     enabled = torch.is_autocast_enabled(device_type)
+    if not enabled and {p.dtype for p in params if p is not None} <= {x.dtype}:
+        return x.dtype  # the norms' ops (layer_norm, rms_norm) keep the dtype they are all given
     autocast_dtype = torch.get_autocast_dtype(device_type) if enabled else None
     key = (op, x.device, enabled, autocast_dtype, x.dtype, tuple(p.dtype if p is not None else None for p in params))
+    if torch.compiler.is_compiling():  # Dynamo traces through a cache (and warns): the empty op is traced, then dropped
+        return _result_dtype.__wrapped__(key, x.shape[-1])
     return _result_dtype(key, x.shape[-1])
 
 

@@ -152,11 +152,13 @@ def linear_weight_grad_and_pe_sqnorm(x, g, strategy=None):
     """
     _, T, K = x.shape
     L = g.shape[-1]
-    strategy = strategy or linear_strategy(T, K, L, norm_dtype(x).itemsize, x.device.type)
+    dtype = norm_dtype(x)
+    strategy = strategy or linear_strategy(T, K, L, dtype.itemsize, x.device.type)
     if strategy == "gram":
-        dtype = norm_dtype(x)
         grad_weight = g.reshape(-1, L).t() @ x.reshape(-1, K)  # the plain weight-gradient GEMM
-        return grad_weight, gram_pe_sqnorm(x.to(dtype), g.to(dtype))
+        if x.dtype != dtype:  # (a float32 layer's tensors already are)
+            x, g = x.to(dtype), g.to(dtype)
+        return grad_weight, gram_pe_sqnorm(x, g)
     assert strategy == "materialise", f"unknown Linear strategy {strategy!r}"
     grad_weight, weight_pe_sqnorms = materialised_pe_grads(x, g)
     return grad_weight.to(x.dtype), weight_pe_sqnorms

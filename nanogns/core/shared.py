@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, uses
-from nanogns.core.buffers import accumulate_pe_sqnorm
+from nanogns.core.buffers import add_pe_sqnorm
 
 # ops where a table meets the examples' data, broadcast over them
 _ELEMENTWISE = {
@@ -356,7 +356,7 @@ def _record(plain, sources, per_example):
         g = torch.zeros(N, *param.shape, dtype=per_example.dtype, device=per_example.device) if g is None else g
         if not uses.hand_over(buffer, lambda g=g: uses.DenseFactor(g)):
             dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-            accumulate_pe_sqnorm(buffer, g.flatten(1).pow(2).sum(1, dtype=dtype))
+            add_pe_sqnorm(buffer, g.flatten(1).pow(2).sum(1, dtype=dtype))
 
 
 def _pulled_back(table_tensor, params, per_example):

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.core import strategy, uses
-from nanogns.core.buffers import BUFFER_SUFFIX, accumulate_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.buffers import BUFFER_SUFFIX, add_pe_sqnorm, norm_dtype, refuse_step
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_pe_sqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
@@ -81,7 +81,7 @@ class _EmbeddingTap(torch.autograd.Function):
             delta = ctx.rows.per_example(grad_out).to(p.dtype)
             if ctx.padding_idx is not None:  # tokens the embedding gives no gradient: no cross term either
                 delta = delta.masked_fill((ids == ctx.padding_idx).unsqueeze(-1), 0)
-            accumulate_pe_sqnorm(ctx.cross_buffer, (delta * p).sum(dim=(1, 2)))
+            add_pe_sqnorm(ctx.cross_buffer, (delta * p).sum(dim=(1, 2)))
         return grad_out, None, None, None, None
 
 

@@ -235,7 +235,10 @@ def multiple(buffer):
     if this is None or not this.uses:
         return False
     this.backward_seen = True
-    count, pairwise = _uses(this, buffer.data_ptr())
+    address = buffer.data_ptr()
+    if address not in this.groups:  # (_uses's common case, inline: this runs in every layer's backward)
+        return this.uses.get(address, 0) > 1
+    count, pairwise = _uses(this, address)
     return count > 1 and not pairwise
 
 

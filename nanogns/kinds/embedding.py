@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core import layout, shared, uses
-from nanogns.core.buffers import PerExampleNormLayer, accumulate_pe_sqnorm, norm_dtype, on_output_grad
+from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.core.registry import LayerKind, Probe, register
 from nanogns.core.tied import note_embedding
 
@@ -78,7 +78,7 @@ def record_embedding_norms(ids, rows, num_embeddings, padding_idx, weight_buffer
             weight_pe_sqnorms = embedding_pe_sqnorm(
                 ids_per_example(rows, ids), rows.per_example(g), num_embeddings, padding_idx
             )
-            accumulate_pe_sqnorm(weight_buffer, weight_pe_sqnorms)
+            add_pe_sqnorm(weight_buffer, weight_pe_sqnorms)
 
     return record
 
@@ -87,23 +87,25 @@ def embedding(ids, weight, padding_idx, weight_buffer, rows):
     """F.embedding recording per-example norms (EmbeddingFunction); torch's own where there is nothing to record."""
     if weight_buffer is None:
         return F.embedding(ids, weight, padding_idx)
-    return EmbeddingFunction.apply(ids, weight, padding_idx, weight_buffer, rows)
+    return EmbeddingFunction.apply(ids, weight, (padding_idx, weight_buffer, rows))
 
 
 class EmbeddingFunction(torch.autograd.Function):
-    """embedding(ids, weight, padding_idx, weight_buffer, rows): F.embedding whose backward scatters the weight
-    gradient and records its per-example norms (the buffer may be None: then no norms)."""
+    """EmbeddingFunction.apply(ids, weight, (padding_idx, weight_buffer, rows)): F.embedding whose backward scatters
+    the weight gradient and records its per-example norms (the buffer may be None: then no norms). What is not a
+    tensor autograd differentiates comes as one argument: autograd.Function.apply looks at each argument in Python."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx, weight_buffer, rows):
+    def forward(ctx, ids, weight, recording):
         ctx.save_for_backward(ids)
-        ctx.weight_shape, ctx.padding_idx, ctx.weight_buffer, ctx.rows = weight.shape, padding_idx, weight_buffer, rows
+        ctx.weight_shape = weight.shape
+        ctx.padding_idx, ctx.weight_buffer, ctx.rows = recording
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
         if not ctx.needs_input_grad[1]:  # a frozen embedding: no gradient, no norms
-            return None, None, None, None, None
+            return None, None, None
         (ids,) = ctx.saved_tensors
         num_embeddings, dim = ctx.weight_shape
         grad_weight = torch.zeros(ctx.weight_shape, dtype=grad_out.dtype, device=grad_out.device)
@@ -116,8 +118,8 @@ class EmbeddingFunction(torch.autograd.Function):
             weight_pe_sqnorms = embedding_pe_sqnorm(
                 ids_per_example(rows, ids), rows.per_example(grad_out), num_embeddings, ctx.padding_idx
             )
-            accumulate_pe_sqnorm(ctx.weight_buffer, weight_pe_sqnorms)
-        return None, grad_weight, None, None, None
+            add_pe_sqnorm(ctx.weight_buffer, weight_pe_sqnorms)
+        return None, grad_weight, None
 
 
 _PLAIN_EMBEDDING_DEFAULTS = dict(max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)

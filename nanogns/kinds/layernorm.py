@@ -28,6 +28,7 @@ from nanogns.core import uses
 from nanogns.core.buffers import (
     PerExampleNormLayer,
     accumulate_pe_sqnorm,
+    add_pe_sqnorm,
     autocast_result_dtype,
     norm_dtype,
     on_output_grad,
@@ -84,7 +85,7 @@ def record_pe_grads(buffer, pe_grads):
     """Add the squared norms of per-example gradients (N, D) to the buffer, or hand them over when the forward used
     the tensor more than once (core/uses.py sums its uses)."""
     if not uses.hand_over(buffer, lambda: uses.DenseFactor(pe_grads)):
-        accumulate_pe_sqnorm(buffer, pe_grads.pow(2).sum(dim=1))
+        add_pe_sqnorm(buffer, pe_grads.pow(2).sum(dim=1))
 
 
 def affine(xhat, weight, bias, weight_buffer, bias_buffer, rows):
@@ -92,7 +93,7 @@ def affine(xhat, weight, bias, weight_buffer, bias_buffer, rows):
     record."""
     if weight_buffer is None and bias_buffer is None:
         return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
-    return AffineFunction.apply(xhat, weight, bias, weight_buffer, bias_buffer, rows)
+    return AffineFunction.apply(xhat, weight, bias, ((weight_buffer, bias_buffer), rows))
 
 
 def layer_norm(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype):
@@ -100,17 +101,17 @@ def layer_norm(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype
     to record."""
     if weight_buffer is None and bias_buffer is None:
         return F.layer_norm(x, weight.shape, weight, bias, eps).to(out_dtype)
-    return LayerNormFunction.apply(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype)
+    return LayerNormFunction.apply(x, weight, bias, (eps, (weight_buffer, bias_buffer), rows, out_dtype))
 
 
 class AffineFunction(torch.autograd.Function):
-    """affine(xhat, weight, bias, weight_buffer, bias_buffer, rows) = xhat * weight (+ bias): the affine half of a
-    norm layer whose normalisation autograd handles; backward records the per-example norms."""
+    """AffineFunction.apply(xhat, weight, bias, ((weight_buffer, bias_buffer), rows)) = xhat * weight (+ bias): the
+    affine half of a norm layer whose normalisation autograd handles; backward records the per-example norms."""
 
     @staticmethod
-    def forward(ctx, xhat, weight, bias, weight_buffer, bias_buffer, rows):
+    def forward(ctx, xhat, weight, bias, recording):
         ctx.save_for_backward(xhat, weight)
-        ctx.buffers, ctx.rows = (weight_buffer, bias_buffer), rows
+        ctx.buffers, ctx.rows = recording
         ctx.has_bias = bias is not None
         return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
 
@@ -133,21 +134,22 @@ class AffineFunction(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 record_pe_grads(bias_buffer, pe_grad_bias)
                 grad_bias = pe_grad_bias.sum(dim=0).to(weight.dtype)
-        return grad_xhat, grad_weight, grad_bias, None, None, None
+        return grad_xhat, grad_weight, grad_bias, None
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """layer_norm(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype): LayerNorm over the last dim
-    whose backward also records the affine per-example norms; the output in out_dtype.
+    """LayerNormFunction.apply(x, weight, bias, (eps, (weight_buffer, bias_buffer), rows, out_dtype)): LayerNorm over
+    the last dim whose backward also records the affine per-example norms; the output in out_dtype. What is not a
+    tensor autograd differentiates comes as one argument: autograd.Function.apply looks at each argument in Python.
 
     Forward and the input gradient are PyTorch's own fused kernels; backward then
     rebuilds xhat = (x - mean) * rstd once to form dw_i = sum_t g_t * xhat_t."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype):
+    def forward(ctx, x, weight, bias, settings):
+        eps, ctx.buffers, ctx.rows, out_dtype = settings
         out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.buffers, ctx.rows = (weight_buffer, bias_buffer), rows
         return out.to(out_dtype)
 
     @staticmethod
@@ -174,15 +176,19 @@ class LayerNormFunction(torch.autograd.Function):
             pe_grad_bias = per_example(grad_out).sum(dim=1, dtype=dtype)  # (N, D)
             record_pe_grads(bias_buffer, pe_grad_bias)
             grad_bias = pe_grad_bias.sum(dim=0).to(bias.dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None
 
 
 def _per_example_kernels(rows, x, weight):
     """True when torch's own LayerNorm backward, run once per example, is the cheaper way to the per-example affine
     gradients: on the CPU, examples whose rows are one contiguous block (dim 0, or flattened (N*T, D)) of at least
-    PER_EXAMPLE_KERNEL_ELEMENTS elements, in float32 or float64 (the kernel sums in the input's dtype)."""
+    PER_EXAMPLE_KERNEL_ELEMENTS elements, in float32 or float64 (the kernel sums in the input's dtype); eagerly only.
+    Under torch.compile each example's out= call becomes a functional call plus a copy of the whole input gradient
+    into which its slice is scattered: N copies of it per layer (630 ms instead of 9 for one LayerNorm of the baby
+    GPT at batch 64), where inductor fuses the batched sums into a pass or two."""
     return (
         rows is not None
+        and not torch.compiler.is_compiling()
         and rows.kind in ("dim0", "flat")
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.float64)
@@ -211,7 +217,7 @@ def _backward_per_example(ctx, grad_out, x, weight, bias, mean, rstd):
     if bias is not None and ctx.needs_input_grad[2]:
         accumulate_pe_sqnorm(bias_buffer, pe_grads[1].pow(2).sum(dim=1))
         grad_bias = pe_grads[1].sum(dim=0)
-    return grad_x, grad_weight, grad_bias, None, None, None, None, None
+    return grad_x, grad_weight, grad_bias, None
 
 
 def torch_layer_norm(x, weight, bias):
@@ -276,15 +282,16 @@ class PerExampleLayerNorm(_LayerNormBase):
     """LayerNorm whose backward computes the affine gradients and per-example norms together."""
 
     def forward(self, x):
-        out_dtype = self.pe_result_dtype(x, torch_layer_norm, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        out_dtype = self.pe_result_dtype(x, torch_layer_norm, weight, bias)
         autocast = torch.is_autocast_enabled(x.device.type)
         if autocast:
             x = x.float()  # computed in float32 under autocast, returned in the dtype torch's LayerNorm returns
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
         if not autocast:  # no autocast to leave: entering a context costs as much as the rest of this forward
-            return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
+            return layer_norm(x, weight, bias, self.eps, *buffers, rows, out_dtype)
         with torch.autocast(x.device.type, enabled=False):
-            return layer_norm(x, self.weight, self.bias, self.eps, *buffers, rows, out_dtype)
+            return layer_norm(x, weight, bias, self.eps, *buffers, rows, out_dtype)
 
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from nanogns.core import layout, uses
 from nanogns.core.buffers import (
     PerExampleNormLayer,
-    accumulate_pe_sqnorm,
+    add_pe_sqnorm,
     autocast_inputs,
     on_output_grad,
 )
@@ -42,9 +42,9 @@ def record_linear_norms(x, rows, weight_buffer, bias_buffer):
     def record(g):
         gs = rows.per_example(g)
         if weight_buffer is not None and not uses.hand_over(weight_buffer, lambda: uses.LinearWeightFactor(x, g, rows)):
-            accumulate_pe_sqnorm(weight_buffer, linear_pe_sqnorm(rows.per_example(x), gs))
+            add_pe_sqnorm(weight_buffer, linear_pe_sqnorm(rows.per_example(x), gs))
         if bias_buffer is not None and not uses.hand_over(bias_buffer, lambda: uses.RowSumFactor(g, rows)):
-            accumulate_pe_sqnorm(bias_buffer, bias_pe_grads(gs).pow(2).sum(dim=1))
+            add_pe_sqnorm(bias_buffer, bias_pe_grads(gs).pow(2).sum(dim=1))
 
     return record
 
@@ -68,21 +68,22 @@ def linear_backward(ctx, grad_out):
             grad_weight = grad_out.reshape(-1, L).t() @ x.reshape(-1, x.shape[-1])
         if needs_bias:
             grad_bias = grad_out.reshape(-1, L).sum(dim=0)
-        return grad_x, grad_weight, grad_bias, None, None, None
+        return grad_x, grad_weight, grad_bias, None
     gs = ctx.rows.per_example(grad_out) if needs_weight or needs_bias else None  # (N, T, L)
     if needs_weight and uses.hand_over(weight_buffer, lambda: uses.LinearWeightFactor(x, grad_out, ctx.rows)):
         L = grad_out.shape[-1]  # a weight used several times per forward: its uses' gradients summed (uses.py)
         grad_weight = grad_out.reshape(-1, L).t() @ x.reshape(-1, x.shape[-1])
     elif needs_weight:
         grad_weight, weight_pe_sqnorms = linear_weight_grad_and_pe_sqnorm(ctx.rows.per_example(x), gs)
-        accumulate_pe_sqnorm(weight_buffer, weight_pe_sqnorms, ctx.rows.counted)
+        add_pe_sqnorm(weight_buffer, weight_pe_sqnorms, ctx.rows.counted)
     if needs_bias and uses.hand_over(bias_buffer, lambda: uses.RowSumFactor(grad_out, ctx.rows)):
         grad_bias = gs.sum(dim=(0, 1))
     elif needs_bias:
-        pe_grad_bias = bias_pe_grads(gs)  # (N, L)
-        grad_bias = pe_grad_bias.sum(dim=0).to(grad_out.dtype)
-        accumulate_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1), ctx.rows.counted)
-    return grad_x, grad_weight, grad_bias, None, None, None
+        pe_grad_bias = bias_pe_grads(gs)  # (N, L), float32 (float64 for float64)
+        grad_bias = pe_grad_bias.sum(dim=0)
+        grad_bias = grad_bias if grad_bias.dtype == grad_out.dtype else grad_bias.to(grad_out.dtype)
+        add_pe_sqnorm(bias_buffer, pe_grad_bias.pow(2).sum(dim=1), ctx.rows.counted)
+    return grad_x, grad_weight, grad_bias, None
 
 
 def linear(x, weight, bias, weight_buffer, bias_buffer, rows):
@@ -90,19 +91,20 @@ def linear(x, weight, bias, weight_buffer, bias_buffer, rows):
     (frozen parameters, a refused step: also tensor-parallel DTensors, which only torch's ops take)."""
     if weight_buffer is None and bias_buffer is None:
         return F.linear(x, weight, bias)
-    return LinearFunction.apply(x, weight, bias, weight_buffer, bias_buffer, rows)
+    return LinearFunction.apply(x, weight, bias, ((weight_buffer, bias_buffer), rows))
 
 
 class LinearFunction(torch.autograd.Function):
-    """linear(x, weight, bias, weight_buffer, bias_buffer, rows): y = F.linear(x, weight, bias); backward forms
-    the weight gradient and its per-example norms together (linear_weight_grad_and_pe_sqnorm), and only the
-    gradients autograd asks for. Buffers may be None (then no norms); rows maps x's rows to examples."""
+    """LinearFunction.apply(x, weight, bias, ((weight_buffer, bias_buffer), rows)): y = F.linear(x, weight, bias);
+    backward forms the weight gradient and its per-example norms together (linear_weight_grad_and_pe_sqnorm), and
+    only the gradients autograd asks for. Buffers may be None (then no norms); rows maps x's rows to examples. What
+    the backward records into comes as one argument: autograd.Function.apply looks at each argument in Python."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_buffer, bias_buffer, rows):
+    def forward(ctx, x, weight, bias, recording):
         # x is needed only for the weight gradient, weight only for the input gradient
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-        ctx.buffers, ctx.rows = (weight_buffer, bias_buffer), rows
+        ctx.buffers, ctx.rows = recording
         return linear_forward(x, weight, bias)
 
     @staticmethod
@@ -148,15 +150,15 @@ class PerExampleLinear(PerExampleNormLayer, nn.Linear):
     autocast_promotes = False  # True: under autocast the output takes the parameters' dtype (x @ W + b written out)
 
     def forward(self, x):
+        if not torch.is_autocast_enabled(x.device.type):  # no autocast to leave: entering a context costs as much
+            weight, bias = self.pe_weight_and_bias(x)  # as the rest of this forward
+            rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
+            return note_head(buffers[0], x, rows, linear(x, weight, bias, *buffers, rows))
         x, weight, bias = autocast_inputs(x, *self.pe_weight_and_bias(x))
         rows, buffers = self.pe_rows_and_buffers(x, "weight", "bias")
-        if torch.is_autocast_enabled(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
-                out = linear(x, weight, bias, *buffers, rows)
-        else:  # no autocast to leave: entering a context costs as much as the rest of this forward
+        with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             out = linear(x, weight, bias, *buffers, rows)
-        out = note_head(buffers[0], x, rows, out)
-        return self.pe_promoted(out)
+        return self.pe_promoted(note_head(buffers[0], x, rows, out))
 
     def pe_promoted(self, out):
         """out in the dtype a module computing `x @ W + b` by hand returns under autocast (autocast_promotes)."""

@@ -30,6 +30,7 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -198,77 +199,109 @@ class GNSMonitor:
         scale = self.scaler.get_scale() if self._scaler_on() else 1.0
         scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
         n_exact = len(self.tracked)
-        exact = self._measurements(self.tracked, values[:n_exact].tolist(), no_grad, batch_size, scales)
-        approx = self._measurements(self.approx_tracked, values[n_exact:].tolist(), no_grad, batch_size, scales, False)
-        if any(not (math.isfinite(m.norm) and math.isfinite(m.rms_pe_norm)) for m in exact):
+        exact = self._measurements(self.tracked, values[:n_exact], no_grad, batch_size, scales)
+        approx = self._measurements(self.approx_tracked, values[n_exact:], no_grad, batch_size, scales, False)
+        if exact and not np.isfinite([(m.norm, m.rms_pe_norm) for m in exact]).all():
             self.nonfinite_steps += 1
         self.measurements, self.approx_measurements = exact, approx
         return exact
 
-    def _measurements(self, tracked, rows, no_grad, batch_size, scales, exact=True):
-        """Measurements from the read rows (||grad||^2, summed buffer sums, counts) of the tracked entries."""
+    def _measurements(self, tracked, values, no_grad, batch_size, scales, exact=True):
+        """Measurements from the read values (an (n, 3) array: ||grad||^2, summed buffer sums, counts) of the
+        tracked entries. The numbers are formed for all entries at once; only an entry whose count is not the batch
+        size, or that has no gradient or was dropped earlier, is looked at on its own (`_usable`)."""
         world = world_size()  # DDP and FSDP2 average the ranks' gradients: each example's part is divided by it
+        grad_sq, sums, counts = values[:, 0], values[:, 1], values[:, 2]
+        # each example's part of the averaged gradient is (local contribution) / world and equals g_i / B, so
+        # mean_i ||g_i||^2 = (B / world)^2 * (sum of the contributions' squared norms) / B. GradScaler multiplies
+        # every gradient by scale. nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too
+        pe_sqnorm = sums * batch_size / world**2
+        with np.errstate(invalid="ignore"):  # the square roots of negative numbers are replaced by nan
+            norms = np.where(grad_sq >= 0, np.sqrt(grad_sq), math.nan) / scales[0]
+            rms_pe_norms = np.where(pe_sqnorm >= 0, np.sqrt(pe_sqnorm), math.nan) / scales[1]
+        names = [entry.name for entry in tracked]
+        usable = counts == batch_size
+        flagged = set(no_grad).union(self.untracked if exact else ())
+        looked_at = np.flatnonzero(~usable).tolist()
+        if flagged:
+            looked_at = sorted(set(looked_at).union(i for i, name in enumerate(names) if name in flagged))
         # a count of k x B means k uses per example only beside parameters that counted B; when none did,
         # batch_size itself is wrong (e.g. the micro-batch size, or one rank's share), which is an error
-        some_counted_batch_size = any(count == batch_size for _, _, count in rows)
-        found = []
-        for entry, (grad_sq, sums, count) in zip(tracked, rows):
-            name = entry.name
-            if math.isnan(count):
-                raise self._count_error(entry, count, batch_size)
-            if count == 0:
-                if exact and grad_sq > 0 and name not in no_grad:
-                    raise ValueError(
-                        f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
-                        f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
-                        f"a parent module reading its weight), so its per-example norms are unknown. Call "
-                        f"functional.py's per-example functions where it is used, or leave it out of convert()"
-                    )
-                continue  # the layer was not used in this step
-            if name in no_grad:
-                raise ValueError(
-                    f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
-                    f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
-                    f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
-                    f"the monitor was made, make the monitor again (frozen parameters are not tracked)"
-                )
-            if exact and name in self.untracked:
-                continue  # stopped being measured at an earlier step
-            if count != batch_size and count % batch_size == 0 and some_counted_batch_size and exact:
-                reason = (
-                    f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
-                    "once per forward, e.g. shared across depth) and its uses' per-example gradients were not summed "
-                    "(they are in an eager backward, core/uses.py; not in a backward compiled by torch.compile, nor "
-                    f"for a layer kind that hands over no per-example factors); not measured since step {self.step_count - 1}"
-                )
-                self._warn_once({name: reason})
-                self.untracked[name] = reason
-                continue
-            if count != batch_size:
-                raise self._count_error(entry, count, batch_size)
-            # each example's part of the averaged gradient is (local contribution) / world and equals g_i / B, so
-            # mean_i ||g_i||^2 = (B / world)^2 * (sum of the contributions' squared norms) / B. GradScaler multiplies
-            # every gradient by scale. nan stays nan; a sum pushed below 0 by rounding (tied cross term) is nan too
-            pe_sqnorm = sums * batch_size / world**2
-            impossible = pe_sqnorm / scales[1] ** 2 < (1 - IMPOSSIBLE_TOLERANCE) * grad_sq / scales[0] ** 2
-            zero = grad_sq / scales[0] ** 2 < NUMERICALLY_ZERO  # (a key projection's bias: its float32 sums underflow)
-            if exact and impossible and not zero and math.isfinite(grad_sq) and math.isfinite(pe_sqnorm):
-                raise ValueError(
-                    f"GNS: {name}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
-                    f"{pe_sqnorm / scales[1] ** 2:.4g}, below ||mean_i g_i||^2 = {grad_sq / scales[0] ** 2:.4g}, which "
-                    "no examples can give: its gradient comes in part from a use its layer did not record (code "
-                    "outside the module's forward reading the parameter, a hook changing the gradient). Leave it out "
-                    f"of convert() (exclude=[its module]) or call functional.py's per-example functions where it is used"
-                )
-            found.append(
-                Measurement(
-                    norm=math.sqrt(grad_sq) / scales[0] if grad_sq >= 0 else math.nan,
-                    rms_pe_norm=math.sqrt(pe_sqnorm) / scales[1] if pe_sqnorm >= 0 else math.nan,
-                    batch_size=batch_size,
-                    metadata={"name": name, "step": self.step_count - 1},
-                )
+        some_counted_batch_size = bool(usable.any())
+        for i in looked_at:
+            usable[i] = self._usable(
+                tracked[i], grad_sq[i], counts[i], batch_size, no_grad, some_counted_batch_size, exact
             )
-        return found
+        if exact:
+            self._check_possible(names, usable, grad_sq / scales[0] ** 2, pe_sqnorm / scales[1] ** 2)
+        step = self.step_count - 1
+        return [
+            Measurement(
+                norm=norm, rms_pe_norm=rms_pe_norm, batch_size=batch_size, metadata={"name": name, "step": step}
+            )
+            for name, norm, rms_pe_norm, measured in zip(names, norms.tolist(), rms_pe_norms.tolist(), usable.tolist())
+            if measured
+        ]
+
+    def _check_possible(self, names, measured, norm_sq, pe_sqnorm):
+        """Refuse the step, naming the parameter, when a measurement has mean_i ||g_i||^2 below ||mean_i g_i||^2,
+        which no examples can give (Jensen): part of its gradient came from a use its layer did not record."""
+        with np.errstate(invalid="ignore"):
+            impossible = (
+                measured
+                & (pe_sqnorm < (1 - IMPOSSIBLE_TOLERANCE) * norm_sq)
+                & (norm_sq >= NUMERICALLY_ZERO)  # (a key projection's bias: its float32 sums underflow)
+                & np.isfinite(norm_sq)
+                & np.isfinite(pe_sqnorm)
+            )
+        if impossible.any():
+            i = int(np.flatnonzero(impossible)[0])
+            raise ValueError(
+                f"GNS: {names[i]}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
+                f"{pe_sqnorm[i]:.4g}, below ||mean_i g_i||^2 = {norm_sq[i]:.4g}, which no examples can give: its "
+                "gradient comes in part from a use its layer did not record (code outside the module's forward "
+                "reading the parameter, a hook changing the gradient). Leave it out of convert() (exclude=[its "
+                "module]) or call functional.py's per-example functions where it is used"
+            )
+
+    def _usable(self, entry, grad_sq, count, batch_size, no_grad, some_counted_batch_size, exact):
+        """Whether an entry whose count is not batch_size, or that has no gradient or was dropped, is measured this
+        step: False for a layer unused this step or a tensor dropped (now or earlier); raises for a count that
+        cannot be this step's."""
+        name = entry.name
+        if math.isnan(count):
+            raise self._count_error(entry, count, batch_size)
+        if count == 0:
+            if exact and grad_sq > 0 and name not in no_grad:
+                raise ValueError(
+                    f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
+                    f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
+                    f"a parent module reading its weight), so its per-example norms are unknown. Call "
+                    f"functional.py's per-example functions where it is used, or leave it out of convert()"
+                )
+            return False  # the layer was not used in this step
+        if name in no_grad:
+            raise ValueError(
+                f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
+                f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
+                f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
+                f"the monitor was made, make the monitor again (frozen parameters are not tracked)"
+            )
+        if exact and name in self.untracked:
+            return False  # stopped being measured at an earlier step
+        if count != batch_size and count % batch_size == 0 and some_counted_batch_size and exact:
+            reason = (
+                f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
+                "once per forward, e.g. shared across depth) and its uses' per-example gradients were not summed "
+                "(they are in an eager backward, core/uses.py; not in a backward compiled by torch.compile, nor "
+                f"for a layer kind that hands over no per-example factors); not measured since step {self.step_count - 1}"
+            )
+            self._warn_once({name: reason})
+            self.untracked[name] = reason
+            return False
+        if count != batch_size:
+            raise self._count_error(entry, count, batch_size)
+        return True
 
     def _count_error(self, entry, count, batch_size):
         """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
@@ -299,17 +332,12 @@ class GNSMonitor:
             self.table.zero()  # whatever happened, the next step starts from zero
             self.row_map.clear()
         approx = self.approx_measurements
-        row = {}
-        for prefix, found in ((self.prefix, exact), (APPROX_PREFIX, approx)):
-            for m in found:
-                key = prefix + m.metadata["name"]
-                row.update(
-                    {
-                        key + "/norm": m.norm,
-                        key + "/pegn": m.rms_pe_norm,
-                        key + "/batch_size": m.batch_size,
-                    }
-                )
+        row = {
+            prefix + m.metadata["name"] + suffix: value
+            for prefix, found in ((self.prefix, exact), (APPROX_PREFIX, approx))
+            for m in found
+            for suffix, value in (("/norm", m.norm), ("/pegn", m.rms_pe_norm), ("/batch_size", m.batch_size))
+        }
         row["gns"] = self.running.update(*summed_squares(exact or approx))  # the exact GNS when there is one
         if self.log is not None:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)

@@ -1,14 +1,25 @@
 """
 A step's numbers in a handful of ops whatever the model's size: every per-example norm buffer is a view of one
-flat tensor (BufferTable), the gradients' norms come from one torch._foreach_norm, the ranks' sums from one
-all-reduce, and the numbers reach the host in one sync (StepReader). Under data parallelism (DDP, FSDP2, HSDP) a
-gradient may be a DTensor: each rank reads its shard (grad_piece).
+flat tensor (core/buffers.py's BufferTable, which zeroes them in one op too), the gradients' norms come from one
+torch._foreach_norm, the ranks' sums from one all-reduce, and the numbers reach the host in one sync (StepReader).
+Under data parallelism (DDP, FSDP2, HSDP) a gradient may be a DTensor: each rank reads its shard (grad_piece).
 """
+
+import itertools
+import operator
 
 import numpy as np
 import torch
 
-from nanogns.core.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
+from nanogns.core.buffers import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed
+    DTensor = None
+
+_PARAMETERS_OF = operator.attrgetter("_parameters")
+_GRAD_OF = operator.attrgetter("grad")
 
 # -----------------------------------------------------------------------------
 # reading a step: a handful of ops whatever the number of parameters
@@ -17,6 +28,11 @@ from nanogns.core.buffers import BUFFER_SUFFIX, TENSOR_PARALLEL, is_dtensor
 def world_size():
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def any_dtensor(tensors):
+    """True when one of `tensors` (None allowed) is a DTensor: a pass in C over them, then one check per type."""
+    return DTensor is not None and any(issubclass(t, DTensor) for t in set(map(type, tensors)))
 
 
 def grad_piece(grad):
@@ -51,82 +67,6 @@ def _copies(mesh, placements):
     return _copies_by_layout[key]
 
 
-class BufferTable:
-    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
-    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
-
-    A buffer replaced since (model.to(device) moves buffers) is noticed at the next read, and the table rebuilt.
-    """
-
-    def __init__(self, model):
-        self.model = model
-        self.views = []  # [(module, buffer name, view)]
-        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
-        self.build()
-
-    def current(self):
-        """True when every buffer is still the table's view and no buffer was added."""
-        found = [
-            (m, n)
-            for m in self.model.modules()
-            for n, b in m._buffers.items()
-            if b is not None and n.endswith(BUFFER_SUFFIX)
-        ]
-        return len(found) == len(self.views) and all(m._buffers.get(n) is v for m, n, v in self.views)
-
-    def build(self):
-        entries = [
-            (m, n, b)
-            for m in _unique_modules(self.model)
-            for n, b in m._buffers.items()
-            if b is not None and n.endswith(BUFFER_SUFFIX)
-        ]
-        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
-            raise ValueError(
-                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
-                + TENSOR_PARALLEL
-            )
-        sizes = {}
-        for _, _, b in entries:
-            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
-        self.flats = {
-            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
-        }
-        offsets = {device: 0 for device in sizes}
-        self.views, self.slot = [], {}
-        with torch.no_grad():
-            for module, name, buffer in entries:
-                device, n = buffer.device, buffer.numel()
-                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
-                view.copy_(buffer)
-                module._buffers[name] = view
-                self.views.append((module, name, view))
-                self.slot[(id(module), name)] = (device, offsets[device])
-                offsets[device] += n
-
-    def zero(self):
-        """Zero every buffer (one op per device)."""
-        for flat in self.flats.values():
-            flat.zero_()
-
-
-def buffer_table(model):
-    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
-    buffers and rebuild at every read)."""
-    table = model.__dict__.get("_pe_buffer_table")
-    if table is None:
-        table = model.__dict__["_pe_buffer_table"] = BufferTable(model)
-    return table
-
-
-def _unique_modules(model):
-    seen = set()
-    for module in model.modules():
-        if id(module) not in seen:
-            seen.add(id(module))
-            yield module
-
-
 class StepReader:
     """The numbers of one step for a list of tracked tensors, in a number of ops that does not grow with them:
     their gradients' squared norms (torch._foreach_norm), their buffers' sums and counts (one gather each from the
@@ -141,6 +81,8 @@ class StepReader:
     def __init__(self, table, tracked, untracked_params):
         self.table, self.tracked, self.untracked_params = table, tracked, untracked_params
         self._indices = self._built_for = None
+        self._modules = [entry.ref.module for entry in tracked]  # where each parameter lives (gradients())
+        self._attrs = [entry.ref.attr for entry in tracked]
         self._plans = {}  # the index tensors squared_norms needs, by the gradients' pattern (dtypes, shards, absences)
 
     def indices(self):
@@ -179,12 +121,8 @@ class StepReader:
             self.table.build()
         indices = self.indices()
         n = len(self.tracked)
-        grads, no_grad = [], []
-        for entry in self.tracked:
-            grad = entry.ref.get().grad
-            if grad is None:
-                no_grad.append(entry.name)
-            grads.append(grad)
+        grads = self.gradients()
+        no_grad = [entry.name for entry, grad in zip(self.tracked, grads) if grad is None]
         device = next(iter(self.table.flats), torch.device("cpu"))
         whole_sq, shard_sq = self.squared_norms(grads, device)
         sums = torch.zeros(n, dtype=torch.float32, device=device)
@@ -212,12 +150,23 @@ class StepReader:
         finite = bool(np.isfinite(grad_sq).all() and np.isfinite(rest).all()) if scaler_on else True
         return table, finite, no_grad
 
+    def gradients(self):
+        """The tracked tensors' gradients (None where absent), each parameter looked up on its module now (an engine
+        may have replaced it since: FSDP2's fully_shard); in C, not a Python call per parameter."""
+        parameters = map(dict.__getitem__, map(_PARAMETERS_OF, self._modules), self._attrs)
+        return list(map(_GRAD_OF, parameters))
+
     def squared_norms(self, grads, device, plan_key="tracked"):
         """(squared norms of the whole gradients (n,) float64, of this rank's shards divided by their copies (n,)
         float64, or None when no gradient is sharded); zero where a gradient is absent. One _foreach_norm per
         dtype family (float64 gradients keep float64 norms; any other dtype: float32), index tensors cached."""
-        pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
-        pattern = tuple((t is not None and t.dtype == torch.float64, t is None, copies) for t, copies in pieces)
+        sharded_engine = any_dtensor(grads)
+        if sharded_engine:
+            pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
+        else:  # plain tensors: each whole on this rank
+            pieces = list(zip(grads, itertools.repeat(None)))
+        dtypes = tuple(map(getattr, grads, itertools.repeat("dtype"), itertools.repeat(None)))  # None: no gradient
+        pattern = (dtypes, tuple(copies for _, copies in pieces) if sharded_engine else None)
         plans = self._plans.setdefault(plan_key, {})
         if pattern not in plans:
             groups = []

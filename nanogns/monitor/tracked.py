@@ -9,6 +9,7 @@ import dataclasses
 import math
 from typing import Any, Dict, List, NamedTuple, Tuple
 
+import numpy as np
 import torch.nn as nn
 
 from nanogns.core.buffers import BUFFER_SUFFIX
@@ -40,8 +41,7 @@ def summed_squares(measurements):
     """(sum of norm^2, sum of rms_pe_norm^2, batch size) over measurements of one step."""
     if not measurements:
         return math.nan, math.nan, 0
-    sq_norm = sum(m.norm**2 for m in measurements)
-    pe_sqnorm = sum(m.rms_pe_norm**2 for m in measurements)
+    sq_norm, pe_sqnorm = np.square([(m.norm, m.rms_pe_norm) for m in measurements]).sum(axis=0).tolist()
     return sq_norm, pe_sqnorm, measurements[0].batch_size
 
 
