@@ -486,6 +486,23 @@ def looks_up_a_table(ids):
     return found is not None and found.tagged and found.layout is not None and not isinstance(ids, ExampleIds)
 
 
+def untold_ids(shape):
+    """Why an Embedding looking up ids of `shape` (..., 1) cannot be mapped where no forward tags its ids
+    (torch.compile, a user's layout_of): one id per example and a (T,) table of positions broadcast over the batch
+    have the same sizes when N == T, and without the tag nothing tells them apart; None otherwise."""
+    found = current_pass()
+    if found is None or found.tagged or found.layout is None or len(shape) != 2:
+        return None
+    N = found.layout.examples
+    if shape[0] != N or not any(N == T for T in found.layout.lengths):
+        return None
+    return (
+        f"its ids are {N} rows and the forward has {N} examples of {N} positions, and no tag says where the ids come "
+        "from (under torch.compile the examples' ids are not tagged): pass positions expanded to (B, T), or use a "
+        "batch size other than the sequence length"
+    )
+
+
 def replaying():
     """True while a module's forward is replayed per example (replay.py): layers under it compute plainly."""
     return _replays > 0
