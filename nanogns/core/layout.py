@@ -49,7 +49,8 @@ layer records it so that the monitor refuses the step with an error naming the
 layer (never a number). A user with a layout of their own passes `install(model,
 layout_of=fn)`, fn(args, kwargs) -> Layout. Under torch.compile the ids are not
 tagged (a traced forward keeps no Python tags): an Embedding then takes ids with
-the examples on dim 0 as theirs, and one row of ids for all as a table.
+the examples on dim 0 as theirs and one row of ids for all as a table, and refuses
+N ids at N == T, which could be either (untold_ids).
 """
 
 import contextlib
