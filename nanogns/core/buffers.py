@@ -39,9 +39,8 @@ import math
 import operator
 
 import torch
-from torch.utils import _pytree as pytree
 
-from nanogns.core import layout, uses
+from nanogns.core import layout, trees, uses
 
 try:
     from torch.distributed.tensor import DTensor
@@ -311,7 +310,7 @@ def refuse_when_gradient_arrives(module, reason, buffers):
 
     def hook(module, args, output):
         handle.remove()
-        found = next((t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        found = next((t for t in trees.leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if found is not None:
             on_output_grad(found, refuse)
 

@@ -60,9 +60,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.utils import _pytree as pytree
 
-from nanogns.core import towers
+from nanogns.core import towers, trees
 
 BUFFER_SUFFIX = "_pe_sqnorm"  # buffers.py's (which imports this module)
 # layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
@@ -224,7 +223,7 @@ class Layout:
 
     def items_of(self, dim0, scope=None):
         """Items when dim 0 of size `dim0` holds the examples' data here (None: it does not)."""
-        if isinstance(scope, Tower):
+        if scope is not None and isinstance(scope, Tower):
             return scope.items_of(dim0)
         N = self.examples
         if self.packed is not None or not N:
@@ -370,6 +369,7 @@ class Pass:
         self.pending = {}  # {key: what uses.py gathers for a tensor used more than once}
         self.groups = {}  # {buffer's data_ptr: SharedTensor}
         self.scopes = []  # where layers run now, innermost last: WINDOWS, SEQUENCE_FIRST, a Tower
+        self.rows = {}  # {(input shape, scope): its Rows, or why none}: the Layout's answer, once per forward
         self.backward_seen = False  # a layer's backward asked about this pass's uses (uses.py)
         self.interleaved = False  # it began before the backward of an earlier forward with tensors used twice
         if counting:
@@ -415,6 +415,14 @@ def current_pass():
     if _last is not None and _in_backward():
         return _last()
     return None
+
+
+def backward_pass():
+    """current_pass() for a layer's backward function, which runs in a backward pass (autograd's engine) by
+    construction: the question asked of the engine is spared (this runs in every layer's backward)."""
+    if _active:
+        return _active[-1]
+    return _last() if _last is not None else None
 
 
 def current():
@@ -466,7 +474,13 @@ def rows_for(shape, batch_first=False):
     scope = found.scopes[-1] if found.scopes else None
     if batch_first and scope is SEQUENCE_FIRST:
         scope = None
-    return found.layout.rows_for(shape, scope)
+    if torch.compiler.is_compiling():  # (a traced forward's shapes are symbolic: a dict of them, a guard each)
+        return found.layout.rows_for(shape, scope)
+    key = (shape if type(shape) is torch.Size else tuple(shape), scope)  # (the layers of a model meet few shapes)
+    rows = found.rows.get(key)
+    if rows is None:
+        rows = found.rows[key] = found.layout.rows_for(shape, scope)
+    return rows
 
 
 def items_of(dim0):
@@ -597,7 +611,7 @@ class ExampleIds(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
-        return pytree.tree_map(_tag, out)
+        return trees.map_leaves(_tag, out)
 
 
 def _tag(t):
@@ -612,7 +626,7 @@ def _plain(t):
 
 def untagged(value):
     """value (a tensor, or a structure of them) with every ExampleIds tag taken off."""
-    return pytree.tree_map(_plain, value)
+    return trees.map_leaves(_plain, value)
 
 
 def _tensors(args, kwargs):

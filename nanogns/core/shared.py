@@ -44,9 +44,8 @@ the table's computation, forming each example's gradient of its parameters (N x 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
 
-from nanogns.core import layout, uses
+from nanogns.core import layout, trees, uses
 from nanogns.core.buffers import add_pe_sqnorm
 
 # ops where a table meets the examples' data, broadcast over them
@@ -166,14 +165,14 @@ def _run(func, args, kwargs):
 
 
 def _follow(func, args, kwargs):
-    flat = pytree.tree_leaves((args, kwargs))
+    flat = trees.leaves((args, kwargs))
     tables = [t for t in flat if isinstance(t, SharedRows)]
     sources = {}
     for t in tables:
         sources.update({id(p): (p, b) for p, b in t._pe_sources})
     current = layout.current()
     if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
-        return _run(func, *pytree.tree_map(_plain, (args, kwargs)))
+        return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
     others = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, SharedRows)]
     meets = _meeting(func, args, kwargs)
     if meets is not None:  # Tensor.expand(N, ...), Tensor.repeat(N, ...): copies made here
@@ -196,8 +195,8 @@ def _follow(func, args, kwargs):
     for p in others:
         if isinstance(p, nn.Parameter) and p.requires_grad:
             sources[id(p)] = (p, layout.current_pass().mapper.buffer_of(p))
-    out = _run(func, *pytree.tree_map(_plain, (args, kwargs)))
-    return pytree.tree_map(lambda t: table(t, sources.values()) if isinstance(t, torch.Tensor) else t, out)
+    out = _run(func, *trees.map_leaves(_plain, (args, kwargs)))
+    return trees.map_leaves(lambda t: table(t, sources.values()) if isinstance(t, torch.Tensor) else t, out)
 
 
 def _items(t):
@@ -234,7 +233,7 @@ def _at_meeting(func, args, kwargs, items, rank, sources):
     dims holding the items on dim 0: the table's dim aligned with that dim decides. None or size 1: each item gets
     all of it (copies, one per item); size `items.count`: each item its own slice (its gradient is that item's)."""
     count = items.count
-    for t in pytree.tree_leaves((args, kwargs)):
+    for t in trees.leaves((args, kwargs)):
         if not isinstance(t, SharedRows):
             continue
         aligned = t.dim() - rank  # the table's dim aligned with the data's dim 0 (negative: none)
@@ -254,7 +253,7 @@ def _at_meeting(func, args, kwargs, items, rank, sources):
             return t.as_subclass(torch.Tensor)  # torch's own error: it does not broadcast
         return _copies(t, items, (count,) + (1,) * (-aligned - 1) + tuple(t.shape), sources)
 
-    args, kwargs = pytree.tree_map(given, (args, kwargs))
+    args, kwargs = trees.map_leaves(given, (args, kwargs))
     return _run(func, args, kwargs)
 
 
@@ -300,7 +299,7 @@ def _refused(func, args, kwargs, sources, why):
             "example's own gradient of it can be told apart",
             buffers,
         )
-    return _run(func, *pytree.tree_map(_plain, (args, kwargs)))
+    return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
 
 
 class ExampleCopies(torch.autograd.Function):
