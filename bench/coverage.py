@@ -407,6 +407,251 @@ MODELS = {
         eval_mode=True,
     ),
 }
+# the third wave: vision-language models (their images' tokens in input_ids), SigLIP, and more MoE and hybrid LMs
+TEXT_REPLICA = dict(hidden_size=16, intermediate_size=24, num_attention_heads=2, num_key_value_heads=1, vocab_size=V)
+VISION_REPLICA = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=8)
+MODELS.update(
+    {
+        "Llama-4-Scout": dict(
+            config=transformers.Llama4Config,
+            model=transformers.Llama4ForConditionalGeneration,
+            real=dict(
+                text_config=dict(
+                    vocab_size=202048,
+                    hidden_size=5120,
+                    intermediate_size=8192,
+                    intermediate_size_mlp=16384,
+                    num_hidden_layers=48,
+                    num_attention_heads=40,
+                    num_key_value_heads=8,
+                    head_dim=128,
+                    num_local_experts=16,
+                    num_experts_per_tok=1,
+                    interleave_moe_layer_step=1,
+                    use_qk_norm=True,
+                ),
+                vision_config=dict(
+                    hidden_size=1408,
+                    intermediate_size=5632,
+                    num_hidden_layers=34,
+                    num_attention_heads=16,
+                    image_size=336,
+                    patch_size=14,
+                    vision_output_dim=4096,
+                    projector_input_dim=4096,
+                    projector_output_dim=4096,
+                    pixel_shuffle_ratio=0.5,
+                ),
+                image_token_index=200092,
+            ),
+            replica=dict(
+                text_config=dict(
+                    TEXT_REPLICA,
+                    intermediate_size_mlp=24,
+                    num_hidden_layers=2,
+                    head_dim=8,
+                    num_local_experts=4,
+                    no_rope_layers=[1, 0],
+                    attn_temperature_tuning=False,
+                    pad_token_id=0,
+                ),
+                vision_config=dict(
+                    VISION_REPLICA,
+                    intermediate_size=64,  # the pixel-shuffled width (16 / 0.5^2)
+                    patch_size=2,
+                    vision_output_dim=16,
+                    projector_input_dim=16,
+                    projector_output_dim=16,
+                ),
+                image_token_index=V - 2,
+                boi_token_index=V - 3,
+                eoi_token_index=V - 4,
+            ),
+            task="vlm",
+            images="images",
+        ),
+        "Qwen2-VL-7B": dict(
+            config=transformers.Qwen2VLConfig,
+            model=transformers.Qwen2VLForConditionalGeneration,
+            real=dict(
+                text_config=dict(
+                    vocab_size=152064,
+                    hidden_size=3584,
+                    intermediate_size=18944,
+                    num_hidden_layers=28,
+                    num_attention_heads=28,
+                    num_key_value_heads=4,
+                    rope_parameters=dict(rope_type="default", mrope_section=[16, 24, 24], rope_theta=1e6),
+                ),
+                vision_config=dict(
+                    depth=32,
+                    embed_dim=1280,
+                    hidden_size=3584,
+                    num_heads=16,
+                    patch_size=14,
+                    temporal_patch_size=2,
+                    spatial_merge_size=2,
+                ),
+                image_token_id=151655,
+                video_token_id=151656,
+                vision_start_token_id=151652,
+                vision_end_token_id=151653,
+            ),
+            replica=dict(
+                text_config=dict(
+                    TEXT_REPLICA,
+                    num_hidden_layers=2,
+                    rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=1e6),
+                ),
+                vision_config=dict(depth=1, embed_dim=16, hidden_size=16, num_heads=2, patch_size=2),
+                image_token_id=V - 2,
+                video_token_id=V - 3,
+                vision_start_token_id=V - 4,
+                vision_end_token_id=V - 5,
+            ),
+            task="vlm",
+            images="grid",
+        ),
+        "SmolVLM-256M": dict(
+            config=transformers.SmolVLMConfig,
+            model=transformers.SmolVLMForConditionalGeneration,
+            real=dict(
+                text_config=dict(
+                    vocab_size=49280,
+                    hidden_size=576,
+                    intermediate_size=1536,
+                    num_hidden_layers=30,
+                    num_attention_heads=9,
+                    num_key_value_heads=3,
+                ),
+                vision_config=dict(
+                    hidden_size=768,
+                    intermediate_size=3072,
+                    num_hidden_layers=12,
+                    num_attention_heads=12,
+                    image_size=512,
+                    patch_size=16,
+                ),
+                scale_factor=4,
+                image_token_id=49190,
+            ),
+            replica=dict(
+                text_config=dict(TEXT_REPLICA, num_hidden_layers=2, pad_token_id=0),
+                vision_config=dict(VISION_REPLICA, patch_size=2),
+                scale_factor=2,
+                image_token_id=V - 2,
+            ),
+            task="vlm",
+            images="tiles",
+        ),
+        "SigLIP-base": dict(
+            config=transformers.SiglipConfig,
+            model=transformers.SiglipModel,
+            real=dict(
+                text_config=dict(
+                    vocab_size=32000,
+                    hidden_size=768,
+                    intermediate_size=3072,
+                    num_hidden_layers=12,
+                    num_attention_heads=12,
+                    max_position_embeddings=64,
+                ),
+                vision_config=dict(
+                    hidden_size=768,
+                    intermediate_size=3072,
+                    num_hidden_layers=12,
+                    num_attention_heads=12,
+                    image_size=224,
+                    patch_size=16,
+                ),
+            ),
+            replica=dict(
+                text_config=dict(
+                    vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2
+                ),
+                vision_config=dict(VISION_REPLICA, patch_size=4),
+            ),
+            task="contrastive",
+        ),
+        "Gemma-3-4B": dict(
+            config=transformers.Gemma3Config,
+            model=transformers.Gemma3ForConditionalGeneration,
+            real=dict(
+                text_config=dict(
+                    vocab_size=262208,
+                    hidden_size=2560,
+                    intermediate_size=10240,
+                    num_hidden_layers=34,
+                    num_attention_heads=8,
+                    num_key_value_heads=4,
+                    head_dim=256,
+                    sliding_window=1024,
+                ),
+                vision_config=dict(
+                    hidden_size=1152,
+                    intermediate_size=4304,
+                    num_hidden_layers=27,
+                    num_attention_heads=16,
+                    image_size=896,
+                    patch_size=14,
+                    vision_use_head=False,
+                ),
+                mm_tokens_per_image=256,
+                image_token_id=262144,
+                boi_token_id=255999,
+                eoi_token_id=256000,
+            ),
+            replica=dict(
+                text_config=dict(TEXT_REPLICA, num_hidden_layers=6, head_dim=8, sliding_window=4, pad_token_id=0),
+                vision_config=dict(VISION_REPLICA, patch_size=2, vision_use_head=False),
+                mm_tokens_per_image=4,
+                image_token_id=V - 2,
+                boi_token_id=V - 3,
+                eoi_token_id=V - 4,
+            ),
+            task="vlm",
+            images="images",
+        ),
+        "Phi-3.5-MoE": lm(
+            transformers.PhimoeConfig,
+            transformers.PhimoeForCausalLM,
+            dict(
+                vocab_size=32064,
+                hidden_size=4096,
+                intermediate_size=6400,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=16,
+                num_experts_per_tok=2,
+            ),
+            dict(MOE_REPLICA, num_hidden_layers=2, num_local_experts=4),
+        ),
+        "LFM2-1.2B": lm(
+            transformers.Lfm2Config,
+            transformers.Lfm2ForCausalLM,
+            dict(
+                vocab_size=65536,
+                hidden_size=2048,
+                intermediate_size=12288,
+                block_ff_dim=12288,
+                num_hidden_layers=16,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                layer_types=[
+                    "full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)
+                ],  # 10 short-convolution blocks, 6 attention blocks
+            ),
+            dict(
+                MOE_REPLICA,
+                num_hidden_layers=2,
+                block_ff_dim=24,
+                block_auto_adjust_ff_dim=False,
+                layer_types=["conv", "full_attention"],
+            ),
+        ),
+    }
+)
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 B, SPLIT, T = 4, 1, 7  # the replica's step: 4 examples in micro-batches of 1 and 3, 7 tokens (2 padded in one)
 
@@ -416,8 +661,16 @@ def normalised(name):
     return re.sub(r"\.\d+(?=\.|$)", ".#", name)
 
 
+def _merged(real, replica):
+    """The replica's config: the real one with the replica's values, sub-configs (text_config, ...) merged too."""
+    found = dict(real)
+    for key, value in replica.items():
+        found[key] = _merged(real[key], value) if isinstance(value, dict) and isinstance(real.get(key), dict) else value
+    return found
+
+
 def build(spec, which):
-    kwargs = dict(spec["real"]) if which == "real" else {**spec["real"], **spec["replica"]}
+    kwargs = dict(spec["real"]) if which == "real" else _merged(spec["real"], spec["replica"])
     if which == "replica" and spec["task"] in ("lm", "seq2seq") and "pad_token_id" not in kwargs:
         kwargs.update(IDS)
     config = spec["config"](**kwargs)
@@ -460,12 +713,79 @@ def losses(spec, model):
     if task == "audio":
         audio = torch.randn(B, 400, generator=gen, dtype=torch.float64)
         return lambda part: model(input_values=audio[part]).logits.pow(2).mean((1, 2))
+    if task == "vlm":
+        return _vlm_losses(spec, model, gen)
+    if task == "contrastive":  # each example's own text and image pair: its logit (no loss over the batch's pairs)
+        ids = torch.randint(3, V, (B, T), generator=gen)
+        size = model.config.vision_config.image_size
+        pixels = torch.randn(B, 3, size, size, generator=gen, dtype=torch.float64)
+
+        def contrastive(part):
+            out = model(input_ids=ids[part], pixel_values=pixels[part])
+            return -F.logsigmoid(out.logits_per_text.diagonal())
+
+        return contrastive
     size = spec["replica"].get("image_size", 16)
     pixels = torch.randn(B, 3, size, size, generator=gen, dtype=torch.float64)
     if task == "embedding":
         return lambda part: model(pixel_values=pixels[part]).image_embeds.pow(2).sum(1)
     labels = torch.randint(0, model.config.num_labels, (B,), generator=gen)
     return lambda part: F.cross_entropy(model(pixel_values=pixels[part]).logits, labels[part], reduction="none")
+
+
+IMAGES = (1, 0, 2, 1)  # images of the replica's examples (example 1 has none; a micro-batch of 1 and one of 3)
+VLM_T = 12
+
+
+def _vlm_losses(spec, model, gen):
+    """loss_of(part) for a vision-language replica: each example's images as its image tokens in input_ids (4 per
+    image: Qwen2-VL's 4x4 patches merged 2x2, SmolVLM's tiles of 4x4 patches shuffled 2x2, Gemma 3's pooled
+    patches, Llama 4's pixel-shuffled patches), each example's mean next-token loss."""
+    config = model.config
+    token = getattr(config, "image_token_id", None) or config.image_token_index
+    ids = torch.randint(3, V - 6, (B, VLM_T), generator=gen)
+    start, end = getattr(config, "vision_start_token_id", None), getattr(config, "vision_end_token_id", None)
+    for example, count in enumerate(IMAGES):
+        for j in range(count):  # each image's tokens, between its start and end tokens where the model has them
+            ids[example, 1 + 6 * j : 5 + 6 * j] = token
+            if start is not None:
+                ids[example, 6 * j], ids[example, 5 + 6 * j] = start, end
+    size = getattr(config.vision_config, "image_size", 8)
+    kind = spec["images"]
+    if kind == "grid":  # Qwen2-VL: (patches, C * t * p * p) rows and each image's (t, h, w)
+        width = 3 * 2 * 2 * 2
+        pixels = torch.randn(sum(IMAGES), 16, width, generator=gen, dtype=torch.float64)
+    elif kind == "tiles":  # SmolVLM: (B, tiles, C, H, W), zero tiles padding an example with fewer
+        pixels = torch.zeros(B, max(IMAGES), 3, size, size, dtype=torch.float64)
+        for example, count in enumerate(IMAGES):
+            pixels[example, :count] = torch.randn(count, 3, size, size, generator=gen, dtype=torch.float64)
+    else:  # (images, C, H, W)
+        pixels = torch.randn(sum(IMAGES), 3, size, size, generator=gen, dtype=torch.float64)
+    owner = torch.repeat_interleave(torch.arange(B), torch.tensor(IMAGES))
+
+    def loss_of(part):
+        mine = (owner >= part.start) & (owner < part.stop)
+        inputs = {}
+        if kind == "tiles" and sum(IMAGES[part]):
+            inputs = dict(
+                pixel_values=pixels[part], pixel_attention_mask=torch.ones(*pixels[part].shape[:2], size, size)
+            )
+        elif kind == "grid" and mine.any():
+            grid = torch.tensor([[1, 4, 4]] * int(mine.sum()))
+            inputs = dict(
+                pixel_values=pixels[mine].flatten(0, 1),
+                image_grid_thw=grid,
+                mm_token_type_ids=(ids[part] == token).long(),
+            )
+        elif kind == "images" and mine.any():
+            inputs = dict(pixel_values=pixels[mine])
+            if "Gemma3" in type(model).__name__:
+                inputs["token_type_ids"] = (ids[part] == token).long()
+        logits = model(input_ids=ids[part], **inputs).logits
+        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[part, 1:].flatten(), reduction="none")
+        return losses.view(len(ids[part]), -1).mean(1)
+
+    return loss_of
 
 
 def _seq2seq(out, labels):

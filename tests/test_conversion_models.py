@@ -282,9 +282,10 @@ def test_default_position_ids_looked_up_once_for_the_batch_are_exact(name):
     check_exact(model, monitor, want, got)
 
 
-def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
-    """wpe(torch.arange(T)) gives T rows broadcast over the batch: with T == B they look like one row per example,
-    so the step is refused (never a number) and the fix is named; expanded to (B, T) the same model is exact."""
+def test_position_table_of_t_rows_is_exact_when_t_equals_the_batch():
+    """wpe(torch.arange(T)) gives T rows broadcast over the batch: with T == B they have the sizes of one row per
+    example, but their ids were not computed from the examples' (core/layout.py's tag), so they are a table the
+    examples share (core/shared.py), exact; expanded to (B, T) as well."""
 
     class TinyLM(nn.Module):
         def __init__(self, expand):
@@ -299,26 +300,13 @@ def test_position_table_of_t_rows_is_refused_when_t_equals_the_batch():
     for expand in (False, True):
         torch.manual_seed(0)
         model = TinyLM(expand).double()
-        loss_of = lambda part: (
-            F.cross_entropy(
-                model(ids[part]).flatten(0, 1),
-                ids[part].flatten(),  # noqa: E731
-                reduction="none",
-            )
-            .view(-1, 4)
-            .mean(1)
-        )
+
+        def loss_of(part):
+            logits = model(ids[part])
+            return F.cross_entropy(logits.flatten(0, 1), ids[part].flatten(), reduction="none").view(-1, 4).mean(1)
+
         want = brute_force(model, loss_of, 4)
         monitor = lc.convert(model)
-        if not expand:
-            loss_of(slice(0, 4)).mean().backward()
-            with pytest.raises(
-                ValueError,
-                match=r"wpe.weight: this step is not measured.*4 examples of 4 positions"
-                r".*expanded to \(B, T\)",
-            ):
-                monitor.measure(batch_size=4)
-            continue
         check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 4)], 4))
 
 

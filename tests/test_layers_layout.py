@@ -29,8 +29,10 @@ def test_rows_that_cannot_be_mapped_say_why():
     found = layout.Layout(examples=3, lengths=frozenset({5}))
     why = found.rows_for((7, 8))  # neither the examples nor their positions flattened
     assert isinstance(why, str) and "dim 0 is not the forward's 3 examples" in why
+    # 4 rows, 4 examples of 4 positions: the examples' rows (a table of positions is tagged where it is made,
+    # core/shared.py: an untagged tensor is the examples' data, whatever its sizes)
     square = layout.Layout(examples=4, lengths=frozenset({4}))
-    assert isinstance(square.rows_for((4, 8)), str)  # 4 rows, 4 examples of 4 positions: either way round
+    assert square.rows_for((4, 8)).kind == "dim0"
 
 
 def test_packed_sequences_from_position_ids_and_from_cu_seq_lens():

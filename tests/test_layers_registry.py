@@ -43,6 +43,16 @@ def dbrx_experts():
     return experts
 
 
+def llama4_experts():
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    experts = Llama4TextExperts(Llama4TextConfig(hidden_size=5, intermediate_size=6, num_local_experts=3))
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.3)
+    return experts
+
+
 def routed():
     x = torch.randn(8, 5)
     index = torch.stack([torch.randperm(3)[:2] for _ in range(8)])
@@ -64,6 +74,7 @@ BUILD = {
     "MultiheadAttention": (lambda: nn.MultiheadAttention(6, 2, batch_first=True), lambda: (torch.randn(4, 3, 6),) * 3),
     "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
     "DbrxExperts": (dbrx_experts, lambda: (routed()[0].view(4, 2, 5), *routed()[1:])),
+    "DenseExperts": (llama4_experts, lambda: (torch.randn(3 * 8, 5),)),  # each of 3 experts: 8 token rows
 }
 ENTRIES = [(kind.name, name) for kind in layer_kinds.KINDS.values() for name in kind.variants if name != "nn"]
 
@@ -114,8 +125,10 @@ def test_every_registered_variant_is_exact_and_a_drop_in_for_its_kind(kind, name
         assert {n.split("_sogns")[0] for n in recorded} == {n for n, _ in module.named_parameters()}
         return
     assert set(recorded) == {n for n, _ in module.named_parameters()}
-    # example i's loss is the part of the summed loss its rows make (token rows of the experts: 2 per example)
-    pe_sq, _ = loss_sqnorms_from_batched_forward(reference, want.reshape(4, -1).pow(2).sum(dim=1))
+    # example i's loss is the part of the summed loss its rows make (token rows of the experts: 2 per example; the
+    # dense experts' rows are each expert's 8 token rows, example after example)
+    by_example = want.view(3, 4, -1).transpose(0, 1) if kind == "DenseExperts" else want
+    pe_sq, _ = loss_sqnorms_from_batched_forward(reference, by_example.reshape(4, -1).pow(2).sum(dim=1))
     for n, buffer in recorded.items():
         assert buffer[1].item() == 4, n
         assert buffer[0].item() == pytest.approx(4 * pe_sq[n], rel=rel), n  # [sum_i ||g_i||^2, count]

@@ -88,12 +88,37 @@ class Conversion:
             if any(True for _ in module.parameters()):
                 self.unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
             return
-        kind = self.known.get(type(module)) or next((k for k in self.structural if k.matches(module)), None)
+        if isinstance(module, replay.ReplayedForward):  # converted already (convert() called again)
+            return
+        called = replay.methods_called_by(parent, path.rpartition(".")[2], module) if path else ()
+        if called and any(p.requires_grad for p in module.parameters()):
+            # its parent calls other methods of it (Gemma 3n's AltUp.predict and .correct), which run its parameters
+            # outside its forward: it is replayed per example at each of those calls too, its children included
+            adopt(module, replay.replayed_class(called), {"subtree": True})
+            return
+        if module is not model and replay.reparametrised(module):
+            # a weight computed from other parameters (weight norm, spectral norm, orthogonal): the module is replayed
+            # per example with its parametrisation, so each example's gradient is the original parameters' (replay.py)
+            self.unconverted.pop(path, None)
+            reason = self.replay_subtree(module)
+            if reason is not None:
+                self.unconverted[path] = reason
+            return
+        kind = (
+            self.known.get(type(module))
+            or self.inherited_kind(module)
+            or next((k for k in self.structural if k.matches(module)), None)
+        )
         reason = None
         if kind is not None:
             reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
         elif module is not model and owns_untracked_parameters(module):
             reason = self.convert_probed(module)
+        elif module is not model and replay.reads_children_parameters(module):
+            # its code reads a child's parameter itself (SigLIP2's embeddings resize their position table, LFM2's
+            # short convolution passes its conv's weight to a kernel): the child's layer would not see that use, so
+            # the module is replayed per example as one unit, children included (replay.py)
+            reason = self.replay_subtree(module)
         elif owns_untracked_parameters(module):  # the model itself: its forward kept, its parameters' uses followed
             reason = self.follow_uses(module, "it is the model itself")
         if reason is not None:
@@ -103,6 +128,15 @@ class Conversion:
             for name, child in module._modules.items():
                 if child is not None:
                     self.visit(child, path + ("." if path else "") + name, module, model)
+
+    def inherited_kind(self, module):
+        """The kind of a subclass of a class a kind replaces whose forward is that class's (`class MyConv(nn.Conv2d):
+        pass`, timm's and EfficientNet's conv subclasses that add only constructor options): it computes what that
+        class computes, so it is that kind. None for other modules."""
+        for cls, kind in self.known.items():
+            if isinstance(module, cls) and type(module) is not cls and _same_forward(type(module), cls):
+                return kind
+        return None
 
     def excluded(self, module, path):
         return any(
@@ -139,7 +173,9 @@ class Conversion:
         the probe shows one computes the same (swap_probed), else kept with its own forward and its parameters'
         uses followed (intercept.py) when a probe shows that records them all (follow_uses)."""
         kind_name, options = self.named.get(type(module), (None, {}))
-        base = next((k.name for c, k in self.known.items() if isinstance(module, c)), None)
+        base = next((k.name for c, k in self.known.items() if isinstance(module, c) and k.probe is not None), None)
+        if base is None and any(isinstance(module, c) for c in self.known):  # a subclass of a kind no probe tries
+            return self.follow_uses(module, f"it overrides the forward of {type(module).__mro__[1].__name__}")
         names = [kind_name] if kind_name else [base] if base else swapcheck.probed_kinds()
         done, problem = self.swap_probed(module, names, options)
         if done:
@@ -171,6 +207,14 @@ class Conversion:
         adopt(module, chosen[found.kind][0], {**found.options, **roles})
         return True, None
 
+    def replay_subtree(self, module):
+        """None: the module (which owns no parameter itself) replayed per example with its children; or why not."""
+        kinds = {name: "Linear" for name, _ in module.named_parameters()}
+        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
+            return None
+        adopt(module, replay.ReplayedForward, {})
+        return None
+
     def follow_uses(self, module, problem):
         """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that
         records them all, else its forward replayed per example in backward, children included (replay.py)."""
@@ -193,6 +237,14 @@ class Conversion:
         # the generic path: its forward (children included) replayed per example in backward (replay.py)
         adopt(module, replay.ReplayedForward, {})
         return None
+
+
+def _same_forward(cls, base):
+    """True when every method the forward of `base` runs is the same function in `cls` (none overridden)."""
+    found = replay.forward_methods(base)
+    if not found:
+        return False
+    return all(getattr(cls, name, None) is getattr(base, name, None) for name in found)
 
 
 def owns_untracked_parameters(module):

@@ -78,6 +78,7 @@ _BROADCAST = {
     torch.mul,
     torch.div,
 }
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 # a parameter shifted by a number (Gemma's 1 + weight written out): each example's gradient keeps its norm
 _SHIFTS = {
     torch.Tensor.__add__,
@@ -164,6 +165,14 @@ class _ParameterUses(TorchFunctionMode):
             expanded = self.broadcast(args[0], _sizes(args[1:]))
             if expanded is not None:
                 return expanded.expand(*args[1:], **kwargs)
+        elif func is torch.Tensor.repeat and names[0] is not None and sum(n is not None for n in names) == 1:
+            sizes = _sizes(args[1:])  # W.repeat(N, k, ...) of W (1, ...): each example its copy (ViTMAE's mask token)
+            expanded = self.broadcast(args[0], sizes) if len(sizes) == args[0].dim() else None
+            if expanded is not None and not kwargs:
+                return expanded.repeat(1, *sizes[1:])
+        elif func in _MATMUL and len(args) == 2 and names == [None, names[1]] and names[1] is not None and not kwargs:
+            if args[1].dim() == 2 and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:  # x @ W: F.linear
+                return functional.linear(args[0], args[1].t(), None, self.buffer(args[1]))  # (Gemma 3's projector)
         elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:
             # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
             return self.follow(func(*args), args[0], -1 if func is torch.Tensor.__rsub__ else 1)
@@ -186,7 +195,7 @@ class _ParameterUses(TorchFunctionMode):
         for t in _tensors((args, kwargs)):
             if self.name_of(t) is not None or shared.is_shared(t):
                 continue
-            if t.requires_grad or (t.dim() >= 1 and t.shape[0] == current.examples):
+            if t.requires_grad or (t.dim() >= 1 and layout.items_of(t.shape[0]) is not None):
                 return False
         return True
 
@@ -215,17 +224,17 @@ class _ParameterUses(TorchFunctionMode):
         return out
 
     def broadcast(self, param, target_shape):
-        """The parameter as one copy per example of the forward, (N, ...), when an op broadcasts it over a target
-        whose dim 0 holds the N examples (the op then gives each example's gradient to its own copy); else None."""
+        """The parameter as one copy per item of the forward's examples (the examples themselves, or their choices,
+        a tower's images...), (count, ...), when an op broadcasts it over a target whose dim 0 holds those items (the
+        op then gives each item's gradient to its own copy; an example's is its items' sum); else None."""
         if target_shape is None or len(target_shape) < param.dim() or not len(target_shape):
             return None
-        current = layout.current()
-        examples = current.examples if current is not None else target_shape[0]
+        items = _items_of(target_shape[0])
         leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
-        if target_shape[0] != examples or leading[0] != 1 or (current is not None and current.packed is not None):
+        if items is None or leading[0] != 1:
             return None
         sign = self.signs.get(id(param), 1)
-        return BroadcastOverExamples.apply(param.view(leading), examples, self.buffer(param), sign)
+        return BroadcastOverExamples.apply(param.view(leading), items, self.buffer(param), sign)
 
     def index(self, weight, index):
         """W[ids] for a tensor of ids: an embedding lookup (functional.embedding: per example, or a table shared by
@@ -245,22 +254,21 @@ class _ParameterUses(TorchFunctionMode):
 
     def write(self, target, index, value):
         """target[mask] = value for a boolean mask over target's leading dims, whose dim 0 holds the forward's
-        examples: each selected row gets its example's own copy of the parameter (one copy per example, gathered
-        by the rows' examples), so that each example's gradient reaches its copy. False when that does not hold."""
-        current = layout.current()
-        examples = current.examples if current is not None else target.shape[0]
+        examples (or their items): each selected row gets its item's own copy of the parameter (one copy per item,
+        gathered by the rows' items), so that each example's gradient reaches its copies. False when that does not
+        hold."""
+        items = _items_of(target.shape[0])
         if not (
-            isinstance(index, torch.Tensor)
+            items is not None
+            and isinstance(index, torch.Tensor)
             and index.dtype == torch.bool
             and index.dim() >= 1
             and tuple(index.shape) == tuple(target.shape[: index.dim()])
-            and target.shape[0] == examples
             and tuple(value.shape) == tuple(target.shape[index.dim() :])
-            and (current is None or current.packed is None)
         ):
             return False
         sign = self.signs.get(id(value), 1)
-        copies = BroadcastOverExamples.apply(value.reshape(1, *value.shape), examples, self.buffer(value), sign)
+        copies = BroadcastOverExamples.apply(value.reshape(1, *value.shape), items, self.buffer(value), sign)
         target[index] = copies[index.nonzero()[:, 0]]  # (inside this mode's handler the mode is off)
         return True
 
@@ -312,22 +320,31 @@ def _sizes(args):
     return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else tuple(args)
 
 
+def _items_of(dim0):
+    """The Items a dim 0 of `dim0` rows holds in the running forward (outside one: that many examples)."""
+    if layout.current() is None:
+        return layout.Items(dim0, dim0)
+    return layout.items_of(dim0)
+
+
 class BroadcastOverExamples(torch.autograd.Function):
-    """broadcast(param (1, ...), N, buffer, sign) -> (N, ...) copies: backward receives each example's gradient of
-    the parameter in its own copy (times sign: -1 for c - W), records their squared norms (or hands them to
-    uses.py, flattened, when the forward used the parameter more than once) and returns their sum."""
+    """broadcast(param (1, ...), items, buffer, sign) -> (count, ...) copies: backward receives each item's gradient
+    of the parameter in its own copy (times sign: -1 for c - W), sums each example's items', records their squared
+    norms (or hands them to uses.py, flattened, when the forward used the parameter more than once) and returns
+    their sum."""
 
     @staticmethod
-    def forward(ctx, param, examples, buffer, sign=1):
-        ctx.buffer, ctx.shape, ctx.sign = buffer, param.shape, sign
+    def forward(ctx, param, items, buffer, sign=1):
+        ctx.buffer, ctx.shape, ctx.sign, ctx.items = buffer, param.shape, sign, items
         layout.note_uses([buffer])
-        return param.expand(examples, *param.shape[1:]).clone()  # a copy: an output may not be a view of an input
+        return param.expand(items.count, *param.shape[1:]).clone()  # a copy: an output may not be a view of an input
 
     @staticmethod
     def backward(ctx, grad):
-        factor = lambda: uses.DenseFactor(grad.flatten(1) * ctx.sign)  # noqa: E731
+        per_example = ctx.items.to_examples(grad)
+        factor = lambda: uses.DenseFactor(per_example.flatten(1) * ctx.sign)  # noqa: E731
         if ctx.buffer is not None and not uses.hand_over(ctx.buffer, factor):
-            add_pe_sqnorm(ctx.buffer, grad.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
+            add_pe_sqnorm(ctx.buffer, per_example.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
         return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None, None
 
 

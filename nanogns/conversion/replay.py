@@ -28,10 +28,22 @@ The module's children stay as they are (plain torch layers): it is one unit, who
 `<name>_pe_sqnorm` buffer on the module that owns it.
 """
 
+import ast
+import contextlib
+import functools
 import inspect
+import os
 import re
+import textwrap
+import traceback
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, uses
@@ -56,12 +68,13 @@ class ReplayedForward(PerExampleNormLayer):
     def pe_adopt(self, options):
         # its whole subtree is one unit when its code reads a child's parameters itself (Mamba's mixer passes
         # conv1d.weight to a kernel); else only its own parameters are replayed, its children converted as usual
-        self.__dict__["_pe_subtree"] = reads_children_parameters(self)
+        self.__dict__["_pe_subtree"] = bool(options.get("subtree")) or reads_children_parameters(self)
         for module in self.modules() if self._pe_subtree else [self]:
             names = [name for name, _ in module.named_parameters(recurse=False)]
             register_pe_sqnorm_buffers(module, names)
             module.__dict__.setdefault("_pe_kinds", {}).update({name: KIND for name in names})
         self.__dict__["_pe_vmap"] = True  # False once vmap failed on this module's forward: one by one
+        self.__dict__["_pe_changed"] = tuple(_changed_in_forward(self))
 
     def pe_parameters(self):
         """[(name under this module, parameter, its buffer or None when frozen)]: its subtree's, or its own."""
@@ -74,32 +87,43 @@ class ReplayedForward(PerExampleNormLayer):
         return found
 
     def forward(self, *args, **kwargs):
-        if layout.replaying():  # this module, or a parent, replayed per example: its plain forward
-            return super().forward(*args, **kwargs)
+        return self.pe_replayed("forward", super().forward, args, kwargs)
+
+    def pe_replayed(self, method, plain, args, kwargs):
+        """plain(*args, **kwargs), the module's `method` (its forward, or another method its parent calls), with
+        each example's gradient of the parameters under it recorded by a replay in backward."""
+        calls = self.__dict__.get("_pe_calls", 0)
+        if layout.replaying() or calls:  # this module (or a parent) replayed per example, or a call inside a call
+            return plain(*args, **kwargs)
         params = self.pe_parameters()
         buffers = [b for _, _, b in params if b is not None]
         if not buffers:
-            return super().forward(*args, **kwargs)
+            return plain(*args, **kwargs)
         current = layout.current()
-        examples = current.examples if current is not None else _first_dim(args, kwargs)
-        lengths = current.lengths if current is not None else frozenset()
-        reason = None
-        if current is not None and current.packed is not None:
-            reason = "its rows are packed sequences, which a replay per example cannot slice"
-        elif examples is None or not _per_example_inputs(args, kwargs, examples, lengths):
-            reason = f"none of its inputs has the forward's {examples} examples on dim 0"
+        units, reason = _units(args, kwargs, current)
         if reason is not None:
-            refuse_step(f"its forward is replayed per example, but {reason}", buffers)
-            return super().forward(*args, **kwargs)
+            refuse_step(f"its {method} is replayed per example, but {reason}", buffers)
+            return plain(*args, **kwargs)
         layout.note_uses(buffers)
-        out = super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():
-            return out
+            return plain(*args, **kwargs)
+        before = {name: self.get_buffer(name).clone() for name in self.__dict__.get("_pe_changed", ())}
+        self.__dict__["_pe_calls"] = calls + 1
+        try:
+            with _RandomDraws(self.training) as draws:  # what it draws at random, served again to its replay
+                out = plain(*args, **kwargs)
+        finally:
+            self.__dict__["_pe_calls"] = calls
         flat, spec = pytree.tree_flatten(out)
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return out
-        held = _Held(self, examples, lengths, args, kwargs, flat, positions)
+        lengths = current.lengths if current is not None else ()
+        try:
+            held = _Held(self, units, lengths, args, kwargs, flat, positions, draws, before, method)
+        except _Ambiguous as e:
+            refuse_step(f"its {method} is replayed per example, but {e}", buffers)
+            return out
         if len(positions) == 1 and not flat[positions[0]]._is_view():  # its gradient, read at the node making it
             on_output_grad(flat[positions[0]], lambda grad: held.replay([grad]))
             return out
@@ -109,6 +133,53 @@ class ReplayedForward(PerExampleNormLayer):
         for i, copy in zip(positions, copies):
             flat[i] = copy
         return pytree.tree_unflatten(flat, spec)
+
+
+@functools.lru_cache(maxsize=None)
+def replayed_class(methods):
+    """ReplayedForward with the module's `methods` (names of methods its parent calls besides its forward: Gemma
+    3n's AltUp.predict and .correct) replayed too, each call a use of the parameters under it."""
+
+    def wrapper(name):
+        def method(self, *args, **kwargs):
+            return self.pe_replayed(name, getattr(super(cls, self), name), args, kwargs)
+
+        method.__name__ = name
+        return method
+
+    cls = type("ReplayedMethods", (ReplayedForward,), {name: wrapper(name) for name in methods})
+    cls.__module__ = __name__
+    return cls
+
+
+def methods_called_by(parent, name, child):
+    """The methods of `child` (registered as `name` under `parent`), other than forward, that the parent's forward
+    calls (self.<name>.<method>(...)) and that run parameters of the child which its forward does not: they run
+    those parameters outside its forward (Gemma 3n's AltUp.predict and .correct run its coefficient layers)."""
+    if parent is None:
+        return ()
+    own = next((c for c in type(parent).__mro__ if not c.__module__.startswith("nanogns")), type(parent))
+    source = _source(own)
+    if not source:
+        return ()
+    cls = next((c for c in type(child).__mro__ if not c.__module__.startswith("nanogns")), type(child))
+    trained = {n for n, p in child.named_parameters(recurse=False) if p.requires_grad}
+    trained |= {n for n, c in child.named_children() if any(p.requires_grad for p in c.parameters())}
+    in_forward = _referenced(cls, "forward")
+    found = set()
+    for method in set(re.findall(rf"self\.{re.escape(name)}\.(\w+)\(", source)) - {"forward"}:
+        function = getattr(cls, method, None)
+        if inspect.isfunction(function) and not function.__module__.startswith("torch"):
+            if (_referenced(cls, method) & trained) - in_forward:
+                found.add(method)
+    return tuple(sorted(found))
+
+
+@functools.lru_cache(maxsize=None)
+def _referenced(cls, method):
+    """The attributes self.<name> that `method` of `cls` (and the methods it calls) reads."""
+    found = forward_methods(cls, start=method) or {}
+    return frozenset(n for _, text in found.values() for n in re.findall(r"self\.(\w+)", text))
 
 
 class _Boundary(torch.autograd.Function):
@@ -130,53 +201,207 @@ _QUERIES = "dtype|device|shape|size|ndim|dim|requires_grad|is_cuda|numel"  # a c
 
 
 def reads_children_parameters(module):
-    """True when the code of the module's class reads a parameter of one of its children itself
-    (`self.conv1d.weight`), rather than calling the child; True when the code cannot be read."""
-    own = next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns"))  # before adopt
-    try:
-        source = inspect.getsource(own)
-    except (OSError, TypeError):
+    """True when the code of the module's class computes with a parameter of one of its children itself
+    (`self.conv1d.weight.view(...)`, `F.linear(x, self.proj.weight)`), rather than calling the child; True when
+    the code cannot be read. What its forward runs is read (its forward and the methods it calls), not its
+    constructor nor its initialisation; a parameter only asked about (`.dtype`, `isinstance`), assigned to a name or
+    handed to another child (DeBERTa's relative embeddings given to its LayerNorm: a table, core/shared.py) is
+    no computation of its own."""
+    if parametrize.is_parametrized(module):  # its weight is a parametrisation (a child) of its parameters
         return True
-    for child_name, child in module.named_children():
-        for path, _ in child.named_parameters():
-            if re.search(rf"self\.{re.escape(child_name)}\.{re.escape(path)}\b(?!\.({_QUERIES}))", source):
-                return True
-        if re.search(rf"self\.{re.escape(child_name)}\.parameters\(", source):
+    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
+    if not children:
+        return False
+    found = forward_methods(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")), True)
+    if found is None:
+        return True
+    for _, text in found.values():
+        try:
+            tree = ast.parse(textwrap.dedent(text))
+        except SyntaxError:
+            return True
+        if _computes_with_children(tree, children):
             return True
     return False
 
 
-def _first_dim(args, kwargs):
+_ASKING = {"isinstance", "getattr", "hasattr", "type", "id", "len", "callable"}
+
+
+def _computes_with_children(tree, children):
+    """True when the parsed method reads self.<child>.<parameter> (or a ParameterDict child's entries, or the
+    child's .parameters()) in a computation (see reads_children_parameters)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            continue
+        child = children.get(node.attr)
+        if child is None:
+            continue
+        up = parents.get(node)
+        if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):  # PEFT's adapters: self.ia3_l[name]
+            if isinstance(up, ast.Subscript) or (isinstance(up, ast.Attribute) and up.attr in ("values", "items")):
+                return True
+            continue
+        if isinstance(up, ast.Attribute) and up.attr == "parameters" and isinstance(parents.get(up), ast.Call):
+            return True
+        if not (isinstance(up, ast.Attribute) and up.attr in dict(child.named_parameters())):
+            continue
+        use = parents.get(up)  # what is done with self.<child>.<parameter>
+        if isinstance(use, ast.Attribute):
+            if use.attr not in _QUERIES.split("|"):
+                return True
+        elif isinstance(use, ast.Subscript):
+            return True
+        elif isinstance(use, ast.Call) and up is not use.func:
+            func = use.func
+            asking = isinstance(func, ast.Name) and func.id in _ASKING
+            to_child = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+            if not asking and not to_child:
+                return True
+        elif isinstance(use, (ast.BinOp, ast.UnaryOp)):
+            return True
+    return False
+
+
+def forward_methods(cls, skip_torch=False, start="forward"):
+    """{name: (function, source)} of the methods of `cls` that its forward (or method `start`) runs: it, and the
+    methods it calls as self.<method>(...), followed through them (those of nn.Module itself left out; of any
+    torch.nn class too with skip_torch); None when the source of one cannot be read."""
+    found, todo = {}, [start]
+    while todo:
+        name = todo.pop()
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if name in found or owner is None or owner is torch.nn.Module or owner is object:
+            continue
+        if skip_torch and owner.__module__.startswith("torch.nn"):
+            continue
+        function = getattr(vars(owner)[name], "__func__", vars(owner)[name])
+        if not inspect.isfunction(function):
+            continue
+        try:
+            text = inspect.getsource(function)
+        except (OSError, TypeError):
+            return None
+        found[name] = (function, text)
+        todo.extend(re.findall(r"self\.(\w+)\(", text))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _source(cls):
+    """The source of what the forward of `cls` runs (forward_methods, torch's own left out), or None."""
+    found = forward_methods(cls, skip_torch=True)
+    return None if found is None else "\n".join(text for _, text in found.values())
+
+
+def reparametrised(module):
+    """True when a weight of `module` is computed from other parameters at each forward: torch.nn.utils.parametrize
+    (weight norm, spectral norm, orthogonal, ParametrizedConv1d as in EnCodec) or the old-style weight_norm and
+    spectral_norm hooks. Its replay computes the weight again from the original parameters, per example."""
+    if parametrize.is_parametrized(module):
+        return True
+    return any(isinstance(hook, (WeightNorm, SpectralNorm)) for hook in module._forward_pre_hooks.values())
+
+
+def _changed_in_forward(module):
+    """The buffers a parametrisation updates in place in a training forward (spectral norm's power iteration: its
+    u and v), by name under `module`: the replay starts from their values before the forward."""
+    names = []
+    for path, sub in module.named_modules():
+        prefix = path + "." if path else ""
+        if isinstance(sub, parametrize.ParametrizationList):
+            names += [prefix + name for name, _ in sub.named_buffers()]
+    return names
+
+
+@contextlib.contextmanager
+def _iterated_already(module):
+    """The old spectral_norm hooks run their power iteration before the forward (updating u and v): the replay uses
+    the u and v they left, without iterating again (their eval mode)."""
+    hooked = [
+        sub
+        for sub in module.modules()
+        if sub.training and any(isinstance(h, SpectralNorm) for h in sub._forward_pre_hooks.values())
+    ]
+    for sub in hooked:
+        sub.training = False
+    try:
+        yield
+    finally:
+        for sub in hooked:
+            sub.training = True
+
+
+def _units(args, kwargs, current):
+    """(Items, None): what a replay takes one at a time, the items of its per-example inputs (the examples, or
+    their choices, channels, a tower's images on dim 0: each example's gradient is its items' sum); or (None, why
+    not)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return tensors[0].shape[0] if tensors else None
+    if current is None:  # outside an installed model: dim 0 of its first input is the example
+        return (layout.Items(tensors[0].shape[0], tensors[0].shape[0]), None) if tensors else (None, "no input")
+    if current.packed is not None:
+        return None, "its rows are packed sequences, which a replay per example cannot slice"
+    floats = [t for t in tensors if t.is_floating_point()]
+    for t in floats:
+        items = layout.items_of(t.shape[0])
+        if items is not None and items.count != items.examples:
+            return items, None
+    N = current.examples
+    for t in floats or tensors:  # (a module looking up ids takes integer inputs: PEFT's trainable tokens)
+        found = layout.example_dim(t, N)
+        if isinstance(found, str):
+            return None, found
+        if found is not None or (N and t.shape[0] % N == 0 and t.shape[0] // N in current.lengths):
+            return layout.Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
+    return None, f"none of its inputs has the forward's {N} examples (or their items) on a dim"
 
 
-def _rows(t, examples, lengths):
-    """How a tensor's dim 0 holds the forward's examples: 1 (dim 0 is the example), T (flattened (N*T, ...) rows,
-    example i's are rows i*T .. (i+1)*T), or None (shared by every example)."""
+@dataclass(frozen=True)
+class _Rows:
+    """How a tensor holds the replay's units: on `dim` (per=1), or as flattened rows on dim 0, `per` each."""
+
+    dim: int
+    per: int = 1
+
+
+def _rows(t, units, lengths):
+    """_Rows of a tensor with respect to the replay's units, or None (shared by every unit); _Ambiguous when two of
+    its dims could hold the examples and its history does not say which (layout.example_dim)."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
-    if t.shape[0] == examples:
-        return 1
-    if examples and t.shape[0] % examples == 0 and (t.shape[0] // examples in lengths or layout.in_windows()):
-        return t.shape[0] // examples  # (inside a layer splitting its examples into windows: k windows each)
+    count = units.count
+    if count == units.examples:  # the examples themselves: on whichever dim holds them (Gemma 3n stacks (K, N, ...))
+        found = layout.example_dim(t, count)
+        if isinstance(found, str):
+            raise _Ambiguous(found)
+        if found is not None:
+            return _Rows(found)
+    elif t.shape[0] == count:
+        return _Rows(0)
+    if count and t.shape[0] % count == 0 and (t.shape[0] // count in lengths or layout.in_windows()):
+        return _Rows(0, t.shape[0] // count)  # (inside a layer splitting its examples into windows: k windows each)
     return None
 
 
-def _per_example_inputs(args, kwargs, examples, lengths):
-    return any(
-        _rows(t, examples, lengths) is not None and t.is_floating_point() for t in pytree.tree_leaves((args, kwargs))
-    )
+class _Ambiguous(Exception):
+    pass
 
 
 def _by_example(t, rows):
-    """t viewed with the examples on dim 0: (N, ...) as it is, flattened rows (N*T, ...) as (N, T, ...)."""
-    return t if rows in (None, 1) else t.view(-1, rows, *t.shape[1:])
+    """t with its units on dim 0: (N, ...) as it is (its example dim moved first), flattened rows (N*T, ...) as
+    (N, T, ...)."""
+    if rows is None:
+        return t
+    if rows.per == 1:
+        return t.movedim(rows.dim, 0) if rows.dim else t
+    return t.view(-1, rows.per, *t.shape[1:])
 
 
 def _one_example(t, rows):
-    """One example's slice of _by_example (no example dim) as the module takes it: (1, ...) or its T rows."""
-    return t.unsqueeze(0) if rows == 1 else t
+    """One unit's slice of _by_example (no unit dim) as the module takes it: its example dim back, of size 1, or
+    its T rows."""
+    return t.unsqueeze(rows.dim) if rows.per == 1 else t
 
 
 def _held_input(value):
@@ -191,28 +416,35 @@ def _held_input(value):
 
 class _Held:
     """What one forward of a replayed module leaves for its backward: its inputs and outputs, detached, each
-    tensor's rows (_rows), the parameters under it."""
+    tensor's rows (_rows) with respect to its units (the items on dim 0 its replay takes one at a time), the
+    parameters under it, the autocast state it ran in and the random numbers it drew."""
 
-    def __init__(self, module, examples, lengths, args, kwargs, flat, positions):
-        self.module, self.examples, self.params = module, examples, module.pe_parameters()
+    def __init__(self, module, units, lengths, args, kwargs, flat, positions, draws, before, method="forward"):
+        self.module, self.units, self.params, self.before = module, units, module.pe_parameters(), before
+        self.method = method
+        self.in_rows = pytree.tree_map(lambda t: _rows(t, units, lengths), (args, kwargs))  # (their history too)
         inputs = pytree.tree_map(_held_input, (args, kwargs))
-        self.in_rows = pytree.tree_map(lambda t: _rows(t, examples, lengths), inputs)
         self.inputs = pytree.tree_map(_by_example, inputs, self.in_rows)
         self.positions = positions
-        self.out_rows = [_rows(flat[i], examples, lengths) for i in positions]
+        self.out_rows = [_rows(flat[i], units, lengths) for i in positions]
         self.out = [
             _by_example(flat[i].detach(), r) if r else flat[i].detach() for i, r in zip(positions, self.out_rows)
         ]
+        self.draws = draws.drawn
+        device = next((t.device.type for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
+        enabled = torch.is_autocast_enabled(device)
+        self.autocast = (device, torch.get_autocast_dtype(device), enabled)
 
     def replay(self, grads):
-        """The backward hook: every output's gradient is known; record each example's parameter gradients."""
+        """The backward hook: every output's gradient is known; record each example's parameter gradients (the sum
+        of its units')."""
         trained = [(name, buffer) for name, _, buffer in self.params if buffer is not None]
         buffers = [buffer for _, buffer in trained]
-        N = self.examples
+        N = self.units.count
         if any(r is None for r in self.out_rows):
             refuse_step_in_backward(
                 f"its forward is replayed per example, but an output with a gradient does not hold the forward's {N} "
-                "examples on dim 0",
+                "examples (or their items) on dim 0",
                 buffers,
             )
             return
@@ -220,25 +452,27 @@ class _Held:
             _by_example(g, r) if g is not None else torch.zeros_like(o)
             for g, r, o in zip(grads, self.out_rows, self.out)
         ]
-        values = {name: p.detach() for name, p, _ in self.params}
+        values = {name: p.detach().clone() for name, p, _ in self.params}  # (a forward may write into them)
         names = [name for name, _ in trained]
         chunk = max(1, min(N, uses.GATHER_CHUNK_ELEMENTS // max(1, sum(values[n].numel() for n in names))))
         pieces = {name: [] for name in names}
+        device, dtype, enabled = self.autocast
         try:
-            for start in range(0, N, chunk):
-                part = slice(start, min(N, start + chunk))
-                outs, found = self.per_example(values, names, part, [g[part] for g in grads])
-                self.check(outs, part)
-                for name in names:
-                    pieces[name].append(found[name])
-        except _Mixing as e:
+            with torch.autocast(device, dtype=dtype, enabled=enabled):  # as its forward ran
+                for start in range(0, N, chunk):
+                    part = slice(start, min(N, start + chunk))
+                    outs, found = self.per_example(values, names, part, [g[part] for g in grads])
+                    self.check(outs, part)
+                    for name in names:
+                        pieces[name].append(found[name])
+        except _Refused as e:
             refuse_step_in_backward(str(e), buffers)
             return
         except Exception as e:  # never a number, nor a crash in the model's backward
-            refuse_step_in_backward(f"its forward replayed per example fails ({type(e).__name__}: {e})", buffers)
+            refuse_step_in_backward(_failure(self.module, self.method, e), buffers)
             return
         for name, buffer in trained:
-            per_example = torch.cat(pieces[name])  # (N, *shape)
+            per_example = self.units.to_examples(torch.cat(pieces[name]))  # (examples, *shape): its units summed
             if not uses.hand_over(buffer, lambda g=per_example: uses.DenseFactor(g)):
                 dtype = torch.float64 if per_example.dtype == torch.float64 else torch.float32
                 add_pe_sqnorm(buffer, per_example.flatten(1).pow(2).sum(1, dtype=dtype))
@@ -250,17 +484,25 @@ class _Held:
             scale = batch.abs().max().double().clamp_min(1e-300)
             diff = ((replayed.double() - batch.double()).abs().max() / scale).item()
             if not diff <= REPLAY_TOLERANCE.get(batch.dtype, 3e-2):
-                raise _Mixing(
+                raise _Refused(
                     f"{own_class_name(self.module)}'s output for one example alone differs from that example's rows "
-                    f"in the batch by {diff:.1e} (relative): it mixes the examples of a batch (batch statistics) "
-                    "or draws at random (dropout), so no example's own gradient can be told apart"
+                    f"in the batch by {diff:.1e} (relative), replayed in the forward's autocast state and with its "
+                    "random numbers: it mixes the examples of a batch (batch statistics, a softmax over the batch), "
+                    "so no example's own gradient can be told apart"
                 )
 
     def call(self, values, inputs_i):
         """The module's outputs with gradients for one example's inputs (each as _one_example gives it)."""
         args_i, kwargs_i = pytree.tree_map(lambda t, r: _one_example(t, r) if r else t, inputs_i, self.in_rows)
-        flat = pytree.tree_leaves(torch.func.functional_call(self.module, values, tuple(args_i), kwargs_i))
-        return [flat[i].squeeze(0) if r == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
+        values = {**values, **{name: b.clone() for name, b in self.before.items()}}  # (buffers it updates in place)
+        if self.method == "forward":
+            with _iterated_already(self.module):
+                out = torch.func.functional_call(self.module, values, tuple(args_i), kwargs_i)
+        else:  # another method, with the same parameters swapped in as functional_call swaps them
+            with torch.nn.utils.stateless._reparametrize_module(self.module, values):
+                out = getattr(self.module, self.method)(*args_i, **kwargs_i)
+        flat = pytree.tree_leaves(out)
+        return [flat[i].squeeze(r.dim) if r.per == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
 
     def per_example(self, values, names, part, grads):
         """(replayed outputs (n, ...), {name: (n, *shape) per-example gradients}) of examples `part`."""
@@ -277,19 +519,19 @@ class _Held:
 
         module = self.module
         with layout.replay():  # layers under it compute plainly, recording nothing
-            if module.__dict__.get("_pe_vmap", True):
+            if module.__dict__.get("_pe_vmap", True) and not self.draws:  # (draws are served one example at a time)
                 try:
                     return torch.func.vmap(one, in_dims=(in_dims, 0))(inputs, grads)
                 except Exception:  # vmap cannot run this forward: replay the examples one by one
                     module.__dict__["_pe_vmap"] = False
-            return self.one_by_one(inputs, grads, values, names)
+            return self.one_by_one(inputs, grads, values, names, part.start)
 
-    def one_by_one(self, inputs, grads, values, names):
+    def one_by_one(self, inputs, grads, values, names, first):
         outs, found = [[] for _ in self.positions], {name: [] for name in names}
         for i in range(grads[0].shape[0]):
             inputs_i = pytree.tree_map(lambda t, r: t[i] if r else t, inputs, self.in_rows)
             leaves = {name: v.clone().requires_grad_(name in names) for name, v in values.items()}
-            with torch.enable_grad():
+            with torch.enable_grad(), _ServedDraws(self.draws, first + i, self.units.count):
                 chosen = self.call(leaves, inputs_i)
                 differentiable = [(o, g[i]) for o, g in zip(chosen, grads) if o.requires_grad]
                 got = torch.autograd.grad(
@@ -305,8 +547,147 @@ class _Held:
         return [torch.stack(o) for o in outs], {name: torch.stack(g) for name, g in found.items()}
 
 
-class _Mixing(Exception):
-    pass
+def _failure(module, method, error):
+    """The reason for a replay that raised `error`: the module's own `method` (its forward, or another method its
+    parent calls) failing on one example's inputs, or this project's code failing (named as such, with where: a bug
+    to report, not the examples' doing)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    libraries = (os.path.dirname(torch.__file__), os.path.dirname(os.__file__))  # torch and Python raise for
+    innermost = next((f for f in reversed(frames) if not f.filename.startswith(libraries)), None)  # their caller
+    name = own_class_name(module)
+    if innermost is not None and f"{os.sep}nanogns{os.sep}" in innermost.filename:
+        where = f"{os.path.basename(innermost.filename)}:{innermost.lineno} ({innermost.name})"
+        return (
+            f"nanogns failed while replaying {name}'s {method} per example, in {where} ({type(error).__name__}: "
+            f"{error}): an error of this project's code, not of the model's (please report it)"
+        )
+    return f"{name}'s {method}, replayed on one example's inputs, fails ({type(error).__name__}: {error})"
+
+
+# random functions (and the dropouts drawing inside torch): what a replayed module draws is drawn once, in its
+# forward, and the same numbers are served to its replay, each example its rows of them
+_DRAWING = {
+    torch.rand,
+    torch.rand_like,
+    torch.randn,
+    torch.randn_like,
+    torch.randint,
+    torch.randint_like,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.randperm,
+    torch.Tensor.bernoulli,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.exponential_,
+    torch.Tensor.geometric_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.random_,
+    torch.Tensor.multinomial,
+}
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
+
+
+class _RandomDraws(TorchFunctionMode):
+    """During a replayed module's forward: keeps the tensors it draws at random (`drawn`, in order); a dropout
+    draws its keep-mask here (bernoulli), so that its replay can be given the same mask. Off (`watching` False: a
+    module in eval mode, which draws nothing) it costs nothing."""
+
+    def __init__(self, watching=True):
+        super().__init__()
+        self.drawn, self.watching = [], watching
+
+    def __enter__(self):
+        return super().__enter__() if self.watching else self
+
+    def __exit__(self, *exc):
+        return super().__exit__(*exc) if self.watching else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            return _dropout(func, args, kwargs, self.draw)
+        out = func(*args, **kwargs)
+        if func in _DRAWING and isinstance(out, torch.Tensor):
+            self.drawn.append(out.detach().clone())
+        return out
+
+    def draw(self, like, p):
+        mask = torch.empty_like(like).bernoulli_(1 - p)
+        self.drawn.append(mask)
+        return mask
+
+
+class _ServedDraws(TorchFunctionMode):
+    """During the replay of unit `unit` of `count`: each random function gives that unit's rows of what the
+    forward drew, in the same order."""
+
+    def __init__(self, drawn, unit, count):
+        super().__init__()
+        self.drawn, self.unit, self.count, self.next = drawn, unit, count, 0
+
+    def __enter__(self):
+        return super().__enter__() if self.drawn else self
+
+    def __exit__(self, *exc):
+        return super().__exit__(*exc) if self.drawn else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
+            return _dropout(func, args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
+        if func not in _DRAWING:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)  # (its shape, dtype, device; and an in-place fill's target)
+        if not isinstance(out, torch.Tensor):
+            return out
+        served = self.serve(tuple(out.shape)).to(out.dtype)
+        if func.__name__.endswith("_"):  # an in-place fill: the tensor it filled
+            with torch.no_grad():
+                return out.copy_(served)
+        return served
+
+    def serve(self, shape):
+        if self.next >= len(self.drawn):
+            raise _Refused("its forward, replayed on one example, draws more random numbers than it drew in the batch")
+        drawn = self.drawn[self.next]
+        self.next += 1
+        whole = tuple(drawn.shape)
+        if whole == shape and (not shape or shape[0] != self.count or self.count == 1):
+            return drawn  # drawn once for every example (no example dim)
+        if shape and whole[1:] == shape[1:] and whole[0] == self.count * shape[0]:
+            return drawn[self.unit * shape[0] : (self.unit + 1) * shape[0]]  # its rows, example after example
+        if whole == (self.count, *shape):
+            return drawn[self.unit]
+        raise _Refused(
+            f"its forward draws random numbers of shape {whole} for the batch and {shape} for one example, whose "
+            "rows of them cannot be told"
+        )
+
+
+def _dropout(func, args, kwargs, mask_of):
+    """func(input, p, training, inplace) computed with a keep-mask mask_of(input, p) (bernoulli(1 - p)), scaled by
+    1 / (1 - p) as torch's dropout; the alpha dropouts and a dropout off (p = 0, not training) run as they are."""
+    names = ("input", "p", "training", "inplace") if func is not torch.dropout else ("input", "p", "train")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x, p = bound["input"], float(bound.get("p", 0.5))
+    training = bound.get("training", bound.get("train", True))
+    if func in (F.alpha_dropout, F.feature_alpha_dropout) or not training or p == 0.0:
+        return func(*args, **kwargs)
+    if func is not F.dropout and func is not torch.dropout:  # channel dropouts: one draw per channel of an example
+        keep = mask_of(x.new_empty(*x.shape[:2], *(1,) * (x.dim() - 2)), p)
+    else:
+        keep = mask_of(x, p)
+    scale = keep.to(x.dtype) / (1 - p) if p < 1 else keep.to(x.dtype) * 0
+    return x.mul_(scale) if bound.get("inplace", False) else x * scale
+
+
+class _Refused(Exception):
+    """A replay whose numbers would not be the example's own: the step is refused with this reason."""
 
 
 def refuse_step_in_backward(reason, buffers):

@@ -40,7 +40,7 @@ import operator
 
 import torch
 
-from nanogns.core import layout, uses
+from nanogns.core import layout, trees, uses
 
 try:
     from torch.distributed.tensor import DTensor
@@ -253,7 +253,7 @@ class PerExampleNormLayer:
             )
         if all(b is None for b in buffers):
             return None, tuple(buffers)
-        return rows_or_refuse(x, tuple(buffers), params, lookup)
+        return rows_or_refuse(x, tuple(buffers), params, lookup, module=self)
 
 
 SHARED_INPUT = (
@@ -263,12 +263,14 @@ SHARED_INPUT = (
 )
 
 
-def rows_or_refuse(x, buffers, params=(), lookup=False):
+def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     """(Rows of the rows of input `x` (a tensor, or its shape), buffers), or (None, Nones) after refusing the step
     when they cannot be mapped to examples (layout.py), or when a parameter is sharded by tensor parallelism.
     A table shared by the examples (core/shared.py) gives (None, Nones) without refusing: the layer computes
     plainly, and the table follows its parameters; ids with one row for every example give Rows 'shared' when
-    `lookup` (an Embedding then looks up a table)."""
+    `lookup` (an Embedding then looks up a table), as do ids the forward did not compute from its example inputs
+    (layout.looks_up_a_table). A layer `module` whose rows cannot be mapped refuses the step only when a gradient
+    reaches its output (PEFT's DoRA runs its LoRA layers on an identity matrix for a norm it detaches)."""
     if DTensor is not None and any(map(isinstance, params, itertools.repeat(DTensor))):  # FSDP2 all-gathers its
         refuse_step(  # shards into plain tensors before a forward: a DTensor here is tensor parallelism
             f"its parameters are sharded by tensor parallelism (a DTensor in the forward): {TENSOR_PARALLEL}", buffers
@@ -277,15 +279,42 @@ def rows_or_refuse(x, buffers, params=(), lookup=False):
     if getattr(type(x), "pe_shared", False) or layout.replaying():  # a table, or a module's replay (replay.py)
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
-    rows = layout.rows_for(shape)
+    if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
+        return layout.Rows("shared", layout.current().examples), tuple(None for _ in buffers)
+    rows = (lookup and layout.untold_ids(shape)) or layout.rows_for(shape)
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)
         reason = rows if isinstance(rows, str) else SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
-        refuse_step(reason, buffers)
+        # (a module called with hooks runs those registered during its forward; adopt() gives every converted one)
+        hooked = module is not None and (module._forward_pre_hooks or module._forward_hooks)
+        if hooked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            refuse_when_gradient_arrives(module, reason, buffers)
+        else:
+            refuse_step(reason, buffers)
         return None, tuple(None for _ in buffers)
     layout.note_uses(buffers)
     return rows, buffers
+
+
+def refuse_when_gradient_arrives(module, reason, buffers):
+    """Refuse the step for `buffers` when a gradient reaches the output of this call of `module` (a call whose output
+    is detached, or unused, leaves the step measured). A hook on the module, for this one call."""
+
+    def refuse(grad):
+        with torch.no_grad():
+            for buffer in buffers:
+                if buffer is not None:
+                    buffer[..., 1] = math.nan
+        layout.note_refusal(reason, buffers)
+
+    def hook(module, args, output):
+        handle.remove()
+        found = next((t for t in trees.leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if found is not None:
+            on_output_grad(found, refuse)
+
+    handle = module.register_forward_hook(hook)
 
 
 def refuse_step(reason, buffers):

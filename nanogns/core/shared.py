@@ -23,11 +23,19 @@ How a table is known: it is a SharedRows tensor, a torch.Tensor subclass that fo
 (__torch_function__): an op on tables, constants and parameters gives a table (the parameters join its sources);
 an op meeting the examples' data (dim 0 holding the forward's N examples) is where the copies are made:
 elementwise broadcasts and matmuls, Tensor.expand(N, ...), Tensor.repeat(N, ...) (DeBERTa), the attention mask of
-scaled_dot_product_attention. Any other meeting, or data whose examples cannot be told apart (dim 0 neither 1 nor
-N: Swin's windows), refuses the step with the op named. Tables start where a layer of a kind is handed one: an
-Embedding looking up ids with one row for N examples (GPT-2's and BERT's default positions, CLIP's), an Embedding
-its parent feeds a table (T5's relative_attention_bias), or a layer whose input is a parameter itself (DeBERTa's
-LayerNorm of its relative embeddings); layers running on a table compute plainly.
+scaled_dot_product_attention. Which part of the table an example gets is torch's broadcasting's: where the table's
+dim aligned with the data's example dim has size 1 (or the table has no such dim), every example gets all of it, a
+copy each; where it has size N, example i gets slice i (no copies: a table of one row per example, per-example ids
+looked up without the examples' tag, core/layout.py), so no decision rests on sizes that happen to match. The data's
+dim 0 may hold items of the examples (their choices, windows, a tower's images: layout.Items): the copies are then
+per item, and an example's gradient its items' sum. Any other meeting refuses the step with the op named. A table
+that is an Embedding's lookup met as it is is looked up again for each example (the Embedding kind's own
+per-example norms, no pull-back).
+
+Tables start where a layer of a kind is handed one: an Embedding looking up ids the forward did not compute from
+its example inputs (positions from torch.arange, as one (1, T) row or (T,); GPT-2's, BERT's, CLIP's and nanoGPT's
+default positions), an Embedding its parent feeds a table (T5's relative_attention_bias), or a layer whose input is
+a parameter itself (DeBERTa's LayerNorm of its relative embeddings); layers running on a table compute plainly.
 
 Cost: the copies (N times the table, the size of the broadcast's result), and per meeting the batched backward of
 the table's computation, forming each example's gradient of its parameters (N x their elements).
@@ -36,9 +44,8 @@ the table's computation, forming each example's gradient of its parameters (N x 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils import _pytree as pytree
 
-from nanogns.core import layout, uses
+from nanogns.core import layout, trees, uses
 from nanogns.core.buffers import add_pe_sqnorm
 
 # ops where a table meets the examples' data, broadcast over them
@@ -76,6 +83,7 @@ _ELEMENTWISE = {
     torch.Tensor.matmul,
     torch.matmul,
 }
+_MATMUL = {torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.matmul}
 # queries through which no gradient flows: answered on the plain tensor
 _QUERIES = {
     torch.Tensor.size,
@@ -120,10 +128,15 @@ def table(t, sources):
     return out
 
 
-def lookup(ids, weight, padding_idx, buffer):
+def lookup(ids, weight, padding_idx, buffer, per_example=None):
     """F.embedding of ids shared by every example (one row for N examples, or a table of relative positions): a
-    table whose source is the embedding's weight."""
-    return table(F.embedding(ids, weight, padding_idx), [(weight, buffer)])
+    table whose source is the embedding's weight. per_example(ids, rows): the same lookup recording each example's
+    norms (the Embedding kind's); where the table itself meets the examples, each example's rows of it are then
+    looked up for it (no pull-back through the table, no N x V x D per-example gradients)."""
+    out = table(F.embedding(ids, weight, padding_idx), [(weight, buffer)])
+    if per_example is not None:
+        out._pe_lookup = (ids, per_example)
+    return out
 
 
 def parameters_as_tables(module, args):
@@ -152,24 +165,23 @@ def _run(func, args, kwargs):
 
 
 def _follow(func, args, kwargs):
-    flat = pytree.tree_leaves((args, kwargs))
+    flat = trees.leaves((args, kwargs))
     tables = [t for t in flat if isinstance(t, SharedRows)]
     sources = {}
     for t in tables:
         sources.update({id(p): (p, b) for p, b in t._pe_sources})
     current = layout.current()
     if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
-        return _run(func, *pytree.tree_map(_plain, (args, kwargs)))
-    N = current.examples
+        return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
     others = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, SharedRows)]
-    examples = [t for t in others if _is_data(t, N)]
-    meets = _meeting(func, args, kwargs, N)
+    meets = _meeting(func, args, kwargs)
     if meets is not None:  # Tensor.expand(N, ...), Tensor.repeat(N, ...): copies made here
         return meets(sources)
-    if examples:
+    data = [(t, items) for t in others for items in (_items(t),) if items is not None]
+    if data:
         if func in _ELEMENTWISE or func is F.scaled_dot_product_attention:
-            rank, rows = max((t.dim(), t.shape[0]) for t in examples)
-            return _at_meeting(func, args, kwargs, N, rank, sources, rows // N)
+            t, items = max(data, key=lambda found: found[0].dim())
+            return _at_meeting(func, args, kwargs, items, t.dim(), sources)
         return _refused(func, args, kwargs, sources, "meets the examples' data there")
     data = [t for t in others if t.requires_grad and not isinstance(t, nn.Parameter)]
     if data:
@@ -178,68 +190,101 @@ def _follow(func, args, kwargs):
             args,
             kwargs,
             sources,
-            f"meets data of shape {tuple(data[0].shape)}, whose dim 0 is not the {N} examples",
+            f"meets data of shape {tuple(data[0].shape)}, whose dim 0 is not the {current.examples} examples",
         )
     for p in others:
         if isinstance(p, nn.Parameter) and p.requires_grad:
             sources[id(p)] = (p, layout.current_pass().mapper.buffer_of(p))
-    out = _run(func, *pytree.tree_map(_plain, (args, kwargs)))
-    return pytree.tree_map(lambda t: table(t, sources.values()) if isinstance(t, torch.Tensor) else t, out)
+    out = _run(func, *trees.map_leaves(_plain, (args, kwargs)))
+    return trees.map_leaves(lambda t: table(t, sources.values()) if isinstance(t, torch.Tensor) else t, out)
 
 
-def _is_data(t, N):
-    """True for the examples' data: dim 0 holds the N examples (with one example, a tensor carrying gradients);
-    inside a layer splitting its examples into windows (layout.WINDOWED), k windows of each."""
-    if t.dim() == 0 or (t.shape[0] != N and not (layout.in_windows() and t.shape[0] % N == 0)):
-        return False
-    return N != 1 or (t.requires_grad and not isinstance(t, nn.Parameter))
+def _items(t):
+    """The Items of t when it is the examples' data (its dim 0 holds the forward's examples, or their choices,
+    windows, images...; with one example, a tensor carrying gradients), else None."""
+    if t.dim() == 0:
+        return None
+    items = layout.items_of(t.shape[0])
+    if items is None or (items.count == 1 and not (t.requires_grad and not isinstance(t, nn.Parameter))):
+        return None
+    return items
 
 
-def _meeting(func, args, kwargs, N):
-    """A thunk making the copies for Tensor.expand / Tensor.repeat of a table over the N examples, else None."""
+def _meeting(func, args, kwargs):
+    """A thunk making the copies for Tensor.expand / Tensor.repeat of a table over the examples' items, else None."""
     if func not in (torch.Tensor.expand, torch.Tensor.repeat) or not isinstance(args[0], SharedRows) or kwargs:
         return None
     s = args[0]
     sizes = tuple(args[1]) if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else tuple(args[1:])
-    if func is torch.Tensor.expand and len(sizes) == s.dim() and sizes[0] == N and s.shape[0] == 1:
-        return lambda sources: _copies(s, N, s.dim(), sources).expand(N, *sizes[1:])
-    if func is torch.Tensor.repeat and len(sizes) == s.dim() and sizes[0] == N:
-        rest = sizes[1:]  # repeat(N, ...): N copies of the table, one after the other on dim 0
-        return lambda sources: _copies(s, N, s.dim() + 1, sources).flatten(0, 1).repeat(1, *rest)
+    items = layout.items_of(sizes[0]) if sizes and isinstance(sizes[0], int) else None
+    if items is None or len(sizes) != s.dim():
+        return None
+    count = items.count
+    if func is torch.Tensor.expand and s.shape[0] == 1:
+        return lambda sources: _copies(s, items, (count, *s.shape[1:]), sources).expand(count, *sizes[1:])
+    if func is torch.Tensor.repeat:  # repeat(N, ...): N copies of the table, one after the other on dim 0
+        rest = sizes[1:]
+        return lambda sources: _copies(s, items, (count, *s.shape), sources).flatten(0, 1).repeat(1, *rest)
     return None
 
 
-def _at_meeting(func, args, kwargs, N, rank, sources, windows=1):
-    """Run func with every table replaced by its N per-example copies, shaped to broadcast as the table did
-    against operands of `rank` dims holding the examples on dim 0 (each example's `windows` rows, one after the
-    other, sharing its copy)."""
-    for t in pytree.tree_leaves((args, kwargs)):
-        if isinstance(t, SharedRows) and t.dim() == rank and t.shape[0] == N * windows and N != 1:
-            why = f"its dim 0 has {t.shape[0]} rows, as the examples' data: the two cannot be told apart"
+def _at_meeting(func, args, kwargs, items, rank, sources):
+    """Run func with every table given to the examples as torch's broadcasting gives it against operands of `rank`
+    dims holding the items on dim 0: the table's dim aligned with that dim decides. None or size 1: each item gets
+    all of it (copies, one per item); size `items.count`: each item its own slice (its gradient is that item's)."""
+    count = items.count
+    for t in trees.leaves((args, kwargs)):
+        if not isinstance(t, SharedRows):
+            continue
+        aligned = t.dim() - rank  # the table's dim aligned with the data's dim 0 (negative: none)
+        if aligned > 0 or (func in _MATMUL and (rank < 3 or (aligned == 0 and t.dim() <= 2))):
+            why = f"is broadcast there in a way per-example copies cannot follow (shape {tuple(t.shape)})"
             return _refused(func, args, kwargs, sources, why)
 
-    def copies(t):
-        found = _copies(t, N, rank, sources)
-        if windows == 1:
-            return found
-        return found.unsqueeze(1).expand(N, windows, *found.shape[1:]).flatten(0, 1)
+    def given(t):
+        if not isinstance(t, SharedRows):
+            return t
+        aligned = t.dim() - rank
+        if aligned == 0 and t.shape[0] == count and count != 1:
+            return _sliced(t, items, sources)
+        if aligned == 0 and t.shape[0] == 1:
+            return _copies(t, items, (count, *t.shape[1:]), sources)
+        if aligned == 0:
+            return t.as_subclass(torch.Tensor)  # torch's own error: it does not broadcast
+        return _copies(t, items, (count,) + (1,) * (-aligned - 1) + tuple(t.shape), sources)
 
-    args, kwargs = pytree.tree_map(lambda t: copies(t) if isinstance(t, SharedRows) else t, (args, kwargs))
+    args, kwargs = trees.map_leaves(given, (args, kwargs))
     return _run(func, args, kwargs)
 
 
-def _copies(s, N, rank, sources):
-    """(N, ...) copies of table s, right-aligned to broadcast as s did against `rank`-dim operands."""
+def _note_uses(sources):
+    """Each meeting is a use of every parameter the table was computed from (core/uses.py)."""
     current = layout.current_pass()
     buffers = [b for _, b in sources.values() if b is not None]
     if current is not None:
-        current.note_uses(buffers)  # each meeting is a use of every parameter the table was computed from
+        current.note_uses(buffers)
+
+
+def _copies(s, items, shape, sources):
+    """(count, ...) copies of table s, shaped `shape` to broadcast as s did against the items' operands."""
+    _note_uses(sources)
+    found = getattr(s, "_pe_lookup", None)
+    if found is not None:  # a lookup met as it is: each item's rows looked up for its example
+        ids, per_example = found
+        ids = ids.reshape((1,) * (len(shape) - 1 - ids.dim()) + tuple(ids.shape)).expand(shape[:-1])
+        return per_example(ids, items.rows(ids.shape))
     plain = s.as_subclass(torch.Tensor)
-    if plain.dim() == rank and plain.shape[0] == 1:
-        shape = (N, *plain.shape[1:])
-    else:
-        shape = (N,) + (1,) * max(0, rank - 1 - plain.dim()) + tuple(plain.shape)
-    return ExampleCopies.apply(plain, shape, tuple(sources.values()))
+    return ExampleCopies.apply(plain, shape, items, tuple(sources.values()))
+
+
+def _sliced(t, items, sources):
+    """t, whose dim 0 holds one slice per item: each item's gradient of it is its own slice's."""
+    _note_uses(sources)
+    found = getattr(t, "_pe_lookup", None)
+    if found is not None and found[0].dim() + 1 == t.dim():  # a lookup of the items' own ids
+        ids, per_example = found
+        return per_example(ids, items.rows(ids.shape))
+    return SlicedTable.apply(t.as_subclass(torch.Tensor), items, tuple(sources.values()))
 
 
 def _refused(func, args, kwargs, sources, why):
@@ -254,34 +299,63 @@ def _refused(func, args, kwargs, sources, why):
             "example's own gradient of it can be told apart",
             buffers,
         )
-    return _run(func, *pytree.tree_map(_plain, (args, kwargs)))
+    return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
 
 
 class ExampleCopies(torch.autograd.Function):
-    """copies(table (plain), shape (N, ...), sources) -> the table's N copies; backward records each example's
-    gradient of the sources (pulled back through the table's computation, batched over the examples) and returns
-    the table's gradient, the copies' sum."""
+    """copies(table (plain), shape (count, ...), items, sources) -> the table's copies, one per item; backward
+    records each example's gradient of the sources (its items' copies' gradients summed, pulled back through the
+    table's computation, batched over the examples) and returns the table's gradient, the copies' sum."""
 
     @staticmethod
-    def forward(ctx, plain, shape, sources):
+    def forward(ctx, plain, shape, items, sources):
         ctx.save_for_backward(plain)
-        ctx.sources, ctx.table_shape = sources, plain.shape
+        ctx.sources, ctx.table_shape, ctx.items = sources, plain.shape, items
         return plain.reshape(1, *shape[1:]).expand(shape).clone()  # a copy: an output may not be a view of an input
 
     @staticmethod
     def backward(ctx, grad):
         (plain,) = ctx.saved_tensors
-        N = grad.shape[0]
-        per_example = grad.reshape(N, *ctx.table_shape)
-        recorded = [(p, b) for p, b in ctx.sources if b is not None and p.requires_grad]
-        if recorded:
-            grads = _pulled_back(plain, [p for p, _ in recorded], per_example)
-            for (param, buffer), g in zip(recorded, grads):
-                g = torch.zeros(N, *param.shape, dtype=grad.dtype, device=grad.device) if g is None else g
-                if not uses.hand_over(buffer, lambda g=g: uses.DenseFactor(g)):
-                    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-                    add_pe_sqnorm(buffer, g.flatten(1).pow(2).sum(1, dtype=dtype))
-        return per_example.sum(0), None, None
+        per_item = grad.reshape(grad.shape[0], *ctx.table_shape)
+        _record(plain, ctx.sources, ctx.items.to_examples(per_item))
+        return per_item.sum(0), None, None, None
+
+
+class SlicedTable(torch.autograd.Function):
+    """sliced(table (plain), items, sources) -> the table (a copy), whose dim 0 holds one slice per item; backward
+    records each example's gradient of the sources: its items' slices of the table's gradient (the rest zero),
+    pulled back through the table's computation."""
+
+    @staticmethod
+    def forward(ctx, plain, items, sources):
+        ctx.save_for_backward(plain)
+        ctx.sources, ctx.items = sources, items
+        return plain.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (plain,) = ctx.saved_tensors
+        count = grad.shape[0]
+        per_item = grad.new_zeros(count, *grad.shape)
+        index = torch.arange(count, device=grad.device)
+        per_item[index, index] = grad
+        _record(plain, ctx.sources, ctx.items.to_examples(per_item))
+        return grad, None, None
+
+
+def _record(plain, sources, per_example):
+    """Record each example's gradient of the sources, per_example (N, *table shape) pulled back through the
+    table's computation."""
+    recorded = [(p, b) for p, b in sources if b is not None and p.requires_grad]
+    if not recorded:
+        return
+    N = per_example.shape[0]
+    grads = _pulled_back(plain, [p for p, _ in recorded], per_example)
+    for (param, buffer), g in zip(recorded, grads):
+        g = torch.zeros(N, *param.shape, dtype=per_example.dtype, device=per_example.device) if g is None else g
+        if not uses.hand_over(buffer, lambda g=g: uses.DenseFactor(g)):
+            dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+            add_pe_sqnorm(buffer, g.flatten(1).pow(2).sum(1, dtype=dtype))
 
 
 def _pulled_back(table_tensor, params, per_example):

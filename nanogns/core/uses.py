@@ -228,10 +228,10 @@ def _uses(this, address):
 
 def multiple(buffer):
     """True in a use's backward when the forward used this buffer's tensor more than once: the use must then hand
-    its factor to `add` instead of recording its own norms."""
+    its factor to `add` instead of recording its own norms. Asked only in a backward function."""
     if buffer is None or torch.compiler.is_compiling():
         return False
-    this = layout.current_pass()
+    this = layout.backward_pass()
     if this is None or not this.uses:
         return False
     this.backward_seen = True

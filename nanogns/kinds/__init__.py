@@ -21,6 +21,7 @@ from nanogns.kinds import (  # noqa: F401  (each import registers its kind)
     embedding,
     experts,
     experts_dbrx,
+    experts_dense,
     layernorm,
     linear,
     rmsnorm,

@@ -68,7 +68,7 @@ class PerExampleMultiheadAttention(PerExampleNormLayer):
         is_causal=False,
     ):
         batched = query.dim() == 3
-        if not batched or not torch.is_grad_enabled():  # unbatched input has no examples; no gradients: torch's own
+        if not batched or not torch.is_grad_enabled() or layout.replaying():  # no examples, no gradients, a replay
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
@@ -100,7 +100,7 @@ class PerExampleMultiheadAttention(PerExampleNormLayer):
         add their norms' sums); Nones for rows that cannot be mapped (step refused)."""
         buffers = [self.pe_buffer_of(self, name) for name, _ in self.named_parameters(recurse=False)]
         buffers += [self.pe_buffer_of(self.out_proj, name) for name in ("weight", "bias")]
-        found = [layout.rows_for(t.shape) for t in (query, key)]
+        found = [layout.rows_for(t.shape, batch_first=True) for t in (query, key)]  # (transposed to batch first)
         reasons = [r for r in found if isinstance(r, str)]
         if reasons:
             refuse_step(reasons[0], buffers)

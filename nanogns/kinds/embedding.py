@@ -154,19 +154,26 @@ class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
             return layout.Rows("shared", 0), tuple(None for _ in param_names)
         return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names, lookup=True)  # rows: the ids themselves
 
+    def pe_lookup(self, ids):
+        """(ids untagged, Rows, weight buffer, the table when the lookup is one the examples share (else None))."""
+        rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
+        ids = layout.untagged(ids)
+        return ids, rows, weight_buffer, self.pe_shared_lookup(ids, rows)
+
     def pe_shared_lookup(self, ids, rows):
         """A table shared by the examples (core/shared.py) when the ids are one for all examples, else None."""
         if rows is None or rows.kind != "shared":
             return None
-        return shared.lookup(ids, self.weight, self.padding_idx, self.pe_buffer("weight"))
+        weight, padding_idx, buffer = self.weight, self.padding_idx, self.pe_buffer("weight")
+        per_example = lambda ids, rows: embedding(ids, weight, padding_idx, buffer, rows)  # noqa: E731
+        return shared.lookup(ids, weight, padding_idx, buffer, per_example)
 
 
 class ShimEmbedding(_EmbeddingBase):
     """nn.Embedding whose backward also records per-example norms of the weight gradient."""
 
     def forward(self, ids):
-        rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
-        table = self.pe_shared_lookup(ids, rows)
+        ids, rows, weight_buffer, table = self.pe_lookup(ids)
         if table is not None:
             return table
         out = F.embedding(ids, self.weight, self.padding_idx)
@@ -180,8 +187,7 @@ class PerExampleEmbedding(_EmbeddingBase):
     """nn.Embedding whose backward scatters the weight gradient and records per-example norms."""
 
     def forward(self, ids):
-        rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
-        table = self.pe_shared_lookup(ids, rows)
+        ids, rows, weight_buffer, table = self.pe_lookup(ids)
         if table is not None:
             return table
         out = embedding(ids, self.weight, self.padding_idx, weight_buffer, rows)

@@ -71,7 +71,7 @@ class PerExampleExperts(PerExampleNormLayer):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         names = [name for name, _ in self.named_parameters(recurse=False)]
         buffers = [self.pe_buffer(name) for name in names]
-        rows = layout.rows_for(hidden_states.shape)
+        rows = layout.rows_for(hidden_states.shape) if not layout.replaying() else None  # (a replay: plain)
         if isinstance(rows, str):
             refuse_step(rows, buffers)
             rows = None

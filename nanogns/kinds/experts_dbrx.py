@@ -62,7 +62,7 @@ class PerExampleDbrxExperts(PerExampleNormLayer):
         batch_size = hidden_states.shape[0]
         hidden_states = hidden_states.reshape(-1, self.hidden_size)
         buffers = [self.pe_buffer(name) for name in BANKS]
-        rows = layout.rows_for(hidden_states.shape)
+        rows = layout.rows_for(hidden_states.shape) if not layout.replaying() else None  # (a replay: plain)
         if isinstance(rows, str):
             refuse_step(rows, buffers)
             rows = None

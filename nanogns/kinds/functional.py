@@ -44,7 +44,7 @@ from torch import Tensor
 
 from nanogns.core import registry, shared
 from nanogns.core.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
-from nanogns.core.layout import Rows
+from nanogns.core.layout import Rows, untagged
 from nanogns.core.tied import note_embedding, note_head
 from nanogns.kinds import embedding as embedding_kind
 from nanogns.kinds import layernorm as layernorm_kind
@@ -109,9 +109,11 @@ def embedding(
     """F.embedding(ids, weight, padding_idx) (no max_norm), recording per-example norms of the weight gradient."""
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]  # F.embedding's convention
-    rows, (buffer,) = rows_or_refuse((*ids.shape, 1), (weight_buffer,), (weight,), lookup=True)
+    rows, (buffer,) = rows_or_refuse(ids.unsqueeze(-1), (weight_buffer,), (weight,), lookup=True)
+    ids = untagged(ids)
     if rows is not None and rows.kind == "shared":  # one row of ids for every example: a table they share
-        return shared.lookup(ids, weight, padding_idx, weight_buffer)
+        per_example = lambda ids, rows: embedding_kind.embedding(ids, weight, padding_idx, weight_buffer, rows)  # noqa: E731
+        return shared.lookup(ids, weight, padding_idx, weight_buffer, per_example)
     out = embedding_kind.embedding(ids, weight, padding_idx, buffer, rows)
     out = note_embedding(buffer, ids, rows, out)
     return out

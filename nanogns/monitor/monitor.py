@@ -52,6 +52,10 @@ if TYPE_CHECKING:
     import pandas
 
 APPROX_PREFIX = "train/sogns/"  # log columns of approximate (SOGNS) norms
+# mean_i ||g_i||^2 >= ||mean_i g_i||^2 for any examples (Jensen): a measurement further below than rounding (bf16
+# gradients, float32 buffers) can reach is no measurement, and its step is refused naming the parameter
+IMPOSSIBLE_TOLERANCE = 2e-2
+NUMERICALLY_ZERO = 1e-30  # a squared gradient norm below it is zero (its per-example sums underflow in float32)
 
 
 class LogSink(Protocol):
@@ -228,6 +232,8 @@ class GNSMonitor:
             usable[i] = self._usable(
                 tracked[i], grad_sq[i], counts[i], batch_size, no_grad, some_counted_batch_size, exact
             )
+        if exact:
+            self._check_possible(names, usable, grad_sq / scales[0] ** 2, pe_sqnorm / scales[1] ** 2)
         step = self.step_count - 1
         return [
             Measurement(
@@ -236,6 +242,27 @@ class GNSMonitor:
             for name, norm, rms_pe_norm, measured in zip(names, norms.tolist(), rms_pe_norms.tolist(), usable.tolist())
             if measured
         ]
+
+    def _check_possible(self, names, measured, norm_sq, pe_sqnorm):
+        """Refuse the step, naming the parameter, when a measurement has mean_i ||g_i||^2 below ||mean_i g_i||^2,
+        which no examples can give (Jensen): part of its gradient came from a use its layer did not record."""
+        with np.errstate(invalid="ignore"):
+            impossible = (
+                measured
+                & (pe_sqnorm < (1 - IMPOSSIBLE_TOLERANCE) * norm_sq)
+                & (norm_sq >= NUMERICALLY_ZERO)  # (a key projection's bias: its float32 sums underflow)
+                & np.isfinite(norm_sq)
+                & np.isfinite(pe_sqnorm)
+            )
+        if impossible.any():
+            i = int(np.flatnonzero(impossible)[0])
+            raise ValueError(
+                f"GNS: {names[i]}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
+                f"{pe_sqnorm[i]:.4g}, below ||mean_i g_i||^2 = {norm_sq[i]:.4g}, which no examples can give: its "
+                "gradient comes in part from a use its layer did not record (code outside the module's forward "
+                "reading the parameter, a hook changing the gradient). Leave it out of convert() (exclude=[its "
+                "module]) or call functional.py's per-example functions where it is used"
+            )
 
     def _usable(self, entry, grad_sq, count, batch_size, no_grad, some_counted_batch_size, exact):
         """Whether an entry whose count is not batch_size, or that has no gradient or was dropped, is measured this
