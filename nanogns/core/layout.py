@@ -101,6 +101,8 @@ class Rows:
         """t (rows..., D) as (N, P, D): example i's rows in t[i], zero rows padding a ragged layout."""
         D = t.shape[-1]
         if self.kind == "dim0":
+            if t.dim() == 3 and t.shape[0] == self.examples:  # (N, T, D) already: no view to dispatch
+                return t
             return t.reshape(self.examples, -1, D)
         if self.kind == "flat":
             return t.reshape(self.examples, self.positions, D)
