@@ -281,7 +281,7 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     shape = x.shape if isinstance(x, torch.Tensor) else x
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return layout.Rows("shared", layout.current().examples), tuple(None for _ in buffers)
-    rows = (lookup and layout.untold_ids(shape)) or layout.rows_for(shape)
+    rows = (lookup and layout.untold_ids(shape)) or layout.rows_for(shape, module=module)
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)

@@ -372,6 +372,7 @@ class Pass:
         self.groups = {}  # {buffer's data_ptr: SharedTensor}
         self.scopes = []  # where layers run now, innermost last: WINDOWS, SEQUENCE_FIRST, a Tower
         self.rows = {}  # {(input shape, scope): its Rows, or why none}: the Layout's answer, once per forward
+        self.module_scopes = {}  # {id(layer): the scope it ran in}, for a recompute in backward (rows_for)
         self.backward_seen = False  # a layer's backward asked about this pass's uses (uses.py)
         self.interleaved = False  # it began before the backward of an earlier forward with tensors used twice
         if counting:
@@ -466,14 +467,23 @@ def collecting():
         _collectors.remove(mapper)
 
 
-def rows_for(shape, batch_first=False):
+def rows_for(shape, batch_first=False, module=None):
     """Rows of an input of `shape` under the current layout (dim 0 when none is set), or why it cannot be mapped.
     batch_first: the layer has put its input's examples on dim 0 itself (nn.MultiheadAttention with
-    batch_first=False transposes its (T, N) input): no sequence-first scope applies."""
+    batch_first=False transposes its (T, N) input): no sequence-first scope applies. module: the layer asking;
+    the scope it ran in during the forward is kept, so that a recompute in backward (activation checkpointing of
+    one block, whose recompute never enters the scope's module: a vision tower's, a sequence-first one) maps its
+    rows as the forward did."""
     found = current_pass()
     if found is None or found.layout is None:
         return Rows("dim0", shape[0] if len(shape) > 1 else 1)
     scope = found.scopes[-1] if found.scopes else None
+    if module is not None:
+        if _active:  # the forward (a recompute runs after it, in backward, with no root forward running)
+            if scope is not None:
+                found.module_scopes[id(module)] = scope
+        elif scope is None:
+            scope = found.module_scopes.get(id(module))
     if batch_first and scope is SEQUENCE_FIRST:
         scope = None
     if torch.compiler.is_compiling():  # (a traced forward's shapes are symbolic: a dict of them, a guard each)
