@@ -578,6 +578,44 @@ def test_rows_mapped_by_provenance_whatever_the_sizes(layout):
     assert_exact(model, loss_of, n, parts)
 
 
+class PositionsFromTheIdsDtype(nn.Module):
+    """A user's language model whose learned positions are looked up with ids made from the input ids' dtype or
+    shape only: a table, whatever the sizes."""
+
+    def __init__(self, how, D=8):
+        super().__init__()
+        self.how = how
+        self.tokens, self.positions, self.head = nn.Embedding(V, D), nn.Embedding(16, D), nn.Linear(D, V)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        if self.how == "type_as":
+            positions = torch.arange(T).type_as(ids)
+        elif self.how == "new_tensor":
+            positions = ids.new_tensor(list(range(T)))
+        elif self.how == "ones_like of one example":
+            positions = torch.ones_like(ids[0]).cumsum(0) - 1
+        else:  # expanded to (B, T)
+            positions = torch.arange(T).type_as(ids).expand(B, T)
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(positions)))
+
+
+@pytest.mark.parametrize("how", ["type_as", "new_tensor", "ones_like of one example", "expanded"])
+@pytest.mark.parametrize("B, T", [(5, 5), (3, 5)])
+def test_positions_made_from_the_ids_dtype_are_a_table_whatever_the_sizes(how, B, T):
+    """`torch.arange(T).type_as(ids)`, `ids.new_tensor(...)`, `torch.ones_like(ids[0])`: they take the ids' dtype
+    or one example's shape, not the examples' ids, so the tag does not follow them. Before, they were tagged, and at
+    B == T their (T,) lookup was taken for the examples' rows: norms 13% off, silently."""
+    torch.manual_seed(0)
+    model = PositionsFromTheIdsDtype(how).double()
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+
+    def loss_of(part):
+        return F.cross_entropy(model(ids[part]).transpose(1, 2), ids[part], reduction="none").mean(1)
+
+    assert_exact(model, loss_of, B)
+
+
 # -----------------------------------------------------------------------------
 # the families, each exact
 

@@ -617,13 +617,55 @@ class ExampleIds(torch.Tensor):
     """Integer tensors computed from the forward's example inputs (its ids, and everything the model computes from
     them: views, shifted or masked ids, positions counted from them): every op taking one returns its integer and
     boolean results tagged too (__torch_function__), floating-point ones plain. An Embedding looking up tagged ids
-    looks up the examples' rows; one looking up untagged ids looks up a table (see the module docstring)."""
+    looks up the examples' rows; one looking up untagged ids looks up a table (see the module docstring).
+
+    Results that take only the ids' dtype, device or shape (`torch.arange(T).type_as(ids)`, `ids.new_tensor(...)`,
+    `torch.ones_like(ids)`) and those indexing one example out (`ids[0]`, `ids.select(0, i)`) are not the examples'
+    ids: they stay plain, so that a lookup of them is a table's, whatever the sizes (an untagged lookup is exact
+    either way: core/shared.py gives each example its rows of the table as torch broadcasts them)."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
+        if func in _NOT_FROM_THE_IDS or _takes_dtype_only(func, args) or _one_example_out(func, args, kwargs):
+            return out
         return trees.map_leaves(_tag, out)
+
+
+# ops whose result takes nothing from a tagged argument but its dtype, device or shape
+_NOT_FROM_THE_IDS = frozenset(
+    {
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.empty_like,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_tensor,
+    }
+)
+
+
+def _takes_dtype_only(func, args):
+    """x.type_as(ids) or x.to(ids) with x untagged: ids give their dtype and device only."""
+    return func in (torch.Tensor.type_as, torch.Tensor.to) and len(args) > 1 and not isinstance(args[0], ExampleIds)
+
+
+def _one_example_out(func, args, kwargs):
+    """ids[i] (an int first index) or ids.select(0, i): one example's ids, not the examples'."""
+    if func is torch.Tensor.__getitem__ and len(args) == 2:
+        index = args[1][0] if type(args[1]) is tuple and args[1] else args[1]
+        return type(index) is int
+    if func is torch.Tensor.select:
+        dim = kwargs.get("dim") if kwargs else (args[1] if len(args) > 1 else None)
+        return dim == 0
+    return False
 
 
 def _tag(t):

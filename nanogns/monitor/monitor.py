@@ -320,7 +320,10 @@ class GNSMonitor:
         return ValueError(
             f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
             f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
-            f"ranks, or the number of packed sequences)"
+            f"ranks, or the number of packed sequences); if {batch_size} is that number, the model's forward ran "
+            f"more than once for the same examples (each forward's rows count as examples of their own), and a loss "
+            f"that combines several forwards per example (chosen and rejected, as in DPO) has no per-example "
+            f"gradient this monitor can measure: do not pass the larger count"
         )
 
     def step(self, batch_size: Optional[int] = None, gradients_unscaled: bool = False) -> Dict[str, float]:

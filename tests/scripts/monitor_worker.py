@@ -138,7 +138,9 @@ def main(out_path, engine="ddp", n_layer="2"):
         with open(out_path, "w") as f:
             json.dump(result, f)
     if ddp:
-        del step_model  # gloo aborts at exit if a DDP model outlives its process group
+        # gloo aborts at exit ("terminate called without an active exception") if a DDP model, or a sharded
+        # model's DTensors (held by the model and both monitors), outlive its process group
+        del step_model, model, monitor, after
         import gc
 
         gc.collect()
