@@ -932,6 +932,30 @@ def test_replay_failures_name_their_true_cause(monkeypatch):
 # a parameter used outside its layer's forward
 
 
+def test_layers_run_without_the_model_s_forward_are_named_as_the_cause():
+    """A loop that calls a converted model's submodules itself (model.transformer(...), then model.lm_head) never
+    runs the model's forward, which tells the layers whose rows are whose: the step is refused naming that, and the
+    fix (before: the error blamed batch_size); calling the model itself is exact."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    ids = torch.randint(1, V - 12, (4, 4), generator=torch.Generator().manual_seed(1))
+    monitor = lc.convert(model)
+
+    def by_parts(part):
+        logits = model.lm_head(model.transformer(input_ids=ids[part]).last_hidden_state)
+        return next_token_losses(logits, ids[part])
+
+    with pytest.raises(ValueError, match=r"no forward of the converted model ran this step.*model\.transformer"):
+        measured(model, monitor, by_parts, [slice(0, 4)], 4)
+    zero_pe_sqnorm_buffers(model)
+    monitor.row_map.clear()
+    model.zero_grad(set_to_none=True)
+    assert_exact(
+        model, lambda part: next_token_losses(model(input_ids=ids[part]).logits, ids[part]), 4, monitor=monitor
+    )
+
+
 def test_an_impossible_pegn_is_refused_naming_the_parameter():
     """A weight also read by its parent's code (with a gradient) in a model built with the layer classes, not
     converted: its layer records part of its gradient only, and pegn^2 < norm^2 is refused, never logged."""

@@ -293,6 +293,7 @@ class RowMapper:
         # model freed before it destroys its process group
         self._buffers_of = {}  # {id(parameter): its buffer}
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
+        self.forwards = 0  # root forwards since the monitor's last read (none: the layers ran outside the model's)
 
     def note_refusal(self, reason, buffers):
         for buffer in buffers:
@@ -311,6 +312,7 @@ class RowMapper:
     def clear(self):
         self.refusals.clear()
         self.mixing.clear()
+        self.forwards = 0
 
     @property
     def model(self):
@@ -791,6 +793,7 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
             tagged = _tagged_inputs(args, kwargs)  # the examples' ids, tagged for the forward's layers
         inputs = tagged[1] if tagged is not None else kwargs
         this = Pass(found, mapper, torch.is_grad_enabled() and not recompute, tagged is not None, inputs)
+        mapper.forwards += 1
         if found is not None and this.counting:
             # the bookkeeping of uses runs eagerly only: a compiled backward sums no uses (the monitor then drops such
             # a tensor with its reason), and reading the last forward here would make Dynamo guard on it

@@ -317,6 +317,13 @@ class GNSMonitor:
                 f"See layout.py for the rows that can be mapped; for a layout of your own, pass "
                 f"layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
+        if self.row_map.forwards == 0:
+            return ValueError(
+                f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}), and no "
+                f"forward of the converted model ran this step: its layers were called by other code (a submodule "
+                f"called directly, such as model.transformer(...)), so no layer was told which rows are whose; call "
+                f"the converted model itself, or convert the module your code calls"
+            )
         return ValueError(
             f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
             f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
