@@ -404,27 +404,21 @@ def test_a_directory_in_use_is_refused_through_every_trainer_as_an_exception(tmp
 
 
 def test_no_module_of_the_package_exits_its_callers_process():
-    """Beside the refusals driven above: no `raise SystemExit`, sys.exit(), exit() or quit() in nanogns/ outside a
-    script's entry point (`if __name__ == "__main__":`, __main__.py)."""
+    """Beside the refusals driven above: no `raise SystemExit`, sys.exit(), exit() or quit() anywhere in nanogns/,
+    entry points included (the scripts at the checkout's root and the installed `nanogns-analysis` command, whose
+    wrapper pip writes, turn main()'s return code into the exit)."""
     import ast
 
     found = []
     for folder, _, names in os.walk(os.path.join(REPO, "nanogns")):
         for name in names:
-            if not name.endswith(".py") or name == "__main__.py":
+            if not name.endswith(".py"):
                 continue
             path = os.path.join(folder, name)
             with open(path) as f:
                 tree = ast.parse(f.read())
-            entry = {
-                id(n)
-                for top in tree.body
-                if isinstance(top, ast.If) and "__main__" in ast.unparse(top.test)
-                for n in ast.walk(top)
-            }
             for node in ast.walk(tree):
                 text = ast.unparse(node) if isinstance(node, (ast.Raise, ast.Call)) else ""
-                exits = text.startswith("raise SystemExit") or re.match(r"(sys\.exit|exit|quit)\(", text)
-                if exits and id(node) not in entry:
+                if text.startswith("raise SystemExit") or re.match(r"(sys\.exit|exit|quit)\(", text):
                     found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {text[:60]}")
     assert not found, found

@@ -1,5 +1,5 @@
 """
-`python gns-analysis.py OUT_DIR` (or `nanogns-analysis`, `python -m nanogns.analysis`): analyze_gns's results
+`python gns-analysis.py OUT_DIR` (or `nanogns-analysis`, the installed command): analyze_gns's results
 printed (report.py), plotted in the terminal and saved as PNGs, and written to gns_analysis.csv. See
 analyze.py's docstring for the numbers, and `--help` for the flags.
 """
@@ -232,7 +232,3 @@ def _write_csv(results, path):
             os.remove(path + ".tmp")
         e.filename = e.filename or path
         raise
-
-
-if __name__ == "__main__":
-    sys.exit(main())

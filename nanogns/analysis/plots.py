@@ -160,7 +160,3 @@ def main(argv=None):
         save_png(args.png, series, x_label=args.x, y_label=y_label)
         print(f"saved {args.png}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
