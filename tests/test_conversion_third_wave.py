@@ -375,22 +375,19 @@ def language_model_with(model, B, T):
     return model, lambda part: next_token_losses(model(ids[part]), ids[part])
 
 
+def tiny_bert_config(**options):
+    """One layer, width 16, no dropout."""
+    sizes = dict(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24)
+    return transformers.BertConfig(
+        **sizes, max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **options
+    )
+
+
 def bert_classifier_padded_by_the_collator(B):
     """BERT sequence classification on B sentences padded by DataCollatorWithPadding: the longest has B tokens, so
     the micro-batch's size is its padded length."""
-    config = transformers.BertConfig(
-        vocab_size=V,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=32,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
     torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(config).double()
+    model = transformers.BertForSequenceClassification(tiny_bert_config(num_labels=3)).double()
     gen = torch.Generator().manual_seed(1)
     sentences = [{"input_ids": torch.randint(1, V, (n,), generator=gen).tolist()} for n in [B] + [B - 1] * (B - 1)]
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer(), pad_token="[PAD]")
@@ -426,18 +423,8 @@ def gpt2(B, T):
 
 
 def multiple_choice(B, C, T):
-    config = transformers.BertConfig(
-        vocab_size=V,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
     torch.manual_seed(0)
-    model = transformers.BertForMultipleChoice(config).double()
+    model = transformers.BertForMultipleChoice(tiny_bert_config()).double()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, V, (B, C, T), generator=gen)
     answers = torch.randint(0, C, (B,), generator=gen)
@@ -936,9 +923,7 @@ def test_layers_run_without_the_model_s_forward_are_named_as_the_cause():
     """A loop that calls a converted model's submodules itself (model.transformer(...), then model.lm_head) never
     runs the model's forward, which tells the layers whose rows are whose: the step is refused naming that, and the
     fix (before: the error blamed batch_size); calling the model itself is exact."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=32, bos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).double().eval()
+    model, _ = gpt2(4, 4)
     ids = torch.randint(1, V - 12, (4, 4), generator=torch.Generator().manual_seed(1))
     monitor = lc.convert(model)
 
