@@ -314,22 +314,11 @@ def sweep(task, data):
     """critical_batch.sweep's grid, on this training: every fixed B, LR tuned with seeds[0], then the other seeds."""
     runs, grid = [], []
     for B in task.batch_sizes:
-        best, tried = None, list(task.lr_grid)
-        for mult in tried:
-            lr = cb.rule_lr(task, B) * mult
-            bound = min(task.max_steps, math.ceil(best["steps"]) + 1) if best else None
-            r = train(task, data, task.seeds[0], Fixed(B, lr), f"B={B} lr={lr:.2e}", bound)
-            r.update(B=B, lr=lr, mult=mult)
-            grid.append(r)
-            if r["reached"] and (best is None or r["steps"] < best["steps"]):
-                best = r
-            if mult == tried[-1] and best is not None:
-                lo, hi = min(tried), max(tried)
-                if best["mult"] == lo and lo > min(task.lr_grid) / 2**task.lr_extend:
-                    tried.append(lo / 2)
-                elif best["mult"] == hi and hi < max(task.lr_grid) * 2**task.lr_extend:
-                    tried.append(hi * 2)
-        best = best or grid[-1]
+        best, trials = cb.tune_lr(
+            task, B, lambda lr, bound: train(task, data, task.seeds[0], Fixed(B, lr), f"B={B} lr={lr:.2e}", bound)
+        )
+        grid += trials
+        best = best or trials[-1]
         runs.append(best)
         for seed in task.seeds[1:]:
             r = train(task, data, seed, Fixed(B, best["lr"]), f"B={B} lr={best['lr']:.2e}")

@@ -283,6 +283,28 @@ def fit_tradeoff(batch_sizes, steps):
     return dict(S_min=s_min, E_min=s_min * b_crit, B_crit=b_crit, rms=math.sqrt(mse))
 
 
+def tune_lr(task, B, run):
+    """The learning-rate grid at batch size B, seed 0: run(lr, bound) trains once (stopping after `bound` steps, the
+    best so far plus one, where given) and returns its result dict; the grid grows while the fastest is at an edge
+    (at most lr_extend more each way). Returns (the fastest run that reached the target or None, every trial), the
+    trials carrying 'B', 'lr' and 'mult'."""
+    best, tried, trials = None, list(task.lr_grid), []
+    for mult in tried:
+        lr = rule_lr(task, B) * mult
+        r = run(lr, min(task.max_steps, math.ceil(best["steps"]) + 1) if best else None)
+        r.update(B=B, lr=lr, mult=mult)
+        trials.append(r)
+        if r["reached"] and (best is None or r["steps"] < best["steps"]):
+            best = r
+        if mult == tried[-1] and best is not None:
+            lo, hi = min(tried), max(tried)
+            if best["mult"] == lo and lo > min(task.lr_grid) / 2**task.lr_extend:
+                tried.append(lo / 2)
+            elif best["mult"] == hi and hi < max(task.lr_grid) * 2**task.lr_extend:
+                tried.append(hi * 2)
+    return best, trials
+
+
 def sweep(task, data):
     """Every fixed batch size: the learning-rate grid with seeds[0], then the other seeds (where asked) at the
     fastest lr. Returns (runs, grid): result dicts with 'B' and 'lr', the kept ones and every grid trial."""
@@ -290,22 +312,15 @@ def sweep(task, data):
     seeded = set(task.seeded_batch_sizes or task.batch_sizes)
     for B in task.batch_sizes:
         fixed = lambda step, ex, gns, B=B: B  # noqa: E731
-        best, tried = None, list(task.lr_grid)
-        for mult in tried:  # grows while the best is at an edge (at most lr_extend more each way)
-            lr = rule_lr(task, B) * mult
-            bound = min(task.max_steps, math.ceil(best["steps"]) + 1) if best else None
-            r = train_to_target(task, data, task.seeds[0], fixed, lambda b, lr=lr: lr, f"B={B} lr={lr:.2e}", bound)
-            r.update(B=B, lr=lr, mult=mult)
-            grid.append(r)
-            if r["reached"] and (best is None or r["steps"] < best["steps"]):
-                best = r
-            if mult == tried[-1] and best is not None:
-                lo, hi = min(tried), max(tried)
-                if best["mult"] == lo and lo > min(task.lr_grid) / 2**task.lr_extend:
-                    tried.append(lo / 2)
-                elif best["mult"] == hi and hi < max(task.lr_grid) * 2**task.lr_extend:
-                    tried.append(hi * 2)
-        best = best or grid[-len(task.lr_grid)]
+        best, trials = tune_lr(
+            task,
+            B,
+            lambda lr, bound: train_to_target(
+                task, data, task.seeds[0], fixed, lambda b, lr=lr: lr, f"B={B} lr={lr:.2e}", bound
+            ),
+        )
+        grid += trials
+        best = best or trials[0]
         runs.append(best)
         for seed in task.seeds[1:] if B in seeded else ():
             r = train_to_target(task, data, seed, fixed, lambda b, lr=best["lr"]: lr, f"B={B} lr={best['lr']:.2e}")
