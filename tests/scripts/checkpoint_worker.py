@@ -7,6 +7,7 @@ columns as JSON; the one-process run adds the brute-force loop's numbers ("brute
     python tests/scripts/checkpoint_worker.py OUT.json
 """
 
+import gc
 import json
 import math
 import os
@@ -115,6 +116,10 @@ def main(out_path):
         with open(out_path, "w") as f:
             json.dump(result, f)
     if distributed:
+        # gloo aborts at exit ("terminate called without an active exception", seen under load) if the sharded
+        # model's DTensors, held by the model and the monitor, outlive the process group
+        del model, monitor
+        gc.collect()
         dist.destroy_process_group()
 
 
