@@ -249,7 +249,7 @@ def start_test_files():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") else []
     return subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *workers, *FUSED_TEST_FILES],
+        [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *workers, *FUSED_TEST_FILES],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -275,8 +275,8 @@ def finish_test_files(process, out=sys.stdout, timeout=None):
         f"{lines[-1] if lines else '(no output)'}",
         file=out,
     )
-    if process.returncode != 0:
-        print("\n".join(lines[-60:]), file=out)
+    if process.returncode != 0:  # pytest's summary of each failure, then the end of its output
+        print("\n".join([line for line in lines if line.startswith(("FAILED", "ERROR"))] + lines[-60:]), file=out)
     return [] if process.returncode == 0 else ["test files"]
 
 

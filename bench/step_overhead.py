@@ -126,11 +126,12 @@ def build(args, name):
         torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), generator=generator).to(args.device)
         for _ in range(ga)
     ]
-    graphs = None
+    graphs, break_reasons = None, []
     if args.compile == "True":  # what Dynamo makes of the model's forward: (graphs, graph breaks)
         with ctx:
             explained = torch._dynamo.explain(model)(*batches[0])
         graphs = (explained.graph_count, explained.graph_break_count)
+        break_reasons = list(dict.fromkeys(str(r.reason).splitlines()[0] for r in explained.break_reasons))
         torch._dynamo.reset()
     step_model = torch.compile(model) if args.compile == "True" else model
 
@@ -150,7 +151,7 @@ def build(args, name):
         if device_type == "cuda":
             torch.cuda.synchronize()
 
-    step.graphs = graphs
+    step.graphs, step.break_reasons = graphs, break_reasons
     return step
 
 
