@@ -33,8 +33,8 @@ import torch
 
 from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
-from nanogns.core import layout
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
+from nanogns.core.hooks import install
 from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
 from nanogns.estimator import RunningGNS
 from nanogns.runlog.lock import RunLock
@@ -283,7 +283,7 @@ class LightningGNSCallback(LightningCallback):
         self.monitor = _monitor(pl_module, self.ema_decay, scaler, self.convert_options)
         for child in pl_module.children():  # the LightningModule's own forward is not called: its children's are
             if any(True for _ in child.parameters()):
-                layout.install(child, mapper=self.monitor.row_map)
+                install(child, mapper=self.monitor.row_map)
 
     def on_train_start(self, trainer, pl_module):
         self.close()  # (a log left open would be this process's own lock: closed at teardown and on_exception)

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.rowmaps import Items
 from nanogns.kinds import functional
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
@@ -323,7 +324,7 @@ def _sizes(args):
 def _items_of(dim0):
     """The Items a dim 0 of `dim0` rows holds in the running forward (outside one: that many examples)."""
     if layout.current() is None:
-        return layout.Items(dim0, dim0)
+        return Items(dim0, dim0)
     return layout.items_of(dim0)
 
 

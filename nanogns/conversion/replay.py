@@ -54,7 +54,9 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
+from nanogns.core.inputs import example_dim
 from nanogns.core.registry import own_class_name
+from nanogns.core.rowmaps import Items
 
 REPLAY_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 KIND = "Replayed"  # the layer kind recorded for its parameters (analysis group "Other")
@@ -339,7 +341,7 @@ def _units(args, kwargs, current):
     not)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
     if current is None:  # outside an installed model: dim 0 of its first input is the example
-        return (layout.Items(tensors[0].shape[0], tensors[0].shape[0]), None) if tensors else (None, "no input")
+        return (Items(tensors[0].shape[0], tensors[0].shape[0]), None) if tensors else (None, "no input")
     if current.packed is not None:
         return None, "its rows are packed sequences, which a replay per example cannot slice"
     floats = [t for t in tensors if t.is_floating_point()]
@@ -349,11 +351,11 @@ def _units(args, kwargs, current):
             return items, None
     N = current.examples
     for t in floats or tensors:  # (a module looking up ids takes integer inputs: PEFT's trainable tokens)
-        found = layout.example_dim(t, N)
+        found = example_dim(t, N)
         if isinstance(found, str):
             return None, found
         if found is not None or (N and t.shape[0] % N == 0 and t.shape[0] // N in current.lengths):
-            return layout.Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
+            return Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
     return None, f"none of its inputs has the forward's {N} examples (or their items) on a dim"
 
 
@@ -367,12 +369,12 @@ class _Rows:
 
 def _rows(t, units, lengths):
     """_Rows of a tensor with respect to the replay's units, or None (shared by every unit); _Ambiguous when two of
-    its dims could hold the examples and its history does not say which (layout.example_dim)."""
+    its dims could hold the examples and its history does not say which (example_dim)."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
     count = units.count
     if count == units.examples:  # the examples themselves: on whichever dim holds them (Gemma 3n stacks (K, N, ...))
-        found = layout.example_dim(t, count)
+        found = example_dim(t, count)
         if isinstance(found, str):
             raise _Ambiguous(found)
         if found is not None:

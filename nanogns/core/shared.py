@@ -27,7 +27,7 @@ scaled_dot_product_attention. Which part of the table an example gets is torch's
 dim aligned with the data's example dim has size 1 (or the table has no such dim), every example gets all of it, a
 copy each; where it has size N, example i gets slice i (no copies: a table of one row per example, per-example ids
 looked up without the examples' tag, core/layout.py), so no decision rests on sizes that happen to match. The data's
-dim 0 may hold items of the examples (their choices, windows, a tower's images: layout.Items): the copies are then
+dim 0 may hold items of the examples (their choices, windows, a tower's images: Items): the copies are then
 per item, and an example's gradient its items' sum. Any other meeting refuses the step with the op named. A table
 that is an Embedding's lookup met as it is is looked up again for each example (the Embedding kind's own
 per-example norms, no pull-back).

@@ -50,7 +50,7 @@ class _ForwardPass:
     """What one forward of the embedding leaves for the output layer: its ids per example and the carrier of P."""
 
     def __init__(self, ids, rows, carrier):
-        self.ids = ids  # (N, T) per example (layout.Rows)
+        self.ids = ids  # (N, T) per example (Rows)
         self.rows = rows
         self.carrier = carrier  # (N, T, D): its gradient is P (the head's tap returns it)
 

@@ -22,9 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import layout, shared, uses
+from nanogns.core import shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, on_output_grad
+from nanogns.core.ids import untagged
 from nanogns.core.registry import LayerKind, Probe, register
+from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding
 
 
@@ -151,13 +153,13 @@ class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
 
     def pe_rows_and_buffers(self, ids, *param_names):
         if self.__dict__.get("pe_shared_rows"):  # its parent feeds it a table shared by the examples (T5's buckets)
-            return layout.Rows("shared", 0), tuple(None for _ in param_names)
+            return Rows("shared", 0), tuple(None for _ in param_names)
         return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names, lookup=True)  # rows: the ids themselves
 
     def pe_lookup(self, ids):
         """(ids untagged, Rows, weight buffer, the table when the lookup is one the examples share (else None))."""
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
-        ids = layout.untagged(ids)
+        ids = untagged(ids)
         return ids, rows, weight_buffer, self.pe_shared_lookup(ids, rows)
 
     def pe_shared_lookup(self, ids, rows):

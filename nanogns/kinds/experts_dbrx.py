@@ -27,6 +27,7 @@ from nanogns.core.buffers import (
     register_pe_sqnorm_buffers,
 )
 from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.rowmaps import ragged
 from nanogns.kinds import functional
 
 BANKS = ("w1", "v1", "w2")
@@ -74,9 +75,7 @@ class PerExampleDbrxExperts(PerExampleNormLayer):
         w1, v1, w2 = (getattr(self.mlp, name).view(shape) for name in BANKS)
         for expert in hit:
             token_idx, top_k_pos = torch.where(top_k_index == expert)
-            expert_rows = (
-                None if rows is None else layout.ragged(example_of_token[token_idx], rows.examples, counted=False)
-            )
+            expert_rows = None if rows is None else ragged(example_of_token[token_idx], rows.examples, counted=False)
 
             def linear(x, weight, name):
                 if rows is None:

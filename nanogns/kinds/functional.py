@@ -44,7 +44,8 @@ from torch import Tensor
 
 from nanogns.core import registry, shared
 from nanogns.core.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
-from nanogns.core.layout import Rows, untagged
+from nanogns.core.ids import untagged
+from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding, note_head
 from nanogns.kinds import embedding as embedding_kind
 from nanogns.kinds import layernorm as layernorm_kind
@@ -89,7 +90,7 @@ def linear(
     rows: Optional[Rows] = None,
 ) -> Tensor:
     """F.linear(x, weight, bias), weight (out, in), recording per-example norms of weight and bias gradients.
-    rows: which example each row of x belongs to (layout.Rows), when the layer knows better than the layout
+    rows: which example each row of x belongs to (Rows), when the layer knows better than the layout
     (tokens routed to an expert); default: the layout's."""
     x, weight, bias = autocast_inputs(x, weight, bias)
     rows, buffers = (

@@ -11,7 +11,7 @@ import operator
 import numpy as np
 import torch
 
-from nanogns.core.buffers import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
+from nanogns.core.table import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
 
 try:
     from torch.distributed.tensor import DTensor

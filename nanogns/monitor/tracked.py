@@ -13,7 +13,7 @@ import numpy as np
 import torch.nn as nn
 
 from nanogns.core.buffers import BUFFER_SUFFIX
-from nanogns.core.layout import SharedTensor
+from nanogns.core.mapper import SharedTensor
 from nanogns.core.registry import group_of
 from nanogns.core.tied import link_tied_parameters
 
@@ -172,7 +172,7 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
 
 
 def shared_tensors(tracked):
-    """The layout.SharedTensor of every tracked tensor that several modules' buffers record, whose uses are summed
+    """The SharedTensor of every tracked tensor that several modules' buffers record, whose uses are summed
     together in backward (core/uses.py); a tied Embedding/Linear pair (its cross term weighted 2) keeps tied.py's
     cross term when each is used once."""
     return [
