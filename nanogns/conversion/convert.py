@@ -16,6 +16,7 @@ from nanogns import kinds as layer_kinds
 from nanogns.conversion import intercept, replay
 from nanogns.conversion import probe as swapcheck
 from nanogns.core.buffers import BUFFER_SUFFIX
+from nanogns.core.module_state import state_of
 from nanogns.core.registry import ROLES, adopt
 from nanogns.monitor.monitor import GNSMonitor
 
@@ -123,7 +124,7 @@ class Conversion:
             reason = self.follow_uses(module, "it is the model itself")
         if reason is not None:
             self.unconverted[path] = reason
-        if kind is None and not module.__dict__.get("_pe_subtree"):  # a kind's layer, or a module replayed per
+        if kind is None and not state_of(module).replay_subtree:  # a kind's layer, or a module replayed per
             # example with its subtree (replay.py), holds its whole subtree; any other module's children are visited
             for name, child in module._modules.items():
                 if child is not None:

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Items
 from nanogns.kinds import functional
 
@@ -211,7 +212,7 @@ class _ParameterUses(TorchFunctionMode):
                 return t
             found = dict(sources)
             if shared.is_shared(t):
-                found.update({id(p): (p, b) for p, b in t._pe_sources})
+                found.update({id(p): (p, b) for p, b in t.pe_sources})
             return shared.table(t, found.values())
 
         return pytree.tree_map(wrap, out)
@@ -362,7 +363,7 @@ class InterceptedForward(PerExampleNormLayer):
     def pe_adopt(self, options):
         kinds = options.pop("kinds", {})
         self.register_pe_buffers(*[name for name, _ in self.named_parameters(recurse=False)])
-        self.__dict__.setdefault("_pe_kinds", {}).update(kinds)
+        state_of(self).kinds.update(kinds)
 
 
 def parameter_kinds(module):

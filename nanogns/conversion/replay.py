@@ -55,6 +55,7 @@ from nanogns.core.buffers import (
     register_pe_sqnorm_buffers,
 )
 from nanogns.core.inputs import example_dim
+from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Items
 
@@ -70,18 +71,19 @@ class ReplayedForward(PerExampleNormLayer):
     def pe_adopt(self, options):
         # its whole subtree is one unit when its code reads a child's parameters itself (Mamba's mixer passes
         # conv1d.weight to a kernel); else only its own parameters are replayed, its children converted as usual
-        self.__dict__["_pe_subtree"] = bool(options.get("subtree")) or reads_children_parameters(self)
-        for module in self.modules() if self._pe_subtree else [self]:
+        state = state_of(self)
+        state.replay_subtree = bool(options.get("subtree")) or reads_children_parameters(self)
+        for module in self.modules() if state.replay_subtree else [self]:
             names = [name for name, _ in module.named_parameters(recurse=False)]
             register_pe_sqnorm_buffers(module, names)
-            module.__dict__.setdefault("_pe_kinds", {}).update({name: KIND for name in names})
-        self.__dict__["_pe_vmap"] = True  # False once vmap failed on this module's forward: one by one
-        self.__dict__["_pe_changed"] = tuple(_changed_in_forward(self))
+            state_of(module).kinds.update({name: KIND for name in names})
+        state.replay_vmap = True  # False once vmap failed on this module's forward: one by one
+        state.replay_changed = tuple(_changed_in_forward(self))
 
     def pe_parameters(self):
         """[(name under this module, parameter, its buffer or None when frozen)]: its subtree's, or its own."""
         found = []
-        for name, param in self.named_parameters(recurse=self.__dict__.get("_pe_subtree", True)):
+        for name, param in self.named_parameters(recurse=state_of(self).replay_subtree):
             owner, _, attr = name.rpartition(".")
             module = self.get_submodule(owner) if owner else self
             buffer = module._buffers.get(attr + "_pe_sqnorm") if param.requires_grad else None
@@ -94,7 +96,8 @@ class ReplayedForward(PerExampleNormLayer):
     def pe_replayed(self, method, plain, args, kwargs):
         """plain(*args, **kwargs), the module's `method` (its forward, or another method its parent calls), with
         each example's gradient of the parameters under it recorded by a replay in backward."""
-        calls = self.__dict__.get("_pe_calls", 0)
+        state = state_of(self)
+        calls = state.replay_calls
         if layout.replaying() or calls:  # this module (or a parent) replayed per example, or a call inside a call
             return plain(*args, **kwargs)
         params = self.pe_parameters()
@@ -109,13 +112,13 @@ class ReplayedForward(PerExampleNormLayer):
         layout.note_uses(buffers)
         if not torch.is_grad_enabled():
             return plain(*args, **kwargs)
-        before = {name: self.get_buffer(name).clone() for name in self.__dict__.get("_pe_changed", ())}
-        self.__dict__["_pe_calls"] = calls + 1
+        before = {name: self.get_buffer(name).clone() for name in state.replay_changed}
+        state.replay_calls = calls + 1
         try:
             with _RandomDraws(self.training) as draws:  # what it draws at random, served again to its replay
                 out = plain(*args, **kwargs)
         finally:
-            self.__dict__["_pe_calls"] = calls
+            state.replay_calls = calls
         flat, spec = pytree.tree_flatten(out)
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
@@ -521,11 +524,11 @@ class _Held:
 
         module = self.module
         with layout.replay():  # layers under it compute plainly, recording nothing
-            if module.__dict__.get("_pe_vmap", True) and not self.draws:  # (draws are served one example at a time)
+            if state_of(module).replay_vmap and not self.draws:  # (draws are served one example at a time)
                 try:
                     return torch.func.vmap(one, in_dims=(in_dims, 0))(inputs, grads)
                 except Exception:  # vmap cannot run this forward: replay the examples one by one
-                    module.__dict__["_pe_vmap"] = False
+                    state_of(module).replay_vmap = False
             return self.one_by_one(inputs, grads, values, names, part.start)
 
     def one_by_one(self, inputs, grads, values, names, first):

@@ -9,6 +9,7 @@ lists the route as calls):
     hooks.py         install(model): the hooks that start a Pass at each forward, and the scopes inside it
     layout.py        the Pass running now, and what layers ask of it (rows_for, note_uses, note_refusal, ...)
     mapper.py        RowMapper: a model's refusals and its last Pass, read by the monitor
+    module_state.py  what the package keeps on a user's module (state_of), besides its buffers
     buffers.py       the `<param>_pe_sqnorm` buffers ([sum of per-example squared norms, count]) and the mixin
                      every per-example norm layer derives from
     table.py         BufferTable: one flat tensor behind every buffer of a model (one op to read, one to zero)

@@ -42,8 +42,9 @@ import torch
 from nanogns.core import layout, trees, uses
 from nanogns.core.hooks import mapper_of
 from nanogns.core.mapper import BUFFER_SUFFIX
+from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Rows
-from nanogns.core.table import TABLE_ATTRIBUTE, TENSOR_PARALLEL, DTensor, is_dtensor  # noqa: F401
+from nanogns.core.table import TENSOR_PARALLEL, DTensor, is_dtensor  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # buffers
@@ -88,7 +89,7 @@ def zero_pe_sqnorm_buffers(model):
     """Clear every per-example norm buffer of `model`, and what its layers noted about the step; call after
     each optimizer step's reading. A model a monitor reads (its BufferTable) is cleared in one op per device, as
     the monitor's own step clears it; any other module buffer by buffer."""
-    table = model.__dict__.get(TABLE_ATTRIBUTE)
+    table = state_of(model).buffer_table
     if table is not None:
         if not table.current():
             table.build()

@@ -21,12 +21,12 @@ from nanogns.core.ids import tagged_inputs, untagged
 from nanogns.core.inputs import layout_of_inputs
 from nanogns.core.layout import Pass
 from nanogns.core.mapper import RowMapper
+from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Tower
 
 # layers (by class name) that split each example into windows of rows, stacked example after example on dim 0
 # (transformers' Swin blocks: window_partition of (N, H, W, C) into (N * windows, ws, ws, C)), and join them back
 WINDOWED = ("SwinLayer", "Swinv2Layer")
-_HOOK_ATTRIBUTE = "_pe_layout_hook"
 
 
 def install(model, layout_of=layout_of_inputs, mapper=None):
@@ -38,9 +38,9 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         mapper: a RowMapper to share (the children of a LightningModule, whose own forward is not called,
             note their refusals where the monitor of the whole module reads them).
     """
-    found = model.__dict__.get(_HOOK_ATTRIBUTE)
-    if found is not None:
-        return found
+    state = state_of(model)
+    if state.row_mapper is not None:
+        return state.row_mapper
     mapper = mapper if mapper is not None else RowMapper(layout_of)
     mapper.model = mapper.model or model
     read = (lambda args, kwargs: layout_of_inputs(args, kwargs, model)) if layout_of is layout_of_inputs else layout_of
@@ -88,7 +88,7 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
             module.register_forward_pre_hook(scope[0], with_kwargs=True),
             module.register_forward_hook(scope[1], always_call=True),
         )
-    model.__dict__[_HOOK_ATTRIBUTE] = mapper  # not a submodule or buffer: state_dict and copies stay clean
+    state.row_mapper = mapper
     return mapper
 
 
@@ -132,4 +132,4 @@ def _tower_scope(name, config):
 
 def mapper_of(model):
     """The RowMapper `install` gave `model`, or None."""
-    return model.__dict__.get(_HOOK_ATTRIBUTE)
+    return state_of(model).row_mapper

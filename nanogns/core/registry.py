@@ -17,12 +17,14 @@ holds such a class has imported it), so that importing the layers never imports
 transformers.
 """
 
+import functools
 import importlib
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from nanogns.core import shared
+from nanogns.core.module_state import state_of
 
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
 
@@ -130,7 +132,6 @@ def get(name):
 # -----------------------------------------------------------------------------
 # turning a module into a layer of a kind, in place
 
-_adopted_classes = {}  # (variant class, original class, renamed roles) -> the class a converted module gets
 ROLES = ("weight", "bias")  # parameter roles a user may map to other names (convert's treat_as)
 
 
@@ -138,26 +139,24 @@ def _role_property(name):
     return property(lambda self: getattr(self, name))
 
 
+@functools.cache  # one class per (variant, original class, roles): modules of one class share it
 def adopted_class(variant_cls, original_cls, roles=()):
     """The class a module of `original_cls` becomes: the variant itself when it subclasses the original, else a
     class deriving from both (the variant's forward first), so isinstance checks on the original class (weight
-    decay groups, wrap policies, transformers' init) still hold. roles: ((role, parameter name), ...) for
-    parameters named otherwise than the variant reads them (a norm's `scale` as its weight)."""
+    decay groups, wrap policies, transformers' init) still hold; its `pe_original_class` is the original.
+    roles: ((role, parameter name), ...) for parameters named otherwise than the variant reads them (a norm's
+    `scale` as its weight)."""
     if issubclass(variant_cls, original_cls) and not roles:
         return variant_cls
-    key = (variant_cls, original_cls, roles)
-    if key not in _adopted_classes:
-        namespace = {"__module__": variant_cls.__module__, "pe_roles": dict(roles)}
-        namespace.update({role: _role_property(name) for role, name in roles})
-        bases = (variant_cls,) if issubclass(variant_cls, original_cls) else (variant_cls, original_cls)
-        _adopted_classes[key] = type(f"{variant_cls.__name__}({original_cls.__name__})", bases, namespace)
-    return _adopted_classes[key]
+    namespace = {"__module__": variant_cls.__module__, "pe_roles": dict(roles), "pe_original_class": original_cls}
+    namespace.update({role: _role_property(name) for role, name in roles})
+    bases = (variant_cls,) if issubclass(variant_cls, original_cls) else (variant_cls, original_cls)
+    return type(f"{variant_cls.__name__}({original_cls.__name__})", bases, namespace)
 
 
 def own_class_name(module):
     """The name of the class a module had before it was adopted ("BatchNorm2d", not "PerExampleBatchNorm(...)")."""
-    name = type(module).__name__
-    return name[name.index("(") + 1 : -1] if name.endswith(")") and "(" in name else name
+    return getattr(type(module), "pe_original_class", type(module)).__name__
 
 
 def adopt(module, variant_cls, options):
@@ -168,8 +167,9 @@ def adopt(module, variant_cls, options):
     options.pop("weight", None), options.pop("bias", None)
     module.__class__ = adopted_class(variant_cls, type(module), roles)
     module.pe_adopt(options)
-    if not module.__dict__.get("_pe_tables_hooked"):  # a parameter as its input: a table (shared.py)
-        module.__dict__["_pe_tables_hooked"] = True
+    state = state_of(module)
+    if not state.tables_hooked:  # a parameter as its input: a table (shared.py)
+        state.tables_hooked = True
         module.register_forward_pre_hook(shared.parameters_as_tables)
     return module
 

@@ -9,7 +9,7 @@ lands in `flats`, where the monitor reads it. Both ends name it: add_pe_sqnorm's
 StepReader.read rebuilds the table (`current()` false) before it reads. bench/read_ops.py measures what it saves
 (`--per-buffer` reads and zeroes the same buffers one by one).
 
-The table is the model's (`buffer_table(model)`), kept in the model's __dict__, not a
+The table is the model's (`buffer_table(model)`), kept in the model's ModuleState (core/module_state.py), not a
 submodule or a buffer, so state_dict and copies stay clean.
 """
 
@@ -19,6 +19,7 @@ import operator
 import torch
 
 from nanogns.core.mapper import BUFFER_SUFFIX
+from nanogns.core.module_state import state_of
 
 try:
     from torch.distributed.tensor import DTensor
@@ -36,7 +37,6 @@ def is_dtensor(t):
     return DTensor is not None and isinstance(t, DTensor)
 
 
-TABLE_ATTRIBUTE = "_pe_buffer_table"  # in the model's __dict__: not a submodule or buffer, state_dict stays clean
 _BUFFERS_OF = operator.attrgetter("_buffers")
 _CHILDREN_OF = operator.attrgetter("_modules")
 
@@ -115,7 +115,7 @@ class BufferTable:
 def buffer_table(model):
     """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
     buffers and rebuild at every read)."""
-    table = model.__dict__.get(TABLE_ATTRIBUTE)
-    if table is None:
-        table = model.__dict__[TABLE_ATTRIBUTE] = BufferTable(model)
-    return table
+    state = state_of(model)
+    if state.buffer_table is None:
+        state.buffer_table = BufferTable(model)
+    return state.buffer_table

@@ -41,9 +41,9 @@ def uses_batch_statistics(module):
 def watch(model, mapper):
     """Note in `mapper` (the model's RowMapper) every forward, within one of the model's own forwards, of a
     BatchNorm that uses the batch's statistics; idempotent. The monitor refuses such a step."""
-    if mapper.__dict__.get("_watching_batch_statistics"):
+    if mapper.watches_batch_statistics:
         return
-    mapper.__dict__["_watching_batch_statistics"] = True
+    mapper.watches_batch_statistics = True
     for path, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.register_forward_pre_hook(_note(path or type(module).__name__, mapper))

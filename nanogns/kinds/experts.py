@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
+from nanogns.core.module_state import state_of
 from nanogns.core.registry import LayerKind, adopt, register
 from nanogns.kinds import grouped
 
@@ -66,7 +67,7 @@ class PerExampleExperts(PerExampleNormLayer):
     def pe_adopt(self, options):
         names = [name for name, _ in self.named_parameters(recurse=False)]
         self.register_pe_buffers(*names)
-        self.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in names})
+        state_of(self).kinds.update({name: "Linear" for name in names})
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         names = [name for name, _ in self.named_parameters(recurse=False)]

@@ -26,6 +26,7 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
+from nanogns.core.module_state import state_of
 from nanogns.core.registry import LayerKind, adopt, register
 from nanogns.core.rowmaps import ragged
 from nanogns.kinds import functional
@@ -53,7 +54,7 @@ class PerExampleDbrxExperts(PerExampleNormLayer):
 
     def pe_adopt(self, options):
         register_pe_sqnorm_buffers(self.mlp, BANKS)
-        self.mlp.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in BANKS})
+        state_of(self.mlp).kinds.update({name: "Linear" for name in BANKS})
 
     def pe_buffer(self, role):
         param = self.mlp._parameters.get(role)
@@ -110,7 +111,6 @@ def verify(module, variant_cls):
     twin = copy.copy(module)
     mlp = copy.copy(module.mlp)
     mlp.__dict__.update(_parameters=dict(module.mlp._parameters), _buffers=dict(module.mlp._buffers))
-    mlp.__dict__.pop("_pe_kinds", None)
     twin.__dict__.update(
         _modules={**module._modules, "mlp": mlp}, _forward_hooks={}, _forward_pre_hooks=collections.OrderedDict()
     )

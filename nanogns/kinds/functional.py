@@ -45,6 +45,7 @@ from torch import Tensor
 from nanogns.core import registry, shared
 from nanogns.core.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
 from nanogns.core.ids import untagged
+from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding, note_head
 from nanogns.kinds import embedding as embedding_kind
@@ -78,7 +79,7 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
             name + BUFFER_SUFFIX, torch.zeros(*param.shape[:bank_dims], 2, device=param.device), persistent=False
         )
         if kind is not None:
-            module.__dict__.setdefault("_pe_kinds", {})[name] = kind
+            state_of(module).kinds[name] = kind
 
 
 def linear(

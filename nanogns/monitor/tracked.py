@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from nanogns.core.buffers import BUFFER_SUFFIX
 from nanogns.core.mapper import SharedTensor
+from nanogns.core.module_state import state_of
 from nanogns.core.registry import group_of
 from nanogns.core.tied import link_tied_parameters
 
@@ -76,7 +77,7 @@ def _owner(model, name):
 def layer_kind(module, attr):
     """What kind of layer records `attr`'s per-example norms: 'Linear', 'Embedding', 'LayerNorm',
     'RMSNorm' (a class's `pe_kind`, or what functional.register_buffers was told), else 'unknown'."""
-    declared = getattr(module, "_pe_kinds", {}).get(attr)
+    declared = state_of(module).kinds.get(attr)
     return declared or getattr(module, "pe_kind", None) or "unknown"
 
 
