@@ -7,6 +7,7 @@ and the tests using the core's public names only (the pass through core/layout.p
 
 import ast
 import pathlib
+import re
 
 from conftest import REPO
 
@@ -84,3 +85,45 @@ layout.__name__
         "monkeypatch.setattr(layout, '_tagged_inputs', ...)",
         "summed._chunk",
     ]
+
+
+ROUTE_HEADING = "## One norm, from a layer's backward to a CSV row"
+NAME = re.compile(r"`([a-z_/]+\.py):([A-Za-z_][\w.]*)`")
+
+
+def route_names(doc):
+    """[(file under nanogns/, dotted name)] written as `file.py:name` in the route section of docs/architecture.md."""
+    section = doc.split(ROUTE_HEADING, 1)[1].split("\n## ", 1)[0]
+    return NAME.findall(section)
+
+
+def defines(path, dotted):
+    """True when the module at `path` defines `dotted` (a function or class, or Class.method), read statically."""
+    scope = ast.parse(path.read_text()).body
+    for part in dotted.split("."):
+        found = next(
+            (
+                node
+                for node in scope
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == part
+            ),
+            None,
+        )
+        if found is None:
+            return False
+        scope = found.body
+    return True
+
+
+def test_the_route_of_one_norm_names_real_functions():
+    names = route_names((ROOT / "docs" / "architecture.md").read_text())
+    assert len(names) >= 30, names  # the route is written as calls, not prose
+    missing = [f"{file}:{name}" for file, name in names if not defines(ROOT / "nanogns" / file, name)]
+    assert not missing, f"docs/architecture.md's route names what nanogns/ does not define: {missing}"
+
+
+def test_the_route_check_finds_a_missing_name():
+    doc = f"{ROUTE_HEADING}\n\n1. `core/buffers.py:accumulate_pe_sqnorm` then `core/buffers.py:add_pe_sqnorm_to`\n\n## Next\n"
+    names = route_names(doc)
+    assert names == [("core/buffers.py", "accumulate_pe_sqnorm"), ("core/buffers.py", "add_pe_sqnorm_to")]
+    assert [defines(ROOT / "nanogns" / f, n) for f, n in names] == [True, False]

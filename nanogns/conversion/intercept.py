@@ -351,7 +351,7 @@ class BroadcastOverExamples(torch.autograd.Function):
 
 
 class InterceptedForward(PerExampleNormLayer):
-    """The class a module gets when its own forward is kept (layers.registry.adopt puts it first in the MRO)."""
+    """The class a module gets when its own forward is kept (core/registry.py:adopt puts it first in the MRO)."""
 
     def forward(self, *args, **kwargs):
         forward = super().forward

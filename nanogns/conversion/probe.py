@@ -6,7 +6,7 @@ A module is probed only when a swap would lose nothing but its forward: its own
 parameters are a floating-point `weight` and maybe a `bias` (or parameters named
 otherwise that the user maps to those roles: convert(treat_as={Cls: (kind,
 {"weight": "scale"})})), it has no submodules and its forward takes one input.
-The kinds registered in layers/ with a Probe say which parameter shapes they hold
+The kinds (nanogns/kinds/'s KINDS) with a Probe say which parameter shapes they hold
 (a subclass of a torch class, or a class named in `convert(treat_as=...)`, is
 tried as that kind only), which probe parameters and input to use, and which
 options to try (each eps, Gemma's (1 + weight) offset, ...).

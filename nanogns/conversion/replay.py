@@ -64,7 +64,7 @@ KIND = "Replayed"  # the layer kind recorded for its parameters (analysis group 
 
 
 class ReplayedForward(PerExampleNormLayer):
-    """The class a module whose forward is replayed per example gets (layers.registry.adopt puts it first)."""
+    """The class a module whose forward is replayed per example gets (core/registry.py:adopt puts it first)."""
 
     pe_kind = KIND
 

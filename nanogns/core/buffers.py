@@ -1,13 +1,13 @@
 """
 What every layer that records per-example squared gradient norms shares: the
 buffers it records into, and the helpers its forward and backward use. The
-layers themselves live in layers/, one module per layer kind (kinds/linear.py,
+layers themselves live in nanogns/kinds/, one module per layer kind (kinds/linear.py,
 kinds/embedding.py, ...), each with its maths in its docstring.
 
 Vocabulary (used everywhere in this project):
   example      one sequence (or image...) of the batch: the unit whose loss the
                step averages. Which example each row of a layer's input belongs
-               to is decided by layout.py (dim 0 of a (N, T, D) input, rows of a
+               to is decided by core/rowmaps.py (dim 0 of a (N, T, D) input, rows of a
                flattened (N*T, D) one, packed sequences, tokens routed to experts).
   pe_sqnorm    per-example squared gradient norm: ||dL/dp restricted to example i||^2.
   buffer       `<param>_pe_sqnorm` (BUFFER_SUFFIX), float32, shape (2,):
@@ -15,14 +15,14 @@ Vocabulary (used everywhere in this project):
                adds to it, so micro-batches of a gradient-accumulation step
                accumulate; `zero_pe_sqnorm_buffers` clears it after the step. A
                count of NaN means a forward's rows could not be mapped to its
-               examples: the monitor refuses that step (layout.py).
+               examples: the monitor refuses that step (core/mapper.py keeps why).
 
 Why [sum, count]: the step's loss is the mean over its B examples, so backward
 sees g_i / B where g_i is example i's own gradient. The buffer then holds
 [sum_i ||g_i||^2 / B^2, B] and its product is sum_i ||g_i||^2 / B =
 mean_i ||g_i||^2, the quantity the GNS estimator needs (nanogns/monitor/).
 
-Three flavours per layer kind (registered in layers/):
+Three flavours per layer kind (its variants, named in its LayerKind: core/registry.py):
   shim   the plain layer, plus a backward pre-hook on the node that made its output,
          reading the output gradient to compute the norms (parameter gradients come
          from PyTorch as usual);
@@ -63,7 +63,10 @@ def register_pe_sqnorm_buffers(module, param_names):
 def add_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     """buffer += [sum of pe_sqnorm (N,), N]; the sum only when counted is False (a layer that counts its
     forward's examples once, itself, as a mixture of experts does for its experts). For a layer that asked
-    uses.hand_over first (its tensor was used once); accumulate_pe_sqnorm for one that hands over no factors."""
+    uses.hand_over first (its tensor was used once); accumulate_pe_sqnorm for one that hands over no factors.
+
+    The add is in place: once the monitor has built the model's BufferTable (core/table.py:BufferTable.build),
+    `buffer` is a view of the table's flat tensor, and this add is what StepReader.read gathers from it."""
     if buffer is None:
         return
     total = pe_sqnorm.sum()
@@ -104,12 +107,12 @@ def zero_pe_sqnorm_buffers(model):
 
 
 class PerExampleNormLayer:
-    """What every per-example norm layer shares: `pe_kind` (its layer kind, a key of the registry in layers/),
+    """What every per-example norm layer shares: `pe_kind` (its layer kind, a name in nanogns/kinds/'s KINDS),
     buffers kept float32 when the module is cast (model.to(torch.bfloat16): a bf16 count stops being exact past
     256 examples), and the rows of its input mapped to examples."""
 
     pe_kind = None
-    pe_roles = {}  # {role: parameter name} for parameters named otherwise than "weight"/"bias" (layers.registry.adopt)
+    pe_roles = {}  # {role: parameter name} for parameters named otherwise than "weight"/"bias" (core/registry.py:adopt)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -119,7 +122,7 @@ class PerExampleNormLayer:
         return self
 
     def pe_adopt(self, options):
-        """Finish turning a module of another class into this one in place (layers.registry.adopt): set the
+        """Finish turning a module of another class into this one in place (core/registry.py:adopt): set the
         attributes this class's forward reads from `options` and register the buffers."""
         for name, value in options.items():
             setattr(self, name, value)

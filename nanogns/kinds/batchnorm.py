@@ -61,7 +61,7 @@ def _note(path, mapper):
 class PerExampleBatchNorm(PerExampleNormLayer):
     """A BatchNorm that records the per-example norms of its affine parameters in eval mode (running statistics);
     in training mode it is torch's own (and the step is refused: see the module docstring). Mixed into the
-    module's own class (layers.registry.adopt)."""
+    module's own class (core/registry.py:adopt)."""
 
     pe_kind = "BatchNorm"
 

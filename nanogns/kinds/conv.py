@@ -134,7 +134,7 @@ def record_conv_norms(module, x, weight_buffer, bias_buffer, items=None):
 
 
 class _ConvBase(PerExampleNormLayer):
-    """Mixed into a converted nn.Conv1d / nn.Conv2d (layers.registry.adopt), whose attributes it reads."""
+    """Mixed into a converted nn.Conv1d / nn.Conv2d (core/registry.py:adopt), whose attributes it reads."""
 
     pe_kind = "Conv"
 

@@ -60,7 +60,7 @@ def matches(module):
 class PerExampleExperts(PerExampleNormLayer):
     """An experts module whose forward is the grouped one (kinds/grouped.py: rows sorted by expert and example, one
     grouped GEMM per projection, each segment's norms by the Gram trick). It is mixed into the module's own class
-    (layers.registry.adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
+    (core/registry.py:adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
 
     pe_kind = "Linear"
 

@@ -48,7 +48,7 @@ def matches(module):
 
 class PerExampleDbrxExperts(PerExampleNormLayer):
     """DbrxExperts whose loop over the experts hit runs each expert's projections through the per-example Linear on
-    the rows of the tokens routed to it. Mixed into the module's own class (layers.registry.adopt)."""
+    the rows of the tokens routed to it. Mixed into the module's own class (core/registry.py:adopt)."""
 
     pe_kind = "Linear"
 

@@ -15,7 +15,7 @@ registers those buffers once and the monitor finds them by name:
 The weight may be any differentiable view or cast of the parameter (a
 transpose or a dtype cast leaves each example's gradient norm unchanged).
 PerExampleNormLayer keeps the buffers float32 under model.to(torch.bfloat16).
-The numbers are those of the `gns` layers in layers/ (same autograd Functions),
+The numbers are those of the `gns` layers in nanogns/kinds/ (same autograd Functions),
 and rows are mapped to examples as theirs are (layout.py).
 `register_buffers(..., kind="Linear")` records the layer kind for the log's
 parameter record (gns-analysis.py groups by it).
@@ -59,7 +59,7 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
     """Give `module` a `<name>_pe_sqnorm` buffer for each of its parameters `param_names`.
 
     Args:
-        kind: the layer kind recorded for these parameters (a key of the registry in layers/), or None ('unknown').
+        kind: the layer kind recorded for these parameters (a name in nanogns/kinds/'s KINDS), or None ('unknown').
         bank_dims: for a bank of disjoint slices, how many leading dims of the parameter index
             them; the buffer is then shaped param.shape[:bank_dims] + (2,) (see the module docstring).
     """

@@ -46,6 +46,7 @@ from nanogns.monitor.tracked import (
     summed_squares,
 )
 from nanogns.runlog.record import write_parameter_record
+from nanogns.runlog.writer import LogWrapper
 from nanogns.variants.sogns import SOGNS_SUFFIX
 
 if TYPE_CHECKING:
@@ -349,9 +350,20 @@ class GNSMonitor:
             for suffix, value in (("/norm", m.norm), ("/pegn", m.rms_pe_norm), ("/batch_size", m.batch_size))
         }
         row["gns"] = self.running.update(*summed_squares(exact or approx))  # the exact GNS when there is one
-        if self.log is not None:
-            (self.log.log if hasattr(self.log, "log") else self.log)(row)
+        self.emit(row)
         return row
+
+    def emit(self, row: Dict[str, float]) -> None:
+        """Hand the step's row to `log`: a LogWrapper keeps it until the caller's LogWrapper.step writes it
+        (runlog/writer.py), another object with a `log(dict)` method (LogSink) or a callable (wandb's run.log)
+        takes it now."""
+        log = self.log
+        if log is None:
+            return
+        if isinstance(log, LogWrapper) or hasattr(log, "log"):  # runlog/writer.py:LogWrapper.log, or a LogSink's
+            log.log(row)
+        else:
+            log(row)
 
     def replay(self, frame: "pandas.DataFrame") -> float:
         """Rebuild the running GNS from logged rows (a load_csv DataFrame of this model's earlier steps, oldest
