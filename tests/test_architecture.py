@@ -127,3 +127,75 @@ def test_the_route_check_finds_a_missing_name():
     names = route_names(doc)
     assert names == [("core/buffers.py", "accumulate_pe_sqnorm"), ("core/buffers.py", "add_pe_sqnorm_to")]
     assert [defines(ROOT / "nanogns" / f, n) for f, n in names] == [True, False]
+
+
+# -----------------------------------------------------------------------------
+# the kinds, as the docs list them
+
+
+def class_label(cls):
+    """`nn.Linear` for torch's classes, `transformers.pytorch_utils.Conv1D` for a "module:Class" string."""
+    if isinstance(cls, str):
+        return "`" + cls.replace(":", ".") + "`"
+    return f"`nn.{cls.__name__}`" if cls.__module__.startswith("torch.nn") else f"`{cls.__module__}.{cls.__name__}`"
+
+
+def kinds_table():
+    """The table of kinds docs/integrations.md holds between KINDS_START and KINDS_END, made from the registry."""
+    from nanogns.core.registry import REQUIRED_VARIANTS
+    from nanogns.kinds import KINDS
+
+    lines = [
+        "| kind | converted by class | also found | flag | analysis group | variants beyond nn, shim, gns, fused |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in KINDS.values():
+        found = [way for way, yes in (("by a probe", kind.probe), ("by its structure", kind.matches)) if yes]
+        extra = [f"`{v}`" for v in kind.variants if v not in REQUIRED_VARIANTS]
+        lines.append(
+            f"| {kind.name} | {', '.join(map(class_label, kind.replaces)) or '-'} | {', '.join(found) or '-'} "
+            f"| `{kind.config_key}` | {kind.group} | {', '.join(extra) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+KINDS_START = (
+    "<!-- kinds: made from nanogns/kinds/__init__.py's KINDS; tests/test_architecture.py prints it when stale -->"
+)
+KINDS_END = "<!-- /kinds -->"
+
+
+def test_the_docs_list_of_kinds_is_the_registry_s():
+    doc = (ROOT / "docs" / "integrations.md").read_text()
+    assert doc.count(KINDS_START) == 1 and doc.count(KINDS_END) == 1
+    written = doc.split(KINDS_START, 1)[1].split(KINDS_END, 1)[0].strip()
+    expected = kinds_table()
+    assert written == expected, f"docs/integrations.md's table of kinds is stale; write:\n{expected}"
+
+
+def test_no_doc_lists_a_kind_among_the_replayed_modules():
+    """A kind's modules are converted by their class, never replayed per example (GroupNorm was, before it became a
+    kind): no sentence of the docs about replaying per example lists a kind in its parentheses."""
+    from nanogns.kinds import KINDS
+
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for paragraph in path.read_text().split("\n\n"):
+            for sentence in " ".join(paragraph.split()).split(". "):
+                if re.search(r"[Rr]eplayed\W+per example", sentence):
+                    for group in re.findall(r"\(([^()]*)\)", sentence):
+                        found += [
+                            f"{path.name}: {name} in ({group})" for name in KINDS if re.search(rf"\b{name}\b", group)
+                        ]
+    assert not found, f"kinds listed as replayed: {found}"
+
+
+CLOSED_SET = re.compile(r"`(CONFIG_KEYS|GROUPS|REQUIRED_VARIANTS)` = ((?:`[\w+]+`(?:, )?)+)")
+
+
+def test_the_closed_sets_a_kind_must_join_are_documented_where_a_kind_is_added():
+    from nanogns.core import registry
+
+    section = (ROOT / "docs" / "architecture.md").read_text().split("## Adding a layer kind", 1)[1].split("\n## ", 1)[0]
+    written = {name: tuple(re.findall(r"`([\w+]+)`", values)) for name, values in CLOSED_SET.findall(section)}
+    assert written == {name: getattr(registry, name) for name in ("CONFIG_KEYS", "GROUPS", "REQUIRED_VARIANTS")}

@@ -71,6 +71,7 @@ BUILD = {
     ),
     "Conv": (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: (torch.randn(4, 3, 5, 5),)),
     "BatchNorm": (lambda: nn.BatchNorm2d(3).eval(), lambda: (torch.randn(4, 3, 5, 5),)),  # running statistics
+    "GroupNorm": (lambda: nn.GroupNorm(2, 6), lambda: (torch.randn(4, 6, 3, 5),)),
     "MultiheadAttention": (lambda: nn.MultiheadAttention(6, 2, batch_first=True), lambda: (torch.randn(4, 3, 6),) * 3),
     "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
     "DbrxExperts": (dbrx_experts, lambda: (routed()[0].view(4, 2, 5), *routed()[1:])),

@@ -12,12 +12,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 
-from nanogns import kinds as layer_kinds
 from nanogns.conversion import intercept, replay
 from nanogns.conversion import probe as swapcheck
 from nanogns.core.buffers import BUFFER_SUFFIX
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import ROLES, adopt
+from nanogns.kinds import KINDS
 from nanogns.monitor.monitor import GNSMonitor
 
 # -----------------------------------------------------------------------------
@@ -26,13 +26,13 @@ from nanogns.monitor.monitor import GNSMonitor
 
 def _known_classes():
     """{class: kind} of the classes convert swaps by their exact class (only classes already imported)."""
-    return {cls: kind for kind in layer_kinds.KINDS.values() for cls in kind.replaced_classes()}
+    return {cls: kind for kind in KINDS.values() for cls in kind.replaced_classes()}
 
 
 def _treat_as_entries(treat_as, known):
     """{class: (kind, options)} from convert's `treat_as` argument, checked."""
     entries = {}
-    probed = [name for name, kind in layer_kinds.KINDS.items() if kind.probe is not None]
+    probed = [name for name, kind in KINDS.items() if kind.probe is not None]
     for cls, spec in (treat_as or {}).items():
         label = getattr(cls, "__name__", repr(cls))
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -44,7 +44,7 @@ def _treat_as_entries(treat_as, known):
             raise ValueError(f"{label} is converted by its class already; remove it from treat_as")
         if kind not in probed:
             raise ValueError(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
-        allowed = set(layer_kinds.get(kind).probe.options) | set(ROLES)
+        allowed = set(KINDS.kind(kind).probe.options) | set(ROLES)
         if set(options) - allowed or any(not isinstance(options[role], str) for role in ROLES if role in options):
             raise ValueError(
                 f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
@@ -61,7 +61,7 @@ class Conversion:
     def __init__(self, choice, treat_as=None, exclude=()):
         self.choice = choice  # {"linearclass": variant, "embeddingclass": ..., "lnclass": ...}
         self.known = _known_classes()
-        self.structural = [kind for kind in layer_kinds.KINDS.values() if kind.matches is not None]
+        self.structural = [kind for kind in KINDS.values() if kind.matches is not None]
         self.named = _treat_as_entries(treat_as, self.known)
         self.exclude = tuple(exclude)
         self.visited = set()
@@ -195,7 +195,7 @@ class Conversion:
             problem = f"its parameters {shapes} fit no {' or '.join(names)} layer"
         if problem is not None:
             return False, problem
-        chosen = {name: self.variant_of(layer_kinds.get(name)) for name in fitting}
+        chosen = {name: self.variant_of(KINDS.kind(name)) for name in fitting}
         if all(cls is None and reason is None for cls, reason in chosen.values()):
             return True, None  # the user chose 'nn' for these kinds
         usable = [name for name in fitting if chosen[name][0] is not None]
@@ -211,7 +211,7 @@ class Conversion:
     def replay_subtree(self, module):
         """None: the module (which owns no parameter itself) replayed per example with its children; or why not."""
         kinds = {name: "Linear" for name, _ in module.named_parameters()}
-        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
+        if all(self.choice[KINDS.kind(k).config_key] == "nn" for k in kinds.values()):
             return None
         adopt(module, replay.ReplayedForward, {})
         return None
@@ -220,7 +220,7 @@ class Conversion:
         """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that
         records them all, else its forward replayed per example in backward, children included (replay.py)."""
         kinds = intercept.parameter_kinds(module)
-        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
+        if all(self.choice[KINDS.kind(k).config_key] == "nn" for k in kinds.values()):
             return None  # the user chose 'nn' for the kinds its parameters would be recorded as
         # a block whose children hold parameters and do not have them read by its code keeps its forward with its
         # own parameters' uses followed (checked at every step) even where no probe can run it: replaying it
@@ -259,7 +259,7 @@ def owns_untracked_parameters(module):
 def check_choice(choice):
     """Raise ValueError, naming the choices, for a variant name no kind of its key offers."""
     for key, name in choice.items():
-        kinds = [kind for kind in layer_kinds.KINDS.values() if kind.config_key == key]
+        kinds = [kind for kind in KINDS.values() if kind.config_key == key]
         if not any(name in kind.variants for kind in kinds):
             kinds[0].layer_class(name)  # raises, naming the choices
 
@@ -291,8 +291,8 @@ def convert(
     modules can call nanogns.kinds.functional from their forward.
 
     Args:
-        treat_as: {module class: kind} for classes to probe as one kind only ("RMSNorm", "LayerNorm",
-            "Linear", "Conv1D" or "Embedding"), or {class: (kind, options)} to fix options the probe would
+        treat_as: {module class: kind} for classes to probe as one kind only (a kind with a probe: docs/
+            integrations.md's table of kinds), or {class: (kind, options)} to fix options the probe would
             otherwise search: eps (RMSNorm, LayerNorm), weight_offset (RMSNorm: 1.0 for a (1 + weight) scale),
             and "weight"/"bias": the names of the parameters playing those roles ({MyNorm: ("RMSNorm",
             {"weight": "scale"})}; a module whose only parameter is not named weight is probed with it as its

@@ -1,5 +1,5 @@
 """
-The generic exact path: a module that owns parameters and matches no kind (GroupNorm, a weight-normed
+The generic exact path: a module that owns parameters and matches no kind (a weight-normed
 convolution, a Mamba mixer reading its children's weights directly, a per-head norm, RWKV's time mixing...) keeps
 its own forward, and in backward its forward is replayed one example at a time to get each example's gradient of
 every parameter under it.

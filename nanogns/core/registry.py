@@ -1,25 +1,26 @@
 """
-The registry of layer kinds: what the project knows about each kind of layer
-that records per-example gradient norms, stated once, in the kind's own module
-(kinds/linear.py, kinds/embedding.py, ...), and read by everything else:
-choice.py (which class a user's choice means, which torch classes convert()
-swaps), conversion/probe.py (how to probe a module the registry does not know by class),
-functional.py (the kinds a hand-written layer may declare), the monitor (the
-kind of each tracked parameter, for the record beside the log) and
-gns-analysis.py (the group each kind is summed in).
+What the project knows about each kind of layer that records per-example gradient norms: a LayerKind, stated
+once in the kind's own module (kinds/linear.py, kinds/embedding.py, ...), and the Registry that holds them, made
+once from the explicit list in nanogns/kinds/__init__.py (KINDS) and read by everything else: choice.py (which
+class a user's choice means), conversion/ (which torch classes convert() swaps, how to probe a module no kind
+replaces by class), functional.py (the kinds a hand-written layer may declare), the monitor (each tracked
+parameter's kind and group, for the record beside the log) and the analysis (the group each kind is summed in).
 
-A kind module builds one LayerKind, naming the classes of all its variants (fused and
-sogns included: their machinery is in variants/, their classes are the kind's), and calls
-`register` at import; kinds/__init__.py imports every kind module, one line each. Only a
-third-party class that is not always installed (transformers' Conv1D) is named by a
-"module:Class" string, looked up among the modules already imported (a model that
-holds such a class has imported it), so that importing the layers never imports
-transformers.
+A kind is checked against the closed sets every other part relies on (docs/architecture.md, "Adding a layer kind"):
+its flag is one of CONFIG_KEYS, its analysis group one of GROUPS, and it offers every variant of
+REQUIRED_VARIANTS (a flag's value must mean a class for every kind of that flag), plus any others (sogns).
+
+Only a third-party class that is not always installed (transformers' Conv1D) is named by a "module:Class" string,
+looked up among the modules already imported (a model that holds such a class has imported it), so that importing
+the layers never imports transformers.
+
+adopt(module, variant class, options) turns a module of another class into a kind's layer in place.
 """
 
 import functools
 import importlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,6 +28,8 @@ from nanogns.core import shared
 from nanogns.core.module_state import state_of
 
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
+GROUPS = ("Linear", "Embedding", "LayerNorm")  # the analysis groups a kind sums in (runlog/record.py adds "Other")
+REQUIRED_VARIANTS = ("nn", "shim", "gns", "fused")  # every kind offers these (the flags' values); "nn": torch's own
 
 
 @dataclass
@@ -98,9 +101,6 @@ class LayerKind:
         return [c for c in found if c is not None]
 
 
-KINDS = {}  # name -> LayerKind, in registration order
-
-
 def loaded(path):
     """The class named by "module:Class" when its module is imported already, else None."""
     module_name, attribute = path.split(":")
@@ -113,20 +113,53 @@ def resolve(path):
     return getattr(importlib.import_module(module_name), attribute)
 
 
-def register(kind):
-    """Add a LayerKind to the registry (each kind module calls this once, at import)."""
-    assert kind.name not in KINDS, f"layer kind {kind.name!r} registered twice"
-    assert kind.config_key in CONFIG_KEYS, f"{kind.name}: config_key {kind.config_key!r} not in {CONFIG_KEYS}"
-    assert "nn" in kind.variants, f"{kind.name}: a kind names its plain torch layer as variant 'nn'"
-    KINDS[kind.name] = kind
-    return kind
+class Registry(Mapping):
+    """The layer kinds, by name, in the order given (the order convert()'s probe tries them in): a read-only mapping
+    {name: LayerKind}, each kind checked against the closed sets when the registry is made."""
+
+    def __init__(self, *kinds: LayerKind):
+        self._kinds = {}
+        for kind in kinds:
+            problem = _problem(kind, self._kinds)
+            if problem is not None:
+                raise ValueError(f"layer kind {kind.name!r}: {problem}")
+            self._kinds[kind.name] = kind
+
+    def __getitem__(self, name: str) -> LayerKind:
+        return self._kinds[name]
+
+    def __iter__(self):
+        return iter(self._kinds)
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def kind(self, name: str) -> LayerKind:
+        """The LayerKind `name`; ValueError naming the kinds otherwise."""
+        if name not in self._kinds:
+            raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(self._kinds)}")
+        return self._kinds[name]
+
+    def group_of(self, kind_name: str) -> str:
+        """The analysis group of a recorded layer kind: the kind's group; a tied Embedding+Linear pair sums with the
+        embeddings; anything else (a kind of another version, 'unknown', a replayed module) is 'Other'."""
+        if kind_name in self._kinds:
+            return self._kinds[kind_name].group
+        return "Embedding" if kind_name == "Embedding+Linear" else "Other"
 
 
-def get(name):
-    """The registered LayerKind `name`; ValueError naming the registered kinds otherwise."""
-    if name not in KINDS:
-        raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}")
-    return KINDS[name]
+def _problem(kind, known):
+    """Why `kind` cannot join a registry already holding `known`, or None."""
+    if kind.name in known:
+        return "listed twice"
+    if kind.config_key not in CONFIG_KEYS:
+        return f"config_key {kind.config_key!r} is not one of {CONFIG_KEYS}"
+    if kind.group not in GROUPS:
+        return f"group {kind.group!r} is not one of {GROUPS}"
+    missing = [v for v in REQUIRED_VARIANTS if v not in kind.variants]
+    if missing:
+        return f"it offers no {missing} variant (every kind offers {REQUIRED_VARIANTS})"
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -172,11 +205,3 @@ def adopt(module, variant_cls, options):
         state.tables_hooked = True
         module.register_forward_pre_hook(shared.parameters_as_tables)
     return module
-
-
-def group_of(kind_name):
-    """The analysis group of a recorded layer kind: the kind's group; a tied Embedding+Linear pair sums with the
-    embeddings; anything else (a kind of another version, 'unknown') is 'Other'."""
-    if kind_name in KINDS:
-        return KINDS[kind_name].group
-    return "Embedding" if kind_name == "Embedding+Linear" else "Other"

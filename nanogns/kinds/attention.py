@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.registry import LayerKind, adopt
 from nanogns.kinds import functional
 
 PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
@@ -250,20 +250,18 @@ def verify(module, variant_cls):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="MultiheadAttention",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.MultiheadAttention,
-            "shim": PerExampleMultiheadAttention,
-            "gns": PerExampleMultiheadAttention,
-            "fused": PerExampleMultiheadAttention,
-        },
-        replaces=(nn.MultiheadAttention,),
-        params=PROJECTIONS,
-        convertible=convertible,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="MultiheadAttention",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.MultiheadAttention,
+        "shim": PerExampleMultiheadAttention,
+        "gns": PerExampleMultiheadAttention,
+        "fused": PerExampleMultiheadAttention,
+    },
+    replaces=(nn.MultiheadAttention,),
+    params=PROJECTIONS,
+    convertible=convertible,
+    verify=verify,
 )

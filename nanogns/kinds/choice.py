@@ -9,14 +9,14 @@ every layer of that kind:
         model = GPT(GPTConfig(...))
 
 The names users type (`--linearclass=gns`) mean the classes registered by the
-layer kinds (the one registry, registry.py): train.py, convert(), the tests and
+layer kinds (nanogns/kinds/__init__.py's KINDS): train.py, convert(), the tests and
 the benchmarks all look them up there.
 """
 
 import contextlib
 from typing import ContextManager, Dict, Iterator
 
-from nanogns.core import registry
+from nanogns.kinds import KINDS
 
 
 class LayerConfig:
@@ -31,7 +31,7 @@ class LayerConfig:
     def __getattr__(self, name: str) -> type:
         if name.startswith("_") or name == "chosen" or name not in constructible_kinds():
             raise AttributeError(f"no layer kind {name!r}; choose from {constructible_kinds()}")
-        return self.chosen.get(name) or registry.get(name).layer_class("nn")
+        return self.chosen.get(name) or KINDS.kind(name).layer_class("nn")
 
     def __repr__(self) -> str:
         chosen = {name: self.chosen.get(name) for name in constructible_kinds()}
@@ -53,7 +53,7 @@ class LayerConfig:
 
 def constructible_kinds() -> list:
     """The kinds a model builds by class (not the experts, which convert() recognises by their structure)."""
-    return [name for name, kind in registry.KINDS.items() if kind.matches is None]
+    return [name for name, kind in KINDS.items() if kind.matches is None]
 
 
 config = LayerConfig()
@@ -61,7 +61,7 @@ config = LayerConfig()
 
 def get_layer_class(kind: str, name: str) -> type:
     """The class registered as variant `name` ('nn', 'shim', 'gns', 'fused', ...) of layer kind `kind`."""
-    return registry.get(kind).layer_class(name)
+    return KINDS.kind(kind).layer_class(name)
 
 
 def layer_classes(linearclass: str = "nn", embeddingclass: str = "nn", lnclass: str = "nn") -> Dict[str, type]:

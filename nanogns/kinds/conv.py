@@ -29,7 +29,7 @@ from nanogns.core.buffers import (
     on_output_grad,
     refuse_step,
 )
-from nanogns.core.registry import LayerKind, register
+from nanogns.core.registry import LayerKind
 from nanogns.core.rowmaps import Items, ragged
 from nanogns.kinds.linear import bias_pe_grads, linear_pe_sqnorm, linear_weight_grad_and_pe_sqnorm
 
@@ -179,17 +179,15 @@ class ShimConv(_ConvBase):
         return out
 
 
-KIND = register(
-    LayerKind(
-        name="Conv",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Conv2d,
-            "shim": ShimConv,
-            "gns": PerExampleConv,
-            "fused": PerExampleConv,
-        },  # no kernel
-        replaces=(nn.Conv1d, nn.Conv2d),
-    )
+KIND = LayerKind(
+    name="Conv",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Conv2d,
+        "shim": ShimConv,
+        "gns": PerExampleConv,
+        "fused": PerExampleConv,
+    },  # no kernel
+    replaces=(nn.Conv1d, nn.Conv2d),
 )

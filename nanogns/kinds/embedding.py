@@ -26,7 +26,7 @@ from nanogns.core import shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.core.ids import untagged
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, Probe, register
+from nanogns.core.registry import LayerKind, Probe
 from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding
 
@@ -232,22 +232,20 @@ def probe_data(module, generator, weight, bias=None):
     return {"weight": torch.randn(*weight.shape, generator=generator, dtype=torch.float64)}, ids
 
 
-KIND = register(
-    LayerKind(
-        name="Embedding",
-        config_key="embeddingclass",
-        group="Embedding",
-        variants={
-            "nn": nn.Embedding,
-            "shim": ShimEmbedding,
-            "gns": PerExampleEmbedding,
-            "fused": PerExampleEmbedding,
-        },  # no kernel: embedding grads are a scatter-add already
-        replaces=(nn.Embedding,),
-        params=("weight",),
-        convertible=convertible,
-        in_parent=in_parent,
-        options=lambda module: dict(padding_idx=module.padding_idx),
-        probe=Probe(fits=fits, data=probe_data),
-    )
+KIND = LayerKind(
+    name="Embedding",
+    config_key="embeddingclass",
+    group="Embedding",
+    variants={
+        "nn": nn.Embedding,
+        "shim": ShimEmbedding,
+        "gns": PerExampleEmbedding,
+        "fused": PerExampleEmbedding,
+    },  # no kernel: embedding grads are a scatter-add already
+    replaces=(nn.Embedding,),
+    params=("weight",),
+    convertible=convertible,
+    in_parent=in_parent,
+    options=lambda module: dict(padding_idx=module.padding_idx),
+    probe=Probe(fits=fits, data=probe_data),
 )

@@ -38,7 +38,7 @@ import torch.nn as nn
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.registry import LayerKind, adopt
 from nanogns.kinds import grouped
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -167,20 +167,18 @@ def _probe(module, variant_cls, dtype, tolerance):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="Experts",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
-            "shim": PerExampleExperts,
-            "gns": PerExampleExperts,
-            "fused": PerExampleExperts,
-        },
-        params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
-        convertible=convertible,
-        matches=matches,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="Experts",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
+        "shim": PerExampleExperts,
+        "gns": PerExampleExperts,
+        "fused": PerExampleExperts,
+    },
+    params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
+    convertible=convertible,
+    matches=matches,
+    verify=verify,
 )

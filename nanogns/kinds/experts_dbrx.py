@@ -27,7 +27,7 @@ from nanogns.core.buffers import (
     register_pe_sqnorm_buffers,
 )
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.registry import LayerKind, adopt
 from nanogns.core.rowmaps import ragged
 from nanogns.kinds import functional
 
@@ -133,19 +133,17 @@ def verify(module, variant_cls):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="DbrxExperts",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Module,  # DBRX's own class
-            "shim": PerExampleDbrxExperts,
-            "gns": PerExampleDbrxExperts,
-            "fused": PerExampleDbrxExperts,
-        },
-        params=BANKS,
-        matches=matches,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="DbrxExperts",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Module,  # DBRX's own class
+        "shim": PerExampleDbrxExperts,
+        "gns": PerExampleDbrxExperts,
+        "fused": PerExampleDbrxExperts,
+    },
+    params=BANKS,
+    matches=matches,
+    verify=verify,
 )

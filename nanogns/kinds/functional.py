@@ -42,7 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanogns.core import registry, shared
+import nanogns.kinds
+from nanogns.core import shared
 from nanogns.core.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
 from nanogns.core.ids import untagged
 from nanogns.core.module_state import state_of
@@ -51,6 +52,7 @@ from nanogns.core.tied import note_embedding, note_head
 from nanogns.kinds import embedding as embedding_kind
 from nanogns.kinds import layernorm as layernorm_kind
 from nanogns.kinds import linear as linear_kind
+from nanogns.kinds.affine import affine
 from nanogns.kinds.layernorm import torch_layer_norm
 from nanogns.kinds.rmsnorm import torch_rms_norm
 
@@ -67,7 +69,8 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
     if missing:
         raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
     if kind is not None:
-        registry.get(kind)  # an unknown kind raises, naming the registered ones
+        nanogns.kinds.KINDS.kind(kind)  # an unknown kind raises, naming the kinds (read at the call: this module is
+        # imported while nanogns/kinds/__init__.py makes KINDS)
     for name in param_names:
         param = getattr(module, name)
         if not 0 <= bank_dims < param.dim():
@@ -143,4 +146,4 @@ def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = None, weight_buff
     out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
     rows, (buffer,) = rows_or_refuse(x, (weight_buffer,))
-    return layernorm_kind.affine(xhat, weight, None, buffer, None, rows).to(out_dtype)
+    return affine(xhat, weight, None, buffer, None, rows).to(out_dtype)

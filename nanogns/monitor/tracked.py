@@ -15,8 +15,8 @@ import torch.nn as nn
 from nanogns.core.buffers import BUFFER_SUFFIX
 from nanogns.core.mapper import SharedTensor
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import group_of
 from nanogns.core.tied import link_tied_parameters
+from nanogns.kinds import KINDS
 
 # -----------------------------------------------------------------------------
 # measurements
@@ -203,7 +203,7 @@ def describe_tracked(model, tracked):
         buffer = entry.terms[0][0]._buffers[entry.terms[0][1]]
         record[entry.name] = {
             "kind": kind,
-            "group": group_of(kind),
+            "group": KINDS.group_of(kind),
             "layer": layer.removeprefix("FSDP"),
             "block": block_index(model, first.rpartition(".")[0]),
             "names": aliases[id(param)],
