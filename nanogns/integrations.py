@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
-from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
 from nanogns.core.hooks import install
 from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
 from nanogns.estimator import RunningGNS
+from nanogns.monitor import GNSMonitor
 from nanogns.runlog.lock import RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
@@ -56,7 +56,7 @@ def _monitor(model, ema_decay, scaler, convert_options):
                 f"GNS: the model's layers are converted already; convert options {convert_options} "
                 "cannot apply (pass them to the first nanogns.convert instead)"
             )
-        return gnstracking.GNSMonitor(model, **options)
+        return GNSMonitor(model, **options)
     return convert(model, **(convert_options or {}), **options)
 
 

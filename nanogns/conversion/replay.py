@@ -466,7 +466,7 @@ class _Held:
             with torch.autocast(device, dtype=dtype, enabled=enabled):  # as its forward ran
                 for start in range(0, N, chunk):
                     part = slice(start, min(N, start + chunk))
-                    outs, found = self.per_example(values, names, part, [g[part] for g in grads])
+                    outs, found = self.replayed_grads(values, names, part, [g[part] for g in grads])
                     self.check(outs, part)
                     for name in names:
                         pieces[name].append(found[name])
@@ -509,7 +509,7 @@ class _Held:
         flat = pytree.tree_leaves(out)
         return [flat[i].squeeze(r.dim) if r.per == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
 
-    def per_example(self, values, names, part, grads):
+    def replayed_grads(self, values, names, part, grads):
         """(replayed outputs (n, ...), {name: (n, *shape) per-example gradients}) of examples `part`."""
         in_dims = pytree.tree_map(lambda r: 0 if r else None, self.in_rows)
         inputs = pytree.tree_map(lambda t, r: t[part] if r else t, self.inputs, self.in_rows)

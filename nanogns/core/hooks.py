@@ -19,7 +19,6 @@ import torch
 from nanogns.core import layout, towers
 from nanogns.core.ids import tagged_inputs, untagged
 from nanogns.core.inputs import layout_of_inputs
-from nanogns.core.layout import Pass
 from nanogns.core.mapper import RowMapper
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Tower
@@ -47,24 +46,10 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
 
     def enter(module, args, kwargs):
         found = read(args, kwargs)
-        recompute = layout.in_backward()  # activation checkpointing running the whole model again: no new uses
         tagged = None
         if found is not None and mapper.tags_ids and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             tagged = tagged_inputs(args, kwargs)  # the examples' ids, tagged for the forward's layers
-        inputs = tagged[1] if tagged is not None else kwargs
-        this = Pass(found, mapper, torch.is_grad_enabled() and not recompute, tagged is not None, inputs)
-        mapper.forwards += 1
-        remembered = found is not None and this.counting  # the Pass a backward reads once this forward has ended
-        if remembered:
-            # the bookkeeping of uses runs eagerly only: a compiled backward sums no uses (the monitor then drops such
-            # a tensor with its reason), and reading the last forward here would make Dynamo guard on it
-            if not torch.compiler.is_compiling():
-                earlier = mapper.last_pass  # a forward with tensors used several times whose backward has not begun:
-                if earlier is not None and not earlier.backward_seen and any(n > 1 for n in earlier.uses.values()):
-                    this.interleaved = True  # their uses could not be told apart from this forward's (uses.py)
-                mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
-            mapper.last_pass = this
-        layout.enter(this, remembered)
+        layout.enter(found, mapper, tagged is not None, tagged[1] if tagged is not None else kwargs)
         return tagged
 
     mapper.handles += (

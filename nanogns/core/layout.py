@@ -83,12 +83,31 @@ class Passes:
 PASSES = Passes()
 
 
-def enter(this, last):
-    """Make `this` the Pass layers read until `leave` (the root forward's pre-hook, core/hooks.py); last: it is also
-    the Pass a backward reads once the forward has ended."""
-    if last:
+def enter(layout, mapper, tagged, inputs):
+    """Start the Pass of a root forward whose Layout is `layout` (core/hooks.py's pre-hook calls it) and make it the
+    one layers read until `leave`; returns it. A forward with gradients (not a recompute by activation checkpointing,
+    which runs in backward) is also the Pass its backward reads once the forward has ended (PASSES.last), and
+    finishes what the previous one's uses left pending (core/uses.py).
+
+    Args:
+        mapper: the model's RowMapper. tagged: the root's ids carry ExampleIds. inputs: its keyword arguments.
+    """
+    # (in_backward's question, inline: this runs at every root forward)
+    recompute = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+    this = Pass(layout, mapper, torch.is_grad_enabled() and not recompute, tagged, inputs)
+    mapper.forwards += 1
+    if layout is not None and this.counting:
+        # the bookkeeping of uses runs eagerly only: a compiled backward sums no uses (the monitor then drops such a
+        # tensor with its reason), and reading the last forward here would make Dynamo guard on it
+        if not torch.compiler.is_compiling():
+            earlier = mapper.last_pass  # a forward with tensors used several times whose backward has not begun:
+            if earlier is not None and not earlier.backward_seen and any(n > 1 for n in earlier.uses.values()):
+                this.interleaved = True  # their uses could not be told apart from this forward's (uses.py)
+            mapper.finish()  # the previous forward's backward is over: what its uses left pending is recorded
+        mapper.last_pass = this
         PASSES.last = weakref.ref(this)
     PASSES.active.append(this)
+    return this
 
 
 def leave(module, args, kwargs, output):

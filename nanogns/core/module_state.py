@@ -28,7 +28,6 @@ class ModuleState:
         tables_hooked: its forward pre-hook marking a parameter passed as input as a table is registered
             (core/registry.py's adopt, core/shared.py).
         tied: the TiedParameter of an Embedding whose weight a Linear shares (core/tied.py).
-        shared_rows: an Embedding its parent feeds a table shared by the examples (kinds/embedding.py).
         replay_subtree: its whole subtree is replayed as one unit (conversion/replay.py); convert() then leaves
             its children as they are.
         replay_vmap: False once vmap failed on its forward: its examples are replayed one by one (replay.py).
@@ -44,7 +43,6 @@ class ModuleState:
     buffer_table: Any = None
     tables_hooked: bool = False
     tied: Any = None
-    shared_rows: bool = False
     replay_subtree: bool = False
     replay_vmap: bool = True
     replay_changed: tuple = ()

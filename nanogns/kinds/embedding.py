@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from nanogns.core import shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.core.ids import untagged
-from nanogns.core.module_state import state_of
 from nanogns.core.registry import LayerKind, Probe
 from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding
@@ -146,6 +145,7 @@ def _check_plain_embedding(kwargs):
 
 class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
     pe_kind = "Embedding"
+    pe_shared_rows = False  # True: its parent feeds it a table shared by the examples (in_parent)
 
     def __init__(self, num_embeddings, embedding_dim, **kwargs):
         _check_plain_embedding(kwargs)
@@ -153,7 +153,7 @@ class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
         self.register_pe_buffers("weight")
 
     def pe_rows_and_buffers(self, ids, *param_names):
-        if state_of(self).shared_rows:  # its parent feeds it a table shared by the examples (T5's buckets)
+        if self.pe_shared_rows:  # its parent feeds it a table shared by the examples (T5's buckets)
             return Rows("shared", 0), tuple(None for _ in param_names)
         return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names, lookup=True)  # rows: the ids themselves
 
@@ -217,7 +217,7 @@ def in_parent(parent, name, module):
     """None: converted; an Embedding its parent feeds a table shared by the batch is marked so, and looks up a
     table shared by the examples (core/shared.py)."""
     if name in SHARED_TABLES and getattr(parent, "has_relative_attention_bias", True):
-        state_of(module).shared_rows = True
+        module.pe_shared_rows = True  # (read once the module is this kind's layer)
     return None
 
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.core.hooks import install
+from nanogns.core.module_state import state_of
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
@@ -165,6 +166,42 @@ class GNSMonitor:
         """{logged name: layer kind, class, block, names, elements} (see describe_tracked)."""
         return describe_tracked(self.model, self.tracked)
 
+    def explain(self) -> Dict[str, str]:
+        """{module path: how its parameters are measured, and why} for every module that owns a trainable parameter:
+        the path of convert() that measures it (conversion/convert.py's PATHS, most specific first: a kind's layer by
+        its class or structure, found by a probe, its own forward with its parameters' uses followed, replayed per
+        example) and why that path, the layer class it was built with, the module whose path measures it as part of
+        its subtree, or why it is not measured."""
+        modules = dict(self.model.named_modules())
+        found = {}
+        for path, module in modules.items():
+            noted = state_of(module).measured_by
+            if noted is None and not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue
+            label = path or "(the model itself)"
+            if path in self.unconverted:
+                found[label] = f"not measured: {self.unconverted[path]}"
+            elif noted is not None:
+                found[label] = "{}: {}; {}".format(*noted)
+            elif getattr(module, "pe_kind", None):
+                found[label] = f"the {module.pe_kind} kind's {type(module).__name__}, which the model was built with"
+            else:
+                found[label] = self._explain_unnoted(path, module, modules)
+        return found
+
+    def _explain_unnoted(self, path, module, modules):
+        """A module with trainable parameters that no path converted: measured with an ancestor's subtree, or why
+        its parameters are not measured."""
+        parts = path.split(".")
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = ".".join(parts[:depth])
+            noted = state_of(modules[ancestor]).measured_by
+            if noted is not None:
+                return f"measured with {ancestor or '(the model itself)'} ({noted[0]}: {noted[1]})"
+        names = [f"{path}.{n}" if path else n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        reasons = sorted({self.untracked[n] for n in names if n in self.untracked})
+        return "not measured: " + ("; ".join(reasons) if reasons else "no layer records its parameters")
+
     def _scaler_on(self):
         return self.scaler is not None and self.scaler.is_enabled()
 
@@ -188,7 +225,8 @@ class GNSMonitor:
                 + (f" (and {len(others)} more such layers)" if others else "")
             )
         self.row_map.finish()  # what the last forward's uses left pending (core/uses.py)
-        values, finite, no_grad = self.reader.read(self._scaler_on())
+        scaler_on = self._scaler_on()
+        values, finite, no_grad = self.reader.read(scaler_on)
         self.step_count += 1
         self.measurements, self.approx_measurements = [], []
         if not finite:
@@ -197,7 +235,7 @@ class GNSMonitor:
         if batch_size is None:  # the count most tracked tensors report (a layer shared across depth counts k B)
             counted = [c for c in values[:, 2].tolist() if c > 0 and not math.isnan(c)]
             batch_size = int(min(set(counted), key=lambda c: (-counted.count(c), c))) if counted else 0
-        scale = self.scaler.get_scale() if self._scaler_on() else 1.0
+        scale = self.scaler.get_scale() if scaler_on else 1.0
         scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
         n_exact = len(self.tracked)
         exact = self._measurements(self.tracked, values[:n_exact], no_grad, batch_size, scales)
