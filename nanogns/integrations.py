@@ -33,7 +33,7 @@ import torch
 
 from nanogns.conversion.convert import convert
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
-from nanogns.core.hooks import install
+from nanogns.core.layout import install
 from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
 from nanogns.estimator import RunningGNS
 from nanogns.monitor import GNSMonitor

@@ -112,7 +112,7 @@ def test_compile_after_a_monitored_forward_traces_in_one_graph():
     under); layout.current() then asks autograd for its graph task, a call Dynamo cannot trace. Under compile it
     is skipped, so a later fullgraph compile of fused layers outside a root forward still traces."""
     from nanogns.core import layout
-    from nanogns.core.hooks import install
+    from nanogns.core.layout import install
 
     monitored = nn.Linear(16, 16)
     install(monitored)

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from nanogns.core import layout
 from nanogns.core.buffers import refuse_step
-from nanogns.core.hooks import install, mapper_of
 from nanogns.core.inputs import layout_of_inputs
+from nanogns.core.layout import install, mapper_of
 from nanogns.core.rowmaps import Layout
 
 

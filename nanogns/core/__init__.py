@@ -6,8 +6,9 @@ lists the route as calls):
     rowmaps.py       the values: Rows (which example each row of a layer's input is), Items, Tower, Layout
     inputs.py        a forward's Layout read from what the model was called with; example_dim
     ids.py           ExampleIds, the tag that follows the examples' ids through the model's ops
-    hooks.py         install(model): the hooks that start a Pass at each forward, and the scopes inside it
-    layout.py        the Pass running now, and what layers ask of it (rows_for, note_uses, note_refusal, ...)
+    layout.py        install(model), whose hooks start a Pass at each forward; the Pass running now, and what layers
+                     ask of it (rows_for, note_uses, note_refusal, ...)
+    scopes.py        the scopes inside a forward: windows, sequence-first modules, vision towers
     mapper.py        RowMapper: a model's refusals and its last Pass, read by the monitor
     module_state.py  what the package keeps on a user's module (state_of), besides its buffers
     buffers.py       the `<param>_pe_sqnorm` buffers ([sum of per-example squared norms, count]) and the mixin

@@ -40,7 +40,6 @@ import math
 import torch
 
 from nanogns.core import layout, trees, uses
-from nanogns.core.hooks import mapper_of
 from nanogns.core.mapper import BUFFER_SUFFIX
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Rows
@@ -101,7 +100,7 @@ def zero_pe_sqnorm_buffers(model):
         for name, buffer in model.named_buffers():
             if name.endswith(BUFFER_SUFFIX):
                 buffer.zero_()
-    mapper = mapper_of(model)
+    mapper = layout.mapper_of(model)
     if mapper is not None:
         mapper.clear()
 

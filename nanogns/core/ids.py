@@ -1,7 +1,7 @@
 """
 The tag that follows the examples' ids: ExampleIds, a torch.Tensor subclass.
 
-The root forward's pre-hook (core/hooks.py) tags the integer tensors among the model's arguments (`tagged_inputs`);
+The root forward's pre-hook (core/layout.py's install) tags the integer tensors among the model's arguments (`tagged_inputs`);
 every op on a tagged tensor returns its integer and boolean results tagged too, so that the ids the model computes
 from its example inputs (views, shifted or masked ids, token types) stay known as the examples', whatever their
 sizes, and ids made otherwise (positions from torch.arange, relative-position buckets, a buffer) stay plain: an

@@ -12,7 +12,7 @@ have that size (followed back through its autograd history).
   (N, ...) any tensor      N examples
 
 The argument holding the examples is the first of EXAMPLE_ARGUMENTS given (transformers' names), else the first
-tensor. A user with a layout of their own passes `install(model, layout_of=fn)` (core/hooks.py).
+tensor. A user with a layout of their own passes `install(model, layout_of=fn)` (core/layout.py).
 """
 
 import re

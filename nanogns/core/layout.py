@@ -1,9 +1,12 @@
 """
 The pass: the forward running now, and what every layer asks of it.
 
-Each root forward of an installed model (core/hooks.py's pre-hook) starts a Pass: its Layout (core/rowmaps.py: which
-example each row is), the model's RowMapper (core/mapper.py: where refusals are kept), the uses of each recorded
-tensor, the scopes layers run in. Layers ask the functions below, never the Pass's owner directly:
+`install(model)` (convert() and GNSMonitor call it) registers the model's root hooks: at each forward the pre-hook
+reads the arguments (core/inputs.py's layout_of_inputs: `input_ids`, `inputs_embeds`, `pixel_values`, ... or the
+first tensor), tags the ids (core/ids.py) and `enter`s a Pass: its Layout (core/rowmaps.py: which example each row
+is), the model's RowMapper (core/mapper.py: where refusals are kept), the uses of each recorded tensor, the scopes
+layers run in (core/scopes.py); the forward hook `leave`s it. Layers ask the functions below, never the passes'
+owner directly:
 
     rows_for(shape, module=...)   the Rows of an input of that shape, or why they cannot be mapped
     items_of(dim0)                the Items on dim 0 of the examples' data (conv, tables, replays)
@@ -14,22 +17,31 @@ tensor, the scopes layers run in. Layers ask the functions below, never the Pass
 
 During a backward pass the last forward's Pass stays current, so layers recomputed by activation checkpointing read
 the same map. Outside an installed model's forward (a bare layer called in a test) dim 0 is the example; tests and
-benchmarks that run bare layers as a model's forward would use `running(Layout(...))`.
+benchmarks that run bare layers as a model's forward use `running(Layout(...))`.
+
+A user with a layout of their own passes `install(model, layout_of=fn)`, fn(args, kwargs) -> Layout. Under
+torch.compile the ids are not tagged (a traced forward keeps no Python tags): an Embedding then takes ids with the
+examples on dim 0 as theirs and one row of ids for all as a table, and refuses N ids at N == T, which could be
+either (untold_ids); `RowMapper.tags_ids = False` does the same eagerly.
 
 Where the passes live: one Passes object per process (PASSES), as torch keeps its autocast state: the passes of the
-root forwards running now, innermost last (`enter`, called by the root's pre-hook, and `leave`, its forward hook),
-the last one's (a weak reference, so a model no longer used is freed), the collectors of refusals outside any
-model (`collecting`, convert's probes), and the depth of per-example replays (`replay`, conversion/replay.py).
+root forwards running now, innermost last, the last one's (a weak reference, so a model no longer used is freed),
+the collectors of refusals outside any model (`collecting`, convert's probes), and the depth of per-example replays
+(`replay`, conversion/replay.py).
 """
 
 import contextlib
 import weakref
+from typing import Callable, Optional
 
 import torch
 
-from nanogns.core.ids import ExampleIds
+from nanogns.core import scopes
+from nanogns.core.ids import ExampleIds, tagged_inputs
+from nanogns.core.inputs import layout_of_inputs
 from nanogns.core.mapper import RowMapper
-from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Rows
+from nanogns.core.module_state import state_of
+from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Layout, Rows
 
 
 class Pass:
@@ -70,6 +82,56 @@ class Pass:
             gathered.finish()
 
 
+# -----------------------------------------------------------------------------
+# a model's forwards, each starting a Pass
+
+
+def install(
+    model: torch.nn.Module,
+    layout_of: Callable[[tuple, dict], Optional[Layout]] = layout_of_inputs,
+    mapper: Optional[RowMapper] = None,
+) -> RowMapper:
+    """Set the Layout that `model`'s layers read from every forward of `model` (idempotent); returns the model's
+    RowMapper.
+
+    Args:
+        layout_of: layout_of(args, kwargs) -> Layout, or None for a forward whose layers then read dim 0.
+        mapper: a RowMapper to share (the children of a LightningModule, whose own forward is not called,
+            note their refusals where the monitor of the whole module reads them).
+    """
+    state = state_of(model)
+    if state.row_mapper is not None:
+        return state.row_mapper
+    mapper = mapper if mapper is not None else RowMapper(layout_of)
+    mapper.model = mapper.model or model
+    read = (lambda args, kwargs: layout_of_inputs(args, kwargs, model)) if layout_of is layout_of_inputs else layout_of
+
+    def start(module, args, kwargs):
+        found = read(args, kwargs)
+        tagged = None
+        if found is not None and mapper.tags_ids and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            tagged = tagged_inputs(args, kwargs)  # the examples' ids, tagged for the forward's layers
+        enter(found, mapper, tagged is not None, tagged[1] if tagged is not None else kwargs)
+        return tagged
+
+    mapper.handles += (
+        model.register_forward_pre_hook(start, with_kwargs=True),
+        model.register_forward_hook(leave, with_kwargs=True, always_call=True),
+    )
+    mapper.handles += scopes.scope_handles(model, current_pass)
+    state.row_mapper = mapper
+    return mapper
+
+
+def mapper_of(model):
+    """The RowMapper `install` gave `model`, or None."""
+    return state_of(model).row_mapper
+
+
+# -----------------------------------------------------------------------------
+# the passes of this process
+
+
 class Passes:
     """The forward context of this process (PASSES): what the functions below read and the root hooks change."""
 
@@ -84,7 +146,7 @@ PASSES = Passes()
 
 
 def enter(layout, mapper, tagged, inputs):
-    """Start the Pass of a root forward whose Layout is `layout` (core/hooks.py's pre-hook calls it) and make it the
+    """Start the Pass of a root forward whose Layout is `layout` (install's pre-hook calls it) and make it the
     one layers read until `leave`; returns it. A forward with gradients (not a recompute by activation checkpointing,
     which runs in backward) is also the Pass its backward reads once the forward has ended (PASSES.last), and
     finishes what the previous one's uses left pending (core/uses.py).
@@ -111,7 +173,7 @@ def enter(layout, mapper, tagged, inputs):
 
 
 def leave(module, args, kwargs, output):
-    """The root forward's hook (core/hooks.py): its Pass is no longer the one running (it may stay the last)."""
+    """The root forward's hook (install): its Pass is no longer the one running (it may stay the last)."""
     PASSES.active.pop()
 
 

@@ -1,5 +1,5 @@
 """
-A model's RowMapper: what `install(model)` (core/hooks.py) sets up for one model and the monitor reads after each
+A model's RowMapper: what `install(model)` (core/layout.py) sets up for one model and the monitor reads after each
 step: the hooks' handles, the refusals its layers noted (a buffer whose rows could not be mapped, counted NaN:
 the monitor's error says why), the layers that mixed the examples (a BatchNorm with the batch's statistics), the
 tensors several modules record (SharedTensor, core/uses.py), the last forward's Pass (core/layout.py), whose

@@ -23,7 +23,7 @@ class ModuleState:
         kinds: {parameter name: layer kind} for parameters whose norms the module's own code records, where its
             class's `pe_kind` does not say (functional.register_buffers, the experts, attention, the replayed and
             intercepted modules); read by the monitor's record (monitor/tracked.py).
-        row_mapper: the RowMapper of a model `install` was called on (core/hooks.py).
+        row_mapper: the RowMapper of a model `install` was called on (core/layout.py).
         buffer_table: the model's BufferTable (core/table.py).
         tables_hooked: its forward pre-hook marking a parameter passed as input as a table is registered
             (core/registry.py's adopt, core/shared.py).

@@ -1,6 +1,6 @@
 """
 Which example each row of a layer's input belongs to: the values a forward's layers read (Rows, Items, Tower,
-Layout). Nothing here keeps state; core/layout.py holds the forward running now, core/hooks.py makes its Layout.
+Layout). Nothing here keeps state; core/layout.py holds the forward running now, core/inputs.py makes its Layout.
 
 A layer's input has shape (..., D); its rows are the vectors along the last dim.
 Per-example norms need, for every row, the example (one sequence, one image, one

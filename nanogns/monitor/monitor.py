@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from nanogns.core.hooks import install
+from nanogns.core.layout import install
 from nanogns.core.module_state import state_of
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
@@ -116,7 +116,7 @@ class GNSMonitor:
         unconverted: Optional[Dict[str, str]] = None,
     ):
         self._warned = set()  # parameters warned about (once each)
-        self.row_map = install(model)  # each forward's examples, read by every layer (core/hooks.py)
+        self.row_map = install(model)  # each forward's examples, read by every layer (core/layout.py)
         batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
@@ -354,7 +354,7 @@ class GNSMonitor:
             return ValueError(
                 f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
                 f"See nanogns/core/rowmaps.py for the rows that can be mapped; for a layout of your own, pass "
-                f"nanogns.core.hooks.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
+                f"nanogns.core.layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
         if self.row_map.forwards == 0:
             return ValueError(
