@@ -13,9 +13,9 @@ The package, from the top of its import layers down (docs/architecture.md):
     engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules and the controller
     conversion/   convert(model): a finished model's layers made per-example norm layers, checked by probes
     monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is
-    kinds/        one module per layer kind, declaring all its variants; the classes model.py builds with
+    kinds/        one module per layer kind, declaring all its variants, listed in KINDS; the classes model.py builds with
     variants/     the fused variant's Triton glue and SOGNS's approximate norms
-    core/         what every kind shares: the registry, row maps (which example each row is), buffers, summed uses
+    core/         what every kind shares: LayerKind, row maps (which example each row is), the pass, buffers, summed uses
     kernels/      Triton kernels (gradients and per-example norms in one pass)
     runlog/       the CSV log: writer (LogWrapper) and reader (load_csv); no torch
     errors.py     what the package raises when it refuses (NanoGNSError and its kinds); it never exits the process

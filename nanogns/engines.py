@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanogns import settings
 from nanogns.errors import CheckpointNotUsable, WriteFailed
-from nanogns.monitor import ddp as ddpgns
+from nanogns.monitor.ddp import DDPGradientStatsHook
 
 
 class OneProcessEngine:
@@ -131,7 +131,7 @@ class DDPEngine(OneProcessEngine):
         model.require_backward_grad_sync = sync
 
     def gns_hook(self, model):
-        return ddpgns.DDPGradientStatsHook(model)
+        return DDPGradientStatsHook(model)
 
     def gather(self, obj):
         found = [None] * self.world_size

@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 
-from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
-from nanogns.core import layout
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
+from nanogns.core.layout import install
 from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
 from nanogns.estimator import RunningGNS
+from nanogns.monitor import GNSMonitor
 from nanogns.runlog.lock import RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
@@ -56,7 +56,7 @@ def _monitor(model, ema_decay, scaler, convert_options):
                 f"GNS: the model's layers are converted already; convert options {convert_options} "
                 "cannot apply (pass them to the first nanogns.convert instead)"
             )
-        return gnstracking.GNSMonitor(model, **options)
+        return GNSMonitor(model, **options)
     return convert(model, **(convert_options or {}), **options)
 
 
@@ -283,7 +283,7 @@ class LightningGNSCallback(LightningCallback):
         self.monitor = _monitor(pl_module, self.ema_decay, scaler, self.convert_options)
         for child in pl_module.children():  # the LightningModule's own forward is not called: its children's are
             if any(True for _ in child.parameters()):
-                layout.install(child, mapper=self.monitor.row_map)
+                install(child, mapper=self.monitor.row_map)
 
     def on_train_start(self, trainer, pl_module):
         self.close()  # (a log left open would be this process's own lock: closed at teardown and on_exception)

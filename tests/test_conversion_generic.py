@@ -25,6 +25,7 @@ from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, con
 import nanogns as lc
 from nanogns.conversion.intercept import InterceptedForward
 from nanogns.conversion.replay import ReplayedForward
+from nanogns.core.module_state import state_of
 from nanogns.kinds.experts_dbrx import PerExampleDbrxExperts
 
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -212,11 +213,11 @@ def test_modules_no_kind_describes_are_exact(name):
     assert not monitor.unconverted and not monitor.untracked
     if name in REPLAYED:
         assert isinstance(model.get_submodule(REPLAYED[name]), ReplayedForward)
-        assert model.get_submodule(REPLAYED[name])._pe_subtree
+        assert state_of(model.get_submodule(REPLAYED[name])).replay_subtree
     if name in INTERCEPTED:
         assert isinstance(model.get_submodule(INTERCEPTED[name]), InterceptedForward)
     if name in REPLAYED_ALONE:  # its own parameters only, its children converted by kind
-        assert not model.get_submodule(REPLAYED_ALONE[name])._pe_subtree
+        assert not state_of(model.get_submodule(REPLAYED_ALONE[name])).replay_subtree
     if name == "DBRX":  # banks this large get a kind, not the replay
         assert isinstance(model.transformer.blocks[0].ffn.experts, PerExampleDbrxExperts)
     check_exact(model, monitor, want, got)

@@ -31,7 +31,6 @@ from torch.nn.utils import parametrizations
 
 import nanogns as lc
 from nanogns.conversion import replay
-from nanogns.core import layout
 from nanogns.core.buffers import zero_pe_sqnorm_buffers
 from nanogns.kinds.linear import PerExampleLinear
 
@@ -970,7 +969,7 @@ def test_measurements_never_fall_below_the_batch_gradient():
         assert m.rms_pe_norm**2 >= m.norm**2 * (1 - 1e-9) or math.isclose(m.norm, 0.0, abs_tol=1e-15)
 
 
-def test_without_the_tag_ids_that_could_be_either_are_refused(monkeypatch):
+def test_without_the_tag_ids_that_could_be_either_are_refused():
     """Where no forward tags its ids (torch.compile traces no tag), positions (T,) at B == T could be one id per
     example: the step is refused with the fix, never a number; with the tag (eager) the same model is exact."""
     ids = torch.randint(1, V, (5, 5), generator=torch.Generator().manual_seed(1))
@@ -978,11 +977,11 @@ def test_without_the_tag_ids_that_could_be_either_are_refused(monkeypatch):
     model = FlatLM().double()
     loss_of = lambda part: next_token_losses(model(ids[part]), ids[part])  # noqa: E731
     monitor = lc.convert(model)
-    monkeypatch.setattr(layout, "_tagged_inputs", lambda args, kwargs: None)
+    monitor.row_map.tags_ids = False  # as under torch.compile
     loss_of(slice(0, 5)).mean().backward()
     with pytest.raises(ValueError, match=r"wpe.weight: .*no tag says where the ids come from.*expanded to \(B, T\)"):
         monitor.measure(batch_size=5)
     model.zero_grad(set_to_none=True)
     zero_pe_sqnorm_buffers(model)
-    monkeypatch.undo()
+    monitor.row_map.tags_ids = True
     assert_exact(model, loss_of, 5, parts=[slice(0, 5)], monitor=monitor)

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 from oracle import per_example_sqnorms_by_loop
 
-from nanogns.core import layout, matmul
+from nanogns.core import matmul
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
+from nanogns.core.rowmaps import Rows
 from nanogns.kinds import embedding, layernorm, linear
 from nanogns.kinds.embedding import PerExampleEmbedding, ShimEmbedding
 from nanogns.kinds.layernorm import PerExampleLayerNorm, SeparatedLayerNorm
@@ -189,7 +190,7 @@ def test_linear_shim_records_only_buffers_it_gets():
     torch.manual_seed(5)
     x, g = torch.randn(3, 7, 6, dtype=torch.float64), torch.randn(3, 7, 5, dtype=torch.float64)
     bias_buffer = torch.zeros(2)
-    linear.record_linear_norms(x, layout.Rows("dim0", 3), None, bias_buffer)(g)
+    linear.record_linear_norms(x, Rows("dim0", 3), None, bias_buffer)(g)
     torch.testing.assert_close(bias_buffer[0].double(), g.sum(1).pow(2).sum(), rtol=1e-6, atol=0)
     assert bias_buffer[1].item() == 3
 

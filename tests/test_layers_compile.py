@@ -24,6 +24,7 @@ import torch
 import nanogns as lc
 from nanogns.core import buffers as buffered
 from nanogns.core import tied
+from nanogns.core.rowmaps import Rows
 
 CONFIG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=67, dropout=0.0, bias=True)
 BATCH, STEPS, MICRO_STEPS = 4, 2, 2
@@ -199,6 +200,5 @@ def test_compiled_layernorm_backward_does_not_grow_with_the_examples():
 
 
 def layout_rows(N):
-    from nanogns.core import layout
 
-    return layout.Rows("dim0", N)
+    return Rows("dim0", N)

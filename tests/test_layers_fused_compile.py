@@ -15,8 +15,6 @@ wrapped in functionalization's auto_functionalized); the ops stay opaque there:
 the kernels were not traced into, nor was the layer's torch fallback taken.
 """
 
-import weakref
-
 import pytest
 import torch
 import torch.nn as nn
@@ -109,14 +107,17 @@ def test_compiled_fused_layers_equal_eager_with_kernels_as_custom_ops(backend):
         }
 
 
-def test_compile_after_a_monitored_forward_traces_in_one_graph(monkeypatch):
-    """A monitored model's forward leaves layout._last set (what activation checkpointing recomputes under);
-    layout.current() then asks autograd for its graph task, a call Dynamo cannot trace. Under compile it
+def test_compile_after_a_monitored_forward_traces_in_one_graph():
+    """A monitored model's forward leaves its Pass as the last one (what activation checkpointing recomputes
+    under); layout.current() then asks autograd for its graph task, a call Dynamo cannot trace. Under compile it
     is skipped, so a later fullgraph compile of fused layers outside a root forward still traces."""
     from nanogns.core import layout
+    from nanogns.core.layout import install
 
-    last = layout.Pass(layout.Layout(3, (5,)), layout.RowMapper(), counting=False)
-    monkeypatch.setattr(layout, "_last", weakref.ref(last))
+    monitored = nn.Linear(16, 16)
+    install(monitored)
+    monitored(torch.randn(3, 5, 16))  # its forward's Pass stays the last one
+    assert layout.current_pass() is None and layout.backward_pass() is not None
     torch.manual_seed(0)
     eager = Block(16).to(DEVICE)
     model = Block(16).to(DEVICE)

@@ -10,10 +10,13 @@ import torch.nn as nn
 
 from nanogns.core import layout
 from nanogns.core.buffers import refuse_step
+from nanogns.core.inputs import layout_of_inputs
+from nanogns.core.layout import install, mapper_of
+from nanogns.core.rowmaps import Layout
 
 
 def test_rows_of_the_usual_inputs():
-    found = layout.Layout(examples=3, lengths=frozenset({5}))
+    found = Layout(examples=3, lengths=frozenset({5}))
     dim0 = found.rows_for((3, 5, 8))
     assert dim0.kind == "dim0" and dim0.examples == 3
     flat = found.rows_for((15, 8))  # (B*T, D): row r is example r // T
@@ -26,21 +29,19 @@ def test_rows_of_the_usual_inputs():
 
 
 def test_rows_that_cannot_be_mapped_say_why():
-    found = layout.Layout(examples=3, lengths=frozenset({5}))
+    found = Layout(examples=3, lengths=frozenset({5}))
     why = found.rows_for((7, 8))  # neither the examples nor their positions flattened
     assert isinstance(why, str) and "dim 0 is not the forward's 3 examples" in why
     # 4 rows, 4 examples of 4 positions: the examples' rows (a table of positions is tagged where it is made,
     # core/shared.py: an untagged tensor is the examples' data, whatever its sizes)
-    square = layout.Layout(examples=4, lengths=frozenset({4}))
+    square = Layout(examples=4, lengths=frozenset({4}))
     assert square.rows_for((4, 8)).kind == "dim0"
 
 
 def test_packed_sequences_from_position_ids_and_from_cu_seq_lens():
     ids = torch.zeros(1, 7, dtype=torch.long)
-    by_positions = layout.layout_of_inputs(
-        (), {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])}
-    )
-    by_lengths = layout.layout_of_inputs((), {"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 3, 5, 7])})
+    by_positions = layout_of_inputs((), {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])})
+    by_lengths = layout_of_inputs((), {"input_ids": ids, "cu_seq_lens_q": torch.tensor([0, 3, 5, 7])})
     for found in (by_positions, by_lengths):
         assert found.examples == 3
         rows = found.rows_for((1, 7, 4))
@@ -48,7 +49,7 @@ def test_packed_sequences_from_position_ids_and_from_cu_seq_lens():
         x = torch.arange(7.0).view(7, 1)
         padded = rows.per_example(x)  # (examples, longest, D), zero rows padding the shorter ones
         assert padded.shape == (3, 3, 1) and padded[:, :, 0].tolist() == [[0, 1, 2], [3, 4, 0], [5, 6, 0]]
-    assert layout.layout_of_inputs((), {"input_ids": torch.zeros(2, 7, dtype=torch.long)}).packed is None
+    assert layout_of_inputs((), {"input_ids": torch.zeros(2, 7, dtype=torch.long)}).packed is None
 
 
 def test_install_sets_each_forward_s_layout_and_returns_one_mapper():
@@ -60,13 +61,13 @@ def test_install_sets_each_forward_s_layout_and_returns_one_mapper():
             return x
 
     model = nn.Sequential(Probe())
-    mapper = layout.install(model)
-    assert layout.install(model) is mapper and layout.mapper_of(model) is mapper  # idempotent
+    mapper = install(model)
+    assert install(model) is mapper and mapper_of(model) is mapper  # idempotent
     model(torch.zeros(6, 2, 3))
     assert seen[0].examples == 6 and 2 in seen[0].lengths
     assert layout.current() is None  # outside the forward (and outside a backward)
     child = nn.Sequential(Probe())
-    assert layout.install(child, mapper=mapper) is mapper  # shared: a LightningModule's children
+    assert install(child, mapper=mapper) is mapper  # shared: a LightningModule's children
     layout.clear()
 
 
@@ -79,7 +80,7 @@ def test_a_refusal_is_kept_by_the_forward_s_mapper_and_cleared_with_it():
             return x * 2
 
     model = Refusing()
-    mapper = layout.install(model)
+    mapper = install(model)
     model(torch.ones(3, 4, requires_grad=True))
     assert torch.isnan(buffer[1]) and mapper.reasons(buffer) == ["its rows are the wrong shape"]
     assert mapper.reasons(torch.zeros(2)) == []  # another buffer

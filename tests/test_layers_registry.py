@@ -4,7 +4,6 @@ The layer registry (nanogns/core/registry.py) and the contextual config (nanogns
     python -m pytest tests/test_layers_registry.py -q
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -17,6 +16,7 @@ from nanogns import kinds as layer_kinds
 from nanogns.core import buffers as buffered
 from nanogns.core import layout
 from nanogns.core.registry import adopt
+from nanogns.core.rowmaps import Layout
 from nanogns.kinds.conv import PerExampleConv
 from nanogns.kinds.layernorm import SeparatedLayerNorm
 from nanogns.kinds.linear import PerExampleLinear
@@ -71,6 +71,7 @@ BUILD = {
     ),
     "Conv": (lambda: nn.Conv2d(3, 4, 3, padding=1), lambda: (torch.randn(4, 3, 5, 5),)),
     "BatchNorm": (lambda: nn.BatchNorm2d(3).eval(), lambda: (torch.randn(4, 3, 5, 5),)),  # running statistics
+    "GroupNorm": (lambda: nn.GroupNorm(2, 6), lambda: (torch.randn(4, 6, 3, 5),)),
     "MultiheadAttention": (lambda: nn.MultiheadAttention(6, 2, batch_first=True), lambda: (torch.randn(4, 3, 6),) * 3),
     "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
     "DbrxExperts": (dbrx_experts, lambda: (routed()[0].view(4, 2, 5), *routed()[1:])),
@@ -79,14 +80,9 @@ BUILD = {
 ENTRIES = [(kind.name, name) for kind in layer_kinds.KINDS.values() for name in kind.variants if name != "nn"]
 
 
-@contextlib.contextmanager
 def layout_of(examples, lengths):
     """The layout a model's forward would set (4 examples; the experts' 8 rows are 4 examples of 2 tokens)."""
-    layout._active.append(layout.Pass(layout.Layout(examples, frozenset(lengths)), layout.RowMapper(), counting=False))
-    try:
-        yield
-    finally:
-        layout._active.pop()
+    return layout.running(Layout(examples, frozenset(lengths)))
 
 
 @pytest.mark.parametrize("kind, name", ENTRIES, ids=[f"{k}-{n}" for k, n in ENTRIES])

@@ -8,15 +8,16 @@ layer after probe.py's probe shows it computes the same thing (one Conversion wa
 """
 
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch.nn as nn
 
-from nanogns import kinds as layer_kinds
-from nanogns.conversion import intercept, replay
-from nanogns.conversion import probe as swapcheck
+from nanogns.conversion import intercept, probe, replay
 from nanogns.core.buffers import BUFFER_SUFFIX
-from nanogns.core.registry import ROLES, adopt
+from nanogns.core.module_state import state_of
+from nanogns.core.registry import ROLES, LayerKind, adopt
+from nanogns.kinds import KINDS
 from nanogns.monitor.monitor import GNSMonitor
 
 # -----------------------------------------------------------------------------
@@ -25,13 +26,13 @@ from nanogns.monitor.monitor import GNSMonitor
 
 def _known_classes():
     """{class: kind} of the classes convert swaps by their exact class (only classes already imported)."""
-    return {cls: kind for kind in layer_kinds.KINDS.values() for cls in kind.replaced_classes()}
+    return {cls: kind for kind in KINDS.values() for cls in kind.replaced_classes()}
 
 
 def _treat_as_entries(treat_as, known):
     """{class: (kind, options)} from convert's `treat_as` argument, checked."""
     entries = {}
-    probed = [name for name, kind in layer_kinds.KINDS.items() if kind.probe is not None]
+    probed = [name for name, kind in KINDS.items() if kind.probe is not None]
     for cls, spec in (treat_as or {}).items():
         label = getattr(cls, "__name__", repr(cls))
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -43,7 +44,7 @@ def _treat_as_entries(treat_as, known):
             raise ValueError(f"{label} is converted by its class already; remove it from treat_as")
         if kind not in probed:
             raise ValueError(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
-        allowed = set(layer_kinds.get(kind).probe.options) | set(ROLES)
+        allowed = set(KINDS.kind(kind).probe.options) | set(ROLES)
         if set(options) - allowed or any(not isinstance(options[role], str) for role in ROLES if role in options):
             raise ValueError(
                 f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
@@ -60,11 +61,12 @@ class Conversion:
     def __init__(self, choice, treat_as=None, exclude=()):
         self.choice = choice  # {"linearclass": variant, "embeddingclass": ..., "lnclass": ...}
         self.known = _known_classes()
-        self.structural = [kind for kind in layer_kinds.KINDS.values() if kind.matches is not None]
+        self.structural = [kind for kind in KINDS.values() if kind.matches is not None]
         self.named = _treat_as_entries(treat_as, self.known)
         self.exclude = tuple(exclude)
         self.visited = set()
         self.unconverted = {}
+        self.no_layer = {}  # {id(module): why no kind's layer stands in for it}, where its forward is kept
 
     def run(self, model):
         """Convert every module of `model` in place; returns `unconverted`."""
@@ -81,53 +83,30 @@ class Conversion:
         return self.unconverted
 
     def visit(self, module, path, parent, model):
+        """Convert `module` by the first of PATHS that applies to it, note which (ModuleState.measured_by, what
+        GNSMonitor.explain reports) and, unless the path holds the module's whole subtree, visit its children."""
         if id(module) in self.visited:  # a module registered under several paths is converted once, stays shared
             return
         self.visited.add(id(module))
-        if path and self.excluded(module, path):
-            if any(True for _ in module.parameters()):
-                self.unconverted[path] = f"{type(module).__name__} excluded by the caller (convert(exclude=...))"
-            return
-        if isinstance(module, replay.ReplayedForward):  # converted already (convert() called again)
-            return
-        called = replay.methods_called_by(parent, path.rpartition(".")[2], module) if path else ()
-        if called and any(p.requires_grad for p in module.parameters()):
-            # its parent calls other methods of it (Gemma 3n's AltUp.predict and .correct), which run its parameters
-            # outside its forward: it is replayed per example at each of those calls too, its children included
-            adopt(module, replay.replayed_class(called), {"subtree": True})
-            return
-        if module is not model and replay.reparametrised(module):
-            # a weight computed from other parameters (weight norm, spectral norm, orthogonal): the module is replayed
-            # per example with its parametrisation, so each example's gradient is the original parameters' (replay.py)
-            self.unconverted.pop(path, None)
-            reason = self.replay_subtree(module)
+        at = Visit(self, module, path, parent, model)
+        for route in PATHS:
+            found = route.applies(at)
+            if found is None or found is False:
+                continue
+            reason = route.convert(at, found)
             if reason is not None:
                 self.unconverted[path] = reason
+            if route.name not in SILENT:
+                why = route.why(found) if callable(route.why) else route.why
+                if id(module) in self.no_layer:
+                    why += f" (no kind's layer: {self.no_layer[id(module)]})"
+                state_of(module).measured_by = (route.name, outcome(module, found), why)
+            if route.descends and not state_of(module).replay_subtree:
+                break
             return
-        kind = (
-            self.known.get(type(module))
-            or self.inherited_kind(module)
-            or next((k for k in self.structural if k.matches(module)), None)
-        )
-        reason = None
-        if kind is not None:
-            reason = kind.in_parent(parent, path.rpartition(".")[2], module) or self.convert_known(module, kind)
-        elif module is not model and owns_untracked_parameters(module):
-            reason = self.convert_probed(module)
-        elif module is not model and replay.reads_children_parameters(module):
-            # its code reads a child's parameter itself (SigLIP2's embeddings resize their position table, LFM2's
-            # short convolution passes its conv's weight to a kernel): the child's layer would not see that use, so
-            # the module is replayed per example as one unit, children included (replay.py)
-            reason = self.replay_subtree(module)
-        elif owns_untracked_parameters(module):  # the model itself: its forward kept, its parameters' uses followed
-            reason = self.follow_uses(module, "it is the model itself")
-        if reason is not None:
-            self.unconverted[path] = reason
-        if kind is None and not module.__dict__.get("_pe_subtree"):  # a kind's layer, or a module replayed per
-            # example with its subtree (replay.py), holds its whole subtree; any other module's children are visited
-            for name, child in module._modules.items():
-                if child is not None:
-                    self.visit(child, path + ("." if path else "") + name, module, model)
+        for name, child in module._modules.items():
+            if child is not None:
+                self.visit(child, path + ("." if path else "") + name, module, model)
 
     def inherited_kind(self, module):
         """The kind of a subclass of a class a kind replaces whose forward is that class's (`class MyConv(nn.Conv2d):
@@ -176,7 +155,7 @@ class Conversion:
         base = next((k.name for c, k in self.known.items() if isinstance(module, c) and k.probe is not None), None)
         if base is None and any(isinstance(module, c) for c in self.known):  # a subclass of a kind no probe tries
             return self.follow_uses(module, f"it overrides the forward of {type(module).__mro__[1].__name__}")
-        names = [kind_name] if kind_name else [base] if base else swapcheck.probed_kinds()
+        names = [kind_name] if kind_name else [base] if base else probe.probed_kinds()
         done, problem = self.swap_probed(module, names, options)
         if done:
             return problem  # swapped (None), or the reason the chosen kinds give
@@ -187,49 +166,51 @@ class Conversion:
     def swap_probed(self, module, names, options):
         """(True, None) when a layer of one of the kinds `names` replaced the module; (True, reason) when the
         user's choices leave it as it is; (False, why no kind's layer computes what it computes)."""
-        problem = swapcheck.structure_problem(module, options)
-        fitting = swapcheck.fitting_kinds(module, names, options) if problem is None else []
+        problem = probe.structure_problem(module, options)
+        fitting = probe.fitting_kinds(module, names, options) if problem is None else []
         if problem is None and not fitting:
             shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
             problem = f"its parameters {shapes} fit no {' or '.join(names)} layer"
         if problem is not None:
             return False, problem
-        chosen = {name: self.variant_of(layer_kinds.get(name)) for name in fitting}
+        chosen = {name: self.variant_of(KINDS.kind(name)) for name in fitting}
         if all(cls is None and reason is None for cls, reason in chosen.values()):
             return True, None  # the user chose 'nn' for these kinds
         usable = [name for name in fitting if chosen[name][0] is not None]
         if not usable:
             return True, next(reason for _, reason in chosen.values() if reason is not None)
-        found, problem = swapcheck.find_replacement(module, usable, options)
+        found, problem = probe.find_replacement(module, usable, options)
         if found is None:
             return False, problem
-        roles = swapcheck.role_names(module, options)  # parameters named otherwise play their roles
+        roles = probe.role_names(module, options)  # parameters named otherwise play their roles
         adopt(module, chosen[found.kind][0], {**found.options, **roles})
         return True, None
 
     def replay_subtree(self, module):
         """None: the module (which owns no parameter itself) replayed per example with its children; or why not."""
         kinds = {name: "Linear" for name, _ in module.named_parameters()}
-        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
+        if all(self.choice[KINDS.kind(k).config_key] == "nn" for k in kinds.values()):
             return None
         adopt(module, replay.ReplayedForward, {})
         return None
 
     def follow_uses(self, module, problem):
         """Keep the module's own forward: its parameters' uses followed (intercept.py) when a probe shows that
-        records them all, else its forward replayed per example in backward, children included (replay.py)."""
+        records them all, else its forward replayed per example in backward, children included (replay.py).
+        problem: why no kind's layer stands in for it (kept for GNSMonitor.explain)."""
+        self.no_layer[id(module)] = problem
         kinds = intercept.parameter_kinds(module)
-        if all(self.choice[layer_kinds.get(k).config_key] == "nn" for k in kinds.values()):
+        if all(self.choice[KINDS.kind(k).config_key] == "nn" for k in kinds.values()):
             return None  # the user chose 'nn' for the kinds its parameters would be recorded as
         # a block whose children hold parameters and do not have them read by its code keeps its forward with its
         # own parameters' uses followed (checked at every step) even where no probe can run it: replaying it
         # would run the block again per example
         container = any(True for c in module.children() for _ in c.parameters())
-        followed = swapcheck.intercept_problem(module, container and not replay.reads_children_parameters(module))
+        followed = probe.intercept_problem(module, container and not replay.reads_children_parameters(module))
         if followed is None:
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
             return None
-        if swapcheck.CHANGES_PARAMETERS in (problem or ""):  # a replay would change them again
+        if probe.CHANGES_PARAMETERS in (problem or ""):  # a replay would change them again
             return (
                 f"{type(module).__name__} not converted: as a layer, {problem}; with its own forward kept, "
                 f"{followed}; nor replayed per example, as its forward changes its parameters"
@@ -237,6 +218,153 @@ class Conversion:
         # the generic path: its forward (children included) replayed per example in backward (replay.py)
         adopt(module, replay.ReplayedForward, {})
         return None
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One module met by Conversion.visit: where it is, and the conversion meeting it."""
+
+    conversion: "Conversion"
+    module: nn.Module
+    path: str
+    parent: Optional[nn.Module]
+    model: nn.Module
+
+    @property
+    def is_model(self):
+        return self.module is self.model
+
+
+def _excluded(at):
+    return bool(at.path) and at.conversion.excluded(at.module, at.path)
+
+
+def _note_excluded(at, _):
+    if any(True for _ in at.module.parameters()):
+        return f"{type(at.module).__name__} excluded by the caller (convert(exclude=...))"
+    return None
+
+
+def _called_methods(at):
+    """The methods other than forward its parent calls (Gemma 3n's AltUp.predict and .correct), when it has trainable
+    parameters: they run its parameters outside its forward."""
+    called = replay.methods_called_by(at.parent, at.path.rpartition(".")[2], at.module) if at.path else ()
+    return called if called and any(p.requires_grad for p in at.module.parameters()) else None
+
+
+def _replay_with_calls(at, called):
+    adopt(at.module, replay.replayed_class(called), {"subtree": True})
+    return None
+
+
+def _kind(at):
+    """The kind of a module by its exact class, as a subclass keeping its class's forward, or by its structure."""
+    conversion, module = at.conversion, at.module
+    return (
+        conversion.known.get(type(module))
+        or conversion.inherited_kind(module)
+        or next((k for k in conversion.structural if k.matches(module)), None)
+    )
+
+
+def _convert_kind(at, kind):
+    return kind.in_parent(at.parent, at.path.rpartition(".")[2], at.module) or at.conversion.convert_known(
+        at.module, kind
+    )
+
+
+@dataclass(frozen=True)
+class Path:
+    """One way convert() measures a module, tried in the order of PATHS: the first whose `applies` gives something
+    (not None or False) converts it.
+
+    Attributes:
+        name: what GNSMonitor.explain() says measured the module.
+        applies: applies(Visit) -> what `convert` needs (a kind, the methods called...), or None/False.
+        convert: convert(Visit, what applies gave) -> None, or why the module is left as it is.
+        why: why this path is the one for such a module (a str, or why(what applies gave) -> str).
+        descends: its children are visited after (else the path holds the whole subtree, or nothing under it).
+    """
+
+    name: str
+    applies: Callable
+    convert: Callable
+    why: Any
+    descends: bool = True
+
+
+# convert()'s paths, most specific first: the first that applies to a module converts it
+PATHS = (
+    Path("excluded", _excluded, _note_excluded, "the caller excluded it (convert(exclude=...))", descends=False),
+    Path(
+        "converted already",
+        lambda at: isinstance(at.module, replay.ReplayedForward),
+        lambda at, _: None,
+        "convert() was called again",
+        descends=False,
+    ),
+    Path(
+        "replayed with its parent's calls",
+        _called_methods,
+        _replay_with_calls,
+        lambda called: (
+            f"its parent calls its methods {list(called)}, which run its parameters outside its forward: each call "
+            "is replayed per example, its children included (conversion/replay.py)"
+        ),
+        descends=False,
+    ),
+    Path(
+        "replayed with its parametrisation",
+        lambda at: not at.is_model and replay.reparametrised(at.module),
+        lambda at, _: (at.conversion.unconverted.pop(at.path, None), at.conversion.replay_subtree(at.module))[1],
+        "its weight is computed from other parameters (weight norm, spectral norm, orthogonal): replayed per example "
+        "with its parametrisation, so each example's gradient is the original parameters' (conversion/replay.py)",
+        descends=False,
+    ),
+    Path(
+        "a kind's layer",
+        _kind,
+        _convert_kind,
+        lambda kind: (
+            f"its class or structure is the {kind.name} kind's (nanogns/kinds/__init__.py's KINDS): that kind's "
+            "layer records its norms"
+        ),
+        descends=False,  # a kind's layer holds its whole subtree
+    ),
+    Path(
+        "probed",
+        lambda at: not at.is_model and owns_untracked_parameters(at.module),
+        lambda at, _: at.conversion.convert_probed(at.module),
+        "it owns parameters and no kind converts its class: a kind's layer where a probe shows it computes the "
+        "same (conversion/probe.py), else its own forward kept with its parameters' uses followed "
+        "(conversion/intercept.py), else replayed per example (conversion/replay.py)",
+    ),
+    Path(
+        "replayed with its children",
+        lambda at: not at.is_model and replay.reads_children_parameters(at.module),
+        lambda at, _: at.conversion.replay_subtree(at.module),
+        "its code reads a child's parameter itself (SigLIP2's embeddings, LFM2's short convolution): the child's "
+        "layer would not see that use, so the module is replayed per example as one unit, children included",
+    ),
+    Path(
+        "the model's own forward",
+        lambda at: at.is_model and owns_untracked_parameters(at.module),
+        lambda at, _: at.conversion.follow_uses(at.module, "it is the model itself"),
+        "the model owns parameters itself: its forward kept, their uses followed (conversion/intercept.py)",
+    ),
+)
+SILENT = ("converted already",)  # paths that leave the earlier note of how the module is measured
+
+
+def outcome(module, found=None):
+    """What a module became: a kind's layer (the kind `found`, when its path found one), its own forward with its
+    parameters' uses followed, a replay per example, or itself (left as it is)."""
+    if isinstance(module, replay.ReplayedForward):
+        return "replayed per example"
+    if isinstance(module, intercept.InterceptedForward):
+        return "its own forward, its parameters' uses followed"
+    kind = found.name if isinstance(found, LayerKind) else getattr(module, "pe_kind", None)
+    return f"the {kind} kind's {type(module).__name__}" if kind else f"left as it is ({type(module).__name__})"
 
 
 def _same_forward(cls, base):
@@ -258,7 +386,7 @@ def owns_untracked_parameters(module):
 def check_choice(choice):
     """Raise ValueError, naming the choices, for a variant name no kind of its key offers."""
     for key, name in choice.items():
-        kinds = [kind for kind in layer_kinds.KINDS.values() if kind.config_key == key]
+        kinds = [kind for kind in KINDS.values() if kind.config_key == key]
         if not any(name in kind.variants for kind in kinds):
             kinds[0].layer_class(name)  # raises, naming the choices
 
@@ -290,8 +418,8 @@ def convert(
     modules can call nanogns.kinds.functional from their forward.
 
     Args:
-        treat_as: {module class: kind} for classes to probe as one kind only ("RMSNorm", "LayerNorm",
-            "Linear", "Conv1D" or "Embedding"), or {class: (kind, options)} to fix options the probe would
+        treat_as: {module class: kind} for classes to probe as one kind only (a kind with a probe: docs/
+            integrations.md's table of kinds), or {class: (kind, options)} to fix options the probe would
             otherwise search: eps (RMSNorm, LayerNorm), weight_offset (RMSNorm: 1.0 for a (1 + weight) scale),
             and "weight"/"bias": the names of the parameters playing those roles ({MyNorm: ("RMSNorm",
             {"weight": "scale"})}; a module whose only parameter is not named weight is probed with it as its

@@ -37,6 +37,8 @@ from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.module_state import state_of
+from nanogns.core.rowmaps import Items
 from nanogns.kinds import functional
 
 # calls that return the same numbers (or their transpose) as a tensor: a use of the result is a use of the parameter
@@ -210,7 +212,7 @@ class _ParameterUses(TorchFunctionMode):
                 return t
             found = dict(sources)
             if shared.is_shared(t):
-                found.update({id(p): (p, b) for p, b in t._pe_sources})
+                found.update({id(p): (p, b) for p, b in t.pe_sources})
             return shared.table(t, found.values())
 
         return pytree.tree_map(wrap, out)
@@ -323,7 +325,7 @@ def _sizes(args):
 def _items_of(dim0):
     """The Items a dim 0 of `dim0` rows holds in the running forward (outside one: that many examples)."""
     if layout.current() is None:
-        return layout.Items(dim0, dim0)
+        return Items(dim0, dim0)
     return layout.items_of(dim0)
 
 
@@ -349,7 +351,7 @@ class BroadcastOverExamples(torch.autograd.Function):
 
 
 class InterceptedForward(PerExampleNormLayer):
-    """The class a module gets when its own forward is kept (layers.registry.adopt puts it first in the MRO)."""
+    """The class a module gets when its own forward is kept (core/registry.py:adopt puts it first in the MRO)."""
 
     def forward(self, *args, **kwargs):
         forward = super().forward
@@ -361,7 +363,7 @@ class InterceptedForward(PerExampleNormLayer):
     def pe_adopt(self, options):
         kinds = options.pop("kinds", {})
         self.register_pe_buffers(*[name for name, _ in self.named_parameters(recurse=False)])
-        self.__dict__.setdefault("_pe_kinds", {}).update(kinds)
+        state_of(self).kinds.update(kinds)
 
 
 def parameter_kinds(module):

@@ -6,7 +6,7 @@ A module is probed only when a swap would lose nothing but its forward: its own
 parameters are a floating-point `weight` and maybe a `bias` (or parameters named
 otherwise that the user maps to those roles: convert(treat_as={Cls: (kind,
 {"weight": "scale"})})), it has no submodules and its forward takes one input.
-The kinds registered in layers/ with a Probe say which parameter shapes they hold
+The kinds (nanogns/kinds/'s KINDS) with a Probe say which parameter shapes they hold
 (a subclass of a torch class, or a class named in `convert(treat_as=...)`, is
 tried as that kind only), which probe parameters and input to use, and which
 options to try (each eps, Gemma's (1 + weight) offset, ...).
@@ -41,10 +41,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from nanogns import kinds as layer_kinds
 from nanogns.conversion import intercept
 from nanogns.core import layout, shared
 from nanogns.core.registry import adopt
+from nanogns.kinds import KINDS
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
 # enough for TF32 matmuls on a GPU, ~1e-3)
@@ -66,7 +66,7 @@ class Candidate:
 
 def probed_kinds():
     """The registered kinds that may stand in for a module the registry does not know, in registry order."""
-    return [name for name, kind in layer_kinds.KINDS.items() if kind.probe is not None]
+    return [name for name, kind in KINDS.items() if kind.probe is not None]
 
 
 # -----------------------------------------------------------------------------
@@ -147,15 +147,13 @@ def fitting_kinds(module, kinds=None, options=None):
     weight, bias = module._parameters[roles["weight"]], module._parameters.get(roles.get("bias", "bias"))
     if "bias" not in roles:
         bias = None
-    return [kind for kind in (kinds or probed_kinds()) if layer_kinds.get(kind).probe.fits(weight, bias)]
+    return [kind for kind in (kinds or probed_kinds()) if KINDS.kind(kind).probe.fits(weight, bias)]
 
 
 def candidates(module, kinds, options=None):
     """Candidate layers in the order tried: each kind's option sets (the module's own eps first)."""
     options = {k: v for k, v in (options or {}).items() if k not in ROLES}
-    return [
-        Candidate(kind, found) for kind in kinds for found in layer_kinds.get(kind).probe.candidates(module, options)
-    ]
+    return [Candidate(kind, found) for kind in kinds for found in KINDS.kind(kind).probe.candidates(module, options)]
 
 
 # -----------------------------------------------------------------------------
@@ -267,7 +265,7 @@ class _Probe:
         if key not in self._reference:
             gen = torch.Generator().manual_seed(0)
             bias = self.module._parameters[self.roles["bias"]] if "bias" in self.roles else None
-            values, x = layer_kinds.get(kind).probe.data(self.module, gen, self.weight, bias)
+            values, x = KINDS.kind(kind).probe.data(self.module, gen, self.weight, bias)
             values = {role: v.to(self.device, setting.param_dtype) for role, v in values.items()}
             if not x.is_floating_point():
                 if setting.input_dtype is not None:  # token ids have no dtype to vary
@@ -301,7 +299,7 @@ class _Probe:
         for role, value in values.items():
             setattr(layer, role, nn.Parameter(value.clone()))
         # the torch-only variant: it runs in every dtype and device
-        return adopt(layer, layer_kinds.get(candidate.kind).layer_class("gns"), dict(candidate.options))
+        return adopt(layer, KINDS.kind(candidate.kind).layer_class("gns"), dict(candidate.options))
 
     def difference(self, candidate):
         """(max relative difference, in what, setting) of `candidate` against the module: the first setting out
@@ -366,7 +364,7 @@ def find_replacement(module, kinds, options=None):
         f"computes none of {', '.join(kinds)} on a probe input; closest {closest} differs in the {where} by "
         f"{diff:.1e} (max relative; {setting} probe, tolerance {setting.tolerance:.0e})"
     )
-    norm_kinds = [k for k in kinds if layer_kinds.get(k).group == "LayerNorm"]
+    norm_kinds = [k for k in kinds if KINDS.kind(k).group == "LayerNorm"]
     if norm_kinds:
         reason += (
             f"; if only its eps is unusual, give it: convert(treat_as={{{type(module).__name__}: "
@@ -385,7 +383,7 @@ def _intercept_probe_data(module, generator):
     size); None when it has no parameter to shape an input from."""
     params = dict(module.named_parameters(recurse=False))
     if isinstance(module, nn.Embedding):
-        return layer_kinds.get("Embedding").probe.data(module, generator, module.weight, None)
+        return KINDS.kind("Embedding").probe.data(module, generator, module.weight, None)
     shaped = [p for p in params.values() if p.dim() >= 1]
     if not shaped:
         return None

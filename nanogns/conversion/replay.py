@@ -1,5 +1,5 @@
 """
-The generic exact path: a module that owns parameters and matches no kind (GroupNorm, a weight-normed
+The generic exact path: a module that owns parameters and matches no kind (a weight-normed
 convolution, a Mamba mixer reading its children's weights directly, a per-head norm, RWKV's time mixing...) keeps
 its own forward, and in backward its forward is replayed one example at a time to get each example's gradient of
 every parameter under it.
@@ -54,32 +54,36 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
+from nanogns.core.inputs import example_dim
+from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
+from nanogns.core.rowmaps import Items
 
 REPLAY_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 KIND = "Replayed"  # the layer kind recorded for its parameters (analysis group "Other")
 
 
 class ReplayedForward(PerExampleNormLayer):
-    """The class a module whose forward is replayed per example gets (layers.registry.adopt puts it first)."""
+    """The class a module whose forward is replayed per example gets (core/registry.py:adopt puts it first)."""
 
     pe_kind = KIND
 
     def pe_adopt(self, options):
         # its whole subtree is one unit when its code reads a child's parameters itself (Mamba's mixer passes
         # conv1d.weight to a kernel); else only its own parameters are replayed, its children converted as usual
-        self.__dict__["_pe_subtree"] = bool(options.get("subtree")) or reads_children_parameters(self)
-        for module in self.modules() if self._pe_subtree else [self]:
+        state = state_of(self)
+        state.replay_subtree = bool(options.get("subtree")) or reads_children_parameters(self)
+        for module in self.modules() if state.replay_subtree else [self]:
             names = [name for name, _ in module.named_parameters(recurse=False)]
             register_pe_sqnorm_buffers(module, names)
-            module.__dict__.setdefault("_pe_kinds", {}).update({name: KIND for name in names})
-        self.__dict__["_pe_vmap"] = True  # False once vmap failed on this module's forward: one by one
-        self.__dict__["_pe_changed"] = tuple(_changed_in_forward(self))
+            state_of(module).kinds.update({name: KIND for name in names})
+        state.replay_vmap = True  # False once vmap failed on this module's forward: one by one
+        state.replay_changed = tuple(_changed_in_forward(self))
 
     def pe_parameters(self):
         """[(name under this module, parameter, its buffer or None when frozen)]: its subtree's, or its own."""
         found = []
-        for name, param in self.named_parameters(recurse=self.__dict__.get("_pe_subtree", True)):
+        for name, param in self.named_parameters(recurse=state_of(self).replay_subtree):
             owner, _, attr = name.rpartition(".")
             module = self.get_submodule(owner) if owner else self
             buffer = module._buffers.get(attr + "_pe_sqnorm") if param.requires_grad else None
@@ -92,7 +96,8 @@ class ReplayedForward(PerExampleNormLayer):
     def pe_replayed(self, method, plain, args, kwargs):
         """plain(*args, **kwargs), the module's `method` (its forward, or another method its parent calls), with
         each example's gradient of the parameters under it recorded by a replay in backward."""
-        calls = self.__dict__.get("_pe_calls", 0)
+        state = state_of(self)
+        calls = state.replay_calls
         if layout.replaying() or calls:  # this module (or a parent) replayed per example, or a call inside a call
             return plain(*args, **kwargs)
         params = self.pe_parameters()
@@ -107,13 +112,13 @@ class ReplayedForward(PerExampleNormLayer):
         layout.note_uses(buffers)
         if not torch.is_grad_enabled():
             return plain(*args, **kwargs)
-        before = {name: self.get_buffer(name).clone() for name in self.__dict__.get("_pe_changed", ())}
-        self.__dict__["_pe_calls"] = calls + 1
+        before = {name: self.get_buffer(name).clone() for name in state.replay_changed}
+        state.replay_calls = calls + 1
         try:
             with _RandomDraws(self.training) as draws:  # what it draws at random, served again to its replay
                 out = plain(*args, **kwargs)
         finally:
-            self.__dict__["_pe_calls"] = calls
+            state.replay_calls = calls
         flat, spec = pytree.tree_flatten(out)
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
@@ -339,7 +344,7 @@ def _units(args, kwargs, current):
     not)."""
     tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
     if current is None:  # outside an installed model: dim 0 of its first input is the example
-        return (layout.Items(tensors[0].shape[0], tensors[0].shape[0]), None) if tensors else (None, "no input")
+        return (Items(tensors[0].shape[0], tensors[0].shape[0]), None) if tensors else (None, "no input")
     if current.packed is not None:
         return None, "its rows are packed sequences, which a replay per example cannot slice"
     floats = [t for t in tensors if t.is_floating_point()]
@@ -349,11 +354,11 @@ def _units(args, kwargs, current):
             return items, None
     N = current.examples
     for t in floats or tensors:  # (a module looking up ids takes integer inputs: PEFT's trainable tokens)
-        found = layout.example_dim(t, N)
+        found = example_dim(t, N)
         if isinstance(found, str):
             return None, found
         if found is not None or (N and t.shape[0] % N == 0 and t.shape[0] // N in current.lengths):
-            return layout.Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
+            return Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
     return None, f"none of its inputs has the forward's {N} examples (or their items) on a dim"
 
 
@@ -367,12 +372,12 @@ class _Rows:
 
 def _rows(t, units, lengths):
     """_Rows of a tensor with respect to the replay's units, or None (shared by every unit); _Ambiguous when two of
-    its dims could hold the examples and its history does not say which (layout.example_dim)."""
+    its dims could hold the examples and its history does not say which (example_dim)."""
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
     count = units.count
     if count == units.examples:  # the examples themselves: on whichever dim holds them (Gemma 3n stacks (K, N, ...))
-        found = layout.example_dim(t, count)
+        found = example_dim(t, count)
         if isinstance(found, str):
             raise _Ambiguous(found)
         if found is not None:
@@ -461,7 +466,7 @@ class _Held:
             with torch.autocast(device, dtype=dtype, enabled=enabled):  # as its forward ran
                 for start in range(0, N, chunk):
                     part = slice(start, min(N, start + chunk))
-                    outs, found = self.per_example(values, names, part, [g[part] for g in grads])
+                    outs, found = self.replayed_grads(values, names, part, [g[part] for g in grads])
                     self.check(outs, part)
                     for name in names:
                         pieces[name].append(found[name])
@@ -504,7 +509,7 @@ class _Held:
         flat = pytree.tree_leaves(out)
         return [flat[i].squeeze(r.dim) if r.per == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
 
-    def per_example(self, values, names, part, grads):
+    def replayed_grads(self, values, names, part, grads):
         """(replayed outputs (n, ...), {name: (n, *shape) per-example gradients}) of examples `part`."""
         in_dims = pytree.tree_map(lambda r: 0 if r else None, self.in_rows)
         inputs = pytree.tree_map(lambda t, r: t[part] if r else t, self.inputs, self.in_rows)
@@ -519,11 +524,11 @@ class _Held:
 
         module = self.module
         with layout.replay():  # layers under it compute plainly, recording nothing
-            if module.__dict__.get("_pe_vmap", True) and not self.draws:  # (draws are served one example at a time)
+            if state_of(module).replay_vmap and not self.draws:  # (draws are served one example at a time)
                 try:
                     return torch.func.vmap(one, in_dims=(in_dims, 0))(inputs, grads)
                 except Exception:  # vmap cannot run this forward: replay the examples one by one
-                    module.__dict__["_pe_vmap"] = False
+                    state_of(module).replay_vmap = False
             return self.one_by_one(inputs, grads, values, names, part.start)
 
     def one_by_one(self, inputs, grads, values, names, first):

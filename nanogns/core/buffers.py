@@ -1,13 +1,13 @@
 """
 What every layer that records per-example squared gradient norms shares: the
 buffers it records into, and the helpers its forward and backward use. The
-layers themselves live in layers/, one module per layer kind (kinds/linear.py,
+layers themselves live in nanogns/kinds/, one module per layer kind (kinds/linear.py,
 kinds/embedding.py, ...), each with its maths in its docstring.
 
 Vocabulary (used everywhere in this project):
   example      one sequence (or image...) of the batch: the unit whose loss the
                step averages. Which example each row of a layer's input belongs
-               to is decided by layout.py (dim 0 of a (N, T, D) input, rows of a
+               to is decided by core/rowmaps.py (dim 0 of a (N, T, D) input, rows of a
                flattened (N*T, D) one, packed sequences, tokens routed to experts).
   pe_sqnorm    per-example squared gradient norm: ||dL/dp restricted to example i||^2.
   buffer       `<param>_pe_sqnorm` (BUFFER_SUFFIX), float32, shape (2,):
@@ -15,14 +15,14 @@ Vocabulary (used everywhere in this project):
                adds to it, so micro-batches of a gradient-accumulation step
                accumulate; `zero_pe_sqnorm_buffers` clears it after the step. A
                count of NaN means a forward's rows could not be mapped to its
-               examples: the monitor refuses that step (layout.py).
+               examples: the monitor refuses that step (core/mapper.py keeps why).
 
 Why [sum, count]: the step's loss is the mean over its B examples, so backward
 sees g_i / B where g_i is example i's own gradient. The buffer then holds
 [sum_i ||g_i||^2 / B^2, B] and its product is sum_i ||g_i||^2 / B =
 mean_i ||g_i||^2, the quantity the GNS estimator needs (nanogns/monitor/).
 
-Three flavours per layer kind (registered in layers/):
+Three flavours per layer kind (its variants, named in its LayerKind: core/registry.py):
   shim   the plain layer, plus a backward pre-hook on the node that made its output,
          reading the output gradient to compute the norms (parameter gradients come
          from PyTorch as usual);
@@ -36,24 +36,14 @@ output dtype (under autocast too), and allow in-place ops on their output.
 import functools
 import itertools
 import math
-import operator
 
 import torch
 
 from nanogns.core import layout, trees, uses
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed
-    DTensor = None
-
-BUFFER_SUFFIX = layout.BUFFER_SUFFIX
-# why tensor-parallel layers are refused, wherever that is found (a sharded parameter in a forward, sharded buffers)
-TENSOR_PARALLEL = (
-    "each rank would record the norms of its shard of the examples' gradients, which the monitor "
-    "does not combine; measure with data parallelism only (DDP, FSDP2, HSDP)"
-)
-
+from nanogns.core.mapper import BUFFER_SUFFIX
+from nanogns.core.module_state import state_of
+from nanogns.core.rowmaps import Rows
+from nanogns.core.table import TENSOR_PARALLEL, DTensor, is_dtensor  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # buffers
@@ -72,7 +62,10 @@ def register_pe_sqnorm_buffers(module, param_names):
 def add_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     """buffer += [sum of pe_sqnorm (N,), N]; the sum only when counted is False (a layer that counts its
     forward's examples once, itself, as a mixture of experts does for its experts). For a layer that asked
-    uses.hand_over first (its tensor was used once); accumulate_pe_sqnorm for one that hands over no factors."""
+    uses.hand_over first (its tensor was used once); accumulate_pe_sqnorm for one that hands over no factors.
+
+    The add is in place: once the monitor has built the model's BufferTable (core/table.py:BufferTable.build),
+    `buffer` is a view of the table's flat tensor, and this add is what StepReader.read gathers from it."""
     if buffer is None:
         return
     total = pe_sqnorm.sum()
@@ -98,7 +91,7 @@ def zero_pe_sqnorm_buffers(model):
     """Clear every per-example norm buffer of `model`, and what its layers noted about the step; call after
     each optimizer step's reading. A model a monitor reads (its BufferTable) is cleared in one op per device, as
     the monitor's own step clears it; any other module buffer by buffer."""
-    table = model.__dict__.get(TABLE_ATTRIBUTE)
+    table = state_of(model).buffer_table
     if table is not None:
         if not table.current():
             table.build()
@@ -112,102 +105,13 @@ def zero_pe_sqnorm_buffers(model):
         mapper.clear()
 
 
-# -----------------------------------------------------------------------------
-# one flat tensor behind every buffer of a model
-
-
-TABLE_ATTRIBUTE = "_pe_buffer_table"  # in the model's __dict__: not a submodule or buffer, state_dict stays clean
-_BUFFERS_OF = operator.attrgetter("_buffers")
-_CHILDREN_OF = operator.attrgetter("_modules")
-
-
-class BufferTable:
-    """Every per-example norm buffer of a model (names ending in BUFFER_SUFFIX) re-homed as a view of one flat
-    float32 tensor per device, so that a step's reading and zeroing are one op each, not one per buffer.
-
-    A buffer replaced since (model.to(device) moves buffers), a buffer added to a module of the model, and a
-    submodule attached or replaced are noticed by `current()` (the monitor's read and zero_pe_sqnorm_buffers ask
-    it), and the table is rebuilt. The check compares the modules' children, their numbers of buffers and the
-    table's buffers with what they were when it was built, by identity, in C: no walk of the modules in Python.
-    """
-
-    def __init__(self, model):
-        self.model = model
-        self.views = []  # [(module, buffer name, view)]
-        self.flats = {}  # device -> flat tensor (one extra zero element at the end: a padding slot)
-        self.slot = {}  # (id(module), buffer name) -> (device, offset in its flat)
-        self._owners, self._names, self._views = [], [], []  # the views' columns, for current()
-        self._modules, self._children, self._buffer_counts = [], [], []  # the module tree as built, for current()
-        self.build()
-
-    def current(self):
-        """True when every buffer is still the table's view, and no submodule or buffer was added or replaced."""
-        children = list(itertools.chain.from_iterable(map(dict.values, map(_CHILDREN_OF, self._modules))))
-        return (
-            len(children) == len(self._children)
-            and all(map(operator.is_, children, self._children))
-            and list(map(len, map(_BUFFERS_OF, self._modules))) == self._buffer_counts
-            and all(map(operator.is_, map(dict.get, map(_BUFFERS_OF, self._owners), self._names), self._views))
-        )
-
-    def build(self):
-        self._modules = list(self.model.modules())
-        self._children = list(itertools.chain.from_iterable(map(dict.values, map(_CHILDREN_OF, self._modules))))
-        self._buffer_counts = list(map(len, map(_BUFFERS_OF, self._modules)))
-        entries = [
-            (m, n, b)
-            for m in self._modules
-            for n, b in m._buffers.items()
-            if b is not None and n.endswith(BUFFER_SUFFIX)
-        ]
-        if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
-            raise ValueError(
-                "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
-                + TENSOR_PARALLEL
-            )
-        sizes = {}
-        for _, _, b in entries:
-            sizes[b.device] = sizes.get(b.device, 0) + b.numel()
-        self.flats = {
-            device: torch.zeros(size + 1, dtype=torch.float32, device=device) for device, size in sizes.items()
-        }
-        offsets = {device: 0 for device in sizes}
-        self.views, self.slot = [], {}
-        with torch.no_grad():
-            for module, name, buffer in entries:
-                device, n = buffer.device, buffer.numel()
-                view = self.flats[device][offsets[device] : offsets[device] + n].view(buffer.shape)
-                view.copy_(buffer)
-                module._buffers[name] = view
-                self.views.append((module, name, view))
-                self.slot[(id(module), name)] = (device, offsets[device])
-                offsets[device] += n
-        self._owners = [module for module, _, _ in self.views]
-        self._names = [name for _, name, _ in self.views]
-        self._views = [view for _, _, view in self.views]
-
-    def zero(self):
-        """Zero every buffer (one op per device)."""
-        for flat in self.flats.values():
-            flat.zero_()
-
-
-def buffer_table(model):
-    """The model's one BufferTable, shared by every monitor of it (two tables would keep replacing each other's
-    buffers and rebuild at every read)."""
-    table = model.__dict__.get(TABLE_ATTRIBUTE)
-    if table is None:
-        table = model.__dict__[TABLE_ATTRIBUTE] = BufferTable(model)
-    return table
-
-
 class PerExampleNormLayer:
-    """What every per-example norm layer shares: `pe_kind` (its layer kind, a key of the registry in layers/),
+    """What every per-example norm layer shares: `pe_kind` (its layer kind, a name in nanogns/kinds/'s KINDS),
     buffers kept float32 when the module is cast (model.to(torch.bfloat16): a bf16 count stops being exact past
     256 examples), and the rows of its input mapped to examples."""
 
     pe_kind = None
-    pe_roles = {}  # {role: parameter name} for parameters named otherwise than "weight"/"bias" (layers.registry.adopt)
+    pe_roles = {}  # {role: parameter name} for parameters named otherwise than "weight"/"bias" (core/registry.py:adopt)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -217,7 +121,7 @@ class PerExampleNormLayer:
         return self
 
     def pe_adopt(self, options):
-        """Finish turning a module of another class into this one in place (layers.registry.adopt): set the
+        """Finish turning a module of another class into this one in place (core/registry.py:adopt): set the
         attributes this class's forward reads from `options` and register the buffers."""
         for name, value in options.items():
             setattr(self, name, value)
@@ -280,7 +184,7 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
-        return layout.Rows("shared", layout.current().examples), tuple(None for _ in buffers)
+        return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     rows = (lookup and layout.untold_ids(shape)) or layout.rows_for(shape, module=module)
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
@@ -327,10 +231,6 @@ def refuse_step(reason, buffers):
             if buffer is not None:
                 buffer[..., 1] = math.nan
     layout.note_refusal(reason, buffers)
-
-
-def is_dtensor(t):
-    return DTensor is not None and isinstance(t, DTensor)
 
 
 def norm_dtype(t):

@@ -1,30 +1,35 @@
 """
-The registry of layer kinds: what the project knows about each kind of layer
-that records per-example gradient norms, stated once, in the kind's own module
-(kinds/linear.py, kinds/embedding.py, ...), and read by everything else:
-choice.py (which class a user's choice means, which torch classes convert()
-swaps), conversion/probe.py (how to probe a module the registry does not know by class),
-functional.py (the kinds a hand-written layer may declare), the monitor (the
-kind of each tracked parameter, for the record beside the log) and
-gns-analysis.py (the group each kind is summed in).
+What the project knows about each kind of layer that records per-example gradient norms: a LayerKind, stated
+once in the kind's own module (kinds/linear.py, kinds/embedding.py, ...), and the Registry that holds them, made
+once from the explicit list in nanogns/kinds/__init__.py (KINDS) and read by everything else: choice.py (which
+class a user's choice means), conversion/ (which torch classes convert() swaps, how to probe a module no kind
+replaces by class), functional.py (the kinds a hand-written layer may declare), the monitor (each tracked
+parameter's kind and group, for the record beside the log) and the analysis (the group each kind is summed in).
 
-A kind module builds one LayerKind, naming the classes of all its variants (fused and
-sogns included: their machinery is in variants/, their classes are the kind's), and calls
-`register` at import; kinds/__init__.py imports every kind module, one line each. Only a
-third-party class that is not always installed (transformers' Conv1D) is named by a
-"module:Class" string, looked up among the modules already imported (a model that
-holds such a class has imported it), so that importing the layers never imports
-transformers.
+A kind is checked against the closed sets every other part relies on (docs/architecture.md, "Adding a layer kind"):
+its flag is one of CONFIG_KEYS, its analysis group one of GROUPS, and it offers every variant of
+REQUIRED_VARIANTS (a flag's value must mean a class for every kind of that flag), plus any others (sogns).
+
+Only a third-party class that is not always installed (transformers' Conv1D) is named by a "module:Class" string,
+looked up among the modules already imported (a model that holds such a class has imported it), so that importing
+the layers never imports transformers.
+
+adopt(module, variant class, options) turns a module of another class into a kind's layer in place.
 """
 
+import functools
 import importlib
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from nanogns.core import shared
+from nanogns.core.module_state import state_of
 
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
+GROUPS = ("Linear", "Embedding", "LayerNorm")  # the analysis groups a kind sums in (runlog/record.py adds "Other")
+REQUIRED_VARIANTS = ("nn", "shim", "gns", "fused")  # every kind offers these (the flags' values); "nn": torch's own
 
 
 @dataclass
@@ -96,9 +101,6 @@ class LayerKind:
         return [c for c in found if c is not None]
 
 
-KINDS = {}  # name -> LayerKind, in registration order
-
-
 def loaded(path):
     """The class named by "module:Class" when its module is imported already, else None."""
     module_name, attribute = path.split(":")
@@ -111,26 +113,58 @@ def resolve(path):
     return getattr(importlib.import_module(module_name), attribute)
 
 
-def register(kind):
-    """Add a LayerKind to the registry (each kind module calls this once, at import)."""
-    assert kind.name not in KINDS, f"layer kind {kind.name!r} registered twice"
-    assert kind.config_key in CONFIG_KEYS, f"{kind.name}: config_key {kind.config_key!r} not in {CONFIG_KEYS}"
-    assert "nn" in kind.variants, f"{kind.name}: a kind names its plain torch layer as variant 'nn'"
-    KINDS[kind.name] = kind
-    return kind
+class Registry(Mapping):
+    """The layer kinds, by name, in the order given (the order convert()'s probe tries them in): a read-only mapping
+    {name: LayerKind}, each kind checked against the closed sets when the registry is made."""
+
+    def __init__(self, *kinds: LayerKind):
+        self._kinds = {}
+        for kind in kinds:
+            problem = _problem(kind, self._kinds)
+            if problem is not None:
+                raise ValueError(f"layer kind {kind.name!r}: {problem}")
+            self._kinds[kind.name] = kind
+
+    def __getitem__(self, name: str) -> LayerKind:
+        return self._kinds[name]
+
+    def __iter__(self):
+        return iter(self._kinds)
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+    def kind(self, name: str) -> LayerKind:
+        """The LayerKind `name`; ValueError naming the kinds otherwise."""
+        if name not in self._kinds:
+            raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(self._kinds)}")
+        return self._kinds[name]
+
+    def group_of(self, kind_name: str) -> str:
+        """The analysis group of a recorded layer kind: the kind's group; a tied Embedding+Linear pair sums with the
+        embeddings; anything else (a kind of another version, 'unknown', a replayed module) is 'Other'."""
+        if kind_name in self._kinds:
+            return self._kinds[kind_name].group
+        return "Embedding" if kind_name == "Embedding+Linear" else "Other"
 
 
-def get(name):
-    """The registered LayerKind `name`; ValueError naming the registered kinds otherwise."""
-    if name not in KINDS:
-        raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}")
-    return KINDS[name]
+def _problem(kind, known):
+    """Why `kind` cannot join a registry already holding `known`, or None."""
+    if kind.name in known:
+        return "listed twice"
+    if kind.config_key not in CONFIG_KEYS:
+        return f"config_key {kind.config_key!r} is not one of {CONFIG_KEYS}"
+    if kind.group not in GROUPS:
+        return f"group {kind.group!r} is not one of {GROUPS}"
+    missing = [v for v in REQUIRED_VARIANTS if v not in kind.variants]
+    if missing:
+        return f"it offers no {missing} variant (every kind offers {REQUIRED_VARIANTS})"
+    return None
 
 
 # -----------------------------------------------------------------------------
 # turning a module into a layer of a kind, in place
 
-_adopted_classes = {}  # (variant class, original class, renamed roles) -> the class a converted module gets
 ROLES = ("weight", "bias")  # parameter roles a user may map to other names (convert's treat_as)
 
 
@@ -138,26 +172,24 @@ def _role_property(name):
     return property(lambda self: getattr(self, name))
 
 
+@functools.cache  # one class per (variant, original class, roles): modules of one class share it
 def adopted_class(variant_cls, original_cls, roles=()):
     """The class a module of `original_cls` becomes: the variant itself when it subclasses the original, else a
     class deriving from both (the variant's forward first), so isinstance checks on the original class (weight
-    decay groups, wrap policies, transformers' init) still hold. roles: ((role, parameter name), ...) for
-    parameters named otherwise than the variant reads them (a norm's `scale` as its weight)."""
+    decay groups, wrap policies, transformers' init) still hold; its `pe_original_class` is the original.
+    roles: ((role, parameter name), ...) for parameters named otherwise than the variant reads them (a norm's
+    `scale` as its weight)."""
     if issubclass(variant_cls, original_cls) and not roles:
         return variant_cls
-    key = (variant_cls, original_cls, roles)
-    if key not in _adopted_classes:
-        namespace = {"__module__": variant_cls.__module__, "pe_roles": dict(roles)}
-        namespace.update({role: _role_property(name) for role, name in roles})
-        bases = (variant_cls,) if issubclass(variant_cls, original_cls) else (variant_cls, original_cls)
-        _adopted_classes[key] = type(f"{variant_cls.__name__}({original_cls.__name__})", bases, namespace)
-    return _adopted_classes[key]
+    namespace = {"__module__": variant_cls.__module__, "pe_roles": dict(roles), "pe_original_class": original_cls}
+    namespace.update({role: _role_property(name) for role, name in roles})
+    bases = (variant_cls,) if issubclass(variant_cls, original_cls) else (variant_cls, original_cls)
+    return type(f"{variant_cls.__name__}({original_cls.__name__})", bases, namespace)
 
 
 def own_class_name(module):
     """The name of the class a module had before it was adopted ("BatchNorm2d", not "PerExampleBatchNorm(...)")."""
-    name = type(module).__name__
-    return name[name.index("(") + 1 : -1] if name.endswith(")") and "(" in name else name
+    return getattr(type(module), "pe_original_class", type(module)).__name__
 
 
 def adopt(module, variant_cls, options):
@@ -168,15 +200,8 @@ def adopt(module, variant_cls, options):
     options.pop("weight", None), options.pop("bias", None)
     module.__class__ = adopted_class(variant_cls, type(module), roles)
     module.pe_adopt(options)
-    if not module.__dict__.get("_pe_tables_hooked"):  # a parameter as its input: a table (shared.py)
-        module.__dict__["_pe_tables_hooked"] = True
+    state = state_of(module)
+    if not state.tables_hooked:  # a parameter as its input: a table (shared.py)
+        state.tables_hooked = True
         module.register_forward_pre_hook(shared.parameters_as_tables)
     return module
-
-
-def group_of(kind_name):
-    """The analysis group of a recorded layer kind: the kind's group; a tied Embedding+Linear pair sums with the
-    embeddings; anything else (a kind of another version, 'unknown') is 'Other'."""
-    if kind_name in KINDS:
-        return KINDS[kind_name].group
-    return "Embedding" if kind_name == "Embedding+Linear" else "Other"

@@ -27,7 +27,7 @@ scaled_dot_product_attention. Which part of the table an example gets is torch's
 dim aligned with the data's example dim has size 1 (or the table has no such dim), every example gets all of it, a
 copy each; where it has size N, example i gets slice i (no copies: a table of one row per example, per-example ids
 looked up without the examples' tag, core/layout.py), so no decision rests on sizes that happen to match. The data's
-dim 0 may hold items of the examples (their choices, windows, a tower's images: layout.Items): the copies are then
+dim 0 may hold items of the examples (their choices, windows, a tower's images: Items): the copies are then
 per item, and an example's gradient its items' sum. Any other meeting refuses the step with the op named. A table
 that is an Embedding's lookup met as it is is looked up again for each example (the Embedding kind's own
 per-example norms, no pull-back).
@@ -103,10 +103,12 @@ _QUERIES = {
 
 
 class SharedRows(torch.Tensor):
-    """A tensor shared by every example of the forward (see the module docstring). `_pe_sources`: ((parameter,
+    """A tensor shared by every example of the forward (see the module docstring). `pe_sources`: ((parameter,
     its buffer), ...) that it was computed from."""
 
     pe_shared = True  # what core/buffers.py asks (it cannot import this module)
+    pe_sources = ()  # ((parameter, its buffer or None), ...) it was computed from
+    pe_lookup = None  # (ids, per_example) when it is an Embedding's lookup met as it is (`lookup`)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -124,7 +126,7 @@ def is_shared(t):
 def table(t, sources):
     """`t` (plain) as a table computed from `sources` ((parameter, buffer or None), ...)."""
     out = t.as_subclass(SharedRows)
-    out._pe_sources = tuple(sources)
+    out.pe_sources = tuple(sources)
     return out
 
 
@@ -135,7 +137,7 @@ def lookup(ids, weight, padding_idx, buffer, per_example=None):
     looked up for it (no pull-back through the table, no N x V x D per-example gradients)."""
     out = table(F.embedding(ids, weight, padding_idx), [(weight, buffer)])
     if per_example is not None:
-        out._pe_lookup = (ids, per_example)
+        out.pe_lookup = (ids, per_example)
     return out
 
 
@@ -169,7 +171,7 @@ def _follow(func, args, kwargs):
     tables = [t for t in flat if isinstance(t, SharedRows)]
     sources = {}
     for t in tables:
-        sources.update({id(p): (p, b) for p, b in t._pe_sources})
+        sources.update({id(p): (p, b) for p, b in t.pe_sources})
     current = layout.current()
     if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
         return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
@@ -268,7 +270,7 @@ def _note_uses(sources):
 def _copies(s, items, shape, sources):
     """(count, ...) copies of table s, shaped `shape` to broadcast as s did against the items' operands."""
     _note_uses(sources)
-    found = getattr(s, "_pe_lookup", None)
+    found = s.pe_lookup
     if found is not None:  # a lookup met as it is: each item's rows looked up for its example
         ids, per_example = found
         ids = ids.reshape((1,) * (len(shape) - 1 - ids.dim()) + tuple(ids.shape)).expand(shape[:-1])
@@ -280,7 +282,7 @@ def _copies(s, items, shape, sources):
 def _sliced(t, items, sources):
     """t, whose dim 0 holds one slice per item: each item's gradient of it is its own slice's."""
     _note_uses(sources)
-    found = getattr(t, "_pe_lookup", None)
+    found = t.pe_lookup
     if found is not None and found[0].dim() + 1 == t.dim():  # a lookup of the items' own ids
         ids, per_example = found
         return per_example(ids, items.rows(ids.shape))

@@ -37,18 +37,24 @@ class Strategies:
     cross_term: Optional[str] = None
 
 
-_current = Strategies()
+class StrategyContext:
+    """The strategies in force in this process (CONTEXT): the defaults, or those of the innermost `forced` block."""
+
+    def __init__(self):
+        self.current = Strategies()
+
+
+CONTEXT = StrategyContext()
 
 
 def current() -> Strategies:
     """The strategies in force (the defaults outside any `forced` block)."""
-    return _current
+    return CONTEXT.current
 
 
 @contextlib.contextmanager
 def forced(**choices: Any) -> Iterator[Strategies]:
     """Force strategies inside the `with` block (fields of Strategies), restoring the previous ones after."""
-    global _current
     unknown = set(choices) - {field.name for field in dataclasses.fields(Strategies)}
     if unknown:
         raise ValueError(f"unknown strategy field(s) {sorted(unknown)}; choose from linear, fused_linear, cross_term")
@@ -59,9 +65,9 @@ def forced(**choices: Any) -> Iterator[Strategies]:
     fused = choices.get("fused_linear")
     if isinstance(fused, str) and fused not in FUSED_LINEAR_NAMES:
         raise ValueError(f"fused_linear strategy {fused!r}; choose from {FUSED_LINEAR_NAMES} or a LinearConfig")
-    previous = _current
-    _current = dataclasses.replace(previous, **choices)
+    previous = CONTEXT.current
+    CONTEXT.current = dataclasses.replace(previous, **choices)
     try:
-        yield _current
+        yield CONTEXT.current
     finally:
-        _current = previous
+        CONTEXT.current = previous

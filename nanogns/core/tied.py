@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from nanogns.core import strategy, uses
 from nanogns.core.buffers import BUFFER_SUFFIX, add_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.module_state import state_of
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_pe_sqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
@@ -50,7 +51,7 @@ class _ForwardPass:
     """What one forward of the embedding leaves for the output layer: its ids per example and the carrier of P."""
 
     def __init__(self, ids, rows, carrier):
-        self.ids = ids  # (N, T) per example (layout.Rows)
+        self.ids = ids  # (N, T) per example (Rows)
         self.rows = rows
         self.carrier = carrier  # (N, T, D): its gradient is P (the head's tap returns it)
 
@@ -252,11 +253,11 @@ def link_tied_parameters(model):
             continue
         if not (_has_pe_buffer(embedding, "weight") and _has_pe_buffer(linear, "weight")):
             continue
-        existing = getattr(embedding, "_pe_tied_parameter", None)
+        existing = state_of(embedding).tied
         if existing is None:
             names = [(n + "." if n else "") + p for n, _, p in using]
             names = [n for n, _ in model.named_parameters(remove_duplicate=False) if n in names]
             existing = TiedParameter(names, "weight", embedding, linear)
-            embedding._pe_tied_parameter = existing
+            state_of(embedding).tied = existing
         linked[key] = existing
     return linked

@@ -18,7 +18,7 @@ and head), as long as they serve the same examples.
 Which tensors are used more than once: every layer's forward counts its buffers (layout.note_uses) while the
 model's own forward runs. A recompute by activation checkpointing runs in backward, outside it, so it is no use,
 and a reentrant checkpoint's forward, run without gradients, still counts. A tensor recorded by several modules'
-buffers (tied between an embedding and a head) is one tensor (layout.SharedTensor): its uses add up across them,
+buffers (tied between an embedding and a head) is one tensor (SharedTensor): its uses add up across them,
 except that an embedding and a head used once each keep tied.py's cheaper cross term. A use whose backward never
 comes (its output unused) adds nothing: its tensor is recorded when the next forward starts, or when the monitor
 reads the step. A layer kind that gives no factors (a convolution, attention, the fused kernels) records its own

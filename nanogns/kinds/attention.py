@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.module_state import state_of
+from nanogns.core.registry import LayerKind, adopt
 from nanogns.kinds import functional
 
 PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
@@ -43,14 +44,14 @@ class PerExampleMultiheadAttention(PerExampleNormLayer):
     def pe_adopt(self, options):
         names = [name for name, _ in self.named_parameters(recurse=False)]
         self.register_pe_buffers(*names)
-        self.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in names})
+        state_of(self).kinds.update({name: "Linear" for name in names})
         for name in ("weight", "bias"):  # out_proj's buffers live on out_proj, where the monitor looks
             param = getattr(self.out_proj, name, None)
             if param is not None:
                 self.out_proj.register_buffer(
                     name + "_pe_sqnorm", torch.zeros(2, device=param.device), persistent=False
                 )
-                self.out_proj.__dict__.setdefault("_pe_kinds", {})[name] = "Linear"
+                state_of(self.out_proj).kinds[name] = "Linear"
 
     def pe_buffer_of(self, module, name):
         param = getattr(module, name, None)
@@ -249,20 +250,18 @@ def verify(module, variant_cls):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="MultiheadAttention",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.MultiheadAttention,
-            "shim": PerExampleMultiheadAttention,
-            "gns": PerExampleMultiheadAttention,
-            "fused": PerExampleMultiheadAttention,
-        },
-        replaces=(nn.MultiheadAttention,),
-        params=PROJECTIONS,
-        convertible=convertible,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="MultiheadAttention",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.MultiheadAttention,
+        "shim": PerExampleMultiheadAttention,
+        "gns": PerExampleMultiheadAttention,
+        "fused": PerExampleMultiheadAttention,
+    },
+    replaces=(nn.MultiheadAttention,),
+    params=PROJECTIONS,
+    convertible=convertible,
+    verify=verify,
 )

@@ -7,8 +7,8 @@ and example i's gradients of the affine parameters are
 
     dw_i[c] = sum_p g[i, c, p] * xhat[i, c, p],     db_i[c] = sum_p g[i, c, p],
 
-the LayerNorm kind's affine maths (kinds/layernorm.py) over the channels, with each example's positions as its
-rows. They are exact.
+the channels-first affine maths BatchNorm shares with GroupNorm (kinds/affine.py: channels_first_affine), with
+each example's positions as its rows. They are exact.
 
 In training mode (or without running statistics) it normalises with the batch's mean and variance: every
 example's output then depends on every other example of the micro-batch, so no example has a gradient of its own,
@@ -19,11 +19,12 @@ RowMapper, and the monitor refuses the step before reading any number, with one 
 
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer
-from nanogns.core.registry import LayerKind, own_class_name, register
-from nanogns.kinds.layernorm import affine
+from nanogns.core.registry import LayerKind, own_class_name
+from nanogns.kinds.affine import channels_first_affine
 
 MIXES = (
     "it normalises with the statistics of the batch (training mode, or no running statistics), so every example's "
@@ -41,11 +42,11 @@ def uses_batch_statistics(module):
 def watch(model, mapper):
     """Note in `mapper` (the model's RowMapper) every forward, within one of the model's own forwards, of a
     BatchNorm that uses the batch's statistics; idempotent. The monitor refuses such a step."""
-    if mapper.__dict__.get("_watching_batch_statistics"):
+    if mapper.watches_batch_statistics:
         return
-    mapper.__dict__["_watching_batch_statistics"] = True
+    mapper.watches_batch_statistics = True
     for path, module in model.named_modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if isinstance(module, _BatchNorm):
             module.register_forward_pre_hook(_note(path or type(module).__name__, mapper))
 
 
@@ -58,34 +59,44 @@ def _note(path, mapper):
     return hook
 
 
-class PerExampleBatchNorm(PerExampleNormLayer):
+class PerExampleBatchNorm(PerExampleNormLayer, _BatchNorm):
     """A BatchNorm that records the per-example norms of its affine parameters in eval mode (running statistics);
-    in training mode it is torch's own (and the step is refused: see the module docstring). Mixed into the
-    module's own class (layers.registry.adopt)."""
+    in training mode it is torch's own (and the step is refused: see the module docstring). Built on its own,
+    PerExampleBatchNorm(num_features, ...) takes BatchNorm2d's arguments and any input of 2 dims or more; convert()
+    mixes it into a module's own class (core/registry.py:adopt), whose input check it keeps."""
 
     pe_kind = "BatchNorm"
+
+    def __init__(
+        self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, device=None, dtype=None
+    ):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.register_pe_buffers()
+
+    def _check_input_dim(self, input):  # (torch's name) the check of the class it was made of, if any
+        original = getattr(type(self), "pe_original_class", None)
+        if original is not None:
+            return original._check_input_dim(self, input)
+        if input.dim() < 2:
+            raise ValueError(f"expected an input of at least 2 dims (N, C, ...), got {tuple(input.shape)}")
 
     def forward(self, x):
         if uses_batch_statistics(self) or not self.affine:
             return super().forward(x)
+        self._check_input_dim(x)  # as torch's forward does
         xhat = F.batch_norm(x, self.running_mean, self.running_var, None, None, False, 0.0, self.eps)
-        channels_last = xhat.movedim(1, -1)  # (N, *positions, C): each example's positions are its rows
-        rows, buffers = self.pe_rows_and_buffers(channels_last, "weight", "bias")
-        weight, bias = self.weight.to(xhat.dtype), self.bias.to(xhat.dtype)
-        return affine(channels_last, weight, bias, *buffers, rows).movedim(-1, 1)
+        return channels_first_affine(self, xhat, self.weight.to(xhat.dtype), self.bias.to(xhat.dtype))
 
 
-KIND = register(
-    LayerKind(
-        name="BatchNorm",
-        config_key="lnclass",
-        group="LayerNorm",
-        variants={
-            "nn": nn.BatchNorm2d,
-            "shim": PerExampleBatchNorm,
-            "gns": PerExampleBatchNorm,
-            "fused": PerExampleBatchNorm,
-        },
-        replaces=(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
-    )
+KIND = LayerKind(
+    name="BatchNorm",
+    config_key="lnclass",
+    group="LayerNorm",
+    variants={
+        "nn": nn.BatchNorm2d,
+        "shim": PerExampleBatchNorm,
+        "gns": PerExampleBatchNorm,
+        "fused": PerExampleBatchNorm,
+    },
+    replaces=(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm),
 )

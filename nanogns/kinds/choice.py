@@ -9,34 +9,51 @@ every layer of that kind:
         model = GPT(GPTConfig(...))
 
 The names users type (`--linearclass=gns`) mean the classes registered by the
-layer kinds (the one registry, registry.py): train.py, convert(), the tests and
+layer kinds (nanogns/kinds/__init__.py's KINDS): train.py, convert(), the tests and
 the benchmarks all look them up there.
 """
 
 import contextlib
-from typing import Dict, Iterator
+from typing import ContextManager, Dict, Iterator
 
-from nanogns.core import registry
+from nanogns.kinds import KINDS
 
 
 class LayerConfig:
     """The class model.py builds each layer kind with: one attribute per registered kind built by its class
-    (config.Linear, config.Embedding, config.LayerNorm, config.RMSNorm, config.Conv1D, ...), each the kind's plain
-    torch layer unless set. A third-party plain layer (transformers' Conv1D) is imported only when asked for."""
+    (config.Linear, config.Embedding, config.LayerNorm, config.RMSNorm, config.Conv1D, ...), the class chosen by
+    the innermost `contextual` block, else the kind's plain torch layer. A third-party plain layer (transformers'
+    Conv1D) is imported only when asked for."""
+
+    def __init__(self):
+        self.chosen = {}  # {kind name: class} of the `contextual` blocks running now
 
     def __getattr__(self, name: str) -> type:
-        if name.startswith("_") or name not in constructible_kinds():
+        if name.startswith("_") or name == "chosen" or name not in constructible_kinds():
             raise AttributeError(f"no layer kind {name!r}; choose from {constructible_kinds()}")
-        return registry.get(name).layer_class("nn")
+        return self.chosen.get(name) or KINDS.kind(name).layer_class("nn")
 
     def __repr__(self) -> str:
-        chosen = {name: vars(self).get(name) for name in constructible_kinds()}
+        chosen = {name: self.chosen.get(name) for name in constructible_kinds()}
         return "LayerConfig(" + ", ".join(f"{k}={v.__name__ if v else 'nn'}" for k, v in chosen.items()) + ")"
+
+    @contextlib.contextmanager
+    def contextual(self, **classes: type) -> Iterator["LayerConfig"]:
+        """Build modules with these layer classes inside the `with` block, restoring the old ones after."""
+        unknown = set(classes) - set(constructible_kinds())
+        if unknown:
+            raise ValueError(f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(constructible_kinds())}")
+        previous = dict(self.chosen)
+        self.chosen.update(classes)
+        try:
+            yield self
+        finally:
+            self.chosen = previous
 
 
 def constructible_kinds() -> list:
     """The kinds a model builds by class (not the experts, which convert() recognises by their structure)."""
-    return [name for name, kind in registry.KINDS.items() if kind.matches is None]
+    return [name for name, kind in KINDS.items() if kind.matches is None]
 
 
 config = LayerConfig()
@@ -44,7 +61,7 @@ config = LayerConfig()
 
 def get_layer_class(kind: str, name: str) -> type:
     """The class registered as variant `name` ('nn', 'shim', 'gns', 'fused', ...) of layer kind `kind`."""
-    return registry.get(kind).layer_class(name)
+    return KINDS.kind(kind).layer_class(name)
 
 
 def layer_classes(linearclass: str = "nn", embeddingclass: str = "nn", lnclass: str = "nn") -> Dict[str, type]:
@@ -61,19 +78,7 @@ def tracks_per_example_norms(linearclass: str = "nn", embeddingclass: str = "nn"
     return any(name != "nn" for name in (linearclass, embeddingclass, lnclass))
 
 
-@contextlib.contextmanager
-def set_contextual_config(**classes: type) -> Iterator[LayerConfig]:
-    """Build modules with these layer classes inside the `with` block, restoring the old ones after."""
-    unknown = set(classes) - set(constructible_kinds())
-    if unknown:
-        raise ValueError(f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(constructible_kinds())}")
-    previous = {kind: vars(config).get(kind) for kind in classes}  # None: the kind's plain layer
-    vars(config).update(classes)
-    try:
-        yield config
-    finally:
-        for kind, cls in previous.items():
-            if cls is None:
-                vars(config).pop(kind, None)
-            else:
-                vars(config)[kind] = cls
+def set_contextual_config(**classes: type) -> ContextManager[LayerConfig]:
+    """Build modules with these layer classes inside the `with` block, restoring the old ones after (the reference's
+    name for `config.contextual`)."""
+    return config.contextual(**classes)

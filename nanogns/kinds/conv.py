@@ -12,7 +12,7 @@ give its per-example norms, over the patches of each example. With groups, the
 weight is block-diagonal over the groups; each group is such a Linear on its
 channels, and the squared norms add. Non-zero padding modes pad first (F.pad),
 as torch does. Dim 0 of the input holds the forward's examples, or their items
-(layout.Items: a vision tower's images, an example's tiles): an example's patches
+(Items: a vision tower's images, an example's tiles): an example's patches
 are then all its items' patches, summed before squaring. Conv3d is not converted
 (F.unfold takes 4-D inputs only; a tower's Conv3d is replayed, conversion/replay.py).
 """
@@ -29,7 +29,8 @@ from nanogns.core.buffers import (
     on_output_grad,
     refuse_step,
 )
-from nanogns.core.registry import LayerKind, register
+from nanogns.core.registry import LayerKind
+from nanogns.core.rowmaps import Items, ragged
 from nanogns.kinds.linear import bias_pe_grads, linear_pe_sqnorm, linear_weight_grad_and_pe_sqnorm
 
 
@@ -78,7 +79,7 @@ def by_example(items, t):
     if items.example_of_item is None:  # example-major: k items each
         return t.reshape(items.examples, -1, t.shape[-1])
     example_of_row = items.example_of_item.to(t.device).repeat_interleave(t.shape[1])
-    return layout.ragged(example_of_row, items.examples).per_example(t.reshape(-1, t.shape[-1]))
+    return ragged(example_of_row, items.examples).per_example(t.reshape(-1, t.shape[-1]))
 
 
 class ConvFunction(torch.autograd.Function):
@@ -133,7 +134,7 @@ def record_conv_norms(module, x, weight_buffer, bias_buffer, items=None):
 
 
 class _ConvBase(PerExampleNormLayer):
-    """Mixed into a converted nn.Conv1d / nn.Conv2d (layers.registry.adopt), whose attributes it reads."""
+    """Mixed into a converted nn.Conv1d / nn.Conv2d (core/registry.py:adopt), whose attributes it reads."""
 
     pe_kind = "Conv"
 
@@ -144,9 +145,7 @@ class _ConvBase(PerExampleNormLayer):
         x, weight, bias = autocast_inputs(padded_input(self, x), self.weight, self.bias)
         items = None
         if rows is not None:
-            items = (
-                layout.items_of(x.shape[0]) if layout.current() is not None else layout.Items(x.shape[0], x.shape[0])
-            )
+            items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
             if items is None:
                 refuse_step(
                     f"a convolution's input must have the forward's examples (or their items) on dim 0, got shape "
@@ -180,17 +179,15 @@ class ShimConv(_ConvBase):
         return out
 
 
-KIND = register(
-    LayerKind(
-        name="Conv",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Conv2d,
-            "shim": ShimConv,
-            "gns": PerExampleConv,
-            "fused": PerExampleConv,
-        },  # no kernel
-        replaces=(nn.Conv1d, nn.Conv2d),
-    )
+KIND = LayerKind(
+    name="Conv",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Conv2d,
+        "shim": ShimConv,
+        "gns": PerExampleConv,
+        "fused": PerExampleConv,
+    },  # no kernel
+    replaces=(nn.Conv1d, nn.Conv2d),
 )

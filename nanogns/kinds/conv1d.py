@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core.buffers import PerExampleNormLayer, autocast_inputs, on_output_grad
-from nanogns.core.registry import LayerKind, Probe, register
+from nanogns.core.registry import LayerKind, Probe
 from nanogns.kinds.linear import LINEAR_OPTIONS, PerExampleLinear, linear, record_linear_norms
 from nanogns.variants import fused
 
@@ -84,25 +84,23 @@ def probe_data(module, generator, weight, bias):
     return params, torch.randn(3, 4, K, generator=generator, dtype=torch.float64)
 
 
-KIND = register(
-    LayerKind(
-        name="Conv1D",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": "transformers.pytorch_utils:Conv1D",
-            "shim": ShimConv1D,
-            "gns": PerExampleConv1D,
-            "fused": FusedConv1D,
-        },
-        replaces=("transformers.pytorch_utils:Conv1D",),
-        probe=Probe(
-            fits=lambda weight, bias: weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:]),
-            data=probe_data,
-            options=("autocast_promotes",),
-            candidates=lambda module, options: (
-                [dict(options)] if options else [o for o in LINEAR_OPTIONS if "cast_weight" not in o]
-            ),
+KIND = LayerKind(
+    name="Conv1D",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": "transformers.pytorch_utils:Conv1D",
+        "shim": ShimConv1D,
+        "gns": PerExampleConv1D,
+        "fused": FusedConv1D,
+    },
+    replaces=("transformers.pytorch_utils:Conv1D",),
+    probe=Probe(
+        fits=lambda weight, bias: weight.dim() == 2 and (bias is None or bias.shape == weight.shape[1:]),
+        data=probe_data,
+        options=("autocast_promotes",),
+        candidates=lambda module, options: (
+            [dict(options)] if options else [o for o in LINEAR_OPTIONS if "cast_weight" not in o]
         ),
-    )
+    ),
 )

@@ -22,9 +22,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import layout, shared, uses
+from nanogns.core import shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, on_output_grad
-from nanogns.core.registry import LayerKind, Probe, register
+from nanogns.core.ids import untagged
+from nanogns.core.registry import LayerKind, Probe
+from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding
 
 
@@ -143,6 +145,7 @@ def _check_plain_embedding(kwargs):
 
 class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
     pe_kind = "Embedding"
+    pe_shared_rows = False  # True: its parent feeds it a table shared by the examples (in_parent)
 
     def __init__(self, num_embeddings, embedding_dim, **kwargs):
         _check_plain_embedding(kwargs)
@@ -150,14 +153,14 @@ class _EmbeddingBase(PerExampleNormLayer, nn.Embedding):
         self.register_pe_buffers("weight")
 
     def pe_rows_and_buffers(self, ids, *param_names):
-        if self.__dict__.get("pe_shared_rows"):  # its parent feeds it a table shared by the examples (T5's buckets)
-            return layout.Rows("shared", 0), tuple(None for _ in param_names)
+        if self.pe_shared_rows:  # its parent feeds it a table shared by the examples (T5's buckets)
+            return Rows("shared", 0), tuple(None for _ in param_names)
         return super().pe_rows_and_buffers(ids.unsqueeze(-1), *param_names, lookup=True)  # rows: the ids themselves
 
     def pe_lookup(self, ids):
         """(ids untagged, Rows, weight buffer, the table when the lookup is one the examples share (else None))."""
         rows, (weight_buffer,) = self.pe_rows_and_buffers(ids, "weight")
-        ids = layout.untagged(ids)
+        ids = untagged(ids)
         return ids, rows, weight_buffer, self.pe_shared_lookup(ids, rows)
 
     def pe_shared_lookup(self, ids, rows):
@@ -214,7 +217,7 @@ def in_parent(parent, name, module):
     """None: converted; an Embedding its parent feeds a table shared by the batch is marked so, and looks up a
     table shared by the examples (core/shared.py)."""
     if name in SHARED_TABLES and getattr(parent, "has_relative_attention_bias", True):
-        module.__dict__["pe_shared_rows"] = True
+        module.pe_shared_rows = True  # (read once the module is this kind's layer)
     return None
 
 
@@ -229,22 +232,20 @@ def probe_data(module, generator, weight, bias=None):
     return {"weight": torch.randn(*weight.shape, generator=generator, dtype=torch.float64)}, ids
 
 
-KIND = register(
-    LayerKind(
-        name="Embedding",
-        config_key="embeddingclass",
-        group="Embedding",
-        variants={
-            "nn": nn.Embedding,
-            "shim": ShimEmbedding,
-            "gns": PerExampleEmbedding,
-            "fused": PerExampleEmbedding,
-        },  # no kernel: embedding grads are a scatter-add already
-        replaces=(nn.Embedding,),
-        params=("weight",),
-        convertible=convertible,
-        in_parent=in_parent,
-        options=lambda module: dict(padding_idx=module.padding_idx),
-        probe=Probe(fits=fits, data=probe_data),
-    )
+KIND = LayerKind(
+    name="Embedding",
+    config_key="embeddingclass",
+    group="Embedding",
+    variants={
+        "nn": nn.Embedding,
+        "shim": ShimEmbedding,
+        "gns": PerExampleEmbedding,
+        "fused": PerExampleEmbedding,
+    },  # no kernel: embedding grads are a scatter-add already
+    replaces=(nn.Embedding,),
+    params=("weight",),
+    convertible=convertible,
+    in_parent=in_parent,
+    options=lambda module: dict(padding_idx=module.padding_idx),
+    probe=Probe(fits=fits, data=probe_data),
 )

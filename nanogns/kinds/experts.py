@@ -37,7 +37,8 @@ import torch.nn as nn
 
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.module_state import state_of
+from nanogns.core.registry import LayerKind, adopt
 from nanogns.kinds import grouped
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -59,14 +60,14 @@ def matches(module):
 class PerExampleExperts(PerExampleNormLayer):
     """An experts module whose forward is the grouped one (kinds/grouped.py: rows sorted by expert and example, one
     grouped GEMM per projection, each segment's norms by the Gram trick). It is mixed into the module's own class
-    (layers.registry.adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
+    (core/registry.py:adopt), whose attributes (act_fn, _apply_gate, has_gate, ...) it reads."""
 
     pe_kind = "Linear"
 
     def pe_adopt(self, options):
         names = [name for name, _ in self.named_parameters(recurse=False)]
         self.register_pe_buffers(*names)
-        self.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in names})
+        state_of(self).kinds.update({name: "Linear" for name in names})
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         names = [name for name, _ in self.named_parameters(recurse=False)]
@@ -166,20 +167,18 @@ def _probe(module, variant_cls, dtype, tolerance):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="Experts",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
-            "shim": PerExampleExperts,
-            "gns": PerExampleExperts,
-            "fused": PerExampleExperts,
-        },
-        params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
-        convertible=convertible,
-        matches=matches,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="Experts",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Module,  # transformers' experts classes are the model's own: nothing to name here
+        "shim": PerExampleExperts,
+        "gns": PerExampleExperts,
+        "fused": PerExampleExperts,
+    },
+    params=PROJECTIONS + tuple(name + "_bias" for name in PROJECTIONS),
+    convertible=convertible,
+    matches=matches,
+    verify=verify,
 )

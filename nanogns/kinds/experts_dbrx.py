@@ -26,7 +26,9 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.module_state import state_of
+from nanogns.core.registry import LayerKind, adopt
+from nanogns.core.rowmaps import ragged
 from nanogns.kinds import functional
 
 BANKS = ("w1", "v1", "w2")
@@ -46,13 +48,13 @@ def matches(module):
 
 class PerExampleDbrxExperts(PerExampleNormLayer):
     """DbrxExperts whose loop over the experts hit runs each expert's projections through the per-example Linear on
-    the rows of the tokens routed to it. Mixed into the module's own class (layers.registry.adopt)."""
+    the rows of the tokens routed to it. Mixed into the module's own class (core/registry.py:adopt)."""
 
     pe_kind = "Linear"
 
     def pe_adopt(self, options):
         register_pe_sqnorm_buffers(self.mlp, BANKS)
-        self.mlp.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in BANKS})
+        state_of(self.mlp).kinds.update({name: "Linear" for name in BANKS})
 
     def pe_buffer(self, role):
         param = self.mlp._parameters.get(role)
@@ -74,9 +76,7 @@ class PerExampleDbrxExperts(PerExampleNormLayer):
         w1, v1, w2 = (getattr(self.mlp, name).view(shape) for name in BANKS)
         for expert in hit:
             token_idx, top_k_pos = torch.where(top_k_index == expert)
-            expert_rows = (
-                None if rows is None else layout.ragged(example_of_token[token_idx], rows.examples, counted=False)
-            )
+            expert_rows = None if rows is None else ragged(example_of_token[token_idx], rows.examples, counted=False)
 
             def linear(x, weight, name):
                 if rows is None:
@@ -111,7 +111,6 @@ def verify(module, variant_cls):
     twin = copy.copy(module)
     mlp = copy.copy(module.mlp)
     mlp.__dict__.update(_parameters=dict(module.mlp._parameters), _buffers=dict(module.mlp._buffers))
-    mlp.__dict__.pop("_pe_kinds", None)
     twin.__dict__.update(
         _modules={**module._modules, "mlp": mlp}, _forward_hooks={}, _forward_pre_hooks=collections.OrderedDict()
     )
@@ -134,19 +133,17 @@ def verify(module, variant_cls):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="DbrxExperts",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Module,  # DBRX's own class
-            "shim": PerExampleDbrxExperts,
-            "gns": PerExampleDbrxExperts,
-            "fused": PerExampleDbrxExperts,
-        },
-        params=BANKS,
-        matches=matches,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="DbrxExperts",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Module,  # DBRX's own class
+        "shim": PerExampleDbrxExperts,
+        "gns": PerExampleDbrxExperts,
+        "fused": PerExampleDbrxExperts,
+    },
+    params=BANKS,
+    matches=matches,
+    verify=verify,
 )

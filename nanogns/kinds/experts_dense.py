@@ -27,7 +27,8 @@ import torch.nn as nn
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, accumulate_pe_sqnorm, autocast_inputs, refuse_step
 from nanogns.core.matmul import linear_pe_sqnorm
-from nanogns.core.registry import LayerKind, adopt, register
+from nanogns.core.module_state import state_of
+from nanogns.core.registry import LayerKind, adopt
 
 BANKS = ("gate_up_proj", "down_proj")
 
@@ -100,7 +101,7 @@ class PerExampleDenseExperts(PerExampleNormLayer):
 
     def pe_adopt(self, options):
         self.register_pe_buffers(*BANKS)
-        self.__dict__.setdefault("_pe_kinds", {}).update({name: "Linear" for name in BANKS})
+        state_of(self).kinds.update({name: "Linear" for name in BANKS})
 
     def forward(self, hidden_states):
         E, D = self.gate_up_proj.shape[0], hidden_states.shape[-1]
@@ -158,19 +159,17 @@ def verify(module, variant_cls):
     return None
 
 
-KIND = register(
-    LayerKind(
-        name="DenseExperts",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Module,  # Llama 4's experts class is the model's own: nothing to name here
-            "shim": PerExampleDenseExperts,
-            "gns": PerExampleDenseExperts,
-            "fused": PerExampleDenseExperts,
-        },
-        params=BANKS,
-        matches=matches,
-        verify=verify,
-    )
+KIND = LayerKind(
+    name="DenseExperts",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Module,  # Llama 4's experts class is the model's own: nothing to name here
+        "shim": PerExampleDenseExperts,
+        "gns": PerExampleDenseExperts,
+        "fused": PerExampleDenseExperts,
+    },
+    params=BANKS,
+    matches=matches,
+    verify=verify,
 )

@@ -15,7 +15,7 @@ registers those buffers once and the monitor finds them by name:
 The weight may be any differentiable view or cast of the parameter (a
 transpose or a dtype cast leaves each example's gradient norm unchanged).
 PerExampleNormLayer keeps the buffers float32 under model.to(torch.bfloat16).
-The numbers are those of the `gns` layers in layers/ (same autograd Functions),
+The numbers are those of the `gns` layers in nanogns/kinds/ (same autograd Functions),
 and rows are mapped to examples as theirs are (layout.py).
 `register_buffers(..., kind="Linear")` records the layer kind for the log's
 parameter record (gns-analysis.py groups by it).
@@ -42,13 +42,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanogns.core import registry, shared
+import nanogns.kinds
+from nanogns.core import shared
 from nanogns.core.buffers import BUFFER_SUFFIX, autocast_inputs, autocast_result_dtype, rows_or_refuse
-from nanogns.core.layout import Rows, untagged
+from nanogns.core.ids import untagged
+from nanogns.core.module_state import state_of
+from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding, note_head
 from nanogns.kinds import embedding as embedding_kind
 from nanogns.kinds import layernorm as layernorm_kind
 from nanogns.kinds import linear as linear_kind
+from nanogns.kinds.affine import affine
 from nanogns.kinds.layernorm import torch_layer_norm
 from nanogns.kinds.rmsnorm import torch_rms_norm
 
@@ -57,7 +61,7 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
     """Give `module` a `<name>_pe_sqnorm` buffer for each of its parameters `param_names`.
 
     Args:
-        kind: the layer kind recorded for these parameters (a key of the registry in layers/), or None ('unknown').
+        kind: the layer kind recorded for these parameters (a name in nanogns/kinds/'s KINDS), or None ('unknown').
         bank_dims: for a bank of disjoint slices, how many leading dims of the parameter index
             them; the buffer is then shaped param.shape[:bank_dims] + (2,) (see the module docstring).
     """
@@ -65,7 +69,8 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
     if missing:
         raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
     if kind is not None:
-        registry.get(kind)  # an unknown kind raises, naming the registered ones
+        nanogns.kinds.KINDS.kind(kind)  # an unknown kind raises, naming the kinds (read at the call: this module is
+        # imported while nanogns/kinds/__init__.py makes KINDS)
     for name in param_names:
         param = getattr(module, name)
         if not 0 <= bank_dims < param.dim():
@@ -77,7 +82,7 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
             name + BUFFER_SUFFIX, torch.zeros(*param.shape[:bank_dims], 2, device=param.device), persistent=False
         )
         if kind is not None:
-            module.__dict__.setdefault("_pe_kinds", {})[name] = kind
+            state_of(module).kinds[name] = kind
 
 
 def linear(
@@ -89,7 +94,7 @@ def linear(
     rows: Optional[Rows] = None,
 ) -> Tensor:
     """F.linear(x, weight, bias), weight (out, in), recording per-example norms of weight and bias gradients.
-    rows: which example each row of x belongs to (layout.Rows), when the layer knows better than the layout
+    rows: which example each row of x belongs to (Rows), when the layer knows better than the layout
     (tokens routed to an expert); default: the layout's."""
     x, weight, bias = autocast_inputs(x, weight, bias)
     rows, buffers = (
@@ -141,4 +146,4 @@ def rms_norm(x: Tensor, weight: Tensor, eps: Optional[float] = None, weight_buff
     out_dtype = autocast_result_dtype(torch_rms_norm, x, weight)
     xhat = F.rms_norm(x, (x.shape[-1],), None, eps)
     rows, (buffer,) = rows_or_refuse(x, (weight_buffer,))
-    return layernorm_kind.affine(xhat, weight, None, buffer, None, rows).to(out_dtype)
+    return affine(xhat, weight, None, buffer, None, rows).to(out_dtype)

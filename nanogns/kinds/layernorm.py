@@ -1,53 +1,26 @@
 """
-The LayerNorm kind: torch's nn.LayerNorm over the last dim (with or without a bias),
-and the affine maths the RMSNorm kind shares.
+The LayerNorm kind: torch's nn.LayerNorm over the last dim (with or without a bias).
 
-For y_t = xhat_t * w + b over the rows t of example i, xhat_t the normalised row
-and g_t = dL/dy_t:
+Its maths is the affine maths every norm kind shares (kinds/affine.py): for xhat_t = (x_t - mean_t) * rstd_t,
 
     dw_i = sum_t g_t * xhat_t,     db_i = sum_t g_t
 
-The per-example squared norms are ||dw_i||^2 and ||db_i||^2; the batch gradients
-are their sums over examples. The Triton kernels (variants/fused/, kernels/) compute
-the same inside the LayerNorm backward.
-
-Probing a module the registry does not know (conversion/probe.py): norm-shaped
-parameters are tried with each eps the module stores (`eps`,
-`variance_epsilon`, ..., or any float attribute in (0, 1)), then common values.
-The probe input has 12 rows (3 examples of 4 positions): zero-mean rows of scale
-1 down to 1e-6, so mean(x^2) spans 1 to 1e-12 and any eps in that range
-dominates some row, and rows with mean 3, -2 and 1, which LayerNorm subtracts
-and RMSNorm does not.
+over the rows t of example i. LayerNormFunction forms them inside the LayerNorm backward: torch's own kernels for
+the forward and the input gradient, xhat * g rebuilt once for the per-example sums (or, on the CPU for long
+examples, torch's backward kernel run on each example's rows: `_per_example_kernels`). The Triton kernels
+(variants/fused/, kernels/) compute the same. The probe that finds LayerNorm look-alikes is kinds/norm.py's.
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import uses
-from nanogns.core.buffers import (
-    PerExampleNormLayer,
-    accumulate_pe_sqnorm,
-    add_pe_sqnorm,
-    autocast_result_dtype,
-    norm_dtype,
-    on_output_grad,
-)
-from nanogns.core.registry import LayerKind, Probe, register
+from nanogns.core.buffers import accumulate_pe_sqnorm, norm_dtype, on_output_grad
+from nanogns.core.registry import LayerKind, Probe
+from nanogns.kinds.affine import record_affine_norms, record_pe_grads
+from nanogns.kinds.norm import OUTPUT_DTYPES, NormLayer, eps_values, norm_probe_data
 from nanogns.variants import fused
 
-EPS_ATTRIBUTES = (
-    "eps",
-    "variance_epsilon",
-    "epsilon",
-    "layer_norm_eps",
-    "layer_norm_epsilon",
-    "rms_norm_eps",
-    "norm_eps",
-)
-COMMON_EPS = (1e-5, 1e-6, 1e-8, 1e-12, None)  # None: the input dtype's machine epsilon, F.rms_norm's default
-ROW_SCALES = (1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 3e-3, 3e-5, 1.0, 1.0, 0.3)
-ROW_MEANS = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0, -2.0, 1.0)
 # LayerNorm backward on the CPU: from this many elements per example (T * D) on, torch's kernel run once per example
 # (one pass over x and g, about 60 us more per call) beats the batched per-example sums (four passes more, about 2 ns
 # per element each on the project's 2-core machine); the crossover is near 30k elements
@@ -56,44 +29,7 @@ _layer_norm_backward_out = torch.ops.aten.native_layer_norm_backward.out
 
 
 # -----------------------------------------------------------------------------
-# the maths
-
-
-def affine_pe_grads(xhat, g, has_bias=True):
-    """Per-example affine gradients (N, D): dw_i = sum_t g_t * xhat_t, db_i = sum_t g_t, for xhat and g per
-    example (N, T, D); float32 (float64 for float64)."""
-    dtype = norm_dtype(g)
-    g = g.to(dtype)
-    weight_grads = (g * xhat.to(dtype)).sum(dim=1)
-    bias_grads = g.sum(dim=1) if has_bias else None
-    return weight_grads, bias_grads
-
-
-def record_affine_norms(xhat, rows, weight_buffer, bias_buffer):
-    """A hook for the output gradient that adds the weight's and bias's per-example squared norms to the buffers."""
-
-    def record(g):
-        weight_grads, bias_grads = affine_pe_grads(rows.per_example(xhat), rows.per_example(g), bias_buffer is not None)
-        record_pe_grads(weight_buffer, weight_grads)
-        if bias_buffer is not None:
-            record_pe_grads(bias_buffer, bias_grads)
-
-    return record
-
-
-def record_pe_grads(buffer, pe_grads):
-    """Add the squared norms of per-example gradients (N, D) to the buffer, or hand them over when the forward used
-    the tensor more than once (core/uses.py sums its uses)."""
-    if not uses.hand_over(buffer, lambda: uses.DenseFactor(pe_grads)):
-        add_pe_sqnorm(buffer, pe_grads.pow(2).sum(dim=1))
-
-
-def affine(xhat, weight, bias, weight_buffer, bias_buffer, rows):
-    """xhat * weight (+ bias) recording per-example norms (AffineFunction); torch's ops where there is nothing to
-    record."""
-    if weight_buffer is None and bias_buffer is None:
-        return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
-    return AffineFunction.apply(xhat, weight, bias, ((weight_buffer, bias_buffer), rows))
+# the autograd Function
 
 
 def layer_norm(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype):
@@ -102,39 +38,6 @@ def layer_norm(x, weight, bias, eps, weight_buffer, bias_buffer, rows, out_dtype
     if weight_buffer is None and bias_buffer is None:
         return F.layer_norm(x, weight.shape, weight, bias, eps).to(out_dtype)
     return LayerNormFunction.apply(x, weight, bias, (eps, (weight_buffer, bias_buffer), rows, out_dtype))
-
-
-class AffineFunction(torch.autograd.Function):
-    """AffineFunction.apply(xhat, weight, bias, ((weight_buffer, bias_buffer), rows)) = xhat * weight (+ bias): the
-    affine half of a norm layer whose normalisation autograd handles; backward records the per-example norms."""
-
-    @staticmethod
-    def forward(ctx, xhat, weight, bias, recording):
-        ctx.save_for_backward(xhat, weight)
-        ctx.buffers, ctx.rows = recording
-        ctx.has_bias = bias is not None
-        return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        xhat, weight = ctx.saved_tensors
-        weight_buffer, bias_buffer = ctx.buffers
-        grad_xhat = grad_out * weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_bias = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # else frozen: no gradients, no norms
-            rows = ctx.rows
-            if rows is None:  # no norms this step (rows not mapped): the plain gradients
-                xs, gs = xhat.reshape(1, -1, xhat.shape[-1]), grad_out.reshape(1, -1, grad_out.shape[-1])
-            else:
-                xs, gs = rows.per_example(xhat), rows.per_example(grad_out)
-            pe_grad_weight, pe_grad_bias = affine_pe_grads(xs, gs, ctx.has_bias)  # (N, D) each
-            if ctx.needs_input_grad[1]:
-                record_pe_grads(weight_buffer, pe_grad_weight)
-                grad_weight = pe_grad_weight.sum(dim=0).to(weight.dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                record_pe_grads(bias_buffer, pe_grad_bias)
-                grad_bias = pe_grad_bias.sum(dim=0).to(weight.dtype)
-        return grad_xhat, grad_weight, grad_bias, None
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -229,43 +132,7 @@ def torch_layer_norm(x, weight, bias):
 # the layers
 
 
-class _LayerNormBase(PerExampleNormLayer, nn.Module):
-    """LayerNorm(ndim, bias=True, eps=1e-5) with parameters `weight` (ones) and `bias` (zeros or None)."""
-
-    pe_kind = "LayerNorm"
-    # the output's dtype: None as torch's own layer (autocast included); "promote" the promotion of the input's and
-    # the weight's dtypes, as norms written out by hand return (Llama's, T5's); "input" the input's (Gemma's)
-    output_dtype = None
-
-    def __init__(self, ndim, bias=True, eps=1e-5, device=None, dtype=None):
-        super().__init__()
-        self.normalized_shape = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        assert len(self.normalized_shape) == 1, "per-example norm LayerNorm normalises the last dim only"
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype)) if bias else None
-        self.register_pe_buffers()
-
-    def pe_adopt(self, options):
-        self.normalized_shape = tuple(self.weight.shape)
-        super().pe_adopt(options)
-
-    def pe_normalize(self, x):
-        return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-
-    def pe_result_dtype(self, x, torch_op, *params):
-        """The dtype of the output for input x (output_dtype's rule; torch_op(x, *params) is torch's layer)."""
-        if self.output_dtype == "promote":
-            return torch.promote_types(x.dtype, self.weight.dtype)
-        if self.output_dtype == "input":
-            return x.dtype
-        return autocast_result_dtype(torch_op, x, *params)
-
-    def extra_repr(self):
-        return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}"
-
-
-class SeparatedLayerNorm(_LayerNormBase):
+class SeparatedLayerNorm(NormLayer):
     """LayerNorm split into normalisation and affine parts, the affine norms read from the output gradient (shim)."""
 
     def forward(self, x):
@@ -278,7 +145,7 @@ class SeparatedLayerNorm(_LayerNormBase):
         return out
 
 
-class PerExampleLayerNorm(_LayerNormBase):
+class PerExampleLayerNorm(NormLayer):
     """LayerNorm whose backward computes the affine gradients and per-example norms together."""
 
     def forward(self, x):
@@ -295,35 +162,7 @@ class PerExampleLayerNorm(_LayerNormBase):
 
 
 # -----------------------------------------------------------------------------
-# the registration, and the probe the norm kinds share
-
-
-def eps_values(module):
-    """eps values to try: those the module stores, then the common ones."""
-    stored = [getattr(module, name) for name in EPS_ATTRIBUTES if hasattr(module, name)]
-    stored += [v for v in vars(module).values() if isinstance(v, float) and 0 < v < 1]
-    values = []
-    for v in stored + list(COMMON_EPS):
-        if (v is None or isinstance(v, (int, float)) and not isinstance(v, bool)) and v not in values:
-            values.append(v)
-    return values
-
-
-def norm_probe_data(module, generator, weight, bias):
-    """Probe parameters (weight, and bias when the module has one) and the 12-row input of the docstring."""
-    D = weight.shape[0]
-    x = torch.randn(len(ROW_SCALES), D, generator=generator, dtype=torch.float64)
-    x = (
-        x * torch.tensor(ROW_SCALES, dtype=torch.float64)[:, None]
-        + torch.tensor(ROW_MEANS, dtype=torch.float64)[:, None]
-    )
-    params = {"weight": 1 + 0.5 * torch.randn(D, generator=generator, dtype=torch.float64)}
-    if bias is not None:
-        params["bias"] = 0.5 * torch.randn(D, generator=generator, dtype=torch.float64)
-    return params, x.view(3, 4, D)
-
-
-OUTPUT_DTYPES = (None, "promote", "input")  # the output dtype rules a probed norm may follow (output_dtype)
+# the registration
 
 
 def layernorm_candidates(module, options):
@@ -354,25 +193,23 @@ class FusedLayerNorm(PerExampleLayerNorm):
         return out.to(self.pe_result_dtype(x, torch_layer_norm, self.weight, self.bias))
 
 
-KIND = register(
-    LayerKind(
-        name="LayerNorm",
-        config_key="lnclass",
-        group="LayerNorm",
-        variants={
-            "nn": nn.LayerNorm,
-            "shim": SeparatedLayerNorm,
-            "gns": PerExampleLayerNorm,
-            "fused": FusedLayerNorm,
-        },
-        replaces=(nn.LayerNorm,),
-        convertible=convertible,
-        options=lambda module: dict(eps=module.eps),
-        probe=Probe(
-            fits=lambda weight, bias: weight.dim() == 1 and (bias is None or bias.shape == weight.shape),
-            data=norm_probe_data,
-            candidates=layernorm_candidates,
-            options=("eps", "output_dtype"),
-        ),
-    )
+KIND = LayerKind(
+    name="LayerNorm",
+    config_key="lnclass",
+    group="LayerNorm",
+    variants={
+        "nn": nn.LayerNorm,
+        "shim": SeparatedLayerNorm,
+        "gns": PerExampleLayerNorm,
+        "fused": FusedLayerNorm,
+    },
+    replaces=(nn.LayerNorm,),
+    convertible=convertible,
+    options=lambda module: dict(eps=module.eps),
+    probe=Probe(
+        fits=lambda weight, bias: weight.dim() == 1 and (bias is None or bias.shape == weight.shape),
+        data=norm_probe_data,
+        candidates=layernorm_candidates,
+        options=("eps", "output_dtype"),
+    ),
 )

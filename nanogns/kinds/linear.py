@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import layout, uses
+from nanogns.core import uses
 from nanogns.core.buffers import (
     PerExampleNormLayer,
     add_pe_sqnorm,
@@ -28,7 +28,8 @@ from nanogns.core.buffers import (
     on_output_grad,
 )
 from nanogns.core.matmul import bias_pe_grads, linear_forward, linear_pe_sqnorm, linear_weight_grad_and_pe_sqnorm
-from nanogns.core.registry import LayerKind, Probe, register
+from nanogns.core.registry import LayerKind, Probe
+from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_head
 from nanogns.variants import fused, sogns
 
@@ -184,7 +185,7 @@ class FusedLinear(PerExampleLinear):
         xs, weight, bias = autocast_inputs(xs, *self.pe_weight_and_bias(xs))
         with torch.autocast(x.device.type, enabled=False):  # inputs are already in the compute dtype
             out = fused.fused_linear(xs, weight, bias, *buffers)
-        out = note_head(buffers[0], xs, layout.Rows("dim0", xs.shape[0]), out)
+        out = note_head(buffers[0], xs, Rows("dim0", xs.shape[0]), out)
         return self.pe_promoted(out.view(*x.shape[:-1], self.out_features))
 
 
@@ -241,25 +242,23 @@ def probe_data(module, generator, weight, bias):
     return params, torch.randn(3, 4, K, generator=generator, dtype=torch.float64)
 
 
-KIND = register(
-    LayerKind(
-        name="Linear",
-        config_key="linearclass",
-        group="Linear",
-        variants={
-            "nn": nn.Linear,
-            "shim": ShimLinear,
-            "gns": PerExampleLinear,
-            "fused": FusedLinear,
-            "sogns": SOGNSLinear,  # approximate norms only, logged under train/sogns/
-            "gns+sogns": ExactAndSOGNSLinear,  # exact and approximate on the same steps
-        },
-        replaces=(nn.Linear,),
-        probe=Probe(
-            fits=fits,
-            data=probe_data,
-            options=("cast_weight", "autocast_promotes"),
-            candidates=lambda module, options: [dict(options)] if options else LINEAR_OPTIONS,
-        ),
-    )
+KIND = LayerKind(
+    name="Linear",
+    config_key="linearclass",
+    group="Linear",
+    variants={
+        "nn": nn.Linear,
+        "shim": ShimLinear,
+        "gns": PerExampleLinear,
+        "fused": FusedLinear,
+        "sogns": SOGNSLinear,  # approximate norms only, logged under train/sogns/
+        "gns+sogns": ExactAndSOGNSLinear,  # exact and approximate on the same steps
+    },
+    replaces=(nn.Linear,),
+    probe=Probe(
+        fits=fits,
+        data=probe_data,
+        options=("cast_weight", "autocast_promotes"),
+        candidates=lambda module, options: [dict(options)] if options else LINEAR_OPTIONS,
+    ),
 )

@@ -4,7 +4,7 @@ of transformers (LlamaRMSNorm, T5LayerNorm, GemmaRMSNorm's (1 + weight) scale...
 that the probe recognises.
 
 y_t = xhat_t * (offset + w) with xhat_t = x_t / sqrt(mean(x_t^2) + eps): the
-affine maths of the LayerNorm kind (kinds/layernorm.py) without a bias; example
+affine maths every norm kind shares (kinds/affine.py) without a bias; example
 i's gradient of (offset + w) is its gradient of w, so the offset changes nothing.
 A weightless RMSNorm has no parameters and nothing to record.
 """
@@ -14,15 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core.buffers import on_output_grad
-from nanogns.core.registry import LayerKind, Probe, register
-from nanogns.kinds.layernorm import (
-    OUTPUT_DTYPES,
-    _LayerNormBase,
-    affine,
-    eps_values,
-    norm_probe_data,
-    record_affine_norms,
-)
+from nanogns.core.registry import LayerKind, Probe
+from nanogns.kinds.affine import affine, record_affine_norms
+from nanogns.kinds.norm import OUTPUT_DTYPES, NormLayer, eps_values, norm_probe_data
 from nanogns.variants import fused
 
 RMS_OFFSETS = (0.0, 1.0)  # y = xhat * (offset + weight): 1 is Gemma's RMSNorm
@@ -33,7 +27,7 @@ def torch_rms_norm(x, weight):
     return F.rms_norm(x, x.shape[-1:], weight)
 
 
-class PerExampleRMSNorm(_LayerNormBase):
+class PerExampleRMSNorm(NormLayer):
     """RMSNorm with a weight, y = x / sqrt(mean(x^2) + eps) * (weight_offset + weight), recording the weight's
     per-example norms.
 
@@ -125,30 +119,28 @@ class FusedRMSNorm(PerExampleRMSNorm):
         return out.to(self.pe_result_dtype(x, torch_rms_norm, self.weight))
 
 
-KIND = register(
-    LayerKind(
-        name="RMSNorm",
-        config_key="lnclass",
-        group="LayerNorm",
-        variants={
-            "nn": nn.RMSNorm,
-            "shim": ShimRMSNorm,
-            "gns": PerExampleRMSNorm,
-            "fused": FusedRMSNorm,
-        },
-        replaces=(nn.RMSNorm,),
-        params=("weight",),
-        convertible=lambda module: (
-            None
-            if len(module.normalized_shape) == 1
-            else f"RMSNorm over {len(module.normalized_shape)} dims (per-example norm layers normalise the last dim)"
-        ),
-        options=options,
-        probe=Probe(
-            fits=lambda weight, bias: weight.dim() == 1 and bias is None,
-            data=norm_probe_data,
-            candidates=rmsnorm_candidates,
-            options=("eps", "weight_offset", "output_dtype"),
-        ),
-    )
+KIND = LayerKind(
+    name="RMSNorm",
+    config_key="lnclass",
+    group="LayerNorm",
+    variants={
+        "nn": nn.RMSNorm,
+        "shim": ShimRMSNorm,
+        "gns": PerExampleRMSNorm,
+        "fused": FusedRMSNorm,
+    },
+    replaces=(nn.RMSNorm,),
+    params=("weight",),
+    convertible=lambda module: (
+        None
+        if len(module.normalized_shape) == 1
+        else f"RMSNorm over {len(module.normalized_shape)} dims (per-example norm layers normalise the last dim)"
+    ),
+    options=options,
+    probe=Probe(
+        fits=lambda weight, bias: weight.dim() == 1 and bias is None,
+        data=norm_probe_data,
+        candidates=rmsnorm_candidates,
+        options=("eps", "weight_offset", "output_dtype"),
+    ),
 )

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from nanogns.core import layout
+from nanogns.core.layout import install
+from nanogns.core.module_state import state_of
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
@@ -46,6 +47,7 @@ from nanogns.monitor.tracked import (
     summed_squares,
 )
 from nanogns.runlog.record import write_parameter_record
+from nanogns.runlog.writer import LogWrapper
 from nanogns.variants.sogns import SOGNS_SUFFIX
 
 if TYPE_CHECKING:
@@ -114,7 +116,7 @@ class GNSMonitor:
         unconverted: Optional[Dict[str, str]] = None,
     ):
         self._warned = set()  # parameters warned about (once each)
-        self.row_map = layout.install(model)  # each forward's examples, read by every layer (layout.py)
+        self.row_map = install(model)  # each forward's examples, read by every layer (core/layout.py)
         batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.tracked, self.untracked = find_tracked_parameters(model)
@@ -164,6 +166,42 @@ class GNSMonitor:
         """{logged name: layer kind, class, block, names, elements} (see describe_tracked)."""
         return describe_tracked(self.model, self.tracked)
 
+    def explain(self) -> Dict[str, str]:
+        """{module path: how its parameters are measured, and why} for every module that owns a trainable parameter:
+        the path of convert() that measures it (conversion/convert.py's PATHS, most specific first: a kind's layer by
+        its class or structure, found by a probe, its own forward with its parameters' uses followed, replayed per
+        example) and why that path, the layer class it was built with, the module whose path measures it as part of
+        its subtree, or why it is not measured."""
+        modules = dict(self.model.named_modules())
+        found = {}
+        for path, module in modules.items():
+            noted = state_of(module).measured_by
+            if noted is None and not any(p.requires_grad for p in module.parameters(recurse=False)):
+                continue
+            label = path or "(the model itself)"
+            if path in self.unconverted:
+                found[label] = f"not measured: {self.unconverted[path]}"
+            elif noted is not None:
+                found[label] = "{}: {}; {}".format(*noted)
+            elif getattr(module, "pe_kind", None):
+                found[label] = f"the {module.pe_kind} kind's {type(module).__name__}, which the model was built with"
+            else:
+                found[label] = self._explain_unnoted(path, module, modules)
+        return found
+
+    def _explain_unnoted(self, path, module, modules):
+        """A module with trainable parameters that no path converted: measured with an ancestor's subtree, or why
+        its parameters are not measured."""
+        parts = path.split(".")
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = ".".join(parts[:depth])
+            noted = state_of(modules[ancestor]).measured_by
+            if noted is not None:
+                return f"measured with {ancestor or '(the model itself)'} ({noted[0]}: {noted[1]})"
+        names = [f"{path}.{n}" if path else n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        reasons = sorted({self.untracked[n] for n in names if n in self.untracked})
+        return "not measured: " + ("; ".join(reasons) if reasons else "no layer records its parameters")
+
     def _scaler_on(self):
         return self.scaler is not None and self.scaler.is_enabled()
 
@@ -187,7 +225,8 @@ class GNSMonitor:
                 + (f" (and {len(others)} more such layers)" if others else "")
             )
         self.row_map.finish()  # what the last forward's uses left pending (core/uses.py)
-        values, finite, no_grad = self.reader.read(self._scaler_on())
+        scaler_on = self._scaler_on()
+        values, finite, no_grad = self.reader.read(scaler_on)
         self.step_count += 1
         self.measurements, self.approx_measurements = [], []
         if not finite:
@@ -196,7 +235,7 @@ class GNSMonitor:
         if batch_size is None:  # the count most tracked tensors report (a layer shared across depth counts k B)
             counted = [c for c in values[:, 2].tolist() if c > 0 and not math.isnan(c)]
             batch_size = int(min(set(counted), key=lambda c: (-counted.count(c), c))) if counted else 0
-        scale = self.scaler.get_scale() if self._scaler_on() else 1.0
+        scale = self.scaler.get_scale() if scaler_on else 1.0
         scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
         n_exact = len(self.tracked)
         exact = self._measurements(self.tracked, values[:n_exact], no_grad, batch_size, scales)
@@ -314,8 +353,8 @@ class GNSMonitor:
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
             return ValueError(
                 f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
-                f"See layout.py for the rows that can be mapped; for a layout of your own, pass "
-                f"layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
+                f"See nanogns/core/rowmaps.py for the rows that can be mapped; for a layout of your own, pass "
+                f"nanogns.core.layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
         if self.row_map.forwards == 0:
             return ValueError(
@@ -349,9 +388,20 @@ class GNSMonitor:
             for suffix, value in (("/norm", m.norm), ("/pegn", m.rms_pe_norm), ("/batch_size", m.batch_size))
         }
         row["gns"] = self.running.update(*summed_squares(exact or approx))  # the exact GNS when there is one
-        if self.log is not None:
-            (self.log.log if hasattr(self.log, "log") else self.log)(row)
+        self.emit(row)
         return row
+
+    def emit(self, row: Dict[str, float]) -> None:
+        """Hand the step's row to `log`: a LogWrapper keeps it until the caller's LogWrapper.step writes it
+        (runlog/writer.py), another object with a `log(dict)` method (LogSink) or a callable (wandb's run.log)
+        takes it now."""
+        log = self.log
+        if log is None:
+            return
+        if isinstance(log, LogWrapper) or hasattr(log, "log"):  # runlog/writer.py:LogWrapper.log, or a LogSink's
+            log.log(row)
+        else:
+            log(row)
 
     def replay(self, frame: "pandas.DataFrame") -> float:
         """Rebuild the running GNS from logged rows (a load_csv DataFrame of this model's earlier steps, oldest

@@ -11,7 +11,7 @@ import operator
 import numpy as np
 import torch
 
-from nanogns.core.buffers import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
+from nanogns.core.table import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
 
 try:
     from torch.distributed.tensor import DTensor
@@ -35,21 +35,20 @@ def any_dtensor(tensors):
     return DTensor is not None and any(issubclass(t, DTensor) for t in set(map(type, tensors)))
 
 
-def grad_piece(grad):
+def grad_piece(grad, copies_by_layout):
     """(this rank's part of a gradient, how many ranks hold that same part): a plain gradient is whole on every
     rank (DDP averaged it); a DTensor's local shard is its part, repeated over the mesh dims it is Replicate on
     (HSDP's replicas). Partial placements (sums not yet reduced) are refused."""
     if not is_dtensor(grad):
         return grad, None
-    return grad._local_tensor, _copies(grad.device_mesh, grad.placements)  # the attribute: no op per parameter
+    return grad._local_tensor, _copies(grad.device_mesh, grad.placements, copies_by_layout)  # no op per parameter
 
 
-_copies_by_layout = {}  # (id(mesh), placements) -> copies: reading a mesh's shape builds a tensor each time
-
-
-def _copies(mesh, placements):
+def _copies(mesh, placements, copies_by_layout):
+    """How many ranks hold the same shard under `placements` on `mesh`, kept in `copies_by_layout` ({(id(mesh),
+    placements): copies}, the StepReader's: reading a mesh's shape builds a tensor each time)."""
     key = (id(mesh), tuple(placements))
-    if key not in _copies_by_layout:
+    if key not in copies_by_layout:
         if any(p.is_partial() for p in placements):
             raise ValueError(
                 "GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
@@ -63,8 +62,8 @@ def _copies(mesh, placements):
         copies = 1
         for placement, size in zip(placements, mesh.mesh.shape):
             copies *= size if placement.is_replicate() else 1
-        _copies_by_layout[key] = copies
-    return _copies_by_layout[key]
+        copies_by_layout[key] = copies
+    return copies_by_layout[key]
 
 
 class StepReader:
@@ -84,6 +83,7 @@ class StepReader:
         self._modules = [entry.ref.module for entry in tracked]  # where each parameter lives (gradients())
         self._attrs = [entry.ref.attr for entry in tracked]
         self._plans = {}  # the index tensors squared_norms needs, by the gradients' pattern (dtypes, shards, absences)
+        self._copies_by_layout = {}  # {(id(mesh), placements): ranks holding each shard} of the sharded gradients
 
     def indices(self):
         """Per device: (term slot of each [sum] (k,), its entry (k,), its coefficient (k,), count slots (n, slices))."""
@@ -162,7 +162,7 @@ class StepReader:
         dtype family (float64 gradients keep float64 norms; any other dtype: float32), index tensors cached."""
         sharded_engine = any_dtensor(grads)
         if sharded_engine:
-            pieces = [grad_piece(g) if g is not None else (None, None) for g in grads]
+            pieces = [grad_piece(g, self._copies_by_layout) if g is not None else (None, None) for g in grads]
         else:  # plain tensors: each whole on this rank
             pieces = list(zip(grads, itertools.repeat(None)))
         dtypes = tuple(map(getattr, grads, itertools.repeat("dtype"), itertools.repeat(None)))  # None: no gradient

@@ -13,9 +13,10 @@ import numpy as np
 import torch.nn as nn
 
 from nanogns.core.buffers import BUFFER_SUFFIX
-from nanogns.core.layout import SharedTensor
-from nanogns.core.registry import group_of
+from nanogns.core.mapper import SharedTensor
+from nanogns.core.module_state import state_of
 from nanogns.core.tied import link_tied_parameters
+from nanogns.kinds import KINDS
 
 # -----------------------------------------------------------------------------
 # measurements
@@ -76,7 +77,7 @@ def _owner(model, name):
 def layer_kind(module, attr):
     """What kind of layer records `attr`'s per-example norms: 'Linear', 'Embedding', 'LayerNorm',
     'RMSNorm' (a class's `pe_kind`, or what functional.register_buffers was told), else 'unknown'."""
-    declared = getattr(module, "_pe_kinds", {}).get(attr)
+    declared = state_of(module).kinds.get(attr)
     return declared or getattr(module, "pe_kind", None) or "unknown"
 
 
@@ -172,7 +173,7 @@ def find_tracked_parameters(model, suffix=BUFFER_SUFFIX):
 
 
 def shared_tensors(tracked):
-    """The layout.SharedTensor of every tracked tensor that several modules' buffers record, whose uses are summed
+    """The SharedTensor of every tracked tensor that several modules' buffers record, whose uses are summed
     together in backward (core/uses.py); a tied Embedding/Linear pair (its cross term weighted 2) keeps tied.py's
     cross term when each is used once."""
     return [
@@ -202,7 +203,7 @@ def describe_tracked(model, tracked):
         buffer = entry.terms[0][0]._buffers[entry.terms[0][1]]
         record[entry.name] = {
             "kind": kind,
-            "group": group_of(kind),
+            "group": KINDS.group_of(kind),
             "layer": layer.removeprefix("FSDP"),
             "block": block_index(model, first.rpartition(".")[0]),
             "names": aliases[id(param)],

@@ -9,8 +9,9 @@ from typing import Optional
 
 import torch
 
-from nanogns.core import layout, strategy
+from nanogns.core import strategy
 from nanogns.core.matmul import bias_pe_grads, linear_forward, linear_weight_grad_and_pe_sqnorm
+from nanogns.core.rowmaps import Rows
 from nanogns.variants.fused import finish, linear_plan, runtime
 from nanogns.variants.fused.runtime import kernels, triton
 
@@ -271,7 +272,7 @@ class FusedLinearFunction(torch.autograd.Function):
         # the gns Linear's saved state (kinds/linear.py's LinearFunction): x only for the weight gradient, weight
         # only for the input gradient; the layers pass x with its examples on dim 0
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight if ctx.needs_input_grad[0] else None)
-        ctx.buffers, ctx.rows = (weight_buffer, bias_buffer), layout.Rows("dim0", x.shape[0])
+        ctx.buffers, ctx.rows = (weight_buffer, bias_buffer), Rows("dim0", x.shape[0])
         return linear_forward(x, weight, bias)
 
     @staticmethod

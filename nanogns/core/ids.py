@@ -1,0 +1,109 @@
+"""
+The tag that follows the examples' ids: ExampleIds, a torch.Tensor subclass.
+
+The root forward's pre-hook (core/layout.py's install) tags the integer tensors among the model's arguments (`tagged_inputs`);
+every op on a tagged tensor returns its integer and boolean results tagged too, so that the ids the model computes
+from its example inputs (views, shifted or masked ids, token types) stay known as the examples', whatever their
+sizes, and ids made otherwise (positions from torch.arange, relative-position buckets, a buffer) stay plain: an
+Embedding looking up plain ids looks up a table the examples share (core/shared.py, core/layout.py's
+looks_up_a_table). Under torch.compile nothing is tagged (a traced forward keeps no Python tags).
+"""
+
+import torch
+
+from nanogns.core import trees
+
+
+class ExampleIds(torch.Tensor):
+    """Integer tensors computed from the forward's example inputs (its ids, and everything the model computes from
+    them: views, shifted or masked ids, positions counted from them): every op taking one returns its integer and
+    boolean results tagged too (__torch_function__), floating-point ones plain. An Embedding looking up tagged ids
+    looks up the examples' rows; one looking up untagged ids looks up a table (see the module docstring).
+
+    Results that take only the ids' dtype, device or shape (`torch.arange(T).type_as(ids)`, `ids.new_tensor(...)`,
+    `torch.ones_like(ids)`) and those indexing one example out (`ids[0]`, `ids.select(0, i)`) are not the examples'
+    ids: they stay plain, so that a lookup of them is a table's, whatever the sizes (an untagged lookup is exact
+    either way: core/shared.py gives each example its rows of the table as torch broadcasts them)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func in _NOT_FROM_THE_IDS or _takes_dtype_only(func, args) or _one_example_out(func, args, kwargs):
+            return out
+        return trees.map_leaves(_tag, out)
+
+
+# ops whose result takes nothing from a tagged argument but its dtype, device or shape
+_NOT_FROM_THE_IDS = frozenset(
+    {
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.empty_like,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_tensor,
+    }
+)
+
+
+def _takes_dtype_only(func, args):
+    """x.type_as(ids) or x.to(ids) with x untagged: ids give their dtype and device only."""
+    return func in (torch.Tensor.type_as, torch.Tensor.to) and len(args) > 1 and not isinstance(args[0], ExampleIds)
+
+
+def _one_example_out(func, args, kwargs):
+    """ids[i] (an int first index) or ids.select(0, i): one example's ids, not the examples'."""
+    if func is torch.Tensor.__getitem__ and len(args) == 2:
+        index = args[1][0] if type(args[1]) is tuple and args[1] else args[1]
+        return type(index) is int
+    if func is torch.Tensor.select:
+        dim = kwargs.get("dim") if kwargs else (args[1] if len(args) > 1 else None)
+        return dim == 0
+    return False
+
+
+def _tag(t):
+    if type(t) is torch.Tensor and not (t.is_floating_point() or t.is_complex()):
+        return t.as_subclass(ExampleIds)
+    return t
+
+
+def _plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, ExampleIds) else t
+
+
+def untagged(value):
+    """value (a tensor, or a structure of them) with every ExampleIds tag taken off."""
+    return trees.map_leaves(_plain, value)
+
+
+def tagged_inputs(args, kwargs):
+    """The root's arguments with their integer tensors tagged, in lists, tuples and dicts too (masks are left plain:
+    they only mask, and the models' mask builders run under vmap, which a subclass would break); None when there is
+    none."""
+    found = False
+
+    def tag(value, name=""):
+        nonlocal found
+        if isinstance(value, dict):
+            return {k: tag(v, k) for k, v in value.items()} if type(value) is dict else value
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(tag(v, name) for v in value)
+        if (
+            type(value) is torch.Tensor
+            and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+            and not name.endswith("mask")
+        ):
+            found = True
+            return value.as_subclass(ExampleIds)
+        return value
+
+    args, kwargs = tag(tuple(args)), tag(dict(kwargs))
+    return (args, kwargs) if found else None

@@ -1,0 +1,143 @@
+"""
+Where a forward's examples are, read from what the model was called with: `layout_of_inputs(args, kwargs)` gives
+the forward's Layout (core/rowmaps.py: N, the lengths of its (N, T) inputs, packed sequences, an inner batch of each
+example's choices or channels), and `example_dim(t, N)` the dim of a tensor holding the examples where several
+have that size (followed back through its autograd history).
+
+  root input               the forward's examples
+  (N, T) token ids         N examples of T positions
+  (N, C, T) ids            N questions of C choices (multiple choice): an inner batch of N*C rows
+  (N, L, C) past_values    N series of C channels, for a channel-independent model (CHANNEL_INDEPENDENT)
+  (1, R) packed ids,       N sequences, position_ids restarting at 0 (or cu_seq_lens_q)
+  (N, ...) any tensor      N examples
+
+The argument holding the examples is the first of EXAMPLE_ARGUMENTS given (transformers' names), else the first
+tensor. A user with a layout of their own passes `install(model, layout_of=fn)` (core/layout.py).
+"""
+
+import re
+
+import torch
+
+from nanogns.core.rowmaps import Layout, ragged
+
+# keyword arguments that hold the examples, most specific first (transformers' names); else the first tensor
+EXAMPLE_ARGUMENTS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "idx")
+# arguments that describe shapes (SigLIP2's spatial_shapes (N, 2), Qwen2-VL's image_grid_thw): no token grid
+SHAPE_ARGUMENT = re.compile(r"(shapes|sizes|_thw|_hw)$")
+# models that fold each series' channels into their batch (channel independence): (N, L, C) -> N*C rows
+CHANNEL_INDEPENDENT = ("patchtst", "patchtsmixer")
+
+
+def _tensors(args, kwargs):
+    yield from ((None, a) for a in args if isinstance(a, torch.Tensor))
+    yield from ((k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+
+
+def layout_of_inputs(args, kwargs, model=None):
+    """The Layout of a forward called with (args, kwargs), or None when it has no tensor argument. model: the model
+    called (its config says when its batch holds each example's channels: CHANNEL_INDEPENDENT)."""
+    named = [kwargs[k] for k in EXAMPLE_ARGUMENTS if isinstance(kwargs.get(k), torch.Tensor)]
+    tensors = [(k, t) for k, t in _tensors(args, kwargs) if not (k and SHAPE_ARGUMENT.search(k))]
+    main = named[0] if named else (tensors[0][1] if tensors else None)
+    if main is None or main.dim() == 0:
+        return None
+    N = main.shape[0]
+    groups = ()
+    choices = (main.dim() == 3 and not main.is_floating_point()) or (
+        main is kwargs.get("inputs_embeds") and main.dim() == 4
+    )
+    if choices and main.shape[1] > 1:  # (N, C, T) ids: N questions of C choices, folded into N*C rows by the model
+        groups = (main.shape[1],)
+    config = getattr(model, "config", None)
+    past = kwargs.get("past_values")
+    if (
+        getattr(config, "model_type", None) in CHANNEL_INDEPENDENT
+        and isinstance(past, torch.Tensor)
+        and past.dim() == 3
+    ):
+        groups = (past.shape[-1],)  # (N, L, C) series: each channel a row of the model's batch
+    lengths = ()  # the distinct T of ids, masks, labels, (N, T, D) embeddings: compared, never hashed (a hash would
+    for _, t in tensors:  # make torch.compile specialise on each T, and recompile this hook for every new length)
+        grid = t.dim() >= 2 and (t.shape[0] == N and (not t.is_floating_point() or t.dim() == 3))
+        if grid:
+            T = t.shape[-1] if (choices and t.dim() == 3 and not t.is_floating_point()) else t.shape[1]
+            for found in (T, *(k * T for k in groups)):
+                if not any(found == known for known in lengths):
+                    lengths += (found,)
+    packed = packed_rows(N, kwargs)
+    if packed is not None:
+        return Layout(packed.examples, lengths, packed)
+    return Layout(N, lengths, groups=groups)
+
+
+def packed_rows(N, kwargs):
+    """Rows of packed sequences: one row of R tokens whose position_ids restart at 0, or cu_seq_lens_q; else None."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if N == 1 and isinstance(cu_seq_lens, torch.Tensor) and cu_seq_lens.numel() > 2:
+        lengths = torch.diff(cu_seq_lens.long())
+        example_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        return ragged(example_of_row, lengths.numel())
+    position_ids = kwargs.get("position_ids")
+    if N == 1 and isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        starts = position_ids[0] == 0
+        sequences = int(starts.sum())
+        if sequences > 1 and bool(starts[0]):
+            return ragged(torch.cumsum(starts.long(), 0) - 1, sequences)
+    return None
+
+
+def example_dim(t, count):
+    """The dim of t that holds `count` examples: the only dim of that size; where several have it (Gemma 3n stacks its
+    (N, T, D) states into (K, N, T, D), and K may equal N), the one t's autograd history puts the examples on
+    (torch.stack, unsqueeze, repeat, expand, permute, transpose, select followed back to data with the examples on
+    dim 0). None when no dim has that size; a str saying why when the history does not tell."""
+    dims = [d for d, n in enumerate(t.shape) if n == count]
+    if len(dims) <= 1:
+        return dims[0] if dims else None
+    found = _traced_example_dim(t.grad_fn, t.dim(), 0)
+    if found in dims:
+        return found
+    return (
+        f"two of its dims (shape {tuple(t.shape)}) have the forward's {count} examples and its history does not "
+        "say which holds them"
+    )
+
+
+_SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
+
+
+def _traced_example_dim(node, ndim, depth):
+    """The dim holding the examples in the output (ndim dims) of autograd node `node`, followed back through ops that
+    move dims; 0 where the history gives no such op (data arrives with its examples on dim 0)."""
+    if node is None or depth > 64:
+        return 0
+    name = type(node).__name__
+    inputs = [f for f, _ in node.next_functions if f is not None]
+    first = inputs[0] if inputs else None
+    if name in ("StackBackward0", "UnsqueezeBackward0"):  # a new dim d: dims from d on move one up
+        d = node._saved_dim % ndim
+        inner = _traced_example_dim(first, ndim - 1, depth + 1)
+        return inner + 1 if d <= inner else inner
+    if name in ("RepeatBackward0", "ExpandBackward0"):  # new leading dims
+        before = len(node._saved_self_sym_sizes)
+        return _traced_example_dim(first, before, depth + 1) + ndim - before
+    if name == "PermuteBackward0":
+        inner = _traced_example_dim(first, ndim, depth + 1)
+        return [d % ndim for d in node._saved_dims].index(inner)
+    if name == "TransposeBackward0":
+        d0, d1 = node._saved_dim0 % ndim, node._saved_dim1 % ndim
+        inner = _traced_example_dim(first, ndim, depth + 1)
+        return d1 if inner == d0 else d0 if inner == d1 else inner
+    if name == "SelectBackward0":
+        before = len(node._saved_self_sym_sizes)
+        d, inner = node._saved_dim % before, _traced_example_dim(first, before, depth + 1)
+        return inner - 1 if d < inner else inner
+    if name == "AsStridedBackward0":  # a view of a contiguous base written in place (x.permute(...) += y)
+        strides = node._saved_stride
+        outermost = sorted(range(len(strides)), key=lambda j: -strides[j])  # the base's dims, as the view's
+        inner = _traced_example_dim(first, len(strides), depth + 1)
+        return outermost[inner] if inner < len(outermost) else 0
+    if name == "CopySlices" or name.rstrip("0123456789").removesuffix("Backward") in _SAME_DIMS:
+        return _traced_example_dim(first, ndim, depth + 1)
+    return 0
