@@ -294,6 +294,7 @@ class RowMapper:
         self._buffers_of = {}  # {id(parameter): its buffer}
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
         self.forwards = 0  # root forwards since the monitor's last read (none: the layers ran outside the model's)
+        self.layouts = []  # the Layouts of those forwards with gradients (what a count error says it observed)
 
     def note_refusal(self, reason, buffers):
         for buffer in buffers:
@@ -313,6 +314,7 @@ class RowMapper:
         self.refusals.clear()
         self.mixing.clear()
         self.forwards = 0
+        self.layouts.clear()
 
     @property
     def model(self):
@@ -752,6 +754,21 @@ def layout_of_inputs(args, kwargs, model=None):
     return Layout(N, lengths, groups=groups)
 
 
+def grouped(k):
+    """A layout_of for forwards whose input holds each example as k rows, one after the other ((N * k, T) ids: a
+    chosen and a rejected answer, k text queries for one image): `install(model, layout_of=grouped(k))` before
+    convert(model). Each example's gradient is then its k rows' together, and a step counts N examples."""
+
+    def layout_of(args, kwargs):
+        found = layout_of_inputs(args, kwargs)
+        if found is None or found.packed is not None or found.examples % k:
+            return found
+        lengths = found.lengths + tuple(k * T for T in found.lengths if k * T not in found.lengths)
+        return Layout(found.examples // k, lengths, groups=(k,))
+
+    return layout_of
+
+
 def _packed_rows(N, kwargs):
     """Rows of packed sequences: one row of R tokens whose position_ids restart at 0, or cu_seq_lens_q; else None."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
@@ -794,6 +811,8 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
         inputs = tagged[1] if tagged is not None else kwargs
         this = Pass(found, mapper, torch.is_grad_enabled() and not recompute, tagged is not None, inputs)
         mapper.forwards += 1
+        if this.counting:
+            mapper.layouts.append(found)
         if found is not None and this.counting:
             # the bookkeeping of uses runs eagerly only: a compiled backward sums no uses (the monitor then drops such
             # a tensor with its reason), and reading the last forward here would make Dynamo guard on it

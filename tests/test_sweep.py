@@ -1,0 +1,81 @@
+"""
+The architecture sweep against its golden file (tests/sweep/: every model class of transformers' auto mappings for
+the trained heads, timm's families, diffusers' models, torchvision's classifiers; each tiny, through convert, two
+uneven micro-batches, against the oracle): what was EXACT stays EXACT, and nothing is WRONG or CRASH.
+
+    python -m pytest -q tests/test_sweep.py                    # the fast slice (every CI run)
+    python -m pytest -q -m sweep -n 2 tests/test_sweep.py      # the whole sweep (a slow job: run before resolving)
+    nice python tests/sweep/run.py --out /tmp/sweep.jsonl      # the whole sweep as a resumable run, then
+    python tests/sweep/run.py --golden /tmp/sweep.jsonl && python tests/sweep/run.py --docs   # the golden file, docs
+
+The fast slice: in each (library, task), FAST_PER_TASK cases spread evenly over the golden file's EXACT ones, and the
+cases of the findings this sweep was made for (FINDINGS). Its selection depends on the golden file alone.
+"""
+
+import pytest
+from sweep import cases, golden
+from sweep.check import PROBLEMS, check
+
+GOLDEN = golden.read()
+FAST_PER_TASK = 3
+FINDINGS = (  # the cases issue 43 found: a regression (BLOOM), and models of the refusals it corrected
+    "transformers/causal-lm/bloom/BloomForCausalLM",
+    "transformers/causal-lm/llama/LlamaForCausalLM",
+    "transformers/causal-lm/gemma3_text/Gemma3ForCausalLM",
+    "transformers/image-text-to-text/qwen2_vl/Qwen2VLForConditionalGeneration",
+    "transformers/image-classification/vit/ViTForImageClassification",
+)
+
+
+def fast_slice():
+    """The fast slice's case ids (see the module's docstring), in the golden file's order."""
+    by_task = {}
+    for case_id, row in GOLDEN.items():
+        if row["verdict"] == "EXACT":
+            by_task.setdefault((row["library"], row["task"]), []).append(case_id)
+    chosen = set(FINDINGS) & set(GOLDEN)
+    for ids in by_task.values():
+        k = min(FAST_PER_TASK, len(ids))
+        chosen.update(ids[round(i * (len(ids) - 1) / max(1, k - 1))] for i in range(k))
+    return [case_id for case_id in GOLDEN if case_id in chosen]
+
+
+def verdict_of(case_id):
+    case = cases.by_id().get(case_id)
+    assert case is not None, f"{case_id} is in the golden file but no longer among the sweep's cases"
+    return check(case.prepare, seconds=case.seconds)
+
+
+def assert_held(case_id, result):
+    want = GOLDEN[case_id]
+    assert result.verdict not in PROBLEMS, f"{case_id}: {result.verdict}: {result.reason}"
+    if want["verdict"] == "EXACT":
+        assert result.verdict == "EXACT", f"{case_id} was EXACT, now {result.verdict}: {result.reason}"
+
+
+@pytest.mark.parametrize("case_id", fast_slice())
+def test_fast_slice_holds_the_golden_verdicts(case_id):
+    assert_held(case_id, verdict_of(case_id))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("case_id", list(GOLDEN))
+def test_whole_sweep_holds_the_golden_verdicts(case_id):
+    assert_held(case_id, verdict_of(case_id))
+
+
+def test_the_golden_file_covers_every_case_and_holds_no_bug():
+    """Every enumerated case has a verdict in the golden file, none of them WRONG or CRASH, and at least 95% of
+    the buildable ones EXACT."""
+    ids = [c.id for c in cases.all_cases()]
+    assert not set(ids) - set(GOLDEN), f"cases with no golden verdict: {sorted(set(ids) - set(GOLDEN))[:5]}"
+    verdicts = [GOLDEN[i]["verdict"] for i in ids]
+    assert not [v for v in verdicts if v in PROBLEMS]
+    buildable = [v for v in verdicts if v != "NOT-BUILDABLE"]
+    assert buildable.count("EXACT") >= 0.95 * len(buildable), (buildable.count("EXACT"), len(buildable))
+
+
+def test_the_fast_slice_spans_every_task_with_an_exact_case():
+    tasks = {(r["library"], r["task"]) for r in GOLDEN.values() if r["verdict"] == "EXACT"}
+    chosen = {(GOLDEN[i]["library"], GOLDEN[i]["task"]) for i in fast_slice()}
+    assert tasks == chosen
