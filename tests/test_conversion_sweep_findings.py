@@ -441,3 +441,129 @@ def test_a_tied_pair_whose_embedding_a_replay_records_is_exact():
         model, lambda part: next_token_losses(model(input_ids=ids[part]).logits, ids[part]), 3, rel=1e-4
     )
     assert "model.embed_tokens.weight+lm_head.weight" in {m.metadata["name"] for m in monitor.measurements}
+
+
+# -----------------------------------------------------------------------------
+# refused where an exact number exists (issue 43's "what was found" 4): refusals with their observations, never a
+# crash, until the example dimension is followed through these layouts
+
+
+class _PackedGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(20, 8), nn.GRU(8, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, ids, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][-1])
+
+
+class _OffsetsBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(20, 8, mode="sum"), nn.Linear(8, 2)
+
+    def forward(self, flat, offsets):
+        return self.head(self.bag(flat, offsets))
+
+
+class _SequenceFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(20, 8), nn.Linear(8, 2)
+        self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)  # batch_first=False: (T, B, D)
+
+    def forward(self, ids):  # ids (T, B)
+        return self.head(self.enc(self.emb(ids)))
+
+
+def _packed_gru():
+    model, gen = _PackedGRU().double(), torch.Generator().manual_seed(0)
+    ids, lengths = torch.randint(0, 20, (3, 5), generator=gen), torch.tensor([5, 3, 4])
+    return model, lambda part: model(ids[part], lengths[part]).pow(2).sum(1), "none of its inputs has the forward's"
+
+
+def _offsets_bag():
+    model, gen = _OffsetsBag().double(), torch.Generator().manual_seed(0)
+    bags = [torch.randint(0, 20, (k,), generator=gen) for k in (3, 2, 4)]
+
+    def loss_of(part):
+        chosen = bags[part]
+        offsets = torch.tensor([0] + [len(b) for b in chosen[:-1]]).cumsum(0)
+        return model(torch.cat(chosen), offsets).pow(2).sum(1)
+
+    return model, loss_of, "an output with a gradient does not hold the forward's 6 examples"
+
+
+def _sequence_first():
+    model, ids = _SequenceFirst().double(), torch.randint(0, 20, (5, 3), generator=torch.Generator().manual_seed(0))
+    return model, lambda part: model(ids[:, part]).pow(2).sum((0, 2)), "reading 5 ((5, 1) token grid), 5 ((5, 2)"
+
+
+@pytest.mark.parametrize("make", [_packed_gru, _offsets_bag, _sequence_first], ids=lambda f: f.__name__.strip("_"))
+def test_layouts_not_yet_followed_are_refused_with_what_was_observed(make):
+    model, loss_of, observed = make()
+    monitor = lc.convert(model)
+    step(model, monitor, loss_of, [slice(0, 1), slice(1, 3)], 3)
+    with pytest.raises(ValueError, match="this step is not measured|buffer counted") as refused:
+        monitor.measure(batch_size=3)
+    assert observed in str(refused.value)
+
+
+class _LayerDrop(nn.Module):
+    """Its middle layer is skipped in the forwards `skip` says (LayerDrop, as Wav2Vec2 and HuBERT train)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.middle, self.last = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+        self.skip = False
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.last(h if self.skip else torch.tanh(self.middle(h)))
+
+
+def test_a_layer_skipped_in_one_micro_batch_is_exact_with_zero_for_its_examples():
+    """Its examples of the forward it skipped have a zero gradient of it: the step's count of examples, read from
+    every forward, is the batch's, and the layer's norms are exact (LayerDrop)."""
+    model = _LayerDrop().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def loss_of(part):
+        model.skip = part.start == 0  # the first micro-batch skips the middle layer
+        return model(x[part]).pow(2).mean((1, 2))
+
+    monitor = lc.convert(model)
+    losses = step(model, monitor, loss_of, [slice(0, 1), slice(1, 3)], 3)
+    got = assert_matches_oracle(model, monitor, losses, 3)
+    assert "middle.weight" in got
+
+
+class _Float32LayerNorm(nn.LayerNorm):
+    """diffusers' FP32LayerNorm: computed in float32 whatever the input's and weights' dtypes, returned in the
+    input's."""
+
+    def forward(self, inputs):
+        origin = inputs.dtype
+        return F.layer_norm(inputs.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps).to(
+            origin
+        )
+
+
+class _CastsIntoItsNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.norm, self.last = nn.Linear(4, 6), _Float32LayerNorm(6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.last(self.norm(self.first(x).float()).type_as(x))
+
+
+def test_a_norm_computing_in_a_dtype_of_its_own_is_kept_and_exact():
+    """A LayerNorm subclass that casts its input and weights is no LayerNorm of the kind (which would get a float32
+    input and float64 weights, and fail): it keeps its forward, replayed per example."""
+    model = _CastsIntoItsNorm().double()
+    lc.convert(model)
+    assert isinstance(model.norm, replay.ReplayedForward)
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), 3, rel=1e-4)

@@ -103,10 +103,10 @@ def structure_problem(module, options=None):
         return "its parameters are not floating point"
     if any(child is not None for child in module._modules.values()):
         return "it has submodules, which a swap would drop"
-    if isinstance(module, nn.Embedding) and _reads_its_input_dtype(module):
-        return (  # Ovis2's visual embedding table: ids looked up, soft tokens (floats) multiplied by the table
+    if isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) and _reads_its_input_dtype(module):
+        return (  # Ovis2's visual embedding table multiplies soft tokens; diffusers' FP32LayerNorm computes in float32
             f"{type(module).__name__}'s forward reads its input's dtype (it computes otherwise for floating-point "
-            "inputs), which no Embedding does"
+            "inputs, or in a dtype of its own), which no layer of its kind does"
         )
     if not _takes_only_its_input(module):  # MambaRMSNormGated's forward(hidden_states, gate=None): a one-input
         try:  # layer would drop the gate (or crash on the model's own call)

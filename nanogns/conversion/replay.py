@@ -124,6 +124,13 @@ class ReplayedForward(PerExampleNormLayer):
         except _Ambiguous as e:
             refuse_step(f"its {method} is replayed per example, but {e}", buffers)
             return out
+        except Exception as e:  # its inputs cannot be held per example (a PackedSequence): no number, and no crash
+            refuse_step(
+                f"its {method} is replayed per example, but its inputs could not be held one example at a time "
+                f"({type(e).__name__}: {e})",
+                buffers,
+            )
+            return out
         if len(positions) == 1 and not flat[positions[0]]._is_view():  # its gradient, read at the node making it
             on_output_grad(flat[positions[0]], lambda grad: held.replay([grad]))
             return out

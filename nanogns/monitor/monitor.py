@@ -311,9 +311,18 @@ class GNSMonitor:
             self._warn_once({name: reason})
             self.untracked[name] = reason
             return False
+        if 0 < count < batch_size and some_counted_batch_size and exact and self._missed_forwards(batch_size):
+            return True  # its layer's backward ran for some of the step's forwards only (LayerDrop skipped it, or the
+            # loss did not reach it): the examples of the others have a zero gradient of it, which the sums hold
         if count != batch_size:
             raise self._count_error(entry, count, batch_size)
         return True
+
+    def _missed_forwards(self, batch_size):
+        """True when this process's forwards with gradients read exactly the step's batch_size examples (one
+        process only: under DDP the other ranks' forwards are not seen here)."""
+        read = sum(found.examples for found in self.row_map.layouts if found is not None)
+        return world_size() == 1 and read == batch_size and all(found is not None for found in self.row_map.layouts)
 
     def _uses_per_forward(self, entry):
         """How many times the last forward used the entry's tensor (its layers' note_uses), 0 when not counted."""

@@ -209,18 +209,18 @@ def computes_below_float64(forward) -> bool:
 
 
 def _reasons(monitor, missing: List[str]) -> str:
-    """The monitor's reasons for the parameters it does not measure (each reason once, with how many)."""
-    untracked = monitor.untracked
+    """Why the monitor does not measure these parameters (each reason once, with how many): convert's reason for the
+    module holding one where it left that module unconverted, else the monitor's."""
     found: Dict[str, List[str]] = {}
     for name in missing:
-        reason = untracked.get(name)
-        if reason is None:
-            owner = max((path for path in monitor.unconverted if name.startswith(path)), key=len, default=None)
-            reason = (
-                monitor.unconverted.get(owner, "not tracked, with no reason given")
-                if owner is not None
-                else ("not tracked, with no reason given")
-            )
+        owner = max(
+            (path for path in monitor.unconverted if name.startswith(path + ".") or not path), key=len, default=None
+        )
+        reason = (
+            monitor.unconverted[owner]
+            if owner is not None
+            else monitor.untracked.get(name, "not tracked, with no reason given")
+        )
         found.setdefault(" ".join(reason.split())[:300], []).append(name)
     return "; ".join(
         f"{names[0]}{f' (+{len(names) - 1})' if len(names) > 1 else ''}: {reason}" for reason, names in found.items()
