@@ -567,3 +567,27 @@ def test_a_norm_computing_in_a_dtype_of_its_own_is_kept_and_exact():
     assert isinstance(model.norm, replay.ReplayedForward)
     x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), 3, rel=1e-4)
+
+
+class _ReadsItsChildsWeight(nn.Module):
+    """The model itself computes with its child's weight, never calling the child (GPT-NeoX-Japanese's dense_bias
+    added by its layer's code): the child's layer sees no example of that use."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(F.linear(x, self.proj.weight)))
+
+
+def test_a_parameter_used_outside_its_layer_is_refused_and_the_stated_cause_is_true():
+    model = _ReadsItsChildsWeight().double()
+    monitor = lc.convert(model)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    calls = []
+    model.proj.register_forward_hook(lambda *args: calls.append(1))
+    step(model, monitor, lambda part: model(x[part]).pow(2).sum(1), [slice(0, 1), slice(1, 3)], 3)
+    assert model.proj.weight.grad is not None and not calls  # a gradient, and the layer's forward never ran
+    with pytest.raises(ValueError, match="proj.weight has a gradient .* but its layer recorded no example"):
+        monitor.measure(batch_size=3)

@@ -280,8 +280,8 @@ def _static_value(node, module):
         while isinstance(node, ast.Attribute):
             chain.append(node.attr)
             node = node.value
-        if not (isinstance(node, ast.Name) and node.id == "self") or len(chain) > 2:
-            return _UNKNOWN
+        if not (isinstance(node, ast.Name) and node.id == "self") or len(chain) > 2 or "training" in chain:
+            return _UNKNOWN  # (self.training changes after convert: model.train(), model.eval())
         value = module
         for attr in reversed(chain):
             value = getattr(value, attr, _UNKNOWN) if attr not in ("_parameters", "_modules", "_buffers") else _UNKNOWN

@@ -101,6 +101,8 @@ def where(error: BaseException) -> str:
 def check(prepare: Callable[[], Prepared], seconds: int = 600) -> Result:
     """The verdict of one case (see the module's docstring)."""
     start = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only contend (with pytest's other worker, too)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -108,6 +110,8 @@ def check(prepare: Callable[[], Prepared], seconds: int = 600) -> Result:
                 result = _check(prepare)
         except _Timeout as e:
             result = Result("CRASH", f"the check {e}")
+        finally:
+            torch.set_num_threads(threads)
     result.seconds = time.perf_counter() - start
     return result
 

@@ -268,7 +268,7 @@ def _image_examples(model, config):
 
 def _audio_lengths(config):
     positions = getattr(config, "max_source_positions", None)
-    return [2 * positions] if positions else [] + [64, 32, 128, 16]
+    return ([2 * positions] if positions else []) + [64, 32, 128, 16]
 
 
 def _audio_candidates(model, config):

@@ -26,9 +26,20 @@ B = 3
 MAX_PARAMETERS = 5_000_000
 
 
+# why a library may be absent where this sweep runs (the lead's machine: torch 2.13.0+cpu, no network but PyPI's
+# mirror): the only torchvision wheel there is PyPI's CUDA build, whose C++ ops cannot load against a CPU torch
+# (its import fails registering torchvision::nms), and timm imports torchvision (timm.layers: FrozenBatchNorm2d)
+WHY_ABSENT = {
+    "torchvision": "a torchvision build matching torch 2.13.0+cpu is needed (PyPI's 0.28.0 wheel is the CUDA build, "
+    "whose ops do not load against a CPU torch; the CPU index has it)",
+    "timm": "timm needs torchvision (timm.layers imports its FrozenBatchNorm2d)",
+}
+
+
 def _missing(Case, library, error):
     def prepare():
-        raise NotBuildable(f"{library} cannot be imported here ({error})")
+        why = f"; {WHY_ABSENT[library]}" if library in WHY_ABSENT else ""
+        raise NotBuildable(f"{library} cannot be imported here ({error}){why}")
 
     return [Case(library, "all", "-", library, prepare)]
 
