@@ -8,8 +8,9 @@ uneven micro-batches, against the oracle): what was EXACT stays EXACT, and nothi
     nice python tests/sweep/run.py --out /tmp/sweep.jsonl      # the whole sweep as a resumable run, then
     python tests/sweep/run.py --golden /tmp/sweep.jsonl && python tests/sweep/run.py --docs   # the golden file, docs
 
-The fast slice: in each (library, task), FAST_PER_TASK cases spread evenly over the golden file's EXACT ones, and the
-cases of the findings this sweep was made for (FINDINGS). Its selection depends on the golden file alone.
+The fast slice: in each (library, task), FAST_PER_TASK cases spread evenly over the golden file's EXACT ones that its
+run checked within FAST_SECONDS, and the cases of the findings this sweep was made for (FINDINGS). Its selection
+depends on the golden file alone.
 """
 
 import pytest
@@ -18,6 +19,7 @@ from sweep.check import PROBLEMS, check
 
 GOLDEN = golden.read()
 FAST_PER_TASK = 3
+FAST_SECONDS = 3.0  # (one thread, in the run that wrote the golden file; a case's median is 0.7 s)
 FINDINGS = (  # the cases whose bugs this sweep found (each fails without its fix), and issue 43's regression
     "transformers/causal-lm/bloom/BloomForCausalLM",  # a child's weight read in a branch never taken
     "transformers/causal-lm/gemma4_text/Gemma4ForCausalLM",  # a tied pair whose embedding a replay records
@@ -30,15 +32,18 @@ FINDINGS = (  # the cases whose bugs this sweep found (each fails without its fi
 
 
 def fast_slice():
-    """The fast slice's case ids (see the module's docstring), in the golden file's order."""
+    """The fast slice's case ids (see the module's docstring), in the golden file's order: a task none of whose EXACT
+    cases ran within FAST_SECONDS gives its quickest one."""
     by_task = {}
     for case_id, row in GOLDEN.items():
         if row["verdict"] == "EXACT":
             by_task.setdefault((row["library"], row["task"]), []).append(case_id)
     chosen = set(FINDINGS) & set(GOLDEN)
     for ids in by_task.values():
-        k = min(FAST_PER_TASK, len(ids))
-        chosen.update(ids[round(i * (len(ids) - 1) / max(1, k - 1))] for i in range(k))
+        quick = [i for i in ids if float(GOLDEN[i]["seconds"] or 0) <= FAST_SECONDS]
+        quick = quick or [min(ids, key=lambda i: float(GOLDEN[i]["seconds"] or 0))]
+        k = min(FAST_PER_TASK, len(quick))
+        chosen.update(quick[round(i * (len(quick) - 1) / max(1, k - 1))] for i in range(k))
     return [case_id for case_id in GOLDEN if case_id in chosen]
 
 
