@@ -175,7 +175,9 @@ def test_a_module_whose_kind_gives_no_factors_used_twice_is_dropped_with_a_warni
     model = nn.Sequential(shared, nn.Tanh(), shared, nn.Flatten(), nn.Linear(20, 2))
     monitor = lc.convert(model)
     model(torch.randn(3, 4, 5)).sum().backward()
-    with pytest.warns(UserWarning, match="not tracking 0.weight: used 2 times per example"):
+    with pytest.warns(
+        UserWarning, match="not tracking 0.weight: counted 2 x 3 examples, used 2 times in the last forward"
+    ):
         names = [m.metadata["name"] for m in monitor.measure(batch_size=3)]
     assert names == ["4.weight", "4.bias"]
 

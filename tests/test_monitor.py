@@ -289,8 +289,9 @@ def test_a_wrong_batch_size_is_an_error_not_a_dropped_parameter():
         model(torch.randn(4, 3)).pow(2).mean().backward()
     with pytest.raises(
         ValueError,
-        match=r"0.weight's buffer counted 8 examples but step\(batch_size=4\); pass the "
-        r"number of examples of the whole step",
+        match=r"0.weight's buffer counted 8 examples but step\(batch_size=4\) says the step had 4\. Observed this "
+        r"step: 2 forwards of the converted model with gradients, reading 4, 4 examples .*"
+        r"if the step's examples are the 8 its forwards read, pass batch_size=8",
     ):
         gns.step(batch_size=4)
     assert not gns.dropped

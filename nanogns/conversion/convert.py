@@ -151,6 +151,8 @@ class Conversion:
         """None, or why a module of a class no kind replaces was not converted: swapped for a kind's layer when
         the probe shows one computes the same (swap_probed), else kept with its own forward and its parameters'
         uses followed (intercept.py) when a probe shows that records them all (follow_uses)."""
+        if getattr(module, "sparse", False) is True:  # nn.EmbeddingBag(sparse=True), an Embedding subclass
+            return f"{type(module).__name__} with sparse=True: its gradient is a sparse tensor, which no per-example path forms"
         kind_name, options = self.named.get(type(module), (None, {}))
         base = next((k.name for c, k in self.known.items() if isinstance(module, c) and k.probe is not None), None)
         if base is None and any(isinstance(module, c) for c in self.known):  # a subclass of a kind no probe tries

@@ -344,9 +344,11 @@ class BroadcastOverExamples(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         per_example = ctx.items.to_examples(grad)
-        factor = lambda: uses.DenseFactor(per_example.flatten(1) * ctx.sign)  # noqa: E731
+        factor = lambda: uses.DenseFactor(per_example.reshape(len(per_example), -1) * ctx.sign)  # noqa: E731
         if ctx.buffer is not None and not uses.hand_over(ctx.buffer, factor):
-            add_pe_sqnorm(ctx.buffer, per_example.flatten(1).pow(2).sum(dim=1, dtype=norm_dtype(grad)))
+            add_pe_sqnorm(
+                ctx.buffer, per_example.reshape(len(per_example), -1).pow(2).sum(dim=1, dtype=norm_dtype(grad))
+            )
         return grad.sum(dim=0, keepdim=True).view(ctx.shape), None, None, None
 
 

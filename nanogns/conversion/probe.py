@@ -103,12 +103,33 @@ def structure_problem(module, options=None):
         return "its parameters are not floating point"
     if any(child is not None for child in module._modules.values()):
         return "it has submodules, which a swap would drop"
+    if isinstance(module, (nn.Embedding, nn.LayerNorm, nn.RMSNorm)) and _reads_its_input_dtype(module):
+        return (  # Ovis2's visual embedding table multiplies soft tokens; diffusers' FP32LayerNorm computes in float32
+            f"{type(module).__name__}'s forward reads its input's dtype (it computes otherwise for floating-point "
+            "inputs, or in a dtype of its own), which no layer of its kind does"
+        )
     if not _takes_only_its_input(module):  # MambaRMSNormGated's forward(hidden_states, gate=None): a one-input
         try:  # layer would drop the gate (or crash on the model's own call)
             return f"its forward{inspect.signature(module.forward)} takes more than its input"
         except (TypeError, ValueError):
             return "its forward's signature cannot be read"
     return None
+
+
+def _reads_its_input_dtype(module):
+    """True when the module's own forward (not torch's) asks its input's dtype or whether it is floating point."""
+    forward = type(module).forward
+    if forward.__module__.startswith("torch."):
+        return False
+    try:
+        parameters = list(inspect.signature(forward).parameters)
+        source = inspect.getsource(forward)
+    except (OSError, TypeError, ValueError):
+        return False
+    if len(parameters) < 2:
+        return False
+    name = parameters[1]
+    return f"{name}.dtype" in source or f"{name}.is_floating_point" in source
 
 
 def _takes_only_its_input(module):

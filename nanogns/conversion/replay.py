@@ -129,6 +129,13 @@ class ReplayedForward(PerExampleNormLayer):
         except _Ambiguous as e:
             refuse_step(f"its {method} is replayed per example, but {e}", buffers)
             return out
+        except Exception as e:  # its inputs cannot be held per example (a PackedSequence): no number, and no crash
+            refuse_step(
+                f"its {method} is replayed per example, but its inputs could not be held one example at a time "
+                f"({type(e).__name__}: {e})",
+                buffers,
+            )
+            return out
         if len(positions) == 1 and not flat[positions[0]]._is_view():  # its gradient, read at the node making it
             on_output_grad(flat[positions[0]], lambda grad: held.replay([grad]))
             return out
@@ -211,7 +218,8 @@ def reads_children_parameters(module):
     the code cannot be read. What its forward runs is read (its forward and the methods it calls), not its
     constructor nor its initialisation; a parameter only asked about (`.dtype`, `isinstance`), assigned to a name or
     handed to another child (DeBERTa's relative embeddings given to its LayerNorm: a table, core/shared.py) is
-    no computation of its own."""
+    no computation of its own; nor is code in a branch this module's own settings never take (BLOOM's attention
+    reads its output projection's weight only `if self.pretraining_tp > 1 and ...`: see _untaken)."""
     if parametrize.is_parametrized(module):  # its weight is a parametrisation (a child) of its parameters
         return True
     children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
@@ -225,9 +233,87 @@ def reads_children_parameters(module):
             tree = ast.parse(textwrap.dedent(text))
         except SyntaxError:
             return True
-        if _computes_with_children(tree, children):
+        if _computes_with_children(_untaken(tree, module), children):
             return True
     return False
+
+
+_PLAIN = (bool, int, float, str, type(None))
+_COMPARE = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+    ast.Is: lambda a, b: a is b,
+    ast.IsNot: lambda a, b: a is not b,
+}
+_UNKNOWN = object()
+
+
+def _untaken(tree, module):
+    """`tree` without the branches of its `if` statements (and `x if c else y` expressions) whose condition is
+    decided by `module`'s own plain settings (self.<attr> or self.<attr>.<attr> holding a bool, number, str or None,
+    compared with constants): False drops the body, True the else part. Undecided conditions keep both."""
+
+    class Pruner(ast.NodeTransformer):
+        def visit_If(self, node):
+            self.generic_visit(node)
+            value = _static_value(node.test, module)
+            if value is _UNKNOWN:
+                return node
+            kept = node.body if value else node.orelse
+            return kept or ast.Pass()
+
+        def visit_IfExp(self, node):
+            self.generic_visit(node)
+            value = _static_value(node.test, module)
+            if value is _UNKNOWN:
+                return node
+            return node.body if value else node.orelse
+
+    return Pruner().visit(tree)
+
+
+def _static_value(node, module):
+    """The value of expression `node` from `module`'s plain settings and constants, or _UNKNOWN."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Attribute):
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if not (isinstance(node, ast.Name) and node.id == "self") or len(chain) > 2 or "training" in chain:
+            return _UNKNOWN  # (self.training changes after convert: model.train(), model.eval())
+        value = module
+        for attr in reversed(chain):
+            value = getattr(value, attr, _UNKNOWN) if attr not in ("_parameters", "_modules", "_buffers") else _UNKNOWN
+            if value is _UNKNOWN:
+                return _UNKNOWN
+        return value if isinstance(value, _PLAIN) else _UNKNOWN
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        value = _static_value(node.operand, module)
+        return _UNKNOWN if value is _UNKNOWN else not value
+    if isinstance(node, ast.BoolOp):
+        values = [_static_value(v, module) for v in node.values]
+        if isinstance(node.op, ast.And):
+            if any(v is not _UNKNOWN and not v for v in values):
+                return False
+            return True if all(v is not _UNKNOWN for v in values) else _UNKNOWN
+        if any(v is not _UNKNOWN and v for v in values):
+            return True
+        return False if all(v is not _UNKNOWN for v in values) else _UNKNOWN
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
+        left, right = _static_value(node.left, module), _static_value(node.comparators[0], module)
+        if left is _UNKNOWN or right is _UNKNOWN:
+            return _UNKNOWN
+        try:
+            return _COMPARE[type(node.ops[0])](left, right)
+        except TypeError:
+            return _UNKNOWN
+    return _UNKNOWN
 
 
 _ASKING = {"isinstance", "getattr", "hasattr", "type", "id", "len", "callable"}
@@ -350,8 +436,9 @@ def _units(args, kwargs, current):
     floats = [t for t in tensors if t.is_floating_point()]
     for t in floats:
         items = layout.items_of(t.shape[0])
-        if items is not None and items.count != items.examples:
-            return items, None
+        if items is not None and (items.count != items.examples or items.example_of_item is not None):
+            return items, None  # (a tower's images map to their examples whatever their number: 2 images of 1
+            # example in a micro-batch of 2 examples are not those examples)
     N = current.examples
     for t in floats or tensors:  # (a module looking up ids takes integer inputs: PEFT's trainable tokens)
         found = example_dim(t, N)
@@ -376,7 +463,8 @@ def _rows(t, units, lengths):
     if not isinstance(t, torch.Tensor) or t.dim() == 0:
         return None
     count = units.count
-    if count == units.examples:  # the examples themselves: on whichever dim holds them (Gemma 3n stacks (K, N, ...))
+    if count == units.examples and units.example_of_item is None:  # the examples themselves: on whichever dim holds
+        # them (Gemma 3n stacks (K, N, ...))
         found = example_dim(t, count)
         if isinstance(found, str):
             raise _Ambiguous(found)
@@ -442,45 +530,57 @@ class _Held:
 
     def replay(self, grads):
         """The backward hook: every output's gradient is known; record each example's parameter gradients (the sum
-        of its units')."""
+        of its units'). Whatever fails here refuses the step naming the failure: never a number, nor a crash in the
+        model's backward."""
         trained = [(name, buffer) for name, _, buffer in self.params if buffer is not None]
         buffers = [buffer for _, buffer in trained]
+        try:
+            found = self.per_example_grads(grads, [name for name, _ in trained])
+        except _Refused as e:
+            refuse_step_in_backward(str(e), buffers)
+            return
+        except _Bookkeeping as e:
+            refuse_step_in_backward(_bookkeeping_failure(self.module, self.method, e.stage, e.__cause__), buffers)
+            return
+        except Exception as e:
+            refuse_step_in_backward(_failure(self.module, self.method, e), buffers)
+            return
+        try:
+            for (name, buffer), per_example in zip(trained, found):
+                if not uses.hand_over(buffer, lambda g=per_example: uses.DenseFactor(g)):
+                    dtype = torch.float64 if per_example.dtype == torch.float64 else torch.float32
+                    flat = per_example.reshape(per_example.shape[0], -1)  # (a 0-d parameter's too: CLIP's logit_scale)
+                    add_pe_sqnorm(buffer, flat.pow(2).sum(1, dtype=dtype))
+        except Exception as e:
+            refuse_step_in_backward(_bookkeeping_failure(self.module, self.method, "recording", e), buffers)
+
+    def per_example_grads(self, grads, names):
+        """[(examples, *shape) each example's gradient of each parameter of `names`], from the outputs' gradients."""
         N = self.units.count
         if any(r is None for r in self.out_rows):
-            refuse_step_in_backward(
+            raise _Refused(
                 f"its forward is replayed per example, but an output with a gradient does not hold the forward's {N} "
-                "examples (or their items) on dim 0",
-                buffers,
+                "examples (or their items) on dim 0"
             )
-            return
         grads = [
             _by_example(g, r) if g is not None else torch.zeros_like(o)
             for g, r, o in zip(grads, self.out_rows, self.out)
         ]
         values = {name: p.detach().clone() for name, p, _ in self.params}  # (a forward may write into them)
-        names = [name for name, _ in trained]
         chunk = max(1, min(N, uses.GATHER_CHUNK_ELEMENTS // max(1, sum(values[n].numel() for n in names))))
         pieces = {name: [] for name in names}
         device, dtype, enabled = self.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):  # as its forward ran
+            for start in range(0, N, chunk):
+                part = slice(start, min(N, start + chunk))
+                outs, found = self.replayed_grads(values, names, part, [g[part] for g in grads])
+                self.check(outs, part)
+                for name in names:
+                    pieces[name].append(found[name])
         try:
-            with torch.autocast(device, dtype=dtype, enabled=enabled):  # as its forward ran
-                for start in range(0, N, chunk):
-                    part = slice(start, min(N, start + chunk))
-                    outs, found = self.replayed_grads(values, names, part, [g[part] for g in grads])
-                    self.check(outs, part)
-                    for name in names:
-                        pieces[name].append(found[name])
-        except _Refused as e:
-            refuse_step_in_backward(str(e), buffers)
-            return
-        except Exception as e:  # never a number, nor a crash in the model's backward
-            refuse_step_in_backward(_failure(self.module, self.method, e), buffers)
-            return
-        for name, buffer in trained:
-            per_example = self.units.to_examples(torch.cat(pieces[name]))  # (examples, *shape): its units summed
-            if not uses.hand_over(buffer, lambda g=per_example: uses.DenseFactor(g)):
-                dtype = torch.float64 if per_example.dtype == torch.float64 else torch.float32
-                add_pe_sqnorm(buffer, per_example.flatten(1).pow(2).sum(1, dtype=dtype))
+            return [self.units.to_examples(torch.cat(pieces[name])) for name in names]  # each example's units summed
+        except Exception as e:
+            raise _Bookkeeping("summing each example's units") from e
 
     def check(self, outs, part):
         """The replayed outputs must be the batch's rows: else the module mixes examples (the step is refused)."""
@@ -550,6 +650,23 @@ class _Held:
             for name, g in zip(names, got):
                 found[name].append(torch.zeros_like(values[name]) if g is None else g)
         return [torch.stack(o) for o in outs], {name: torch.stack(g) for name, g in found.items()}
+
+
+class _Bookkeeping(Exception):
+    """A failure of the replay's own bookkeeping (after the per-example pass), at `stage`."""
+
+    def __init__(self, stage):
+        super().__init__(stage)
+        self.stage = stage
+
+
+def _bookkeeping_failure(module, method, stage, error):
+    """The reason for a replay whose per-example pass ran but whose bookkeeping then failed: this project's code."""
+    return (
+        f"nanogns failed while {stage} of the per-example gradients of {own_class_name(module)}'s {method}, replayed "
+        f"per example ({type(error).__name__}: {error}): an error of this project's code, not of the model's (please "
+        "report it)"
+    )
 
 
 def _failure(module, method, error):

@@ -162,8 +162,8 @@ class PerExampleNormLayer:
 
 SHARED_INPUT = (
     "its input has one row for the forward's {} examples (shape {}), broadcast over the batch afterwards, and no "
-    "table shared by the examples leads to it (core/shared.py follows those an Embedding looks up); pass it "
-    "expanded to one row per example"
+    "table shared by the examples leads to it (core/shared.py follows those an Embedding looks up); if it is an "
+    "input of yours, pass it expanded to one row per example"
 )
 
 

@@ -71,6 +71,21 @@ def layout_of_inputs(args, kwargs, model=None):
     return Layout(N, lengths, groups=groups)
 
 
+def grouped(k):
+    """A layout_of for forwards whose input holds each example as k rows, one after the other ((N * k, T) ids: a
+    chosen and a rejected answer, k text queries for one image): `install(model, layout_of=grouped(k))` before
+    convert(model). Each example's gradient is then its k rows' together, and a step counts N examples."""
+
+    def layout_of(args, kwargs):
+        found = layout_of_inputs(args, kwargs)
+        if found is None or found.packed is not None or found.examples % k:
+            return found
+        lengths = found.lengths + tuple(k * T for T in found.lengths if k * T not in found.lengths)
+        return Layout(found.examples // k, lengths, groups=(k,))
+
+    return layout_of
+
+
 def packed_rows(N, kwargs):
     """Rows of packed sequences: one row of R tokens whose position_ids restart at 0, or cu_seq_lens_q; else None."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")

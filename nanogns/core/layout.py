@@ -38,10 +38,10 @@ import torch
 
 from nanogns.core import scopes
 from nanogns.core.ids import ExampleIds, tagged_inputs
-from nanogns.core.inputs import layout_of_inputs
+from nanogns.core.inputs import grouped, layout_of_inputs  # noqa: F401 (grouped: documented here)
 from nanogns.core.mapper import RowMapper
 from nanogns.core.module_state import state_of
-from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Layout, Rows
+from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Layout, Rows, ragged  # noqa: F401 (ragged: documented here)
 
 
 class Pass:
@@ -158,6 +158,8 @@ def enter(layout, mapper, tagged, inputs):
     recompute = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
     this = Pass(layout, mapper, torch.is_grad_enabled() and not recompute, tagged, inputs)
     mapper.forwards += 1
+    if this.counting:
+        mapper.layouts.append(layout)
     if layout is not None and this.counting:
         # the bookkeeping of uses runs eagerly only: a compiled backward sums no uses (the monitor then drops such a
         # tensor with its reason), and reading the last forward here would make Dynamo guard on it

@@ -33,6 +33,7 @@ class RowMapper:
         self._buffers_of = {}  # {id(parameter): its buffer}
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
         self.forwards = 0  # root forwards since the monitor's last read (none: the layers ran outside the model's)
+        self.layouts = []  # the Layouts of those forwards with gradients (what a count error says it observed)
         self.watches_batch_statistics = False  # kinds/batchnorm.py's hooks note its mixing forwards
         self.tags_ids = True  # the root's ids are tagged (core/ids.py); False: none are, as under torch.compile
 
@@ -54,6 +55,7 @@ class RowMapper:
         self.refusals.clear()
         self.mixing.clear()
         self.forwards = 0
+        self.layouts.clear()
 
     @property
     def model(self):

@@ -357,7 +357,7 @@ def _record(plain, sources, per_example):
         g = torch.zeros(N, *param.shape, dtype=per_example.dtype, device=per_example.device) if g is None else g
         if not uses.hand_over(buffer, lambda g=g: uses.DenseFactor(g)):
             dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-            add_pe_sqnorm(buffer, g.flatten(1).pow(2).sum(1, dtype=dtype))
+            add_pe_sqnorm(buffer, g.reshape(N, -1).pow(2).sum(1, dtype=dtype))  # (a 0-d tensor's too)
 
 
 def _pulled_back(table_tensor, params, per_example):

@@ -253,6 +253,9 @@ def link_tied_parameters(model):
             continue
         if not (_has_pe_buffer(embedding, "weight") and _has_pe_buffer(linear, "weight")):
             continue
+        if any(state_of(m).kinds.get("weight") == "Replayed" for m in (embedding, linear)):
+            continue  # recorded by the replay of a module above it (replay.py), whose forward taps no cross term: the
+            # two uses' per-example gradients are summed as any shared tensor's (uses.py)
         existing = state_of(embedding).tied
         if existing is None:
             names = [(n + "." if n else "") + p for n, _, p in using]

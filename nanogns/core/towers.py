@@ -26,6 +26,7 @@ TOWER_CHILDREN = (
     "connector",
     "vision_projection",
     "mm_projector",
+    "visual_embeddings_table",  # Ovis2: the tower's soft tokens (images, patches, V) times an embedding table
 )
 IMAGE_TOKEN = ("image_token_id", "image_token_index")
 VIDEO_TOKEN = ("video_token_id", "video_token_index")
@@ -98,9 +99,19 @@ def example_maps(config, args, kwargs, root):
             total: example_of_image.repeat_interleave(tokens),
         }, None
     count = images.shape[0]
+    assumed = (
+        f"each of the {count} images on dim 0 of its input {tuple(images.shape)} is taken to fill an equal share of "
+        f"input_ids' {total} image tokens (their sizes are read from a grid_thw argument only)"
+    )
     if count == 0 or total % count:
-        return None, f"its {count} images do not share the {total} image tokens of input_ids evenly"
+        return None, f"{assumed}, which {total} tokens cannot give: its images fill unequal numbers of tokens"
     example_of_image = example_of_token[:: total // count]
-    if not bool((example_of_token.view(count, -1) == example_of_image.unsqueeze(1)).all()):
-        return None, "an image's tokens lie in several examples"
+    crossing = (example_of_token.view(count, -1) != example_of_image.unsqueeze(1)).any(1).nonzero()
+    if crossing.numel():
+        j = int(crossing[0])
+        examples = sorted(set(example_of_token.view(count, -1)[j].tolist()))
+        return None, (
+            f"{assumed} ({total // count} each), and image {j}'s share would lie in examples {examples}: its images "
+            "fill unequal numbers of tokens, or one row holds several images' patches"
+        )
     return {count: example_of_image}, None

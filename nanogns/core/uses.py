@@ -66,7 +66,7 @@ class Factor:
             n = min(chunk, self.examples - start)
             work = torch.zeros(n, *self.shape, dtype=self.dtype, device=self.device)
             self.add_into(work, start)
-            total[start : start + n] = work.flatten(1).pow(2).sum(1).cpu()
+            total[start : start + n] = work.reshape(n, -1).pow(2).sum(1).cpu()  # (a 0-d tensor's too)
         return total
 
 
@@ -185,7 +185,7 @@ class Gathered:
                 with torch.no_grad():
                     buffer[..., 1] = math.nan
                 return
-            total += work.flatten(1).pow(2).sum()
+            total += work.pow(2).sum()
         with torch.no_grad():
             buffer[0] += total.to(buffer.dtype)
             buffer[1] += examples

@@ -102,7 +102,12 @@ class PerExampleMultiheadAttention(PerExampleNormLayer):
         buffers = [self.pe_buffer_of(self, name) for name, _ in self.named_parameters(recurse=False)]
         buffers += [self.pe_buffer_of(self.out_proj, name) for name in ("weight", "bias")]
         found = [layout.rows_for(t.shape, batch_first=True) for t in (query, key)]  # (transposed to batch first)
-        reasons = [r for r in found if isinstance(r, str)]
+        reasons = [r for r in found if isinstance(r, str)] + [
+            f"its {what}, batch first, has rows {tuple(t.shape[:-1])}: one row for the forward's {r.examples} examples "
+            "(dim 0 of the model's input), which no example's own gradient can be told apart in"
+            for r, t, what in zip(found, (query, key), ("query", "key"))
+            if not isinstance(r, str) and r.kind == "shared"
+        ]
         if reasons:
             refuse_step(reasons[0], buffers)
             return (None, None), buffers

@@ -138,6 +138,7 @@ class GNSMonitor:
         self.approx_measurements = []  # and its SOGNS ones
         self.step_count = self.scaler_skipped_steps = self.nonfinite_steps = 0
         self.record_path = None
+        self._counts = {}  # {logged name: the count of examples its buffer recorded} of the last step read
         self.write_record(out_dir if out_dir is not None else getattr(log, "out_dir", None))
 
     def write_record(self, out_dir: Optional[str]) -> None:
@@ -259,6 +260,8 @@ class GNSMonitor:
             norms = np.where(grad_sq >= 0, np.sqrt(grad_sq), math.nan) / scales[0]
             rms_pe_norms = np.where(pe_sqnorm >= 0, np.sqrt(pe_sqnorm), math.nan) / scales[1]
         names = [entry.name for entry in tracked]
+        if exact:
+            self._counts = dict(zip(names, counts.tolist()))  # what a count error says the layers recorded
         usable = counts == batch_size
         flagged = set(no_grad).union(self.untracked if exact else ())
         looked_at = np.flatnonzero(~usable).tolist()
@@ -269,7 +272,7 @@ class GNSMonitor:
         some_counted_batch_size = bool(usable.any())
         for i in looked_at:
             usable[i] = self._usable(
-                tracked[i], grad_sq[i], counts[i], batch_size, no_grad, some_counted_batch_size, exact
+                tracked[i], grad_sq[i], counts[i], batch_size, no_grad, some_counted_batch_size, exact, sums[i]
             )
         if exact:
             self._check_possible(names, usable, grad_sq / scales[0] ** 2, pe_sqnorm / scales[1] ** 2)
@@ -303,7 +306,7 @@ class GNSMonitor:
                 "module]) or call functional.py's per-example functions where it is used"
             )
 
-    def _usable(self, entry, grad_sq, count, batch_size, no_grad, some_counted_batch_size, exact):
+    def _usable(self, entry, grad_sq, count, batch_size, no_grad, some_counted_batch_size, exact, total=math.nan):
         """Whether an entry whose count is not batch_size, or that has no gradient or was dropped, is measured this
         step: False for a layer unused this step or a tensor dropped (now or earlier); raises for a count that
         cannot be this step's."""
@@ -319,6 +322,9 @@ class GNSMonitor:
                     f"functional.py's per-example functions where it is used, or leave it out of convert()"
                 )
             return False  # the layer was not used in this step
+        if name in no_grad and total == 0:
+            return False  # not used by the step's forwards: a module replayed per example with its subtree (replay.py)
+            # records a zero gradient for each of its parameters, a bias its code leaves out included
         if name in no_grad:
             raise ValueError(
                 f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
@@ -329,21 +335,73 @@ class GNSMonitor:
         if exact and name in self.untracked:
             return False  # stopped being measured at an earlier step
         if count != batch_size and count % batch_size == 0 and some_counted_batch_size and exact:
+            uses = self._uses_per_forward(entry)
+            if uses == 1:  # used once per forward: its forward's input holds several rows per example
+                raise self._count_error(entry, count, batch_size)
+            how = (
+                f"used {uses} times in the last forward" if uses else "its uses per forward not counted (torch.compile)"
+            )
             reason = (
-                f"used {count / batch_size:.0f} times per example (a module or bank slice used more than "
-                "once per forward, e.g. shared across depth) and its uses' per-example gradients were not summed "
-                "(they are in an eager backward, core/uses.py; not in a backward compiled by torch.compile, nor "
-                f"for a layer kind that hands over no per-example factors); not measured since step {self.step_count - 1}"
+                f"counted {count / batch_size:.0f} x {batch_size} examples, {how}, and those uses' per-example "
+                "gradients were not summed (they are in an eager backward, core/uses.py; not in a backward compiled by "
+                f"torch.compile, nor for a layer kind that hands over no per-example factors); not measured since step "
+                f"{self.step_count - 1}"
             )
             self._warn_once({name: reason})
             self.untracked[name] = reason
             return False
+        if 0 < count < batch_size and some_counted_batch_size and exact and self._missed_forwards(batch_size):
+            return True  # its layer's backward ran for some of the step's forwards only (LayerDrop skipped it, or the
+            # loss did not reach it): the examples of the others have a zero gradient of it, which the sums hold
         if count != batch_size:
             raise self._count_error(entry, count, batch_size)
         return True
 
+    def _missed_forwards(self, batch_size):
+        """True when this process's forwards with gradients read exactly the step's batch_size examples (one
+        process only: under DDP the other ranks' forwards are not seen here)."""
+        read = sum(found.examples for found in self.row_map.layouts if found is not None)
+        return world_size() == 1 and read == batch_size and all(found is not None for found in self.row_map.layouts)
+
+    def _uses_per_forward(self, entry):
+        """How many times the last forward used the entry's tensor (its layers' note_uses), 0 when not counted."""
+        last = self.row_map.last_pass
+        if last is None:
+            return 0
+        found = [last.uses.get(module._buffers[buffer_name].data_ptr(), 0) for module, buffer_name, _ in entry.terms]
+        return max(found, default=0)
+
+    def _observed(self):
+        """What this step's forwards and layers showed, in words: the forwards, their examples and token grids, and
+        the counts the tracked parameters recorded (each count with how many parameters and one of them)."""
+        layouts = [found for found in self.row_map.layouts if found is not None]
+        forwards = self.row_map.forwards
+        parts = [f"{forwards} forward{'s' * (forwards != 1)} of the converted model with gradients"]
+        if layouts:
+            shapes = []
+            for found in layouts:
+                grids = "/".join(
+                    f"({found.examples * k}, {T})" for T in found.lengths[:1] for k in (found.groups or (1,))
+                )
+                shapes.append(f"{found.examples}" + (f" ({grids} token grid)" if grids else ""))
+            parts.append("reading " + ", ".join(shapes) + " examples (dim 0 of their inputs)")
+        by_count = {}
+        for name, counted in self._counts.items():
+            if not math.isnan(counted):
+                by_count.setdefault(counted, []).append(name)
+        if by_count:
+            parts.append(
+                "the tracked parameters counted "
+                + "; ".join(
+                    f"{c:.0f} ({len(names)} of them, e.g. {names[0]})"
+                    for c, names in sorted(by_count.items(), key=lambda item: -len(item[1]))
+                )
+            )
+        return ", ".join(parts)
+
     def _count_error(self, entry, count, batch_size):
-        """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
+        """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused): what
+        was observed, and the remedies that fit it (never a guessed cause)."""
         if math.isnan(count):
             reasons = {
                 reason
@@ -351,10 +409,16 @@ class GNSMonitor:
                 for reason in self.row_map.reasons(module._buffers[buffer_name])
             }
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
+            remedy = (
+                "to leave the tower untracked, convert(model, exclude=[its path])"
+                if "whose images cannot be told apart" in why
+                else "see nanogns/core/rowmaps.py for the rows that can be mapped; for a layout of your own, pass "
+                "nanogns.core.layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
+            )
             return ValueError(
                 f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
-                f"See nanogns/core/rowmaps.py for the rows that can be mapped; for a layout of your own, pass "
-                f"nanogns.core.layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
+                + remedy[0].upper()
+                + remedy[1:]
             )
         if self.row_map.forwards == 0:
             return ValueError(
@@ -363,13 +427,29 @@ class GNSMonitor:
                 f"called directly, such as model.transformer(...)), so no layer was told which rows are whose; call "
                 f"the converted model itself, or convert the module your code calls"
             )
+        read = sum(found.examples for found in self.row_map.layouts if found is not None)
+        remedies = []
+        if read and read != batch_size and read == count:
+            remedies.append(f"if the step's examples are the {read} its forwards read, pass batch_size={read}")
+        if count > batch_size and count % batch_size == 0:
+            k = int(count // batch_size)
+            remedies.append(
+                f"if each example is {k} rows of its forward's input, one after the other (a chosen and a rejected "
+                f"answer, {k} text queries for one image), say so before convert(model): "
+                f"nanogns.core.layout.install(model, layout_of=nanogns.core.layout.grouped({k}))"
+            )
+        if count < batch_size:
+            remedies.append(
+                "if one row of the input holds several examples (packed sequences separated by a block mask), pass "
+                "position_ids restarting at 0 at each sequence (or cu_seq_lens_q), or "
+                "layout.install(model, layout_of=...) giving layout.Layout(examples, packed=layout.ragged(example_of_row, "
+                "examples))"
+            )
+        remedies.append("to leave the layer untracked, convert(model, exclude=[its path])")
         return ValueError(
-            f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
-            f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
-            f"ranks, or the number of packed sequences); if {batch_size} is that number, the model's forward ran "
-            f"more than once for the same examples (each forward's rows count as examples of their own), and a loss "
-            f"that combines several forwards per example (chosen and rejected, as in DPO) has no per-example "
-            f"gradient this monitor can measure: do not pass the larger count"
+            f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}) says the step "
+            f"had {batch_size}. Observed this step: {self._observed()}. A forward counts the rows of its "
+            f"input's dim 0 as its examples. Remedies: " + "; ".join(remedies)
         )
 
     def step(self, batch_size: Optional[int] = None, gradients_unscaled: bool = False) -> Dict[str, float]:
