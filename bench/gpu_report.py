@@ -1,16 +1,20 @@
 """
-One command for whoever has a CUDA GPU (no network, under 10 minutes on one H100; written for
-the torch and Triton of the GPU images, 2.11 and 3.6, and runs with the ones installed, whose versions it
-prints at the top of its tables; not yet run on a GPU): check the fused
-layers on the GPU, then measure what exact norms cost on GPT-2 124M in bf16,
-and print tables ready for bench/RESULTS.md.
+One command for whoever has a CUDA GPU (no network; written for the torch and Triton of the GPU images,
+2.11 and 3.6, and runs with the ones installed, whose versions it prints at the top of its tables): check the
+fused layers on the GPU, then measure what exact norms cost on GPT-2 124M in bf16, and print tables ready for
+bench/RESULTS.md.
 
-    python bench/gpu_report.py                        # checks, launch counts, kernel, per-Linear and step tables
-    python bench/gpu_report.py --check-only           # the checks and launch counts alone
-    TRITON_INTERPRET=1 python bench/gpu_report.py --check-only   # the same checks on the CPU, kernels interpreted
+    python bench/gpu_report.py                        # checks, launch counts, step, kernel and per-Linear tables
+    python bench/gpu_report.py --out gpu-report       # the same, each section also saved as gpu-report/<section>.md
+    python bench/gpu_report.py --check-only           # the checks, launch counts and the fused test files
+    TRITON_INTERPRET=1 python bench/gpu_report.py --check-only   # the checks on the CPU, kernels interpreted
 
-The checks: (GPU only) the fused layers' test files under pytest
-(FUSED_TEST_FILES); every Linear (shim; gns under each strategy; fused under
+On a GPU the sections run in this order whatever an earlier one found (a failed check is reported, and the
+timings still come): the checks (the fused layers' test files under pytest running beside them, in their own
+process), the launches, the test files' result, GPT-2's eager step, the kernel and per-Linear tables, then
+GPT-2's compiled step; the exit code says whether all passed.
+
+The checks: every Linear (shim; gns under each strategy; fused under
 the timed choice, the kernel and each torch strategy), Embedding (shim, gns),
 LayerNorm (shim, gns, fused; with and without bias) and RMSNorm (gns, fused)
 class, in float32 and bfloat16, on 2-D and 3-D inputs with odd sizes, against
@@ -18,20 +22,21 @@ tests/oracle.py's one-example-at-a-time loop in float64 (buffers, parameter and
 input gradients); every candidate tile of the Linear kernel, forced, against
 per-example matmuls in float64, and on a GPU one case past 2**31 elements; the
 fused layers under torch.compile (inductor, one graph) against eager. Then the
-launches of one backward beside torch's (bench/launch_counts.py). On the CPU
+launches of one backward beside torch's (bench/launch_counts.py); (GPU only) the fused layers' test files
+under pytest (FUSED_TEST_FILES). On the CPU
 the shapes are small and the test files are left to CI; tests/test_bench_gpu_report.py
 runs this mode, so the GPU command cannot rot.
 
-The tables (GPU only): bench/kernels.py's kernel timings at GPT-2 shapes against
-cuBLAS's plain weight gradient, bench/linear_strategies.py at GPT-2's Linear
-shapes, and bench/step_overhead.py's whole training step of GPT-2 124M (12
-layers, 768 wide, T = 1024, vocabulary 50304, batch 12, bf16 autocast, eager,
-peak memory not measured: its subprocesses take minutes) for nn, LayerNorm-only
-fused, all-layer gns and all-layer fused, interleaved, followed by the strategy
-the fused Linear timed fastest for each of GPT-2's Linear shapes.
+The tables (GPU only): bench/step_overhead.py's whole training step of GPT-2 124M (12 layers, 768 wide,
+T = 1024, vocabulary 50304, batch 12, bf16 autocast) for nn, LayerNorm-only fused, all-layer gns and all-layer
+fused, interleaved, eager and compiled, each with its steps' peak memory above what was live before them;
+bench/kernels.py's kernel timings at GPT-2 shapes against cuBLAS's plain weight gradient, and
+bench/linear_strategies.py at GPT-2's Linear shapes, followed by the strategy the fused Linear timed fastest
+for each of GPT-2's Linear shapes.
 """
 
 import argparse
+import io
 import os
 import sys
 
@@ -235,27 +240,49 @@ FUSED_TEST_FILES = [
 ]
 
 
-def run_test_files(out=sys.stdout):
-    """The fused layers' test files under pytest, in a fresh process on the GPU (no TRITON_INTERPRET)."""
+def start_test_files():
+    """The fused layers' test files under pytest, started in a fresh process on the GPU (no TRITON_INTERPRET),
+    on several workers where pytest-xdist is installed; returns the running process for finish_test_files."""
+    import importlib.util
     import subprocess
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FUSED_TEST_FILES],
+    workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") else []
+    return subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *workers, *FUSED_TEST_FILES],
         cwd=REPO,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
     )
-    lines = done.stdout.strip().splitlines()
+
+
+def finish_test_files(process, out=sys.stdout, timeout=None):
+    """Waits for start_test_files's pytest (at most `timeout` seconds more, then stops it: a failure); one ok/FAIL
+    line (the failures' last lines after it); returns the failed cases."""
+    import subprocess
+
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        output += f"\nstopped: still running {timeout} s after the checks"
+    lines = output.strip().splitlines()
     print(
-        f"{'ok  ' if done.returncode == 0 else 'FAIL'} pytest {' '.join(FUSED_TEST_FILES)}: "
-        f"{lines[-1] if lines else done.stderr[-500:]}",
+        f"{'ok  ' if process.returncode == 0 else 'FAIL'} pytest {' '.join(FUSED_TEST_FILES)}: "
+        f"{lines[-1] if lines else '(no output)'}",
         file=out,
     )
-    if done.returncode != 0:
-        print("\n".join(lines[-40:]), file=out)
-    return [] if done.returncode == 0 else ["test files"]
+    if process.returncode != 0:  # pytest's summary of each failure, then the end of its output
+        print("\n".join([line for line in lines if line.startswith(("FAILED", "ERROR"))] + lines[-60:]), file=out)
+    return [] if process.returncode == 0 else ["test files"]
+
+
+def run_test_files(out=sys.stdout):
+    """The fused layers' test files under pytest on the GPU; returns the failed cases."""
+    return finish_test_files(start_test_files(), out)
 
 
 def _candidate_error(config, dtype, tf32, device, N, T, K, L):
@@ -354,36 +381,19 @@ def launch_table(device):
     launch_counts.main([f"--device={device}", "--dtype=bfloat16" if device == "cuda" else "--dtype=float32"])
 
 
-def gpu_tables(args):
+def kernel_tables():
     import kernels
     import linear_strategies
-    import step_overhead
 
-    print(f"\n## {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print(f"## {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}\n")
     print("### Kernels at GPT-2 shapes against cuBLAS: `python bench/kernels.py`\n")
     kernels.main([])
+    # peak memory per layer needs a subprocess per layer and shape (minutes): kernels.py's peak column stands in
+    shapes = "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768"
     print(
-        "\n### Per-Linear: `python bench/linear_strategies.py --device=cuda --dtype=bfloat16 "
-        "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768`\n"
+        f"\n### Per-Linear: `python bench/linear_strategies.py --device=cuda --dtype=bfloat16 --memory=False {shapes}`\n"
     )
-    linear_strategies.main(
-        [
-            "--device=cuda",
-            "--dtype=bfloat16",
-            "--shapes=12,1024,768,2304;12,1024,768,768;12,1024,768,3072;12,1024,3072,768",
-        ]
-    )
-    # peak memory needs a subprocess per choice (minutes): left to step_overhead.py itself
-    step_args = [
-        "--device=cuda",
-        "--dtype=bfloat16",
-        f"--steps={args.steps}",
-        "--memory=False",
-        "--choices=nn,LayerNorm-only fused,all-layer gns,all-layer fused",
-        *GPT2,
-    ]
-    print(f"\n### GPT-2 124M step: `python bench/step_overhead.py {' '.join(step_args)}`\n")
-    step_overhead.main(step_args)
+    linear_strategies.main(["--device=cuda", "--dtype=bfloat16", "--memory=False", shapes])
     print(
         "\nfused Linear, strategy timed fastest per shape (N, T, K, L): "
         + "; ".join(
@@ -393,14 +403,43 @@ def gpu_tables(args):
     )
 
 
-def run_checks(device, out=sys.stdout):
-    """Every check of this report for `device`; returns the failed cases."""
+def step_table(args, compiled):
+    """GPT-2 124M's training step, bf16 autocast, every choice interleaved against nn, with each choice's step
+    peak memory above what was live before it."""
+    import step_overhead
+
+    step_args = [
+        "--device=cuda",
+        "--dtype=bfloat16",
+        f"--steps={args.steps}",
+        f"--compile={compiled}",
+        "--memory=False",  # each step's own peak, in this process (subprocesses per choice would take minutes)
+        "--choices=nn,LayerNorm-only fused,all-layer gns,all-layer fused",
+        *GPT2,
+    ]
+    print(f"## {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}\n")
+    print(f"### GPT-2 124M step: `python bench/step_overhead.py {' '.join(step_args)}`\n")
+    step_overhead.main(step_args)
+
+
+def _triton_version():
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "not installed"
+
+
+def run_checks(device, out=sys.stdout, test_files=True):
+    """Every check of this report for `device`; returns the failed cases. On a GPU the fused test files run
+    under pytest first unless test_files=False (gpu_report's main runs them last, after the timings)."""
     on_gpu = device.startswith("cuda")
     print(
         f"# checks on {device}" + ("" if on_gpu else " (Triton's interpreter; the test files run in CI itself)"),
         file=out,
     )
-    failed = run_test_files(out) if on_gpu else []
+    failed = run_test_files(out) if on_gpu and test_files else []
     print("## per-example norm layers against the brute-force oracle", file=out)
     failed += check_layers(device, out=out)
     print("## every candidate tile of the Linear kernel against the oracle", file=out)
@@ -410,24 +449,88 @@ def run_checks(device, out=sys.stdout):
     return failed
 
 
+class _Tee(io.TextIOBase):
+    """Writes to the terminal and to one section's file, flushed per write (a run cut short keeps its lines)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for stream in self.streams:
+            stream.write(text)
+            stream.flush()
+        return len(text)
+
+
+def run_sections(sections, out_dir):
+    """Run (name, fn) in order, each printing to stdout and to out_dir/name.md when out_dir is set; a section
+    that raises is reported with its traceback's last lines and the next one runs. Returns the names that failed
+    (a section fails by raising or by returning a non-empty list of failed cases)."""
+    import contextlib
+    import time
+    import traceback
+
+    failed = []
+    for name, fn in sections:
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            if out_dir:
+                stream = stack.enter_context(open(os.path.join(out_dir, f"{name}.md"), "w"))
+                stack.enter_context(contextlib.redirect_stdout(_Tee(sys.__stdout__, stream)))
+            try:
+                result = fn()
+            except BaseException as e:  # a section's SystemExit (a bench script's refusal) included
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                print("SECTION FAILED:\n" + "".join(traceback.format_exception(e)[-12:]))
+                result = [name]
+            print(f"\n({name}: {time.perf_counter() - t0:.0f} s)")
+        if result:
+            failed.append(name)
+    return failed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check-only", action="store_true", help="run the checks only")
     parser.add_argument("--steps", type=int, default=10, help="interleaved GPT-2 steps per choice (default: 10)")
+    parser.add_argument(
+        "--out", default=None, help="also write each section to OUT/<section>.md as it runs (default: none)"
+    )
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not fused_gns.kernels_interpreted() else "cpu"
-    failed = run_checks(device)
-    print(f"{'all checks passed' if not failed else f'{len(failed)} checks FAILED'}")
-    if failed:
-        sys.exit(1)
-    print("\n## launches of one backward")
-    launch_table(device)
-    if args.check_only:
-        return
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     if device != "cuda":
-        sys.exit("gpu_report.py: the timing tables need a CUDA GPU (and TRITON_INTERPRET unset); use --check-only")
-    gpu_tables(args)
+        failed = run_checks(device)
+        print(f"{'all checks passed' if not failed else f'{len(failed)} checks FAILED'}")
+        if failed:
+            return 1
+        print("\n## launches of one backward")
+        launch_table(device)
+        if not args.check_only:
+            print("gpu_report.py: the timing tables need a CUDA GPU (and TRITON_INTERPRET unset); use --check-only")
+            return 2
+        return 0
+    # On a GPU every section runs whatever an earlier one found, the checks first (a lease is short). The test
+    # files run in their own process beside the checks (both check correctness; neither is timed), and the
+    # timings start once both are done.
+    test_files = start_test_files()
+    sections = [
+        ("checks", lambda: run_checks(device, out=sys.stdout, test_files=False)),
+        ("launches", lambda: launch_table(device)),
+        ("test_files", lambda: finish_test_files(test_files, sys.stdout, timeout=150)),
+    ]
+    if not args.check_only:
+        sections += [
+            ("step_eager", lambda: step_table(args, compiled=False)),
+            ("kernels", lambda: kernel_tables()),
+            ("step_compiled", lambda: step_table(args, compiled=True)),
+        ]
+    failed = run_sections(sections, args.out)
+    print(f"\n{'every section passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

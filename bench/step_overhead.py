@@ -13,7 +13,9 @@ choices take turns, one step each, for --steps rounds, so that drift of the
 machine hits them alike; reported are the median step time and the median
 over rounds of each step's time divided by nn's in the same round, with the
 quartiles of that ratio (how noisy the machine was). Peak memory: each
-choice runs a few steps alone in a subprocess, so the peak is its own.
+choice runs a few steps alone in a subprocess, so the peak is its own; on a GPU
+with --memory=False, the CUDA allocator's peak during each choice's steps above
+what was live before them, measured in this process (no subprocess, no second compile).
 """
 
 import argparse
@@ -124,11 +126,12 @@ def build(args, name):
         torch.randint(0, args.vocab_size, (2, args.batch_size, args.block_size), generator=generator).to(args.device)
         for _ in range(ga)
     ]
-    graphs = None
+    graphs, break_reasons = None, []
     if args.compile == "True":  # what Dynamo makes of the model's forward: (graphs, graph breaks)
         with ctx:
             explained = torch._dynamo.explain(model)(*batches[0])
         graphs = (explained.graph_count, explained.graph_break_count)
+        break_reasons = list(dict.fromkeys(str(r.reason).splitlines()[0] for r in explained.break_reasons))
         torch._dynamo.reset()
     step_model = torch.compile(model) if args.compile == "True" else model
 
@@ -148,7 +151,7 @@ def build(args, name):
         if device_type == "cuda":
             torch.cuda.synchronize()
 
-    step.graphs = graphs
+    step.graphs, step.break_reasons = graphs, break_reasons
     return step
 
 
@@ -176,25 +179,40 @@ def _current_rss_mb():
 
 
 def interleaved_times(args, names):
-    """({name: [step seconds]}, {name: (graphs, graph breaks) or None}): all choices in this process, one step each
-    per round."""
+    """({name: [step seconds]}, {name: (graphs, graph breaks) or None}, {name: step peak MiB}): all choices in this
+    process, one step each per round; a step's peak is the CUDA allocator's peak during it above what was live
+    before it (nan on the CPU)."""
+    import torch
+
+    nan = float("nan")
     steps = {name: build(args, name) for name in names}
     for step in steps.values():
         for _ in range(args.warmup):
             step()
     times = {name: [] for name in names}
+    step_peaks = {name: [] for name in names}  # CUDA: the allocator's peak during a step above what was live before
+    cuda = "cuda" in args.device
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     for r in range(args.steps):
         order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
         for name in order:
+            if cuda:
+                live = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
             t0 = clock()
             steps[name]()
             times[name].append(clock() - t0)
+            if cuda:
+                step_peaks[name].append((torch.cuda.max_memory_allocated() - live) / 2**20)
         print(
             f"round {r + 1}/{args.steps}: " + ", ".join(f"{n} {times[n][-1] * 1000:.0f} ms" for n in names),
             file=sys.stderr,
         )
-    return times, {name: step.graphs for name, step in steps.items()}
+    return (
+        times,
+        {name: step.graphs for name, step in steps.items()},
+        {n: max(p, default=nan) for n, p in step_peaks.items()},
+    )
 
 
 def main(argv=None):
@@ -225,9 +243,11 @@ def main(argv=None):
         if out.returncode != 0:
             raise SystemExit(f"step_overhead.py: {name!r} failed:\n{out.stderr[-3000:]}")
         peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
-    times, graphs = interleaved_times(args, names)
-    base_peak = peaks["nn"]
+    times, graphs, step_peaks = interleaved_times(args, names)
     memory_label = "peak GPU MiB" if "cuda" in args.device else "peak RSS MiB above import"
+    if "cuda" in args.device and args.memory != "True":  # no subprocesses: the steps' own peaks, measured in this one
+        peaks, memory_label = step_peaks, "step's peak GPU MiB above live"
+    base_peak = peaks["nn"]
     compiled = args.compile == "True"
     print(
         f"\n{args.device}, {args.dtype}, {torch.get_num_threads()} threads, {args.clock} clock, compile={args.compile}, "

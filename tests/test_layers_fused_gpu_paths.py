@@ -150,6 +150,32 @@ def test_gram_candidate_not_tried_when_too_large(monkeypatch):
         assert ("gram" in tried[-1]) == has_gram and "materialise" in tried[-1]
 
 
+def test_remembered_choice_queries_nothing(monkeypatch):
+    """After the first call for a shape, the choice comes from the cache before anything else: no free-memory query
+    (a driver call that cost about 1 ms of host time per Linear backward on an H200) and no candidate list."""
+    monkeypatch.setattr(fused_linear, "_linear_choices", {})
+    monkeypatch.setattr(fused_runtime, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    queries = []
+    monkeypatch.setattr(fused_linear, "_free_bytes", lambda device: queries.append(device) or 80 * 2**30)
+
+    def fastest(key, candidates, run):
+        fused_linear._linear_choices[key] = "materialise"
+        return "materialise"
+
+    monkeypatch.setattr(fused_linear, "_fastest", fastest)
+
+    class FakeCuda(torch.Tensor):  # a meta tensor that says it is on a GPU: nothing is allocated
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    x = torch.empty(12, 64, 96, dtype=torch.bfloat16, device="meta").as_subclass(FakeCuda)
+    g = torch.empty(12, 64, 80, dtype=torch.bfloat16, device="meta").as_subclass(FakeCuda)
+    assert [fused_linear._linear_choice(x, g) for _ in range(3)] == ["materialise"] * 3
+    assert len(queries) == 1
+
+
 @needs_interpreter
 def test_ragged_output_width_masked_not_copied(monkeypatch):
     """L = 40 (not a multiple of 16): the kernel reads the output gradient itself, not a padded copy."""

@@ -155,6 +155,10 @@ def _linear_choice(x, grad_out):
         return linear_plan.linear_default_config(
             N, T, K, L, x.dtype, capability, sm_count, tf32, allow_gram=forced != "kernel"
         )
+    # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
+    key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
+    if key in _linear_choices:  # every call after the first: no candidates listed, no free-memory query (the
+        return _linear_choices[key]  # driver's, about 1 ms of host time per call on an H200: bench/RESULTS.md)
     # the Gram trick's fp32 copies (2.5 GB for GPT-2's lm_head at B = 12) are not tried where they would take
     # more than half the free memory
     gram = ["gram"] if gram_extra_bytes(N, T, K, L) <= _free_bytes(x.device) // 2 else []
@@ -163,8 +167,6 @@ def _linear_choice(x, grad_out):
         "materialise",
         *linear_plan.linear_candidates(x.dtype, capability, tf32, linear_plan.linear_ragged(L, K, x.dtype, tf32)),
     ]
-    # one timing per power-of-two bucket of N and T: varying batch or sequence lengths do not re-time every step
-    key = (triton.next_power_of_2(N), triton.next_power_of_2(T), K, L, x.dtype, tf32, x.device)
     return _fastest(key, candidates, lambda c: linear_weight_grad_finished(x, grad_out, c))
 
 

@@ -38,7 +38,11 @@ _warned_reasons = set()
 
 def _interpreted_flags():
     """(our kernels interpreted?, Triton's own tl.* helpers interpreted?): both are fixed when decorated,
-    ours when nanogns.kernels is imported, Triton's when triton is."""
+    ours when nanogns.kernels is imported, Triton's when triton is, so they are read once, here, at import:
+    under torch.compile a layer's forward reads the constant (Dynamo cannot trace isinstance() on a compiled
+    Triton kernel, and a graph break there cost every fused layer its place in the graph on a GPU)."""
+    if not HAS_TRITON:
+        return (False, False)
     from triton.runtime.interpreter import InterpretedFunction
 
     return (
@@ -47,9 +51,12 @@ def _interpreted_flags():
     )
 
 
+_INTERPRETED = _interpreted_flags()
+
+
 def kernels_interpreted():
     """True when the kernels run in Triton's interpreter (on CPU tensors)."""
-    return HAS_TRITON and all(_interpreted_flags())
+    return HAS_TRITON and all(_INTERPRETED)
 
 
 def kernel_unavailable_reason(x):
@@ -58,7 +65,7 @@ def kernel_unavailable_reason(x):
         return "Triton is not installed; `pip install triton` on a machine with a supported GPU"
     if x.dtype not in KERNEL_DTYPES:
         return f"the kernels take {[str(d) for d in KERNEL_DTYPES]}, got {x.dtype}; cast the model to one of them"
-    ours, triton_own = _interpreted_flags()
+    ours, triton_own = _INTERPRETED
     if ours != triton_own:
         return (
             "TRITON_INTERPRET changed between importing triton and importing fused_gns, so Triton's "
@@ -77,7 +84,9 @@ def kernel_unavailable_reason(x):
             f"TRITON_INTERPRET=1 before starting Python to run them (slowly) on the CPU"
         )
     if torch.version.cuda is not None:  # NVIDIA; ROCm builds report torch.version.hip instead
-        major, minor = torch.cuda.get_device_capability(x.device)
+        # (get_device_properties, not get_device_capability: Dynamo folds the former into a constant)
+        properties = torch.cuda.get_device_properties(x.device)
+        major, minor = properties.major, properties.minor
         if (major, minor) < (7, 0) or (x.dtype == torch.bfloat16 and major < 8):
             return (
                 f"GPU capability {major}.{minor} is too old for the kernels with {x.dtype} "
