@@ -46,6 +46,9 @@ def install(model, layout_of=layout_of_inputs, mapper=None):
     read = (lambda args, kwargs: layout_of_inputs(args, kwargs, model)) if layout_of is layout_of_inputs else layout_of
 
     def enter(module, args, kwargs):
+        if not torch.compiler.is_compiling() and not mapper.step_started and mapper.step_watchers:
+            mapper.start_step(module, args, kwargs)  # the monitor follows the model, before its layers run
+            mapper.step_started = torch.is_grad_enabled()  # (an evaluation's forward does not start the step)
         found = read(args, kwargs)
         recompute = layout.in_backward()  # activation checkpointing running the whole model again: no new uses
         tagged = None
