@@ -71,8 +71,10 @@ class MixingCheck:
             self.found[module.training] = found
 
     def note(self, mapper):
+        """Note the mixing found in the model's training mode now, unless a layer refused the step itself (a module
+        replayed per example names the parameter and what it saw)."""
         found = self.found.get(self.module.training) if self.module is not None else None
-        if found is not None:
+        if found is not None and not mapper.refusals:
             mapper.note_mixing(*found)
 
 
@@ -153,109 +155,152 @@ def examples_mixed(module, args, kwargs, mapper, table):
     if any(is_dtensor(p) for p in module.parameters()):
         return None  # FSDP2: not checked (a forward and backward here would run the engine's collectives)
     key, main = _main_input(args, kwargs)
-    if main is not None and main.is_floating_point():  # the examples' data: followed back to it
-        main = main.detach().requires_grad_(True)
-        if isinstance(key, int):
-            args = (*args[:key], main, *args[key + 1 :])
-        else:
-            kwargs = {**kwargs, key: main}
-    sources, ends = [], []  # (tensor, rows) the examples' first rows; (path, tensor, rows) each module's output rows
+    follow_main = main is not None and main.is_floating_point()
+    try:
+        return _probe(module, args, kwargs, mapper, table, key if follow_main else None)
+    except RuntimeError:
+        if not follow_main:
+            raise
+        # a forward that sets requires_grad on what it computes from its input (wav2vec2's feature encoder) runs
+        # only with an input that needs no gradient: then the Embeddings' outputs alone are the first rows
+        return _probe(module, args, kwargs, mapper, table, None)
 
-    def capture(path):
+
+def _probe(module, args, kwargs, mapper, table, key):
+    """examples_mixed with the input at `key` (an index into args, a keyword, or None) followed back too."""
+    if key is not None:  # the examples' data: followed back to it
+        main = (args[key] if isinstance(key, int) else kwargs[key]).detach().requires_grad_(True)
+        args, kwargs = (
+            ((*args[:key], main, *args[key + 1 :]), kwargs) if isinstance(key, int) else (args, {**kwargs, key: main})
+        )
+    sources, points, running = [], [], []  # sources (tensor, rows); points (stack, tensor, rows) in forward order
+
+    def note(t, found):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.dim() > 1:
+            rows = layout.rows_for(t.shape)
+            if isinstance(rows, Rows) and rows.kind != "shared":
+                points.append((tuple(running), t, rows))
+
+    def entering(path):
+        def hook(mod, inputs):
+            running.append(path)
+            found = layout.current_pass()
+            for t in trees.leaves(inputs) if found is not None else ():
+                note(t, found)
+
+        return hook
+
+    def leaving(path):
         def hook(mod, inputs, output):
             found = layout.current_pass()
-            if found is None:
-                return
-            if isinstance(mod, torch.nn.Embedding) and inputs and isinstance(inputs[0], ExampleIds):
-                rows = rows_of(found, output) if isinstance(output, torch.Tensor) else None
-                if rows is not None and output.requires_grad:
-                    sources.append((output, rows))
-            for t in trees.leaves(output):
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.dim() > 1:
-                    rows = layout.rows_for(t.shape)
-                    if isinstance(rows, Rows) and rows.kind != "shared":
-                        ends.append((path, t, rows))
+            replaced = None
+            if found is not None and isinstance(mod, torch.nn.Embedding) and isinstance(output, torch.Tensor):
+                if inputs and isinstance(inputs[0], ExampleIds) and rows_of(found, output) is not None:
+                    replaced = output.detach().requires_grad_(True)  # the examples' first rows: followed back to
+                    sources.append((replaced, rows_of(found, output)))
+            for t in trees.leaves(replaced if replaced is not None else output) if found is not None else ():
+                note(t, found)
+            if running and running[-1] == path:
+                running.pop()
+            return replaced
 
         return hook
 
     saved = _Saved(module, mapper, table)
-    handles = [m.register_forward_hook(capture(path)) for path, m in module.named_modules()]
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    handles = []
+    for path, m in module.named_modules():
+        handles += [m.register_forward_pre_hook(entering(path)), m.register_forward_hook(leaving(path))]
+    params = [p for p in module.parameters() if p.requires_grad]
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     try:
+        for p in params:  # no parameter's gradient is formed (nor an engine's hook on it run): only the rows'
+            p.requires_grad_(False)
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), layout.replay():
-            output = module(*args, **kwargs)
-        found = mapper.last_pass
-        if found is None or found.layout is None:
+            output = module(*args, **kwargs)  # (a recompute by activation checkpointing runs in here too)
+            found = mapper.last_pass
+            if found is None or found.layout is None:
+                return None
+            if key is not None and rows_of(found, main) is not None:
+                sources.insert(0, (main, rows_of(found, main)))
+            targets = [
+                (t if t.dim() > 1 else t[:, None], rows)
+                for t in trees.leaves(output)
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.dim() >= 1
+                for rows in [rows_of(found, t)]
+                if rows is not None
+            ]
+            N = found.layout.examples
+            if N < 2:
+                return "one example"
+            if not sources or not targets:
+                return None
+            for j in sorted({0, N - 1}):
+                seed = _seed(targets, j)
+                if not isinstance(seed, torch.Tensor) or not seed.requires_grad:
+                    continue
+                grads = gradients(seed, [s for s, _ in sources])
+                reached = next(
+                    (i for (_, rows), g in zip(sources, grads) for i in [reached_example(g, rows, j)] if i is not None),
+                    None,
+                )
+                if reached is not None:
+                    return _where(module, seed, points, j, reached)
             return None
-        if main is not None and main.requires_grad and rows_of(found, main) is not None:
-            sources.insert(0, (main, rows_of(found, main)))
-        targets = [
-            (t, rows)
-            for t in trees.leaves(output)
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.dim() >= 1
-            for rows in [rows_of(found, t)]
-            if rows is not None
-        ]
-        N = found.layout.examples
-        if N < 2:
-            return "one example"
-        if not sources or not targets:
-            return None
-        for j in sorted({0, N - 1}):
-            seed = _seed(targets, j)
-            if not isinstance(seed, torch.Tensor) or not seed.requires_grad:
-                continue
-            grads = torch.autograd.grad(seed, [s for s, _ in sources], retain_graph=True, allow_unused=True)
-            reached = next(
-                (i for (_, rows), g in zip(sources, grads) for i in [reached_example(g, rows, j)] if i is not None),
-                None,
-            )
-            if reached is not None:
-                return _where(module, seed, ends, j, reached)
-        return None
     finally:
+        for p in params:
+            p.requires_grad_(True)
         for handle in handles:
             handle.remove()
         saved.restore()
 
 
-def _where(module, seed, ends, j, i):
-    """(where, why) of a mixing found: example j's outputs reach example i's first rows."""
-    needed = [(path, t, rows) for path, t, rows in ends if t.requires_grad]
-    grads = torch.autograd.grad(seed, [t for _, t, _ in needed], retain_graph=True, allow_unused=True) if needed else []
-    mixed = [reached_example(g, rows, j) is not None for (_, _, rows), g in zip(needed, grads)]
-    paths = [path for path, _, _ in needed]
+def gradients(seed, tensors):
+    """The gradients of scalar `seed` with respect to `tensors` (None where it has none), by a backward with hooks
+    on them: autograd.grad(inputs=...) is refused through a reentrant activation checkpoint. Keeps the graph."""
+    found = [None] * len(tensors)
+    handles = []
+    for k, t in enumerate(tensors):
+        if t.requires_grad:
+            handles.append(
+                t.register_hook(lambda g, k=k: found.__setitem__(k, g if found[k] is None else found[k] + g))
+            )
+    try:
+        torch.autograd.backward(seed, retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for t in tensors:
+            if t.is_leaf:
+                t.grad = None
+    return found
+
+
+def _where(module, seed, points, j, i):
+    """(where, why) of a mixing found: example j's outputs reach example i's first rows. The op lies between the
+    last point of the forward (a module's input or output, in the order they happen) whose other examples' rows reach
+    example j's outputs and the next point whose do not; in the innermost module running across both."""
+    grads = gradients(seed, [t for _, t, _ in points])
+    mixed = [reached_example(g, rows, j) is not None for (_, _, rows), g in zip(points, grads)]
     last = max((k for k, m in enumerate(mixed) if m), default=None)
     after = next((k for k in range(last + 1, len(mixed)) if not mixed[k]), None) if last is not None else None
-    before_path = paths[last] if last is not None else None
-    after_path = paths[after] if after is not None else None
-    common = [p for p in (before_path, after_path) if p is not None]
-    parts = [p.split(".") if p else [] for p in common]
-    shared = []
-    for names in zip(*parts) if parts else ():
-        if len(set(names)) > 1:
-            break
-        shared.append(names[0])
-    ancestor = ".".join(shared)  # (one path inside the other: the op is in the outer one's forward)
-    owner = module.get_submodule(ancestor) if ancestor else module
+    enclosing = []  # the modules running at both points, outermost first
+    if last is not None and after is not None:
+        for outer, inner in zip(points[last][0], points[after][0]):
+            if outer != inner:
+                break
+            enclosing.append(outer)
+    path = next((p for p in reversed(enclosing) if p), "")
+    owner = module.get_submodule(path) if path else module
     label = (
-        f"{ancestor} ({own_class_name(owner)})"
-        if ancestor
-        else f"the forward of the model itself ({own_class_name(owner)})"
+        f"{path} ({own_class_name(owner)})" if path else f"the forward of the model itself ({own_class_name(owner)})"
     )
-    between = ", ".join(
-        part
-        for part in (
-            f"after {before_path or 'its input'}" if before_path is not None else None,
-            f"before {after_path}" if after_path is not None else None,
-        )
-        if part
-    )
+    at = [points[k][0][-1] if k is not None and points[k][0] else None for k in (last, after)]
+    between = ", ".join(f"{word} {p}" for word, p in zip(("after", "before"), at) if p is not None and p != path)
     mode = "training" if module.training else "eval"
     why = (
-        f"the outputs of example {j} depend on the inputs of example {i} ({between}; found by the monitor's check at "
-        f"the first step in {mode} mode, monitor/mixing.py), so no example has a gradient of its own for the layers "
-        "before that op; if it mixes only in training mode, measure in eval mode, else leave the layers before it out "
-        "of convert() (exclude=[...]); nanogns.verify(model, batch, per_example_loss) shows the numbers"
+        f"the outputs of example {j} depend on the inputs of example {i} ({'in its forward' + (', ' + between if between else '')}; "
+        f"found by running the forward in {mode} mode again and following example {j}'s outputs back, "
+        "monitor/mixing.py), so no example has a gradient of its own for the layers before that op; if it mixes only "
+        "in training mode, measure in eval mode, else leave the layers before it out of convert() (exclude=[...])"
     )
     return f"an op in {label}", why

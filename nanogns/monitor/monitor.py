@@ -133,7 +133,6 @@ class GNSMonitor:
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
         self.unconverted = dict(unconverted or {})
         self.converter = converter  # convert()'s choices, applied to layers attached later (follow)
-        self.table = buffer_table(model)
         self.untracked = {}
         self._track()
         if expect_tracked and not self.tracked and not self.approx_tracked:
@@ -163,6 +162,9 @@ class GNSMonitor:
         self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (core/uses.py)
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
+        self.table = buffer_table(model)  # (after tied.py's buffers; rebuilt now, before a forward notes any address)
+        if not self.table.current():
+            self.table.build()
         tracked_ids = {id(entry.ref.get()) for entry in self.tracked}
         others = lambda: [p.grad for p in model.parameters() if id(p) not in tracked_ids and p.grad is not None]  # noqa: E731
         self.reader = StepReader(self.table, self.tracked + self.approx_tracked, others)
