@@ -157,6 +157,12 @@ class _Kept:
                 setattr(mapper, name, type(value)(value) if isinstance(value, (dict, list)) else value)
         layout.PASSES.last = self.last
 
+    def quiet(self):
+        """Tell no monitor of the user's that the check's forwards start a step (RowMapper.start_step): one would
+        follow the cast model and keep the check's inputs for its own mixing check."""
+        for mapper, _ in self.mappers:
+            mapper.step_started = True
+
 
 _MAPPER_STATE = ("refusals", "mixing", "forwards", "last_pass", "step_started", "step_watchers", "shared")
 
@@ -241,6 +247,7 @@ def verify(
             warnings.simplefilter("always")
             for k, run_dtype in enumerate(dtypes):
                 try:
+                    kept.quiet()
                     result = _check(model, batch, per_example_loss, run_dtype, own, convert_options, converted)
                     break
                 except _ForwardFailed as e:

@@ -186,7 +186,9 @@ def test_the_users_model_is_left_as_it_was():
         "rng": torch.get_rng_state(),
         "modes": [m.training for m in model.modules()],
     }
+    pending = monitor.mixing.pending  # the inputs of the step's first forward, kept for the first step's check
     result = nanogns.verify(model, x, loss, show=False)
+    assert monitor.mixing.pending is pending and pending[1][0] is x  # not verify's (float64) inputs
     assert result.verdict == "refused" and "BatchNorm" in (result.refusal or "")  # (the batch statistics mix them)
     assert all(torch.equal(before["state"][k], v) for k, v in model.state_dict().items())
     assert {n: p.dtype for n, p in model.named_parameters()} == before["dtypes"]

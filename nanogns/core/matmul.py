@@ -109,8 +109,8 @@ def materialised_pe_grads(x, g, with_sum=True):
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
         g_chunk, x_chunk = g[start : start + n].to(dtype), x[start : start + n].to(dtype)  # no copy for float32
-        if g_chunk.requires_grad or x_chunk.requires_grad:  # a backward building a graph (create_graph=True):
-            pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk)  # out= takes no differentiable argument
+        if torch.is_grad_enabled() and (g_chunk.requires_grad or x_chunk.requires_grad):  # a backward building a
+            pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk)  # graph (create_graph=True): out= takes none
         else:
             pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
         if with_sum:

@@ -86,14 +86,15 @@ class _Saved:
         self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
         self.flats = [(f, f.clone()) for f in table.flats.values()]
         self.mapper = mapper
-        self.kept = (dict(mapper.refusals), dict(mapper.mixing), mapper.forwards, mapper.last_pass)
+        self.kept = (dict(mapper.refusals), dict(mapper.mixing), mapper.forwards, mapper.last_pass, mapper.step_started)
         self.last = layout.PASSES.last
+        mapper.step_started = True  # the check's forward starts no step: the monitors are not told of it
 
     def restore(self):
         with torch.no_grad():
             for buffer, value in self.buffers + self.flats:
                 buffer.copy_(value)
-        refusals, mixing, self.mapper.forwards, self.mapper.last_pass = self.kept
+        refusals, mixing, self.mapper.forwards, self.mapper.last_pass, self.mapper.step_started = self.kept
         self.mapper.refusals.clear()
         self.mapper.refusals.update(refusals)
         self.mapper.mixing.clear()
