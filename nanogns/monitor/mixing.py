@@ -35,7 +35,6 @@ from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Rows
 from nanogns.core.table import is_dtensor
 
-PROBED = "the first and the last"  # the examples whose outputs are followed back (EXAMPLES_PROBED)
 RELATIVE_ZERO = 1e-6  # a gradient on another example's rows below this fraction of the largest is rounding, not mixing
 
 
@@ -175,11 +174,13 @@ def _probe(module, args, kwargs, mapper, table, key):
             ((*args[:key], main, *args[key + 1 :]), kwargs) if isinstance(key, int) else (args, {**kwargs, key: main})
         )
     sources, points, running = [], [], []  # sources (tensor, rows); points (stack, tensor, rows) in forward order
+    seen = set()  # a tensor is a point where it first appears (not again in a container's output tuple)
 
     def note(t, found):
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.dim() > 1:
             rows = layout.rows_for(t.shape)
-            if isinstance(rows, Rows) and rows.kind != "shared":
+            if isinstance(rows, Rows) and rows.kind != "shared" and id(t) not in seen:
+                seen.add(id(t))
                 points.append((tuple(running), t, rows))
 
     def entering(path):
