@@ -10,6 +10,7 @@ nanogns: exact per-example gradient norms, and the gradient noise scale (GNS) ma
 
 The package, from the top of its import layers down (docs/architecture.md):
     integrations  transformers.Trainer, Lightning and Accelerate
+    verification  verify(model, batch, per_example_loss): the monitor's numbers against each example's own gradient
     engines.py    one process, DDP or FSDP2 (train.py); schedules.py: batch-size schedules and the controller
     conversion/   convert(model): a finished model's layers made per-example norm layers, checked by probes
     monitor/      GNSMonitor: a step's read, the running GNS, the record of what each parameter is
@@ -43,6 +44,8 @@ _EXPORTS = {
     "set_contextual_config": "nanogns.kinds.choice",
     "tracks_per_example_norms": "nanogns.kinds.choice",
     "zero_pe_sqnorm_buffers": "nanogns.core.buffers",
+    "verify": "nanogns.verification",
+    "Verification": "nanogns.verification",
     "LogWrapper": "nanogns.runlog.writer",
     "load_csv": "nanogns.runlog.reader",
     "RunningGNS": "nanogns.estimator",

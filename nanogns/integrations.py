@@ -23,15 +23,20 @@ example's loss (docs/log-format.md). transformers.Trainer's default loss instead
 step by their number N (`num_items_in_batch`), so h_i = (n_i / mean_j n_j) x (gradient of example i's mean token
 loss), n_i its label tokens: the two agree when every example has as many label tokens (packed, unpadded blocks).
 docs/integrations.md ("Trainers") says how to get the per-sequence mean.
+
+Each takes `verify_loss=per_example_loss` (off by default): the first step's batch is then checked with
+nanogns.verify (the monitor's numbers against each example's own gradient, a table printed on the main process, the
+result kept as `.verification`), at a cost of about B + 2 training steps of that micro-batch, in float64, once.
 """
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 import torch
 
 from nanogns.conversion.convert import convert
+from nanogns.core import trees
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
 from nanogns.core.layout import install
 from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
@@ -40,6 +45,7 @@ from nanogns.monitor import GNSMonitor
 from nanogns.runlog.lock import RunLock
 from nanogns.runlog.reader import load_csv
 from nanogns.runlog.writer import HEADER_TMP, LOG_CSV, LogWrapper
+from nanogns.verification import verify
 
 if TYPE_CHECKING:
     import accelerate
@@ -152,6 +158,8 @@ class TrainerGNSCallback(TrainerCallback):
             checkpoint's step, its earlier rows rebuilding the running GNS. It is locked while training (one
             run per directory: another is refused, in one line naming its pid).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
+        verify_loss: per_example_loss(model, inputs) -> (B,) losses (e.g. `causal_lm_losses`): the first training
+            step's inputs are checked with nanogns.verify before it runs (once; about B + 2 steps of compute).
         convert_options: keyword arguments of nanogns.convert (linearclass, exclude, ...).
     The running GNS goes to Trainer's log (`gns`) at every logging step.
 
@@ -165,11 +173,13 @@ class TrainerGNSCallback(TrainerCallback):
         trainer: "transformers.Trainer",
         out_dir: Optional[str] = None,
         ema_decay: float = 0.95,
+        verify_loss: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
         **convert_options: Any,
     ):
         if TrainerCallback is object:
             raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
         self.trainer = trainer
+        self.verify_loss, self.verification = verify_loss, None  # Optional[Verification] of the first step
         self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
         self.log = self.lock = None  # opened at on_train_begin, when Trainer knows whether it resumes
         scaler = getattr(trainer.accelerator, "scaler", None)
@@ -205,6 +215,8 @@ class TrainerGNSCallback(TrainerCallback):
         self.log, self.lock = _open_log(
             self.out_dir, self.trainer.is_world_process_zero(), self.monitor, state.global_step
         )
+        if self.verify_loss is not None and not getattr(self.trainer.training_step, "_gns_verifies", False):
+            self.trainer.training_step = self._verifying(self.trainer.training_step)
         if getattr(accelerator.clip_grad_norm_, "_gns_reads", False):
             return  # wrapped already (train() called again)
         clip = accelerator.clip_grad_norm_
@@ -217,6 +229,23 @@ class TrainerGNSCallback(TrainerCallback):
 
         clip_grad_norm_._gns_reads = True
         accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def _verifying(self, training_step):
+        """Trainer's training_step, which first checks the first step's inputs with nanogns.verify (verify_loss)."""
+
+        @functools.wraps(training_step)
+        def verified_step(model, inputs, *args, **kwargs):
+            if self.verification is None:
+                on_device = trees.map_leaves(
+                    lambda t: t.to(self.trainer.args.device) if isinstance(t, torch.Tensor) else t, dict(inputs)
+                )
+                self.verification = verify(
+                    self.trainer.model, on_device, self.verify_loss, show=self.trainer.is_world_process_zero()
+                )
+            return training_step(model, inputs, *args, **kwargs)
+
+        verified_step._gns_verifies = True
+        return verified_step
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if not self.measured:
@@ -264,16 +293,25 @@ class LightningGNSCallback(LightningCallback):
             checkpoint's step, its earlier rows rebuilding the running GNS. It is locked while training (one
             run per directory: another is refused, in one line naming its pid).
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
+        verify_loss: per_example_loss(pl_module, batch) -> (B,) losses: the first training batch is checked with
+            nanogns.verify before its step (once; about B + 2 steps of compute).
         convert_options: keyword arguments of nanogns.convert.
     The running GNS is logged with `pl_module.log("gns", ...)` every step. The log is written and the directory
     released at teardown, and at on_exception when fit raises (a later fit(ckpt_path=...) in the same process
     continues the log). Refusals raise NanoGNSError (Lightning runs on_exception, then raises it from fit).
     """
 
-    def __init__(self, out_dir: Optional[str] = None, ema_decay: float = 0.95, **convert_options: Any):
+    def __init__(
+        self,
+        out_dir: Optional[str] = None,
+        ema_decay: float = 0.95,
+        verify_loss: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
+        **convert_options: Any,
+    ):
         if LightningCallback is object:
             raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
         self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
+        self.verify_loss, self.verification = verify_loss, None  # Optional[Verification] of the first batch
         self.monitor = self.gns_log = self.lock = None  # (Lightning sets callback.log to the module's log method)
 
     def setup(self, trainer, pl_module, stage):
@@ -290,6 +328,10 @@ class LightningGNSCallback(LightningCallback):
         # trainer.global_step: 0, or the checkpoint's step under fit(ckpt_path=...), restored by now
         out_dir = self.out_dir if self.out_dir is not None else trainer.default_root_dir
         self.gns_log, self.lock = _open_log(out_dir, trainer.is_global_zero, self.monitor, trainer.global_step)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.verify_loss is not None and self.verification is None:
+            self.verification = verify(pl_module, batch, self.verify_loss, show=trainer.is_global_zero)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         row = self.monitor.step(gradients_unscaled=True)  # Lightning unscaled a GradScaler's gradients already
@@ -337,6 +379,8 @@ class AccelerateGNS:
         ema_decay: the running GNS's decay (gns-analysis.py's --alpha).
         resume_step: the optimizer step a resumed loop starts at (after accelerator.load_state): the log in
             out_dir is continued from there and its earlier rows rebuild the running GNS; 0 starts a new log.
+        verify_loss: per_example_loss(model, batch) -> (B,) losses: the batch passed to the first step(batch=...)
+            is checked with nanogns.verify (once; about B + 2 steps of compute).
         convert_options: keyword arguments of nanogns.convert.
     `step` sends the running GNS to `accelerator.log` (the trackers of accelerator.init_trackers, if any).
     """
@@ -348,9 +392,11 @@ class AccelerateGNS:
         out_dir: str = "out-accelerate",
         ema_decay: float = 0.95,
         resume_step: int = 0,
+        verify_loss: Optional[Callable[[torch.nn.Module, Any], torch.Tensor]] = None,
         **convert_options: Any,
     ):
         self.accelerator = accelerator
+        self.verify_loss, self.verification = verify_loss, None  # Optional[Verification] of the first step
         self.monitor = _monitor(accelerator.unwrap_model(model), ema_decay, accelerator.scaler, convert_options)
         self.log, self.lock = _open_log(out_dir, accelerator.is_main_process, self.monitor, resume_step)
         self.steps = resume_step
@@ -364,9 +410,18 @@ class AccelerateGNS:
     def gns(self):
         return self.monitor.gns
 
-    def step(self, gradients_unscaled: bool = False) -> Dict[str, float]:
+    def step(self, gradients_unscaled: bool = False, batch: Any = None) -> Dict[str, float]:
         """Read the step (after the last micro-batch's backward, before clipping), log it; returns the row.
-        gradients_unscaled: True when accelerator.unscale_gradients() ran before (fp16)."""
+        gradients_unscaled: True when accelerator.unscale_gradients() ran before (fp16). batch: with verify_loss,
+        the first step's batch, checked by nanogns.verify (the step's gradients are left as they are)."""
+        if self.verify_loss is not None and self.verification is None:
+            if batch is None:
+                raise ValueError(
+                    "AccelerateGNS(verify_loss=...): pass the first step's batch, monitor.step(batch=batch)"
+                )
+            self.verification = verify(
+                self.monitor.model, batch, self.verify_loss, show=self.accelerator.is_main_process
+            )
         if not self.accelerator.sync_gradients:
             raise RuntimeError(
                 "AccelerateGNS.step() inside accelerator.accumulate() before the step's last "
@@ -397,9 +452,9 @@ class AccelerateGNS:
 # the per-sequence-mean loss (docs/log-format.md's definition) for a causal LM
 
 
-def sequence_mean_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean over the sequences of each sequence's mean next-token cross-entropy (labels shifted by one, as
-    transformers' causal LM losses; `ignore_index` labels are not counted). A sequence with no label counts 0.
+def sequence_losses(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Each sequence's mean next-token cross-entropy (B,) (labels shifted by one, as transformers' causal LM losses;
+    `ignore_index` labels are not counted). A sequence with no label has 0.
 
     Args:
         logits: (B, T, V); labels: (B, T) token ids, ignore_index where no loss is wanted.
@@ -409,4 +464,18 @@ def sequence_mean_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
         logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="none"
     ).view(labels.shape)
     tokens = labels.ne(ignore_index).sum(1).clamp(min=1)  # (B,)
-    return (token_losses.sum(1) / tokens).mean()
+    return token_losses.sum(1) / tokens
+
+
+def sequence_mean_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean over the sequences of each sequence's mean next-token cross-entropy (sequence_losses)."""
+    return sequence_losses(logits, labels, ignore_index).mean()
+
+
+def causal_lm_losses(model: torch.nn.Module, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """A per_example_loss for nanogns.verify (and the trainers' verify_loss): each sequence's mean next-token loss
+    of a causal LM called with the batch's input_ids, attention_mask and position_ids (labels: the batch's, else
+    the input ids)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    labels = batch["labels"] if "labels" in batch else batch["input_ids"]
+    return sequence_losses(model(**inputs).logits, labels)

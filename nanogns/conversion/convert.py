@@ -385,6 +385,20 @@ def owns_untracked_parameters(module):
     return bool(own) and not any(n.endswith(BUFFER_SUFFIX) for n in module._buffers)
 
 
+def attached_converter(choice, treat_as=None, exclude=()):
+    """The converter of a monitor made by convert(): layers attached to the model later (a task head, a resized
+    embedding's new module) are converted with the same choices when the monitor notices them (GNSMonitor.follow),
+    before their first forward; returns {path: why} of those left as they are."""
+
+    def convert_attached(model, attached):
+        conversion = Conversion(choice, treat_as, exclude)
+        for path, module, parent in attached:  # each (path, module, parent) is the top of a subtree attached since
+            conversion.visit(module, path, parent, model)
+        return conversion.unconverted
+
+    return convert_attached
+
+
 def check_choice(choice):
     """Raise ValueError, naming the choices, for a variant name no kind of its key offers."""
     for key, name in choice.items():
@@ -438,4 +452,5 @@ def convert(
     if unconverted:
         listing = "; ".join(f"{path or '(the model itself)'}: {reason}" for path, reason in unconverted.items())
         warnings.warn(f"convert(): {len(unconverted)} module(s) not converted, their parameters not tracked: {listing}")
-    return GNSMonitor(model, **{"expect_tracked": False, "unconverted": unconverted, **monitor})
+    converter = attached_converter(choice, treat_as, exclude)  # for layers attached later (GNSMonitor.follow)
+    return GNSMonitor(model, **{"expect_tracked": False, "unconverted": unconverted, "converter": converter, **monitor})

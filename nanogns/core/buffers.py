@@ -69,8 +69,9 @@ def add_pe_sqnorm(buffer, pe_sqnorm, counted=True):
     if buffer is None:
         return
     total = pe_sqnorm.sum()
-    if total.requires_grad:  # a backward that builds a graph (create_graph=True): the buffer takes the value only
-        total = total.detach()
+    if total.requires_grad:  # a backward that builds a graph (create_graph=True) ran through the layer: refused
+        refuse_step(CREATE_GRAPH, (buffer,))
+        return
     if total.dtype != buffer.dtype:
         total = total.to(buffer.dtype)
     buffer[0].add_(total)  # in place on the views: 2 ops each, no copy back
@@ -160,6 +161,21 @@ class PerExampleNormLayer:
         return rows_or_refuse(x, tuple(buffers), params, lookup, module=self)
 
 
+# why a step whose backward built a graph (add_pe_sqnorm sees norms that require a gradient) is not measured
+CREATE_GRAPH = (
+    "a backward with create_graph=True ran through its layer (a gradient penalty such as R1, a Hessian-vector "
+    "product, a meta-learning inner step): the part of the parameters' gradient that flows back through the graph it "
+    "built passes no per-example layer, so no example's own gradient is known; measure the steps without it (a "
+    "penalty applied every k steps: call zero_pe_sqnorm_buffers(model) instead of monitor.step on those steps)"
+)
+# why a forward under a torch.func transform is not measured (rows_or_refuse)
+FUNCTORCH = (
+    "it ran under a torch.func transform (grad, grad_and_value, vjp, jacrev, vmap): the gradients a transform returns "
+    "pass no per-example layer and are not the parameters' .grad; measure a step whose gradients come from "
+    "loss.backward() (a forward by torch.func.functional_call is fine), and call zero_pe_sqnorm_buffers(model) after "
+    "a transform run beside the step"
+)
+
 SHARED_INPUT = (
     "its input has one row for the forward's {} examples (shape {}), broadcast over the batch afterwards, and no "
     "table shared by the examples leads to it (core/shared.py follows those an Embedding looks up); if it is an "
@@ -181,6 +197,10 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
         )
         return None, tuple(None for _ in buffers)
     if getattr(type(x), "pe_shared", False) or layout.replaying():  # a table, or a module's replay (replay.py)
+        return None, tuple(None for _ in buffers)
+    if torch._C._are_functorch_transforms_active():  # (autograd.Function.apply asks the same, then fails)
+        with torch._C._DisableFuncTorch():  # the buffers are no tensors of the transform's: written as they are
+            refuse_step(FUNCTORCH, buffers)
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's

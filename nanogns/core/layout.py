@@ -107,6 +107,9 @@ def install(
     read = (lambda args, kwargs: layout_of_inputs(args, kwargs, model)) if layout_of is layout_of_inputs else layout_of
 
     def start(module, args, kwargs):
+        if not torch.compiler.is_compiling() and not mapper.step_started and mapper.step_watchers:
+            mapper.start_step(module, args, kwargs)  # the monitor follows the model, before its layers run
+            mapper.step_started = torch.is_grad_enabled()  # (an evaluation's forward does not start the step)
         found = read(args, kwargs)
         tagged = None
         if found is not None and mapper.tags_ids and torch.is_grad_enabled() and not torch.compiler.is_compiling():

@@ -34,7 +34,9 @@ class RowMapper:
         self.last_pass = None  # the last forward with gradients (its uses are finished before the next one)
         self.forwards = 0  # root forwards since the monitor's last read (none: the layers ran outside the model's)
         self.layouts = []  # the Layouts of those forwards with gradients (what a count error says it observed)
-        self.watches_batch_statistics = False  # kinds/batchnorm.py's hooks note its mixing forwards
+        self.watched_norms = set()  # ids of the batch-statistics norms whose mixing forwards are noted (batchnorm.py)
+        self.step_watchers = []  # weak references to the monitors told of each step's first forward (start_step)
+        self.step_started = False  # a forward with gradients ran since the monitor's last read
         self.tags_ids = True  # the root's ids are tagged (core/ids.py); False: none are, as under torch.compile
 
     def note_refusal(self, reason, buffers):
@@ -56,6 +58,21 @@ class RowMapper:
         self.mixing.clear()
         self.forwards = 0
         self.layouts.clear()
+        self.step_started = False
+
+    def watch_steps(self, watcher):
+        """Call watcher.at_step_start(module, args, kwargs) at the first forward of every step (held weakly)."""
+        self.step_watchers.append(weakref.ref(watcher))
+
+    def start_step(self, module, args, kwargs):
+        """Tell the watchers (GNSMonitor.at_step_start) that a root forward begins before any with gradients has run
+        this step (core/layout.py's root pre-hook calls it, until one with gradients has)."""
+        for ref in list(self.step_watchers):
+            watcher = ref()
+            if watcher is None:
+                self.step_watchers.remove(ref)
+            else:
+                watcher.at_step_start(module, args, kwargs)
 
     @property
     def model(self):

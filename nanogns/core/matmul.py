@@ -109,7 +109,10 @@ def materialised_pe_grads(x, g, with_sum=True):
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
         g_chunk, x_chunk = g[start : start + n].to(dtype), x[start : start + n].to(dtype)  # no copy for float32
-        pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
+        if torch.is_grad_enabled() and (g_chunk.requires_grad or x_chunk.requires_grad):  # a backward building a
+            pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk)  # graph (create_graph=True): out= takes none
+        else:
+            pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
         if with_sum:
             chunk_sum = pe_grad.sum(dim=0)
             grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)

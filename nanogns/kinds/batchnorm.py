@@ -41,12 +41,10 @@ def uses_batch_statistics(module):
 
 def watch(model, mapper):
     """Note in `mapper` (the model's RowMapper) every forward, within one of the model's own forwards, of a
-    BatchNorm that uses the batch's statistics; idempotent. The monitor refuses such a step."""
-    if mapper.watches_batch_statistics:
-        return
-    mapper.watches_batch_statistics = True
+    BatchNorm that uses the batch's statistics; idempotent (each norm is hooked once). The monitor refuses such a step."""
     for path, module in model.named_modules():
-        if isinstance(module, _BatchNorm):
+        if isinstance(module, _BatchNorm) and id(module) not in mapper.watched_norms:
+            mapper.watched_norms.add(id(module))  # (a norm attached later is watched when the monitor follows)
             module.register_forward_pre_hook(_note(path or type(module).__name__, mapper))
 
 

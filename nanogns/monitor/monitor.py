@@ -15,7 +15,9 @@ Which parameters are tracked: every trainable one whose layer keeps a
 `<name>_pe_sqnorm` buffer (find_tracked_parameters). The others are listed in
 `monitor.untracked` with the reason; frozen parameters (requires_grad=False) are never
 measurements. Parameters are looked up on their modules at every read, so a model
-sharded after the monitor was made (FSDP2) is read correctly.
+sharded after the monitor was made (FSDP2) is read correctly, and the monitor follows
+the model (following.py): a head attached, an embedding resized, a block unfrozen or
+frozen after it was made are noticed at the next step, measured or listed with the reason.
 
 A step is read in a handful of ops whatever the model's size (StepReader): every
 buffer is a view of one flat tensor (BufferTable), the gradients' norms come from
@@ -27,6 +29,7 @@ share of the B examples (so unequal shares are exact).
 """
 
 import math
+import os
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Union
 
@@ -38,6 +41,8 @@ from nanogns.core.layout import install
 from nanogns.core.module_state import state_of
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
+from nanogns.monitor.following import ModelShape, changes, describe_changes
+from nanogns.monitor.mixing import MixingCheck
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
 from nanogns.monitor.tracked import (
     Measurement,
@@ -100,6 +105,13 @@ class GNSMonitor:
         out_dir: where to write the record when `log` has no out_dir.
         expect_tracked: raise when no parameter records per-example norms (convert() passes False: it says why).
         unconverted: {module path: why} of the modules convert() left as they were (its report).
+        check_mixing: at the first step in each training mode, check that no example's outputs depend on another
+            example's inputs (monitor/mixing.py: one more forward and two backward passes, once), and refuse the
+            steps of a forward that mixes them, as a BatchNorm's.
+        converter: converter(model, [(path, module, parent)]) -> {path: why not}, converting layers attached after
+            the monitor was made (convert() passes its choices); without one they are listed in `untracked`.
+    The monitor follows the model (`follow`, monitor/following.py): parameters added, removed, resized, frozen or
+    unfrozen later are noticed at the next step, measured or listed in `untracked`, and named in one warning.
     Under torch.distributed every rank must call `step` (it all-reduces once).
     `state_dict()` / `load_state_dict()` carry the running GNS and the counters across a resume.
     """
@@ -114,25 +126,24 @@ class GNSMonitor:
         out_dir: Optional[str] = None,
         expect_tracked: bool = True,
         unconverted: Optional[Dict[str, str]] = None,
+        check_mixing: bool = True,
+        converter: Optional[Callable[[nn.Module, list], Dict[str, str]]] = None,
     ):
         self._warned = set()  # parameters warned about (once each)
         self.row_map = install(model)  # each forward's examples, read by every layer (core/layout.py)
-        batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
         self.model, self.log, self.scaler, self.prefix = model, log, scaler, prefix
-        self.tracked, self.untracked = find_tracked_parameters(model)
-        self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (core/uses.py)
-        self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self.unconverted = dict(unconverted or {})
+        self.converter = converter  # convert()'s choices, applied to layers attached later (follow)
+        self.untracked = {}
+        self._track()
         if expect_tracked and not self.tracked and not self.approx_tracked:
             raise ValueError(
                 f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
                 "it first (nanogns.convert(model)) or build it with per-example norm layer classes"
             )
-        self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
-        self.table = buffer_table(model)
-        tracked_ids = {id(entry.ref.get()) for entry in self.tracked}
-        others = lambda: [p.grad for p in model.parameters() if id(p) not in tracked_ids and p.grad is not None]  # noqa: E731
-        self.reader = StepReader(self.table, self.tracked + self.approx_tracked, others)
+        self.shape = ModelShape(model)  # the parameters as last looked at (follow)
+        self.mixing = MixingCheck() if check_mixing else None  # the first step's check, per training mode
+        self.row_map.watch_steps(self)  # at_step_start at the first forward of every step
         self.running = RunningGNS(decay=ema_decay)
         self.measurements = []  # the last step's exact Measurements (e.g. for a GNS over some of the parameters)
         self.approx_measurements = []  # and its SOGNS ones
@@ -141,10 +152,71 @@ class GNSMonitor:
         self._counts = {}  # {logged name: the count of examples its buffer recorded} of the last step read
         self.write_record(out_dir if out_dir is not None else getattr(log, "out_dir", None))
 
+    def _track(self):
+        """What is measured, found from the model as it is now: the tracked tensors and the reasons of the others
+        (those found used twice per forward keep theirs), the tensors several modules record, the step's reader."""
+        model = self.model
+        batchnorm.watch(model, self.row_map)  # a forward normalising with the batch's statistics is refused
+        dropped = {name: reason for name, reason in self.untracked.items() if reason.startswith("used")}
+        self.tracked, self.untracked = find_tracked_parameters(model)
+        names = {entry.name for entry in self.tracked}
+        self.untracked.update({name: reason for name, reason in dropped.items() if name in names})
+        self.row_map.shared = shared_tensors(self.tracked)  # tensors several modules record (core/uses.py)
+        self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
+        self._warn_once({name: reason for name, reason in self.untracked.items() if reason.startswith("tied")})
+        self.table = buffer_table(model)  # (after tied.py's buffers; rebuilt now, before a forward notes any address)
+        if not self.table.current():
+            self.table.build()
+        tracked_ids = {id(entry.ref.get()) for entry in self.tracked}
+        others = lambda: [p.grad for p in model.parameters() if id(p) not in tracked_ids and p.grad is not None]  # noqa: E731
+        self.reader = StepReader(self.table, self.tracked + self.approx_tracked, others)
+
+    def follow(self) -> None:
+        """Measure the model as it is now (monitor/following.py): when parameters were added, removed, resized,
+        frozen or unfrozen since the monitor last looked, the layers attached since are converted (by a monitor that
+        convert() made, with its choices), what is measured is found again, and one warning says what changed and
+        whether each parameter is measured; `untracked` gives the reason of every one that is not. A check in C
+        when nothing changed; at the first forward of each step and at each read."""
+        if self.shape.same():
+            return
+        attached = self.shape.added_modules()
+        if attached and self.converter is not None:  # converted before their first forward runs
+            self.unconverted.update(self.converter(self.model, attached))
+        before = self.shape.parameters
+        self._track()
+        self.shape.take()
+        paths = {path for path, _ in self.model.named_modules()}
+        self.unconverted = {path: why for path, why in self.unconverted.items() if path in paths}
+        found = changes(before, self.shape.parameters)
+        if not found:  # the same names and shapes (an engine's new parameter objects, FSDP2's)
+            return
+        step = self.step_count
+        for name in found.added:
+            if name in self.untracked:
+                self.untracked[name] = f"attached after step {step}: {self.untracked[name]}"
+        warnings.warn(describe_changes(found, {entry.name for entry in self.tracked}, self.untracked, step))
+        if self.record_path:  # what each parameter is, the ones measured from now on added
+            self.write_record(os.path.dirname(self.record_path))
+
+    def at_step_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Called by the root's pre-hook at the first forward of each step (core/mapper.py:RowMapper.start_step):
+        the monitor follows the model before its layers run, and the first step keeps the forward's inputs for the
+        mixing check (monitor/mixing.py). A model the monitor cannot measure as it now is (sharded by tensor
+        parallelism after the monitor was made) is refused when the step is read, where the caller expects it, not
+        in the middle of the model's forward: follow() runs again there and raises the same refusal."""
+        try:
+            self.follow()
+        except ValueError:
+            pass
+        if self.mixing is not None:
+            self.mixing.note_inputs(module, args, kwargs)
+
     def write_record(self, out_dir: Optional[str]) -> None:
-        """Write out_dir/PARAMETERS_JSON, what each tracked parameter is (nothing when out_dir is None)."""
+        """Write out_dir/PARAMETERS_JSON, what each tracked parameter is (nothing when out_dir is None); a
+        parameter measured earlier in the run stays in it."""
         if out_dir:
-            self.record_path = write_parameter_record(out_dir, self.describe())
+            self._recorded = {**getattr(self, "_recorded", {}), **self.describe()}
+            self.record_path = write_parameter_record(out_dir, self._recorded)
 
     def _warn_once(self, reasons):
         """Warn about each parameter once."""
@@ -219,13 +291,17 @@ class GNSMonitor:
         Raises ValueError when a buffer's count of examples is not batch_size (or a forward's rows could not be
         mapped to its examples), when a parameter whose layer recorded examples has no gradient, and when one
         with a gradient had no example recorded."""
+        self.follow()  # parameters added, removed, resized, frozen or unfrozen since the last look
+        self.row_map.finish()  # what the last forward's uses left pending (core/uses.py)
+        if self.mixing is not None:  # the first step in a training mode: examples mixed by an op of the forward
+            self.mixing.run(self.row_map, self.table)
+            self.mixing.note(self.row_map)
         if self.row_map.mixing:  # every rank's model mixes alike: each refuses here, before the all-reduce
             (layer, why), *others = self.row_map.mixing.items()
             raise ValueError(
                 f"GNS: this step is not measured: {layer} mixes the examples of the batch: {why}"
                 + (f" (and {len(others)} more such layers)" if others else "")
             )
-        self.row_map.finish()  # what the last forward's uses left pending (core/uses.py)
         scaler_on = self._scaler_on()
         values, finite, no_grad = self.reader.read(scaler_on)
         self.step_count += 1
@@ -329,8 +405,7 @@ class GNSMonitor:
             raise ValueError(
                 f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
                 f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
-                f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
-                f"the monitor was made, make the monitor again (frozen parameters are not tracked)"
+                f"after the last backward and before optimizer.zero_grad()"
             )
         if exact and name in self.untracked:
             return False  # stopped being measured at an earlier step

@@ -113,10 +113,11 @@ class StepReader:
         self._built_for = self.table.views
         return self._indices
 
-    def read(self, scaler_on=False):
+    def read(self, scaler_on=False, across_ranks=True):
         """(values (n, 3) float64 numpy array: ||grad||^2, sum of the buffers' sums over all ranks, examples counted;
         all gradients finite (computed only when scaler_on, else True); names of tracked tensors without a gradient).
-        The sums are those of the local backward's per-example contributions, added over the ranks."""
+        The sums are those of the local backward's per-example contributions, added over the ranks (this rank's
+        alone when not across_ranks: nanogns.verify's check of one rank's batch)."""
         if not self.table.current():
             self.table.build()
         indices = self.indices()
@@ -141,7 +142,7 @@ class StepReader:
                 parts.append(others_whole.sum().reshape(1).float())
                 parts += [others_shard.sum().reshape(1).float()] if others_shard is not None else []
         reduced = torch.cat(parts)
-        if world_size() > 1:
+        if across_ranks and world_size() > 1:
             torch.distributed.all_reduce(reduced)
         values = torch.cat([whole_sq, reduced.double()]).cpu().numpy()  # the one host sync
         grad_sq = values[:n] + (values[3 * n : 4 * n] if shard_sq is not None else 0.0)

@@ -15,6 +15,8 @@ import sys
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from nanogns.core import layout
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "examples"))
@@ -32,7 +34,8 @@ def run(name, argv):
     records = {"forwards": [], "clipped": []}
 
     def record(module, args, kwargs):
-        if torch.is_grad_enabled() and module.training:
+        # (the monitor's mixing check runs the first step's forward again inside layout.replay(): not a step's)
+        if torch.is_grad_enabled() and module.training and not layout.replaying():
             records["forwards"].append(
                 {
                     "inputs": {k: v.detach().clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)},
