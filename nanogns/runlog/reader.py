@@ -17,8 +17,11 @@ df.attrs (and a LogSource's fields) say where the rows come from, for messages:
 it; a chunk's index counts rows from 0, so row i is on line first_line + i) and
 "cut_line" (the end of a last line that was dropped, or None).
 
-A file that is not a text CSV log (a binary file, a row with more cells than the
-header) raises ValueError naming the file.
+A log saved again by a spreadsheet or an editor is read as written: a UTF-8 byte
+order mark is skipped (a spreadsheet's "CSV UTF-8"), lines ended by CR LF are lines;
+UTF-16 or UTF-32 text is refused in one line giving the command that converts it
+(runlog/encoding.py). A file that is not a text CSV log (a binary file, a row with
+more cells than the header) raises ValueError naming the file.
 """
 
 import csv
@@ -28,6 +31,7 @@ from typing import Iterator, List, Optional, Sequence
 
 import pandas as pd
 
+from nanogns.runlog.encoding import text_start
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
 CHUNK_ROWS = 2000  # rows per piece: a few MB of a wide log, whatever its length
@@ -128,8 +132,10 @@ class LogSource:
 
 def _header(path):
     """The column names on the first line of `path` and the byte offset after it (None when the first line is not
-    complete)."""
+    complete). A UTF-8 byte order mark before it is skipped; UTF-16 or UTF-32 text is refused (ValueError)."""
+    start = text_start(path)
     with open(path, "rb") as f:
+        f.seek(start)
         first = f.readline(1 << 24)
     try:
         text = first.decode("utf-8")
@@ -141,8 +147,8 @@ def _header(path):
     if "\x00" in text:
         raise _not_text(path, ValueError("a NUL byte in its first line"))
     if not first.endswith(b"\n"):
-        return None, len(first)
-    return next(csv.reader([text]), []), len(first)
+        return None, start + len(first)
+    return next(csv.reader([text]), []), start + len(first)
 
 
 def log_source(out_dir: str) -> LogSource:
@@ -159,9 +165,10 @@ def log_source(out_dir: str) -> LogSource:
         columns, _ = _header(header_path)
         if not columns:
             raise ValueError(f"{header_path} is empty: the run has not logged anything yet")
-        path, start, first_line = data_path, 0, 1
+        path, first_line = data_path, 1
         if not os.path.exists(data_path):
             raise ValueError(f"{data_path} has no rows: the run has not logged a step yet")
+        start = text_start(data_path)
     elif os.path.exists(log_path):
         columns, start = _header(log_path)
         if columns is None:

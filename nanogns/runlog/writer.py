@@ -75,6 +75,7 @@ import sys
 from typing import Any, Callable, Dict, Optional
 
 from nanogns.errors import LogNotContinuable, WriteFailed
+from nanogns.runlog.encoding import text_start
 
 HEADER_TMP = "log_header.csv.tmp"
 DATA_TMP = "log_data.csv.tmp"
@@ -115,11 +116,13 @@ def _write_atomic(path, text):
 
 
 def _rows(lines):
-    """(line, its step) for each complete, non-empty row of a log's lines; a last line cut off (no trailing newline)
-    is not a row. One line at a time: memory does not grow with the log."""
+    """(line, its step) for each complete, non-empty row of a log's lines, ended by LF (a CR before it dropped); a
+    last line cut off (no trailing newline) is not a row. One line at a time: memory does not grow with the log."""
     for line in lines:
         if not line.endswith("\n"):
             return
+        if line.endswith("\r\n"):  # a log saved again with Windows line ends
+            line = line[:-2] + "\n"
         if line.strip():
             try:
                 step = int(float(line.split(",", 1)[0]))  # the step: an integer, never quoted
@@ -135,7 +138,8 @@ def _padded(line, width):
 
 
 class _Replacement:
-    """A file written beside `path` and moved over it at commit() (fsync'd first): a kill meanwhile keeps the old."""
+    """A file written beside `path` and moved over it at commit() (fsync'd first): a kill meanwhile keeps the old;
+    abort() removes it, leaving the old as it was."""
 
     def __init__(self, path):
         self.path = path
@@ -146,6 +150,11 @@ class _Replacement:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.path + ".writing", self.path)
+
+    def abort(self):
+        self.file.close()
+        with contextlib.suppress(OSError):
+            os.remove(self.path + ".writing")
 
 
 class LogWrapper:
@@ -184,15 +193,15 @@ class LogWrapper:
         if out_dir is not None:
             with self._writing(out_dir):
                 os.makedirs(out_dir, exist_ok=True)
-            if config is not None:
-                with self._writing(self._path(CONFIG_JSON)):
-                    _write_atomic(self._path(CONFIG_JSON), json.dumps(config, indent=2, default=str) + "\n")
             with self._writing(self._path(DATA_TMP)):
                 # data first: a kill between the two leaves the old header (or log.csv) with the same columns
-                if resume:
+                if resume:  # and before config.json: a log that cannot be continued is refused with nothing changed
                     self._continue(int(resume_step) if resume_step is not None else None)
                 else:
                     _write_atomic(self._path(DATA_TMP), "")
+            if config is not None:
+                with self._writing(self._path(CONFIG_JSON)):
+                    _write_atomic(self._path(CONFIG_JSON), json.dumps(config, indent=2, default=str) + "\n")
             with self._writing(self._path(HEADER_TMP)):
                 _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
                 self._data = open(self._path(DATA_TMP), "a", newline="")
@@ -249,38 +258,57 @@ class LogWrapper:
                 self.step_count = resume_step
             return
         header_path, data_path = source
-        with open(header_path, newline="") as header:
-            first = header.readline()
-            columns = next(csv.reader([first]), None) if first.endswith("\n") else None
-            if columns:
-                if columns[0] != "step":
-                    raise LogNotContinuable(
-                        f"cannot continue the log {header_path}: its first column is {columns[0][:40]!r}, not step "
-                        "(not a log this package wrote); move it away to start the log afresh"
-                    )
-                self.columns = columns
-            lines = open(data_path, newline="") if data_path else header  # log.csv: its rows follow its header
-            aside, last, last_kept, n_aside = None, None, -1, 0
+        for path in filter(None, source):  # a log saved again as UTF-16 (say) is refused before anything is written
             try:
-                for line, step in _rows(lines if columns else []):
-                    last = step
-                    if resume_step is None or step < resume_step:
-                        data.file.write(line)
-                        last_kept = step
-                        continue
-                    if aside is None:
-                        aside = _Replacement(self._aside_path(resume_step))
-                        aside.file.write(_csv_line(self.columns))
-                    aside.file.write(_padded(line, len(self.columns)))
-                    n_aside += 1
+                text_start(path)
             except ValueError as e:
+                data.abort()
+                raise LogNotContinuable(f"cannot continue the log: {e}") from None
+        aside, last, last_kept, n_aside = None, None, -1, 0
+        try:
+            # utf-8-sig: a byte order mark a spreadsheet put before the header is not part of the column `step`
+            with open(header_path, newline="", encoding="utf-8-sig") as header:
+                first = header.readline()
+                columns = next(csv.reader([first]), None) if first.endswith("\n") else None
+                if columns:
+                    if columns[0] != "step":
+                        raise LogNotContinuable(
+                            f"cannot continue the log {header_path}: its first column is {columns[0][:40]!r}, not "
+                            "step (not a log this package wrote); move it away to start the log afresh"
+                        )
+                    self.columns = columns
+                # log.csv: its rows follow its header
+                lines = open(data_path, newline="", encoding="utf-8-sig") if data_path else header
+                try:
+                    for line, step in _rows(lines if columns else []):
+                        last = step
+                        if resume_step is None or step < resume_step:
+                            data.file.write(line)
+                            last_kept = step
+                            continue
+                        if aside is None:
+                            aside = _Replacement(self._aside_path(resume_step))
+                            aside.file.write(_csv_line(self.columns))
+                        aside.file.write(_padded(line, len(self.columns)))
+                        n_aside += 1
+                finally:
+                    if lines is not header:
+                        lines.close()
+        except (LogNotContinuable, ValueError, UnicodeDecodeError) as e:  # nothing written stays: the log as it was
+            for replacement in filter(None, (data, aside)):
+                replacement.abort()
+            if isinstance(e, LogNotContinuable):
+                raise
+            if isinstance(e, UnicodeDecodeError):
                 raise LogNotContinuable(
-                    f"cannot continue the log in {self.out_dir}: a row of {lines.name} has no step number "
-                    f"in its first cell ({str(e)!r}); repair or move the file"
+                    f"cannot continue the log {data_path or header_path}: it holds bytes that are not UTF-8 "
+                    f"({e.object[e.start : e.start + 4]!r}), the text a log is written in; save it again as UTF-8 "
+                    '("CSV UTF-8"), or move it away to start the log afresh'
                 ) from None
-            finally:
-                if lines is not header:
-                    lines.close()
+            raise LogNotContinuable(
+                f"cannot continue the log in {self.out_dir}: a row of {data_path or header_path} has no step number "
+                f"in its first cell ({str(e)!r}); repair or move the file"
+            ) from None
         if aside is not None:  # side file first: a kill before the data's commit keeps every row somewhere
             aside.commit()
             print(f"log: {n_aside} row(s) written after the checkpoint (step >= {resume_step}) moved to {aside.path}")
