@@ -2,6 +2,7 @@
 Read the CSV log that tracker.LogWrapper writes, finished or not.
 
     df = load_csv(out_dir)                         # pandas DataFrame, one row per logged step
+    row = last_row_of_step(out_dir, step)          # {column: cell text} of the step's last row, or None
     source = log_source(out_dir)                   # or in pieces, memory not growing with the log:
     for chunk in source.chunks(usecols=[...]):     #   DataFrames of up to CHUNK_ROWS rows, the chosen columns
         ...
@@ -27,7 +28,7 @@ more cells than the header) raises ValueError naming the file.
 import csv
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pandas as pd
 
@@ -67,6 +68,13 @@ class _Bytes:
         self.file = open(path, "rb")
         self.file.seek(start)
         self.left = limit
+
+    def readline(self):
+        if self.left <= 0:
+            return b""
+        line = self.file.readline(self.left)
+        self.left -= len(line)
+        return line
 
     def read(self, size=-1):
         if self.left <= 0:
@@ -218,3 +226,34 @@ def load_csv(out_dir: str) -> pd.DataFrame:
     chunks = list(source.chunks())
     df = pd.concat(chunks) if chunks else pd.DataFrame(columns=source.columns)
     return _described(df, source)
+
+
+def last_row_of_step(out_dir: str, step: int) -> Optional[Dict[str, str]]:
+    """The cells ({column: text}) of the last row logged for `step` (a resume's rewrite may repeat a step), or None
+    when the log has no such row (or no row at all). One line at a time: memory does not grow with the log.
+
+    Raises:
+        FileNotFoundError: no log in out_dir.
+        ValueError: the log is not a text CSV log (the message names the file).
+    """
+    try:
+        source = log_source(out_dir)
+    except ValueError as e:
+        if "no rows" in str(e):
+            return None
+        raise
+    prefix, found = f"{step},".encode(), None
+    stream = _Bytes(source.path, source.start, source.end - source.start)
+    try:
+        for line in iter(stream.readline, b""):
+            if line.startswith(prefix):
+                found = line
+    finally:
+        stream.close()
+    if found is None:
+        return None
+    try:
+        cells = next(csv.reader([found.decode("utf-8")]), [])
+    except UnicodeDecodeError as e:
+        raise _not_text(source.path, e) from None
+    return dict(zip(source.columns, cells))
