@@ -405,7 +405,7 @@ def test_a_log_whose_lines_end_in_a_carriage_return_alone_is_one_line(run, tmp_p
 FULL_DISK = """
 import resource, sys
 sys.argv = ["gns-analysis.py", sys.argv[1], "--no-plots"]
-resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))  # files stop growing at 4 kB, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # files stop growing at 1 kB, as on a full disk
 from nanogns.analysis.cli import main
 sys.exit(main())
 """

@@ -160,7 +160,9 @@ def main(argv=None):
         "ones when the log has them (default: train/sogns)",
     )
     parser.add_argument(
-        "--no-plots", action="store_true", help="skip the terminal plots (PNG figures are always written)"
+        "--no-plots",
+        action="store_true",
+        help="no plots: neither the terminal plots nor the PNG figures (gns_analysis.csv is written)",
     )
     parser.add_argument(
         "--output-dir",
@@ -198,7 +200,8 @@ def main(argv=None):
             print(f"\n{note}")
         if not args.no_plots and HAS_PLOTILLE:
             print_plots(results)
-        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB else []  # without the plot extra: the CSV alone
+        # without the plot extra, or with --no-plots: the CSV alone
+        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB and not args.no_plots else []
         output_path = os.path.join(output_dir, "gns_analysis.csv")
         _write_csv(results, output_path)  # last: a write that fails before it leaves no results file
     except OSError as e:  # a full disk, an unwritable --output-dir
@@ -214,7 +217,10 @@ def main(argv=None):
     print(f"Detailed results saved to: {output_path}")
     missing = [
         name
-        for name, found in (("plotille", HAS_PLOTILLE or args.no_plots), ("matplotlib", HAS_MATPLOTLIB))
+        for name, found in (
+            ("plotille", HAS_PLOTILLE or args.no_plots),
+            ("matplotlib", HAS_MATPLOTLIB or args.no_plots),
+        )
         if not found
     ]
     if missing:

@@ -6,7 +6,8 @@ Terminal plots of any logged metric, and the plotting helper gns-analysis.py sha
     python plot.py OUT_DIR lr --png lr.png                   # also save a PNG (matplotlib)
 
 Reads finished, running and killed runs alike (nanogns.load_csv). Points whose
-x or y is missing or non-finite are left out.
+x or y is missing or non-finite are left out; a series longer than MAX_POINTS is
+drawn decimated (each run of points keeps its lowest and highest value).
 """
 
 import argparse
@@ -35,6 +36,28 @@ def _finite_pairs(x, y):
     return x[keep], y[keep]
 
 
+MAX_POINTS = 4000  # drawn per series: a PNG is 840 pixels wide, a terminal plot 160 dots; a long run has 10^5+ steps
+
+
+def decimated(x, y, points=MAX_POINTS, scatter=False):
+    """(x, y) cut to at most `points` points, drawing the same picture: for a line, each of points / 2 runs of
+    consecutive points keeps its lowest and its highest y, in their order (the line's envelope is the whole
+    series'); for a scatter, points spread evenly over the series. Memory and time of a plot then follow the
+    figure's size, not the run's length."""
+    n = len(x)
+    if n <= points:
+        return x, y
+    if scatter:
+        keep = np.unique(np.linspace(0, n - 1, points).round().astype(np.int64))
+        return x[keep], y[keep]
+    runs = points // 2
+    size = -(-n // runs)  # ceil: `runs` runs of `size` points, the last one padded with its last point
+    padded = np.concatenate([y, np.full(runs * size - n, y[-1])]).reshape(runs, size)
+    first = np.arange(runs) * size
+    keep = np.unique(np.minimum(np.r_[first + padded.argmin(axis=1), first + padded.argmax(axis=1)], n - 1))
+    return x[keep], y[keep]
+
+
 def _limits(values):
     lo, hi = float(np.min(values)), float(np.max(values))
     if lo == hi:  # plotille needs min < max
@@ -55,7 +78,7 @@ def terminal_plot(series, x_label="x", y_label="y", scatter=False, width=80, hei
     """
     import plotille
 
-    pairs = [(label, *_finite_pairs(x, y)) for label, x, y in series]
+    pairs = [(label, *decimated(*_finite_pairs(x, y), scatter=scatter)) for label, x, y in series]
     empty = [label for label, x, _ in pairs if not len(x)]
     note = f"\n(no finite points, not drawn: {', '.join(empty)})" if empty else ""
     pairs = [(label, x, y) for label, x, y in pairs if len(x)]
@@ -82,7 +105,7 @@ def save_png(path, series, x_label="x", y_label="y", title=None, scatter=False, 
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, x, y in series:
-        x, y = _finite_pairs(x, y)
+        x, y = decimated(*_finite_pairs(x, y), scatter=scatter)
         if scatter:
             ax.scatter(x, y, s=6, label=label)
         else:
