@@ -54,6 +54,7 @@ _EXPORTS = {
     "WriteFailed": "nanogns.errors",
     "LogNotContinuable": "nanogns.errors",
     "CheckpointNotUsable": "nanogns.errors",
+    "StepNotMeasured": "nanogns.errors",
 }
 
 __all__ = sorted(_EXPORTS)

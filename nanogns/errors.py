@@ -20,6 +20,10 @@ line on stderr and a non-zero exit code; a notebook or a loop over several train
                               is not `step`). Also a ValueError
       CheckpointNotUsable     a checkpoint a resume (or sample.py) cannot use: missing, damaged, holding more than
                               data, or with model_args that build no model. Also a ValueError
+      StepNotMeasured         GNSMonitor.step refused the step (a batch size the layers did not count, a batch of
+                              one, no backward since the last step, a parameter with no gradient, a layer that
+                              mixes the examples, rows it cannot map, the log's previous row not written). Also a
+                              ValueError, as these were before
 
 No import here: the log, the analysis and the scripts raise these without torch.
 """
@@ -76,3 +80,8 @@ class LogNotContinuable(NanoGNSError, ValueError):
 
 class CheckpointNotUsable(NanoGNSError, ValueError):
     """A checkpoint cannot be used (the message names the file, what is wrong and what to do)."""
+
+
+class StepNotMeasured(NanoGNSError, ValueError):
+    """GNSMonitor.step (or measure) refused the step: the message names the parameter or the call, what was observed
+    and the fix. The buffers are zeroed all the same: the next step starts afresh."""

@@ -21,7 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nanogns.errors import LogNotContinuable  # noqa: E402
+from nanogns.errors import DirectoryHoldsAnotherRun, LogNotContinuable  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
@@ -222,6 +222,45 @@ def test_a_resume_of_a_log_in_another_encoding_is_refused_in_one_line_with_nothi
         assert message.startswith(f"cannot continue the log: {tmp_path / LOG_CSV} holds UTF-"), message
         assert "convert it with `iconv -f UTF-" in message
     assert _files(tmp_path) == before  # config.json not rewritten, no file left beside the log
+
+
+@pytest.mark.parametrize("left", ["finished", "killed"])
+def test_a_new_log_in_a_directory_holding_another_runs_log_is_refused_unless_it_says_resume_or_replace(tmp_path, left):
+    """Running the README's library example twice silently replaced out-tiny/log.csv and left the previous run's
+    gns_analysis.csv and figures beside it, describing a log no longer there (train.py refuses the same)."""
+    first = _write_three_steps(tmp_path)
+    if left == "finished":
+        first.close()
+    else:  # a killed run's .tmp files
+        atexit_unregister(first)
+    for name in ("gns_parameters.json", "gns_analysis.csv", "gns_emas.png", "log_after_step_2.csv", "notes.txt"):
+        (tmp_path / name).write_text("from the first run")
+    before = _files(tmp_path)
+    with pytest.raises(DirectoryHoldsAnotherRun) as refused:
+        LogWrapper(out_dir=str(tmp_path), config={"n": 2})
+    found = "log.csv" if left == "finished" else "log_header.csv.tmp, log_data.csv.tmp"
+    assert str(refused.value) == (
+        f"{str(tmp_path)!r} already holds the log of another run ({found}), which this new log would replace: choose "
+        "another out_dir, continue that log with LogWrapper(..., resume=True), or start afresh there with "
+        "LogWrapper(..., replace=True)"
+    )
+    assert _files(tmp_path) == before
+    log = LogWrapper(out_dir=str(tmp_path), replace=True)
+    log.log({"z": 1})
+    log.step()
+    log.close()
+    assert sorted(os.listdir(tmp_path)) == ["log.csv", "notes.txt"]  # the user's own file stays
+    assert load_csv(tmp_path).columns.tolist() == ["step", "z"]
+    with pytest.raises(ValueError, match="pass one"):
+        LogWrapper(out_dir=str(tmp_path), resume=True, replace=True)
+
+
+def atexit_unregister(log):
+    """Leave a log as a killed run does: its .tmp files, no close() at exit."""
+    import atexit
+
+    atexit.unregister(log._close_at_exit)
+    log._data.close()
 
 
 WRITER = textwrap.dedent(

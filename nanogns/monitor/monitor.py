@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.core import layout
+from nanogns.errors import StepNotMeasured
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
@@ -135,6 +136,7 @@ class GNSMonitor:
         self.measurements = []  # the last step's exact Measurements (e.g. for a GNS over some of the parameters)
         self.approx_measurements = []  # and its SOGNS ones
         self.step_count = self.scaler_skipped_steps = self.nonfinite_steps = 0
+        self._logged = None  # (the log, its step_count) when step() last logged a row: log.step() must follow
         self.record_path = None
         self.write_record(out_dir if out_dir is not None else getattr(log, "out_dir", None))
 
@@ -193,9 +195,21 @@ class GNSMonitor:
         if not finite:
             self.scaler_skipped_steps += 1
             return []
+        if len(values) and not np.any(values[:, 2] != 0):  # nan counts a refused forward, not an absent one
+            raise StepNotMeasured(
+                f"GNS: step() found no example in any of the {len(values)} tracked layers' buffers (no backward of a "
+                "converted model since the last step): call monitor.step() after the step's last loss.backward(), "
+                "once per optimizer step, before optimizer.zero_grad()"
+            )
         if batch_size is None:  # the count most tracked tensors report (a layer shared across depth counts k B)
             counted = [c for c in values[:, 2].tolist() if c > 0 and not math.isnan(c)]
             batch_size = int(min(set(counted), key=lambda c: (-counted.count(c), c))) if counted else 0
+        if batch_size == 1:
+            raise StepNotMeasured(
+                "GNS: step(batch_size=1): the GNS compares each example's gradient with their mean, which one example "
+                "cannot give (|G|^2 and tr(Sigma) divide by B - 1); use 2 or more examples per optimizer step (micro-"
+                "batch size x accumulation steps x ranks)"
+            )
         scale = self.scaler.get_scale() if self._scaler_on() else 1.0
         scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
         n_exact = len(self.tracked)
@@ -335,7 +349,19 @@ class GNSMonitor:
 
     def step(self, batch_size: Optional[int] = None, gradients_unscaled: bool = False) -> Dict[str, float]:
         """Measure this step (B = batch_size examples over all micro-batches and ranks; see `measure`), zero the
-        buffers, update the running GNS and log the row; returns the row."""
+        buffers, update the running GNS and log the row; returns the row.
+
+        Raises StepNotMeasured (see `measure`), and when the log (a LogWrapper) has not written the row of the
+        previous step: log.step() was not called since, so every step's row would overwrite the last one's."""
+        written = getattr(self.log, "step_count", None)
+        if self._logged is not None and self._logged[0] is self.log and self._logged[1] == written:
+            self.table.zero()
+            self.row_map.clear()
+            raise StepNotMeasured(
+                f"GNS: step() again before the log wrote the previous step's row (log.step() was not called since "
+                f"step {written}): every row would overwrite the last and the log would hold the whole run as one "
+                "row; call log.step() once per optimizer step, after monitor.step() and your own log.log(...)"
+            )
         try:
             exact = self.measure(batch_size, gradients_unscaled)
         finally:
@@ -351,6 +377,7 @@ class GNSMonitor:
         row["gns"] = self.running.update(*summed_squares(exact or approx))  # the exact GNS when there is one
         if self.log is not None:
             (self.log.log if hasattr(self.log, "log") else self.log)(row)
+            self._logged = (self.log, written) if written is not None else None
         return row
 
     def replay(self, frame: "pandas.DataFrame") -> float:

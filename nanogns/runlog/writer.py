@@ -48,9 +48,16 @@ or, with no Python at hand, `cat log_header.csv.tmp log_data.csv.tmp > log.csv`
 after deleting any unfinished last line of log_data.csv.tmp (short rows are
 then read as trailing empty cells by pandas).
 
+A new log never replaces another run's: LogWrapper(out_dir=...) refuses a
+directory that holds a log (log.csv, or a running or killed run's .tmp files)
+with nanogns.errors.DirectoryHoldsAnotherRun, one line, as train.py refuses it.
+LogWrapper(..., replace=True) starts afresh there instead: the old log, its
+record (gns_parameters.json), the rows a resume set aside and the analysis's
+results of it (gns_analysis.csv and its figures) are removed first.
+
 LogWrapper(..., resume=True) continues an existing log in out_dir (a finished
 log.csv or a killed run's .tmp files): old rows are kept and `step` goes on
-from the last one. Without it, a new run replaces the old log when it closes.
+from the last one.
 With resume_step=N as well (train.py passes the step count its checkpoint
 recorded), the log continues at step N so that log and weights agree: rows with
 step >= N, written after the checkpoint by a run that then crashed, are moved
@@ -74,13 +81,26 @@ import string
 import sys
 from typing import Any, Callable, Dict, Optional
 
-from nanogns.errors import LogNotContinuable, WriteFailed
+from nanogns.errors import DirectoryHoldsAnotherRun, LogNotContinuable, WriteFailed
 from nanogns.runlog.encoding import text_start
+from nanogns.runlog.record import PARAMETERS_JSON
 
 HEADER_TMP = "log_header.csv.tmp"
 DATA_TMP = "log_data.csv.tmp"
 LOG_CSV = "log.csv"
 CONFIG_JSON = "config.json"
+# what describes a run's log beside it, removed with the log by LogWrapper(..., replace=True): its record
+# (PARAMETERS_JSON), and the analysis's results (analysis/cli.py writes them; tests/test_analysis.py holds the two
+# lists together)
+ANALYSIS_RESULTS = (
+    "gns_analysis.csv",
+    "gns_emas.png",
+    "gns_phase.png",
+    "gns_over_tokens.png",
+    "gns_groups.png",
+    "gns_layernorm_vs_all.png",
+    "gns_sogns_vs_exact.png",
+)
 
 
 def format_value(value: Any) -> str:
@@ -164,13 +184,15 @@ class LogWrapper:
         logf: callable taking a dict (e.g. wandb's run.log), or None.
         config: dict written to out_dir/config.json, or None.
         out_dir: directory for the CSV files; None writes no files at all.
-        resume: continue the log already in out_dir instead of replacing it.
+        resume: continue the log already in out_dir.
         resume_step: with resume, the step to continue at (rows from it on are set aside).
+        replace: start a new log in an out_dir that holds another run's, removing it and what describes it.
 
     Raises:
         WriteFailed: a write failed (a full disk, an unwritable directory): one line naming the file. Logging
             stops; the rows written before stay in the .tmp files, which load_csv reads and a resume continues.
         LogNotContinuable: resume=True and the log in out_dir cannot be continued (the message names the row).
+        DirectoryHoldsAnotherRun: out_dir holds another run's log, and neither resume nor replace was given.
     """
 
     def __init__(
@@ -180,6 +202,7 @@ class LogWrapper:
         out_dir: Optional[str] = None,
         resume: bool = False,
         resume_step: Optional[int] = None,
+        replace: bool = False,
     ):
         self.logf = logf
         self.config = config
@@ -191,6 +214,12 @@ class LogWrapper:
         self.closed = False
         self._data = None  # open handle to log_data.csv.tmp
         if out_dir is not None:
+            if resume and replace:
+                raise ValueError(
+                    "LogWrapper: resume=True continues the log in out_dir, replace=True removes it: pass one"
+                )
+            if not resume:
+                self._leave_other_runs(replace)
             with self._writing(out_dir):
                 os.makedirs(out_dir, exist_ok=True)
             with self._writing(self._path(DATA_TMP)):
@@ -210,6 +239,25 @@ class LogWrapper:
 
     def _path(self, name):
         return os.path.join(self.out_dir, name)
+
+    def _leave_other_runs(self, replace):
+        """Refuse an out_dir holding another run's log (DirectoryHoldsAnotherRun), or with replace, remove that log
+        and what describes it (see the module docstring)."""
+        found = [name for name in (LOG_CSV, HEADER_TMP, DATA_TMP) if os.path.exists(self._path(name))]
+        if not found:
+            return
+        if not replace:
+            raise DirectoryHoldsAnotherRun(
+                f"{self.out_dir!r} already holds the log of another run ({', '.join(found)}), which this new log would "
+                "replace: choose another out_dir, continue that log with LogWrapper(..., resume=True), or start "
+                "afresh there with LogWrapper(..., replace=True)",
+                self.out_dir,
+                found,
+            )
+        aside = [name for name in os.listdir(self.out_dir) if name.startswith("log_after_step_")]
+        for name in (*found, PARAMETERS_JSON, *ANALYSIS_RESULTS, *aside):
+            with self._writing(self._path(name)), contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(name))
 
     @contextlib.contextmanager
     def _writing(self, path):
