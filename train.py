@@ -152,8 +152,13 @@ if bs_schedule not in ('none', 'linear') and not tracked:
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
 # gns: wandb without a login would fail inside wandb.init, after out_dir is made; say so before anything starts
+if wandb_log:
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs wandb, which is not installed (it is not in the quick start's requirements.txt): "
+             "pip install wandb, or drop --wandb_log")
 if wandb_log and os.environ.get('WANDB_MODE') not in ('offline', 'disabled', 'dryrun'):
-    import wandb
     if not wandb.login(prompt=False, verify=False):
         fail("wandb_log=True but wandb has no login (no WANDB_API_KEY, no `wandb login`); log in with "
              "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log")

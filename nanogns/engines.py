@@ -282,7 +282,8 @@ def read_checkpoint(path):
     code) is refused before it is built.
 
     Raises:
-        ValueError: the file is not a readable checkpoint, or holds more than data (the message says which).
+        CheckpointNotUsable (a ValueError): the file is not a readable checkpoint, or holds more than data (the
+            message says which).
     """
     try:
         # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
@@ -296,16 +297,18 @@ def read_checkpoint(path):
         allowed = {f'{t.__module__}.{t.__qualname__}' for t in _numpy_array_types()}
         names = [n for n in names if n not in allowed]
         if not names:  # damaged rather than unsafe
-            raise ValueError(f"{path} is not a readable checkpoint ({str(e).splitlines()[-1][:200]})") from None
-        raise ValueError(
+            raise CheckpointNotUsable(
+                f"{path} is not a readable checkpoint ({str(e).splitlines()[-1][:200]})"
+            ) from None
+        raise CheckpointNotUsable(
             f"{path} holds objects other than tensors and plain data ({', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}): it was not loaded, as loading them could run code "
             "(a checkpoint train.py writes never holds them)"
         ) from None
     except Exception as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+        raise CheckpointNotUsable(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"{path} is not a checkpoint of train.py (it holds a {type(checkpoint).__name__})")
+        raise CheckpointNotUsable(f"{path} is not a checkpoint of train.py (it holds a {type(checkpoint).__name__})")
     return checkpoint
 
 

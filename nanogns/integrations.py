@@ -35,7 +35,7 @@ from nanogns import monitor as gnstracking
 from nanogns.conversion.convert import convert
 from nanogns.core import layout
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
-from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
+from nanogns.errors import CallNotValid, DirectoryHoldsAnotherRun, NotSupported, SettingNotValid, WriteFailed
 from nanogns.estimator import RunningGNS
 from nanogns.runlog.lock import RunLock
 from nanogns.runlog.reader import load_csv
@@ -52,7 +52,7 @@ def _monitor(model, ema_decay, scaler, convert_options):
     options = dict(ema_decay=ema_decay, scaler=scaler)
     if any(name.endswith(BUFFER_SUFFIX) for name, _ in model.named_buffers()):
         if convert_options:
-            raise ValueError(
+            raise SettingNotValid(
                 f"GNS: the model's layers are converted already; convert options {convert_options} "
                 "cannot apply (pass them to the first nanogns.convert instead)"
             )
@@ -168,7 +168,7 @@ class TrainerGNSCallback(TrainerCallback):
         **convert_options: Any,
     ):
         if TrainerCallback is object:
-            raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
+            raise ImportError('TrainerGNSCallback needs transformers: pip install "nanogns[trainers]"')
         self.trainer = trainer
         self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
         self.log = self.lock = None  # opened at on_train_begin, when Trainer knows whether it resumes
@@ -195,7 +195,7 @@ class TrainerGNSCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         kind = str(accelerator.distributed_type)
         if "DEEPSPEED" in kind or ("FSDP" in kind and not getattr(accelerator, "is_fsdp2", False)):
-            raise ValueError(
+            raise NotSupported(
                 f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
                 "and clips them itself; the GNS is read under one process, DDP and FSDP2"
             )
@@ -220,7 +220,7 @@ class TrainerGNSCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if not self.measured:
-            raise RuntimeError(
+            raise CallNotValid(
                 "TrainerGNSCallback: Trainer did not call accelerator.clip_grad_norm_ before this "
                 "optimizer step (a tensor-parallel mesh or SageMaker clips otherwise), so the "
                 "unclipped gradients were not read; no GNS can be logged for this setup"
@@ -272,7 +272,7 @@ class LightningGNSCallback(LightningCallback):
 
     def __init__(self, out_dir: Optional[str] = None, ema_decay: float = 0.95, **convert_options: Any):
         if LightningCallback is object:
-            raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
+            raise ImportError('LightningGNSCallback needs lightning: pip install "nanogns[trainers]"')
         self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
         self.monitor = self.gns_log = self.lock = None  # (Lightning sets callback.log to the module's log method)
 
@@ -368,7 +368,7 @@ class AccelerateGNS:
         """Read the step (after the last micro-batch's backward, before clipping), log it; returns the row.
         gradients_unscaled: True when accelerator.unscale_gradients() ran before (fp16)."""
         if not self.accelerator.sync_gradients:
-            raise RuntimeError(
+            raise CallNotValid(
                 "AccelerateGNS.step() inside accelerator.accumulate() before the step's last "
                 "micro-batch: its gradients are not complete (nor averaged over the ranks); call it "
                 "under `if accelerator.sync_gradients:`"

@@ -27,10 +27,11 @@ sys.path.insert(0, ROOT)
 from nanogns.analysis import analyze as ga
 from nanogns.analysis import cli as analysis_cli
 from nanogns.analysis import parameters as analysis_parameters
+from nanogns.analysis import plots as analysis_plots
 from nanogns.analysis import report as analysis_report
 from nanogns.estimator import RunningGNS, unbiased_stats  # noqa: E402
 from nanogns.runlog.record import write_parameter_record  # noqa: E402
-from nanogns.runlog.writer import LogWrapper  # noqa: E402
+from nanogns.runlog.writer import ANALYSIS_RESULTS, LogWrapper  # noqa: E402
 
 PARAMS = [
     "transformer.wte.weight",
@@ -132,8 +133,7 @@ def test_printed_numbers_match_independent_computation(tmp_path, capsys):
 
 
 def test_default_alpha_is_095_and_help_says_so(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        analysis_cli.main(["--help"])
+    assert analysis_cli.main(["--help"]) == 0  # returned, not argparse's SystemExit
     assert "(default: 0.95)" in capsys.readouterr().out
     norms = synthetic_norms(15, seed=1)
     write_run(tmp_path, norms)
@@ -542,6 +542,20 @@ def test_skipped_and_partial_steps_are_not_counted_as_non_finite(tmp_path, capsy
     np.testing.assert_allclose(results["gns"].iloc[-1], exp[-1, 2], rtol=1e-12)
 
 
+@pytest.mark.parametrize("main", [analysis_cli.main, analysis_plots.main], ids=["gns-analysis", "plot"])
+def test_a_bad_argument_is_a_return_code_not_an_exit_and_messages_name_the_program(main, tmp_path, capsys):
+    """argparse's SystemExit(2) left main() on a bad argument, though no module of the package may exit its caller's
+    process; and the installed nanogns-analysis printed its errors as `gns-analysis.py: error:`."""
+    assert main([str(tmp_path), "train/lossf", "--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: " in err and "--no-such-flag" in err, err
+    assert main([]) == 2  # the run directory missing
+    assert "error: the following arguments are required: out_dir" in capsys.readouterr().err
+    script = "import sys; sys.argv[0] = '/venv/bin/nanogns-analysis'; from nanogns.analysis.cli import main; sys.exit(main())"
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "nothing")], capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.startswith("nanogns-analysis: error: no log in "), done.stderr
+
+
 def test_files_written_and_terminal_plots(tmp_path, capsys):
     write_reference_log(tmp_path, n_steps=12)
     assert analysis_cli.main([str(tmp_path)]) == 0
@@ -570,6 +584,10 @@ def test_files_written_and_terminal_plots(tmp_path, capsys):
     assert "gns_block_0" in results and "gns_sogns" not in results
     assert len(results) == 12
     assert not (tmp_path / "gns_sogns_vs_exact.png").exists()
+    # what LogWrapper(..., replace=True) removes with the log it replaces: every result the analysis writes
+    analysed = ga.analyze_gns(str(tmp_path))
+    stems = {name for name, *_ in analysis_cli._figures(analysed.assign(gns_sogns=np.nan))}
+    assert {f"{stem}.png" for stem in stems} | {"gns_analysis.csv"} == set(ANALYSIS_RESULTS)
 
 
 def test_no_plots_writes_no_figure(tmp_path, capsys):

@@ -106,6 +106,7 @@ from nanogns.analysis.parameters import (
     usable_parameters,
 )
 from nanogns.analysis.steps import read_steps, step_ranges, taken
+from nanogns.errors import LogNotUsable
 from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
 from nanogns.runlog.reader import log_source
 from nanogns.runlog.record import GROUPS, read_parameter_record
@@ -293,14 +294,14 @@ def load_measurements(
     columns = source.columns
     params = find_params(columns, prefix)
     if not params:
-        raise ValueError(_no_columns_message(columns, prefix, approx_prefix))
+        raise LogNotUsable(_no_columns_message(columns, prefix, approx_prefix))
     approx_columns = find_params(columns, approx_prefix) if approx_prefix else {}
     approx = {}
     if approx_columns and approx_prefix.rstrip("/") != prefix.rstrip("/"):
         approx = usable_parameters(approx_columns, approx_prefix)
     chosen = usable_parameters(params, prefix, record)
     if not chosen:
-        raise ValueError(_nothing_usable_message(params, prefix))
+        raise LogNotUsable(_nothing_usable_message(params, prefix))
     facts = parameter_facts(chosen, record)
     members = dict((sets or analysis_sets)(chosen, facts, approx), all=chosen)
     reduce, wanted = _reducer(params, chosen, members, columns)
@@ -363,17 +364,17 @@ def analyze_gns(
     df = steps if steps[MEASURED].all() else taken(steps, steps[MEASURED].to_numpy())
     m.steps = steps = None
     if df.empty:
-        raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
+        raise LogNotUsable(f"the log has '{prefix}' columns but no row with a value in them")
     print(f"Processing {len(chosen)} parameters" + (f" ({'; '.join(notes)})" if notes else ""))
 
     if df[UNEVEN].any():
         where = df["step"] if "step" in df else df.index.to_series()
-        raise ValueError(
+        raise LogNotUsable(
             f"batch sizes differ across parameters within a step (steps {where[df[UNEVEN]].tolist()[:10]})"
         )
     batch_size = df["bs:all"]
     if not (batch_size > 1).any():
-        raise ValueError("every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)")
+        raise LogNotUsable("every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)")
 
     # every set but "all" first, each set's sums dropped once its GNS is formed (what is kept of a group is its
     # GNS): memory peaks near the steps' sums or the results, not both

@@ -10,7 +10,6 @@ x or y is missing or non-finite are left out; a series longer than MAX_POINTS is
 drawn decimated (each run of points keeps its lowest and highest value).
 """
 
-import argparse
 import difflib
 import importlib.util
 import sys
@@ -18,6 +17,8 @@ import sys
 import numpy as np
 import pandas as pd
 
+from nanogns.analysis.commandline import Parser, prog_name
+from nanogns.errors import LogNotUsable
 from nanogns.runlog.reader import load_csv
 
 # the plot extra (pip install "nanogns[plot]"): without it the analysis prints and saves its numbers, no figures
@@ -149,7 +150,9 @@ def unknown_columns_message(unknown, columns):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot logged metrics of a run in the terminal.")
+    """plot.py's command line (argv: its arguments, sys.argv's when None); returns the exit code."""
+    prog = prog_name(argv, "plot.py")
+    parser = Parser(prog, description="Plot logged metrics of a run in the terminal.")
     parser.add_argument("out_dir", help="run directory holding log.csv (or the .tmp files of a running/killed run)")
     parser.add_argument("keys", nargs="+", metavar="KEY", help="column(s) to plot, e.g. train/lossf")
     parser.add_argument("--x", default="step", help="column for the x axis (default: step)")
@@ -157,15 +160,17 @@ def main(argv=None):
     parser.add_argument("--png", default=None, help="also save the figure to this PNG file (default: none)")
     parser.add_argument("--width", type=int, default=80, help="plot width in characters (default: 80)")
     parser.add_argument("--height", type=int, default=20, help="plot height in characters (default: 20)")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    if isinstance(args, int):  # --help, or a bad argument (usage printed)
+        return args
 
     try:
         df = load_csv(args.out_dir)
         unknown = [k for k in [args.x, *args.keys] if k not in df.columns]
         if unknown:
-            raise ValueError(unknown_columns_message(unknown, df.columns))
+            raise LogNotUsable(unknown_columns_message(unknown, df.columns))
     except (FileNotFoundError, ValueError) as e:
-        print(f"plot.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
 
     x = pd.to_numeric(df[args.x], errors="coerce").to_numpy(dtype=np.float64)

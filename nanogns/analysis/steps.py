@@ -22,6 +22,8 @@ the reduced rows are kept.
 import numpy as np
 import pandas as pd
 
+from nanogns.errors import LogNotUsable
+
 SHOWN = 20  # bad cells reported one per line; beyond this, one line counts the rest
 NONNEGATIVE = ("/norm", "/pegn", "tokens_processed")
 BATCH_SIZE = "/batch_size"
@@ -155,7 +157,7 @@ def read_steps(source, checked, reduce, usecols):
         reduced[LINE], reduced[BAD] = line, bad
         table.append(reduced)
     if batch_sizes_logged and not batch_sizes_above_1:
-        raise ValueError(
+        raise LogNotUsable(
             f"{path}: every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)"
         )
     if not table.rows:

@@ -45,6 +45,7 @@ from nanogns import kinds as layer_kinds
 from nanogns.conversion import intercept
 from nanogns.core import layout, shared
 from nanogns.core.registry import adopt
+from nanogns.errors import NotSupported
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
 # enough for TF32 matmuls on a GPU, ~1e-3)
@@ -183,7 +184,7 @@ def _forward_backward(forward, params, x, grad_out=None, autocast_dtype=None):
         ]
     )
     if not outs:
-        raise TypeError(f"its forward returns a {type(out).__name__}, not tensors")
+        raise NotSupported(f"its forward returns a {type(out).__name__}, not tensors")
     if grad_out is None:
         gen = torch.Generator().manual_seed(1)
         grad_out = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype) for o in outs]

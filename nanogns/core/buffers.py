@@ -41,6 +41,7 @@ import operator
 import torch
 
 from nanogns.core import layout, trees, uses
+from nanogns.errors import NotSupported
 
 try:
     from torch.distributed.tensor import DTensor
@@ -161,7 +162,7 @@ class BufferTable:
             if b is not None and n.endswith(BUFFER_SUFFIX)
         ]
         if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
-            raise ValueError(
+            raise NotSupported(
                 "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
                 + TENSOR_PARALLEL
             )

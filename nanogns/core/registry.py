@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from nanogns.core import shared
+from nanogns.errors import SettingNotValid
 
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
 
@@ -86,7 +87,7 @@ class LayerKind:
     def layer_class(self, variant):
         """The class of `variant` ('nn', 'shim', 'gns', 'fused', ...); ValueError naming the choices otherwise."""
         if variant not in self.variants:
-            raise ValueError(f"unknown {self.config_key} {variant!r}; choose from {sorted(self.variants)}")
+            raise SettingNotValid(f"unknown {self.config_key} {variant!r}; choose from {sorted(self.variants)}")
         found = self.variants[variant]
         return resolve(found) if isinstance(found, str) else found
 
@@ -123,7 +124,7 @@ def register(kind):
 def get(name):
     """The registered LayerKind `name`; ValueError naming the registered kinds otherwise."""
     if name not in KINDS:
-        raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}")
+        raise SettingNotValid(f"unknown layer kind {name!r}; choose from {sorted(KINDS)}")
     return KINDS[name]
 
 

@@ -17,6 +17,7 @@ import contextlib
 from typing import Dict, Iterator
 
 from nanogns.core import registry
+from nanogns.errors import SettingNotValid
 
 
 class LayerConfig:
@@ -66,7 +67,7 @@ def set_contextual_config(**classes: type) -> Iterator[LayerConfig]:
     """Build modules with these layer classes inside the `with` block, restoring the old ones after."""
     unknown = set(classes) - set(constructible_kinds())
     if unknown:
-        raise ValueError(f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(constructible_kinds())}")
+        raise SettingNotValid(f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(constructible_kinds())}")
     previous = {kind: vars(config).get(kind) for kind in classes}  # None: the kind's plain layer
     vars(config).update(classes)
     try:

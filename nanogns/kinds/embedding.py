@@ -26,6 +26,7 @@ from nanogns.core import layout, shared, uses
 from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, on_output_grad
 from nanogns.core.registry import LayerKind, Probe, register
 from nanogns.core.tied import note_embedding
+from nanogns.errors import NotSupported
 
 
 def embedding_pe_sqnorm(ids, g, num_embeddings, padding_idx=None):
@@ -135,7 +136,7 @@ def _check_plain_embedding(kwargs):
         and k not in ("padding_idx", "device", "dtype", "_weight", "_freeze")
     ]
     if unsupported:
-        raise ValueError(
+        raise NotSupported(
             f"per-example norm Embedding does not support {sorted(unsupported)}; "
             f"use embeddingclass='nn' for such an embedding"
         )

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.core import layout
-from nanogns.errors import StepNotMeasured
+from nanogns.errors import NotSupported, StepNotMeasured
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
 from nanogns.monitor.reader import StepReader, buffer_table, world_size
@@ -123,7 +123,7 @@ class GNSMonitor:
         self.approx_tracked, _ = find_tracked_parameters(model, SOGNS_SUFFIX)
         self.unconverted = dict(unconverted or {})
         if expect_tracked and not self.tracked and not self.approx_tracked:
-            raise ValueError(
+            raise NotSupported(
                 f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
                 "it first (nanogns.convert(model)) or build it with per-example norm layer classes"
             )
@@ -184,7 +184,7 @@ class GNSMonitor:
         with a gradient had no example recorded."""
         if self.row_map.mixing:  # every rank's model mixes alike: each refuses here, before the all-reduce
             (layer, why), *others = self.row_map.mixing.items()
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: this step is not measured: {layer} mixes the examples of the batch: {why}"
                 + (f" (and {len(others)} more such layers)" if others else "")
             )
@@ -270,7 +270,7 @@ class GNSMonitor:
             )
         if impossible.any():
             i = int(np.flatnonzero(impossible)[0])
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: {names[i]}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
                 f"{pe_sqnorm[i]:.4g}, below ||mean_i g_i||^2 = {norm_sq[i]:.4g}, which no examples can give: its "
                 "gradient comes in part from a use its layer did not record (code outside the module's forward "
@@ -287,7 +287,7 @@ class GNSMonitor:
             raise self._count_error(entry, count, batch_size)
         if count == 0:
             if exact and grad_sq > 0 and name not in no_grad:
-                raise ValueError(
+                raise StepNotMeasured(
                     f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
                     f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
                     f"a parent module reading its weight), so its per-example norms are unknown. Call "
@@ -295,7 +295,7 @@ class GNSMonitor:
                 )
             return False  # the layer was not used in this step
         if name in no_grad:
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
                 f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
                 f"after the last backward and before optimizer.zero_grad(); if the parameter was frozen after "
@@ -318,7 +318,7 @@ class GNSMonitor:
         return True
 
     def _count_error(self, entry, count, batch_size):
-        """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
+        """The StepNotMeasured for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused)."""
         if math.isnan(count):
             reasons = {
                 reason
@@ -326,19 +326,19 @@ class GNSMonitor:
                 for reason in self.row_map.reasons(module._buffers[buffer_name])
             }
             why = "; ".join(sorted(reasons)) or "on another rank, a layer's input rows could not be mapped"
-            return ValueError(
+            return StepNotMeasured(
                 f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
                 f"See layout.py for the rows that can be mapped; for a layout of your own, pass "
                 f"layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
         if self.row_map.forwards == 0:
-            return ValueError(
+            return StepNotMeasured(
                 f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}), and no "
                 f"forward of the converted model ran this step: its layers were called by other code (a submodule "
                 f"called directly, such as model.transformer(...)), so no layer was told which rows are whose; call "
                 f"the converted model itself, or convert the module your code calls"
             )
-        return ValueError(
+        return StepNotMeasured(
             f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}); "
             f"pass the number of examples of the whole step (micro-batch size x accumulation steps x "
             f"ranks, or the number of packed sequences); if {batch_size} is that number, the model's forward ran "

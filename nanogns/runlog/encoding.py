@@ -14,6 +14,8 @@ A log this package writes is UTF-8 without a mark, lines ended by LF.
 
 import codecs
 
+from nanogns.errors import LogNotUsable
+
 UTF8_BOM = codecs.BOM_UTF8
 _WIDE_BOMS = (  # longest first: UTF-32-LE's mark begins with UTF-16-LE's
     (codecs.BOM_UTF32_LE, "UTF-32LE"),
@@ -63,7 +65,7 @@ def text_start(path: str) -> int:
 
 
 def _refuse(path, what, command):
-    raise ValueError(
+    raise LogNotUsable(
         f"{path} holds {what}, not the UTF-8 lines a log is written in: convert it with `{command}` (or save it "
         "from the spreadsheet as \"CSV UTF-8\")"
     )

@@ -32,6 +32,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 
 import pandas as pd
 
+from nanogns.errors import LogNotFound, LogNotUsable
 from nanogns.runlog.encoding import text_start
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
@@ -89,7 +90,7 @@ class _Bytes:
 
 
 def _not_text(path, e):
-    return ValueError(
+    return LogNotUsable(
         f"{path} is not a text CSV log ({type(e).__name__}: {str(e)[:120]}): a log is the log.csv (or the "
         "log_header.csv.tmp and log_data.csv.tmp) that a run writes"
     )
@@ -131,7 +132,7 @@ class LogSource:
             with reader:
                 yield from reader
         except pd.errors.ParserError as e:  # a row with more cells than the header, an unclosed quote
-            raise ValueError(f"{self.path} is not a log that can be read: {str(e).strip()}") from None
+            raise LogNotUsable(f"{self.path} is not a log that can be read: {str(e).strip()}") from None
         except UnicodeDecodeError as e:
             raise _not_text(self.path, e) from None
         finally:
@@ -163,8 +164,9 @@ def log_source(out_dir: str) -> LogSource:
     """Where the run's log rows are (see LogSource), reading only its header and last line.
 
     Raises:
-        FileNotFoundError: neither log.csv nor the tmp header exists in out_dir.
-        ValueError: the log has a header but no rows, or is not a text CSV log (the message names the file).
+        LogNotFound (a FileNotFoundError): neither log.csv nor the tmp header exists in out_dir.
+        LogNotUsable (a ValueError): the log has a header but no rows, or is not a text CSV log (the message names
+            the file).
     """
     header_path = os.path.join(out_dir, HEADER_TMP)
     data_path = os.path.join(out_dir, DATA_TMP)
@@ -172,18 +174,18 @@ def log_source(out_dir: str) -> LogSource:
     if os.path.exists(header_path):
         columns, _ = _header(header_path)
         if not columns:
-            raise ValueError(f"{header_path} is empty: the run has not logged anything yet")
+            raise LogNotUsable(f"{header_path} is empty: the run has not logged anything yet")
         path, first_line = data_path, 1
         if not os.path.exists(data_path):
-            raise ValueError(f"{data_path} has no rows: the run has not logged a step yet")
+            raise LogNotUsable(f"{data_path} has no rows: the run has not logged a step yet")
         start = text_start(data_path)
     elif os.path.exists(log_path):
         columns, start = _header(log_path)
         if columns is None:
-            raise ValueError(f"{log_path} is empty" if start == 0 else f"{log_path} has a header but no rows")
+            raise LogNotUsable(f"{log_path} is empty" if start == 0 else f"{log_path} has a header but no rows")
         path, first_line = log_path, 2
     else:
-        raise FileNotFoundError(
+        raise LogNotFound(
             f"no log in {out_dir!r}: expected {log_path} (finished run) "
             f"or {header_path} and {data_path} (run in progress or killed)"
         )
@@ -192,7 +194,7 @@ def log_source(out_dir: str) -> LogSource:
     source = LogSource(path, columns, start, end, first_line, cut.decode("utf-8", "replace")[-40:] or None)
     if end <= start or not _has_row(source):
         where = "has no rows: the run has not logged a step yet" if path == data_path else "has a header but no rows"
-        raise ValueError(f"{path} {where}")
+        raise LogNotUsable(f"{path} {where}")
     return source
 
 
@@ -219,8 +221,9 @@ def load_csv(out_dir: str) -> pd.DataFrame:
     """The run's log as a DataFrame (all of it in memory: the analysis reads it in pieces, log_source).
 
     Raises:
-        FileNotFoundError: neither log.csv nor the tmp header exists in out_dir.
-        ValueError: the log has a header but no rows, or is not a text CSV log (the message names the file).
+        LogNotFound (a FileNotFoundError): neither log.csv nor the tmp header exists in out_dir.
+        LogNotUsable (a ValueError): the log has a header but no rows, or is not a text CSV log (the message names
+            the file).
     """
     source = log_source(out_dir)
     chunks = list(source.chunks())

@@ -81,7 +81,7 @@ import string
 import sys
 from typing import Any, Callable, Dict, Optional
 
-from nanogns.errors import DirectoryHoldsAnotherRun, LogNotContinuable, WriteFailed
+from nanogns.errors import CallNotValid, DirectoryHoldsAnotherRun, LogNotContinuable, SettingNotValid, WriteFailed
 from nanogns.runlog.encoding import text_start
 from nanogns.runlog.record import PARAMETERS_JSON
 
@@ -135,6 +135,10 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
+class _NoStepNumber(ValueError):
+    """A row whose first cell is not a step number: _continue says so as LogNotContinuable."""
+
+
 def _rows(lines):
     """(line, its step) for each complete, non-empty row of a log's lines, ended by LF (a CR before it dropped); a
     last line cut off (no trailing newline) is not a row. One line at a time: memory does not grow with the log."""
@@ -147,7 +151,7 @@ def _rows(lines):
             try:
                 step = int(float(line.split(",", 1)[0]))  # the step: an integer, never quoted
             except ValueError:
-                raise ValueError(line[:40]) from None
+                raise _NoStepNumber(line[:40]) from None
             yield line, step
 
 
@@ -215,7 +219,7 @@ class LogWrapper:
         self._data = None  # open handle to log_data.csv.tmp
         if out_dir is not None:
             if resume and replace:
-                raise ValueError(
+                raise SettingNotValid(
                     "LogWrapper: resume=True continues the log in out_dir, replace=True removes it: pass one"
                 )
             if not resume:
@@ -342,7 +346,7 @@ class LogWrapper:
                 finally:
                     if lines is not header:
                         lines.close()
-        except (LogNotContinuable, ValueError, UnicodeDecodeError) as e:  # nothing written stays: the log as it was
+        except (LogNotContinuable, _NoStepNumber, UnicodeDecodeError) as e:  # nothing written stays: the log as it was
             for replacement in filter(None, (data, aside)):
                 replacement.abort()
             if isinstance(e, LogNotContinuable):
@@ -382,13 +386,13 @@ class LogWrapper:
     def log(self, values: Dict[str, Any]) -> None:
         """Cache values for the current step; a key logged twice keeps the later value."""
         if self.closed:
-            raise RuntimeError("LogWrapper.log() after close()")
+            raise CallNotValid("LogWrapper.log() after close()")
         self.log_dict.update(values)
 
     def step(self) -> None:
         """Write the cached values as one row (if any), call logf, clear the cache."""
         if self.closed:
-            raise RuntimeError("LogWrapper.step() after close()")
+            raise CallNotValid("LogWrapper.step() after close()")
         if self.log_dict:
             if self.out_dir is not None:
                 new = [k for k in self.log_dict if k not in self._known]
