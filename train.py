@@ -151,7 +151,7 @@ if bs_schedule not in ('none', 'linear') and not tracked:
          "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
-# gns: wandb without a login would fail inside wandb.init, after out_dir is made; say so before anything starts
+# gns: wandb not installed, or without a login, would fail inside wandb.init, after out_dir is made; say so first
 if wandb_log:
     try:
         import wandb
