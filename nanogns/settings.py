@@ -296,10 +296,15 @@ def resume_check(config, checkpoint, has_log, vocab_size=None):
                 f"resume continues that model; resume with --{k}={default} (or train a new model in a new out_dir)"
             ), []
     if vocab_size is not None and vocab_size != model_args["vocab_size"]:
+        dataset, trained_on = config.get("dataset"), old.get("dataset", config.get("dataset"))
+        fix = (
+            f"resume with the run's --dataset={trained_on!r}"
+            if trained_on != dataset
+            else "prepare the dataset as the run had it (its meta.json changed), or train a new model in a new out_dir"
+        )
         return (
-            f"--dataset={config.get('dataset')!r} has vocab_size={vocab_size} (its meta.json), where the checkpoint's "
-            f"model has vocab_size={model_args['vocab_size']}: a resume continues the checkpoint's run on its data; "
-            f"resume with the run's --dataset={old.get('dataset', config.get('dataset'))!r}"
+            f"--dataset={dataset!r} has vocab_size={vocab_size} (its meta.json), where the checkpoint's model has "
+            f"vocab_size={model_args['vocab_size']}: a resume continues the checkpoint's run on its data; {fix}"
         ), []
     if "data_seed" in old and "data_seed" in config and old["data_seed"] != config["data_seed"]:
         return (

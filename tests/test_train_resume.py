@@ -290,8 +290,12 @@ def test_every_key_of_the_checkpoints_model_args_is_compared():
     ]
     assert settings.resume_check(config, checkpoint, has_log=True, vocab_size=50304)[0] == (
         "--dataset='shakespeare_char' has vocab_size=50304 (its meta.json), where the checkpoint's model has "
-        "vocab_size=65: a resume continues the checkpoint's run on its data; resume with the run's "
-        "--dataset='shakespeare_char'"
+        "vocab_size=65: a resume continues the checkpoint's run on its data; prepare the dataset as the run had it "
+        "(its meta.json changed), or train a new model in a new out_dir"
+    )
+    other = dict(config, dataset="openwebtext")
+    assert settings.resume_check(other, checkpoint, has_log=True, vocab_size=50304)[0].endswith(
+        "resume with the run's --dataset='shakespeare_char'"
     )
 
 
