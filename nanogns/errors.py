@@ -20,10 +20,10 @@ line on stderr and a non-zero exit code; a notebook or a loop over several train
                               is not `step`). Also a ValueError
       CheckpointNotUsable     a checkpoint a resume (or sample.py) cannot use: missing, damaged, holding more than
                               data, or with model_args that build no model. Also a ValueError
-      StepNotMeasured         GNSMonitor.step refused the step (a batch size the layers did not count, a batch of
-                              one, no backward since the last step, a parameter with no gradient, a layer that
-                              mixes the examples, rows it cannot map, the log's previous row not written). Also a
-                              ValueError, as these were before
+      StepNotMeasured         GNSMonitor.step refused the step (a batch size the layers did not count, no backward
+                              since the last step, a parameter with no gradient, a layer that mixes the examples,
+                              rows it cannot map, the log's previous row not written). Also a ValueError, as these
+                              were before
       LogNotUsable            a log (or the record beside it) that cannot be read or gives no GNS: not text, UTF-16,
                               no rows, no per-parameter columns, every batch size 1. Also a ValueError
       LogNotFound             no log in the directory named. Also a FileNotFoundError

@@ -7,6 +7,7 @@ GNSMonitor and its parts (nanogns/monitor/) and the GNS estimator (nanogns/estim
 import math
 import os
 import sys
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -133,9 +134,10 @@ def test_tracker_rejects_a_wrong_batch_size_and_skips_unused_layers():
 
 
 def test_first_hour_mistakes_in_ones_own_loop_are_one_line_each(tmp_path):
-    """A step before any backward returned {'gns': nan}, a batch of one gave nan, and a loop without log.step()
-    wrote the whole run as one row (the analysis then reported "over 1 steps"): each is now a StepNotMeasured
-    (a NanoGNSError and a ValueError) naming the fix, and the next step, done right, is measured."""
+    """A step before any backward returned {'gns': nan}, a batch of one gave nan without a word, and a loop without
+    log.step() wrote the whole run as one row (the analysis then reported "over 1 steps"): the first and the last
+    are now a StepNotMeasured (a NanoGNSError and a ValueError) naming the fix, after which the next step, done
+    right, is measured; a batch of one is measured (its norms are exact) with one warning that its GNS is nan."""
     from nanogns.runlog.writer import LogWrapper
 
     model = nn.Sequential(nn.Embedding(16, 8), PerExampleLayerNorm(8), PerExampleLinear(8, 16))
@@ -156,12 +158,16 @@ def test_first_hour_mistakes_in_ones_own_loop_are_one_line_each(tmp_path):
     )
     assert isinstance(refused.value, NanoGNSError) and isinstance(refused.value, ValueError)
     backward(ids[:1])
-    with pytest.raises(StepNotMeasured, match=r"^GNS: step\(batch_size=1\): the GNS compares each example's"):
-        monitor.step(batch_size=1)
+    with pytest.warns(UserWarning, match=r"^GNS: step\(batch_size=1\): the norms are measured, but the GNS ") as said:
+        row = monitor.step()  # the batch size the layers counted: one
+    assert len(said) == 1 and math.isnan(row["gns"]) and row["train/gns/2.weight/batch_size"] == 1
+    log.step()
     model.zero_grad(set_to_none=True)
     backward(ids[:1])
-    with pytest.raises(StepNotMeasured, match=r"^GNS: step\(batch_size=1\)"):
-        monitor.step()  # the batch size the layers counted: one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monitor.step(batch_size=1)  # said once
+    log.step()
     model.zero_grad(set_to_none=True)
     backward()
     assert monitor.step(batch_size=4)["train/gns/2.weight/batch_size"] == 4
@@ -170,7 +176,7 @@ def test_first_hour_mistakes_in_ones_own_loop_are_one_line_each(tmp_path):
     with pytest.raises(StepNotMeasured) as refused:
         monitor.step(batch_size=4)  # log.step() forgotten
     assert str(refused.value) == (
-        "GNS: step() again before the log wrote the previous step's row (log.step() was not called since step 0): "
+        "GNS: step() again before the log wrote the previous step's row (log.step() was not called since step 2): "
         "every row would overwrite the last and the log would hold the whole run as one row; call log.step() once "
         "per optimizer step, after monitor.step() and your own log.log(...)"
     )
@@ -181,7 +187,7 @@ def test_first_hour_mistakes_in_ones_own_loop_are_one_line_each(tmp_path):
     monitor.step(batch_size=4)
     log.step()
     log.close()
-    assert pd.read_csv(tmp_path / "log.csv")["step"].tolist() == [0, 1]
+    assert pd.read_csv(tmp_path / "log.csv")["step"].tolist() == [0, 1, 2, 3]
 
 
 def test_tied_embedding_and_linear_are_tracked_once_under_both_names():

@@ -204,11 +204,12 @@ class GNSMonitor:
         if batch_size is None:  # the count most tracked tensors report (a layer shared across depth counts k B)
             counted = [c for c in values[:, 2].tolist() if c > 0 and not math.isnan(c)]
             batch_size = int(min(set(counted), key=lambda c: (-counted.count(c), c))) if counted else 0
-        if batch_size == 1:
-            raise StepNotMeasured(
-                "GNS: step(batch_size=1): the GNS compares each example's gradient with their mean, which one example "
-                "cannot give (|G|^2 and tr(Sigma) divide by B - 1); use 2 or more examples per optimizer step (micro-"
-                "batch size x accumulation steps x ranks)"
+        if batch_size == 1 and "batch of one" not in self._warned:  # the norms are measured; the GNS is undefined
+            self._warned.add("batch of one")
+            warnings.warn(
+                "GNS: step(batch_size=1): the norms are measured, but the GNS compares each example's gradient with "
+                "their mean, which one example cannot give (|G|^2 and tr(Sigma) divide by B - 1): it stays nan; use 2 "
+                "or more examples per optimizer step (micro-batch size x accumulation steps x ranks)"
             )
         scale = self.scaler.get_scale() if self._scaler_on() else 1.0
         scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
