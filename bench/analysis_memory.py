@@ -17,7 +17,8 @@ The log is a finished run's log.csv as train.py writes it, in a temporary direct
 parameters: about 560 bytes a row, so many more steps per byte). Each measurement runs in its own process: its
 peak resident memory during the call (VmHWM, reset just before it through /proc/self/clear_refs: the whole
 process's, the interpreter, pandas and matplotlib imported before it included), how much the call added above the
-memory right before it, and the call's wall time. Linux only (/proc).
+memory right before it, the call's wall time and its process's CPU time (all threads: less sensitive than the wall
+time to other work on a shared machine). Linux only (/proc).
 """
 
 import argparse
@@ -78,12 +79,12 @@ else:
 before = rss("VmRSS:")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset VmHWM to the current RSS
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 with contextlib.redirect_stdout(io.StringIO()):
     result = call(out_dir)
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
 steps = len(result) if what == "analyze" else None
-print(json.dumps({"peak_mib": rss("VmHWM:") - before, "rss_mib": rss("VmHWM:"), "seconds": seconds, "steps": steps}))
+print(json.dumps({"peak_mib": rss("VmHWM:") - before, "rss_mib": rss("VmHWM:"), "seconds": seconds, "cpu": cpu, "steps": steps}))
 """
 
 
@@ -168,7 +169,7 @@ def main():
         }
         print(
             f"{'code':<22}{'call':<26}{'rows':>8}{'log MiB':>9}{'peak RSS MiB':>14}{'of it the call':>16}"
-            f"{'seconds':>9}{'PNGs':>6}"
+            f"{'seconds':>9}{'CPU s':>8}{'PNGs':>6}"
         )
         for rows in (int(r) for r in args.rows.split(",")):
             run_dir = os.path.join(work, "run")
@@ -188,7 +189,7 @@ def main():
                 pngs = "" if result["pngs"] is None else result["pngs"]
                 print(
                     f"{name:<22}{labels[what]:<26}{rows:>8,}{size / 2**20:>9,.0f}{result['rss_mib']:>14,.1f}"
-                    f"{result['peak_mib']:>16,.1f}{result['seconds']:>9.1f}{pngs:>6}",
+                    f"{result['peak_mib']:>16,.1f}{result['seconds']:>9.1f}{result['cpu']:>8.1f}{pngs:>6}",
                     flush=True,
                 )
     finally:
