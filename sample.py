@@ -74,7 +74,7 @@ state_dict = {k.removeprefix(unwanted_prefix): v for k, v in state_dict.items()}
 try:
     model.load_state_dict(state_dict)
 except RuntimeError as e: # weights of another shape than model_args says
-    fail(f"{ckpt_path}: its weights do not fit its model_args ({str(e).splitlines()[1].strip()[:200]} ...)")
+    fail(f"{ckpt_path}: its weights do not fit its model_args ({(str(e).splitlines()[1:2] or [str(e)])[0].strip()[:200]} ...)")
 model.eval()
 model.to(device)
 
