@@ -74,7 +74,7 @@ state_dict = {k.removeprefix(unwanted_prefix): v for k, v in state_dict.items()}
 try:
     model.load_state_dict(state_dict)
 except RuntimeError as e: # weights of another shape than model_args says
-    fail(f"{ckpt_path}: its weights do not fit its model_args ({str(e).splitlines()[1].strip()[:200]} ...)")
+    fail(f"{ckpt_path}: its weights do not fit its model_args ({(str(e).splitlines()[1:2] or [str(e)])[0].strip()[:200]} ...)")
 model.eval()
 model.to(device)
 
@@ -105,7 +105,10 @@ if meta is not None and 'stoi' in meta:
         return [stoi[c] for c in s]
     decode = lambda l: ''.join([itos[i] for i in l])
 else:
-    import tiktoken
+    try: # gns: GPT-2's tokenizer is not in the quick start's requirements.txt
+        import tiktoken
+    except ImportError:
+        fail("this model reads GPT-2 tokens (its dataset has no meta.json), which needs tiktoken: pip install tiktoken")
     print("No meta.json found, assuming GPT-2 encodings...")
     enc = tiktoken.get_encoding("gpt2")
     encode = lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})

@@ -107,6 +107,7 @@ data_seed = -1 # >= 0: training batches drawn from (data_seed, iter_num, global 
 config_keys = [k for k,v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read()) # overrides from command line or config file
 config = {k: globals()[k] for k in config_keys} # will be useful for logging
+config['run_id'] = os.urandom(6).hex() # gns: names the run in its checkpoints and config.json (a resume keeps it)
 # -----------------------------------------------------------------------------
 
 # gns: a bad setting ends every rank before any process group starts; rank 0 alone prints why (one line on
@@ -150,9 +151,14 @@ if bs_schedule not in ('none', 'linear') and not tracked:
          "(e.g. --linearclass=gns)")
 if bs_schedule != 'none' and not 1 <= bs_min_accum_steps <= bs_max_accum_steps:
     fail(f"need 1 <= bs_min_accum_steps ({bs_min_accum_steps}) <= bs_max_accum_steps ({bs_max_accum_steps})")
-# gns: wandb without a login would fail inside wandb.init, after out_dir is made; say so before anything starts
+# gns: wandb not installed, or without a login, would fail inside wandb.init, after out_dir is made; say so first
+if wandb_log:
+    try:
+        import wandb
+    except ImportError:
+        fail("wandb_log=True needs wandb, which is not installed (it is not in the quick start's requirements.txt): "
+             "pip install wandb, or drop --wandb_log")
 if wandb_log and os.environ.get('WANDB_MODE') not in ('offline', 'disabled', 'dryrun'):
-    import wandb
     if not wandb.login(prompt=False, verify=False):
         fail("wandb_log=True but wandb has no login (no WANDB_API_KEY, no `wandb login`); log in with "
              "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log")
@@ -324,12 +330,17 @@ with lc.set_contextual_config(**layer_classes):
         # gns: a resume continues the checkpoint's run: a flag that would change its model, or what its log
         # measures, is refused naming it; a change of batch size is said, and the log records it
         has_log = any(os.path.exists(os.path.join(out_dir, f)) for f in ('log.csv', 'log_header.csv.tmp'))
-        problem, notes = settings.resume_check(config, checkpoint, engine.broadcast(has_log))
+        problem, notes = settings.resume_check(config, checkpoint, engine.broadcast(has_log), meta_vocab_size)
+        # and the checkpoint continues the log in out_dir (not another run's ckpt.pt copied in), read by rank 0
+        problem = problem or engine.broadcast(settings.continuation_problem(out_dir, checkpoint) if master_process else None)
         if problem:
             engine.close()
             fail(problem)
         for note in notes:
             print(note)
+        config['run_id'] = (checkpoint.get('config') or {}).get('run_id', config['run_id'])
+        if master_process:
+            engines.remove_unfinished(ckpt_path)
         # force these config attributes to be equal otherwise we can't even resume training
         # the rest of the attributes (e.g. dropout) can stay as desired from command line
         for k in ['n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size']:
@@ -345,7 +356,7 @@ with lc.set_contextual_config(**layer_classes):
             if k.startswith(unwanted_prefix):
                 state_dict[k[len(unwanted_prefix):]] = state_dict.pop(k)
         tokens_processed = int(state_dict.pop('tokens_processed', -1))
-        model.load_state_dict(state_dict)
+        engines.load_weights(model, state_dict, ckpt_path) # gns: model.load_state_dict, a mismatch said in one line
         iter_num = checkpoint['iter_num']
         if tokens_processed < 0: # gns: a nanoGPT checkpoint counts no tokens: iter_num x the tokens of its steps
             tokens_processed, note = settings.resumed_tokens(checkpoint, tokens_per_iter)
@@ -387,7 +398,7 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 # optimizer
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':
-    engine.load_optimizer(model, optimizer, checkpoint['optimizer'])
+    engines.load_optimizer_state(engine, model, optimizer, checkpoint['optimizer'], ckpt_path) # gns: or one line
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
 

@@ -57,6 +57,13 @@ _EXPORTS = {
     "WriteFailed": "nanogns.errors",
     "LogNotContinuable": "nanogns.errors",
     "CheckpointNotUsable": "nanogns.errors",
+    "StepNotMeasured": "nanogns.errors",
+    "LogNotUsable": "nanogns.errors",
+    "LogNotFound": "nanogns.errors",
+    "DataNotUsable": "nanogns.errors",
+    "SettingNotValid": "nanogns.errors",
+    "NotSupported": "nanogns.errors",
+    "CallNotValid": "nanogns.errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,11 +21,13 @@ import pickle
 
 import numpy as np
 
+from nanogns.errors import DataNotUsable
+
 META_JSON = "meta.json"
 META_PKL = "meta.pkl"
 
 
-class NotPlainData(pickle.UnpicklingError):
+class NotPlainData(DataNotUsable, pickle.UnpicklingError):
     """A pickle names a class or function: refused unloaded."""
 
 
@@ -45,24 +47,24 @@ def load_plain_pickle(data):
 def _checked(meta, path):
     """{"vocab_size", "stoi", "itos"} from a loaded meta, or ValueError naming what is wrong."""
     if not isinstance(meta, dict) or type(meta.get("vocab_size")) is not int or meta["vocab_size"] < 1:
-        raise ValueError(f"{path} holds no vocab_size (a positive integer)")
+        raise DataNotUsable(f"{path} holds no vocab_size (a positive integer)")
     out = {"vocab_size": meta["vocab_size"], "path": path}
     itos = meta.get("itos")
     if isinstance(itos, list):
         itos = dict(enumerate(itos))
     if itos is not None:
         if not isinstance(itos, dict) or not all(type(k) is int and isinstance(v, str) for k, v in itos.items()):
-            raise ValueError(f"{path}: itos must map token ids to strings")
+            raise DataNotUsable(f"{path}: itos must map token ids to strings")
         covered = sum(1 for k in itos if 0 <= k < meta["vocab_size"])
         if covered < meta["vocab_size"]:
-            raise ValueError(
+            raise DataNotUsable(
                 f"{path}: itos names the characters of {covered} of the vocab_size={meta['vocab_size']:,} token "
                 "ids; every id needs one (sample.py writes each generated id as its character)"
             )
         out["itos"] = itos
         stoi = meta.get("stoi", {v: k for k, v in itos.items()})
         if not isinstance(stoi, dict) or not all(isinstance(k, str) and type(v) is int for k, v in stoi.items()):
-            raise ValueError(f"{path}: stoi must map strings to token ids")
+            raise DataNotUsable(f"{path}: stoi must map strings to token ids")
         out["stoi"] = stoi
     return out
 
@@ -80,21 +82,21 @@ def load_meta(data_dir):
             with open(json_path, encoding="utf-8") as f:
                 return _checked(json.load(f), json_path)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read {json_path} ({type(e).__name__}: {e})") from None
+            raise DataNotUsable(f"cannot read {json_path} ({type(e).__name__}: {e})") from None
         except RecursionError:  # json's parser recurses once per level
-            raise ValueError(f"cannot read {json_path} (it is nested too deeply to be a meta.json)") from None
+            raise DataNotUsable(f"cannot read {json_path} (it is nested too deeply to be a meta.json)") from None
     if os.path.exists(pkl_path):
         try:
             with open(pkl_path, "rb") as f:
                 meta = load_plain_pickle(f.read())
         except NotPlainData as e:
-            raise ValueError(
+            raise DataNotUsable(
                 f"{pkl_path} is not plain data ({e}); it was not loaded, as loading it could run code"
             ) from None
         except RecursionError:
-            raise ValueError(f"cannot read {pkl_path} (it is nested too deeply to be a meta.pkl)") from None
+            raise DataNotUsable(f"cannot read {pkl_path} (it is nested too deeply to be a meta.pkl)") from None
         except Exception as e:  # truncated or damaged: EOFError, UnpicklingError, ...
-            raise ValueError(f"cannot read {pkl_path} ({type(e).__name__}: {e})") from None
+            raise DataNotUsable(f"cannot read {pkl_path} ({type(e).__name__}: {e})") from None
         return _checked(meta, pkl_path)
     return None
 

@@ -282,7 +282,8 @@ def read_checkpoint(path):
     code) is refused before it is built.
 
     Raises:
-        ValueError: the file is not a readable checkpoint, or holds more than data (the message says which).
+        CheckpointNotUsable (a ValueError): the file is not a readable checkpoint, or holds more than data (the
+            message says which).
     """
     try:
         # on the CPU: the model and optimizer move their state to the device; RNG states must stay CPU tensors
@@ -296,27 +297,27 @@ def read_checkpoint(path):
         allowed = {f'{t.__module__}.{t.__qualname__}' for t in _numpy_array_types()}
         names = [n for n in names if n not in allowed]
         if not names:  # damaged rather than unsafe
-            raise ValueError(f"{path} is not a readable checkpoint ({str(e).splitlines()[-1][:200]})") from None
-        raise ValueError(
+            raise CheckpointNotUsable(
+                f"{path} is not a readable checkpoint ({str(e).splitlines()[-1][:200]})"
+            ) from None
+        raise CheckpointNotUsable(
             f"{path} holds objects other than tensors and plain data ({', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}): it was not loaded, as loading them could run code "
             "(a checkpoint train.py writes never holds them)"
         ) from None
     except Exception as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+        raise CheckpointNotUsable(f"{path} is not a readable checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(checkpoint, dict):
-        raise ValueError(f"{path} is not a checkpoint of train.py (it holds a {type(checkpoint).__name__})")
+        raise CheckpointNotUsable(f"{path} is not a checkpoint of train.py (it holds a {type(checkpoint).__name__})")
     return checkpoint
 
 
 def load_checkpoint(path, fsdp, master_process):
-    """The checkpoint at `path` for a resume.
+    """The checkpoint at `path` for a resume. It changes nothing on disk (a refused resume leaves the run directory
+    as it was): remove_unfinished() removes a save a crash cut short, once the resume is accepted.
 
     Raises CheckpointNotUsable (one line: what is wrong and what to do): no file, a damaged one, one holding more
     than data, keys missing, model_args that build no GPT, or written with another fsdp setting."""
-    if master_process and os.path.exists(path + '.tmp'):  # left by a crash while saving; path is the previous one
-        print(f"removing {path}.tmp, an unfinished checkpoint")
-        os.remove(path + '.tmp')
     if not os.path.exists(path):
         raise CheckpointNotUsable(
             f"cannot resume: no checkpoint {path} (the run stopped before its first "
@@ -346,3 +347,49 @@ def load_checkpoint(path, fsdp, master_process):
             f"(its optimizer state is keyed that way); resume with --fsdp={checkpoint.get('fsdp', False)}"
         )
     return checkpoint
+
+
+def remove_unfinished(path):
+    """Remove path + '.tmp', a checkpoint a crash cut short while saving (path is the previous one), saying so."""
+    if os.path.exists(path + '.tmp'):
+        print(f"removing {path}.tmp, an unfinished checkpoint")
+        os.remove(path + '.tmp')
+
+
+def _first(names, limit=3):
+    names = sorted(names)
+    return ', '.join(names[:limit]) + (f' and {len(names) - limit} more' if len(names) > limit else '')
+
+
+def load_weights(model, state_dict, path):
+    """model.load_state_dict(state_dict), strict; weights that do not fit the model raise CheckpointNotUsable
+    naming the first names that differ (missing, unexpected, another shape), not torch's multi-line error."""
+    own = model.state_dict()
+    missing, unexpected = own.keys() - state_dict.keys(), state_dict.keys() - own.keys()
+    shapes = [k for k in own.keys() & state_dict.keys() if tuple(own[k].shape) != tuple(state_dict[k].shape)]
+    if missing or unexpected or shapes:
+        what = [f"missing {_first(missing)}"] if missing else []
+        what += [f"unexpected {_first(unexpected)}"] if unexpected else []
+        what += [f"another shape for {_first(shapes)}"] if shapes else []
+        raise CheckpointNotUsable(
+            f"cannot resume: the weights in {path} do not fit the model these settings build ({'; '.join(what)}): "
+            "resume with the flags the run was trained with (its config is in the checkpoint and config.json)"
+        )
+    try:
+        model.load_state_dict(state_dict)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointNotUsable(
+            f"cannot resume: the weights in {path} do not load ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:200]}); restore it from a backup or start again in a fresh out_dir"
+        ) from None
+
+
+def load_optimizer_state(engine, model, optimizer, state, path):
+    """engine.load_optimizer, an optimizer state that does not fit this optimizer raised as CheckpointNotUsable."""
+    try:
+        engine.load_optimizer(model, optimizer, state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointNotUsable(
+            f"cannot resume: the optimizer state in {path} does not fit this run's optimizer ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:200]}); resume with the settings the run was trained with"
+        ) from None

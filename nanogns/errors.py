@@ -20,6 +20,31 @@ line on stderr and a non-zero exit code; a notebook or a loop over several train
                               is not `step`). Also a ValueError
       CheckpointNotUsable     a checkpoint a resume (or sample.py) cannot use: missing, damaged, holding more than
                               data, or with model_args that build no model. Also a ValueError
+      StepNotMeasured         GNSMonitor.step refused the step (a batch size the layers did not count, no backward
+                              since the last step, a parameter with no gradient, a layer that mixes the examples,
+                              rows it cannot map, the log's previous row not written). Also a ValueError, as these
+                              were before
+      LogNotUsable            a log (or the record beside it) that cannot be read or gives no GNS: not text, UTF-16,
+                              no rows, no per-parameter columns, every batch size 1. Also a ValueError
+      LogNotFound             no log in the directory named. Also a FileNotFoundError
+      DataNotUsable           a dataset's meta.json (or meta.pkl) that cannot be used. Also a ValueError
+      SettingNotValid         an argument or setting out of its range or unknown: a layer class, a strategy, a
+                              convert() option, a batch-size schedule (its file too) or controller. Also a ValueError
+      NotSupported            a model or setup whose per-example norms cannot be measured exactly: a layer option,
+                              tensor parallelism, a trainer that keeps its own gradients, an unconverted model.
+                              Also a ValueError
+      CallNotValid            a call at a moment or with an input the package cannot serve: a log written after
+                              close(), a step read before a trainer clipped, a fused kernel's input shape. Also a
+                              RuntimeError, as these were before
+
+Each keeps the built-in class it replaced as a second base, so `except ValueError` (or RuntimeError) code written
+before still catches it. What else the package raises, by Python's own meaning (tests/test_errors.py holds this
+list to every raise statement of the package):
+
+    ImportError               an optional dependency is not installed (the message names the extra to install)
+    AttributeError            nanogns.<name> or a layer kind looked up by attribute that does not exist
+    KeyError                  LogWrapper.print's format names a key not logged this step (as str.format does)
+    NotImplementedError       a method a subclass must define (core/uses.py's Factor)
 
 No import here: the log, the analysis and the scripts raise these without torch.
 """
@@ -76,3 +101,35 @@ class LogNotContinuable(NanoGNSError, ValueError):
 
 class CheckpointNotUsable(NanoGNSError, ValueError):
     """A checkpoint cannot be used (the message names the file, what is wrong and what to do)."""
+
+
+class StepNotMeasured(NanoGNSError, ValueError):
+    """GNSMonitor.step (or measure) refused the step: the message names the parameter or the call, what was observed
+    and the fix. The buffers are zeroed all the same: the next step starts afresh."""
+
+
+class LogNotUsable(NanoGNSError, ValueError):
+    """A log, or the record of parameters beside it, that cannot be read or gives no GNS (the message names the
+    file, what is wrong and the fix)."""
+
+
+class LogNotFound(NanoGNSError, FileNotFoundError):
+    """No log in the directory named (the message names the files looked for)."""
+
+
+class DataNotUsable(NanoGNSError, ValueError):
+    """A dataset's meta.json or meta.pkl that cannot be used (the message names the file and what to run)."""
+
+
+class SettingNotValid(NanoGNSError, ValueError):
+    """An argument or a setting out of its range, or unknown (the message names it and the valid choices)."""
+
+
+class NotSupported(NanoGNSError, ValueError):
+    """A model or setup whose per-example norms cannot be measured exactly (the message says what was found and what
+    works instead)."""
+
+
+class CallNotValid(NanoGNSError, RuntimeError):
+    """A call at a moment, or with an input, the package cannot serve (the message names the call and the order or
+    shape that works)."""

@@ -39,7 +39,7 @@ from nanogns.conversion.convert import convert
 from nanogns.core import trees
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
 from nanogns.core.layout import install
-from nanogns.errors import DirectoryHoldsAnotherRun, WriteFailed
+from nanogns.errors import CallNotValid, DirectoryHoldsAnotherRun, NotSupported, SettingNotValid, WriteFailed
 from nanogns.estimator import RunningGNS
 from nanogns.monitor import GNSMonitor
 from nanogns.runlog.lock import RunLock
@@ -58,7 +58,7 @@ def _monitor(model, ema_decay, scaler, convert_options):
     options = dict(ema_decay=ema_decay, scaler=scaler)
     if any(name.endswith(BUFFER_SUFFIX) for name, _ in model.named_buffers()):
         if convert_options:
-            raise ValueError(
+            raise SettingNotValid(
                 f"GNS: the model's layers are converted already; convert options {convert_options} "
                 "cannot apply (pass them to the first nanogns.convert instead)"
             )
@@ -177,7 +177,7 @@ class TrainerGNSCallback(TrainerCallback):
         **convert_options: Any,
     ):
         if TrainerCallback is object:
-            raise ImportError("TrainerGNSCallback needs transformers (pip install -r requirements.txt)")
+            raise ImportError('TrainerGNSCallback needs transformers: pip install "nanogns[trainers]"')
         self.trainer = trainer
         self.verify_loss, self.verification = verify_loss, None  # Optional[Verification] of the first step
         self.out_dir = out_dir if out_dir is not None else trainer.args.output_dir
@@ -205,7 +205,7 @@ class TrainerGNSCallback(TrainerCallback):
         accelerator = self.trainer.accelerator
         kind = str(accelerator.distributed_type)
         if "DEEPSPEED" in kind or ("FSDP" in kind and not getattr(accelerator, "is_fsdp2", False)):
-            raise ValueError(
+            raise NotSupported(
                 f"TrainerGNSCallback: {kind} keeps gradients its own way (partitioned, flattened) "
                 "and clips them itself; the GNS is read under one process, DDP and FSDP2"
             )
@@ -249,7 +249,7 @@ class TrainerGNSCallback(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if not self.measured:
-            raise RuntimeError(
+            raise CallNotValid(
                 "TrainerGNSCallback: Trainer did not call accelerator.clip_grad_norm_ before this "
                 "optimizer step (a tensor-parallel mesh or SageMaker clips otherwise), so the "
                 "unclipped gradients were not read; no GNS can be logged for this setup"
@@ -309,7 +309,7 @@ class LightningGNSCallback(LightningCallback):
         **convert_options: Any,
     ):
         if LightningCallback is object:
-            raise ImportError("LightningGNSCallback needs lightning (pip install -r requirements.txt)")
+            raise ImportError('LightningGNSCallback needs lightning: pip install "nanogns[trainers]"')
         self.out_dir, self.ema_decay, self.convert_options = out_dir, ema_decay, convert_options
         self.verify_loss, self.verification = verify_loss, None  # Optional[Verification] of the first batch
         self.monitor = self.gns_log = self.lock = None  # (Lightning sets callback.log to the module's log method)
@@ -416,14 +416,14 @@ class AccelerateGNS:
         the first step's batch, checked by nanogns.verify (the step's gradients are left as they are)."""
         if self.verify_loss is not None and self.verification is None:
             if batch is None:
-                raise ValueError(
+                raise SettingNotValid(
                     "AccelerateGNS(verify_loss=...): pass the first step's batch, monitor.step(batch=batch)"
                 )
             self.verification = verify(
                 self.monitor.model, batch, self.verify_loss, show=self.accelerator.is_main_process
             )
         if not self.accelerator.sync_gradients:
-            raise RuntimeError(
+            raise CallNotValid(
                 "AccelerateGNS.step() inside accelerator.accumulate() before the step's last "
                 "micro-batch: its gradients are not complete (nor averaged over the ranks); call it "
                 "under `if accelerator.sync_gradients:`"

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from nanogns.errors import SettingNotValid
 from nanogns.estimator import gns_from_emas, unbiased_stats
 
 SCHEDULE_FILE = "grad_accum_schedule.txt"
@@ -78,16 +79,16 @@ def parse_schedule(text):
                 raise ValueError
             tokens, steps = float(parts[0]), float(parts[1])
         except ValueError:
-            raise ValueError(f"line {lineno} {line!r} is not 'tokens, steps'") from None
+            raise SettingNotValid(f"line {lineno} {line!r} is not 'tokens, steps'") from None
         if not (math.isfinite(tokens) and math.isfinite(steps)):
-            raise ValueError(f"line {lineno} {line!r} is not finite")
+            raise SettingNotValid(f"line {lineno} {line!r} is not finite")
         if steps < 1:
-            raise ValueError(f"line {lineno}: steps {parts[1]} < 1")
+            raise SettingNotValid(f"line {lineno}: steps {parts[1]} < 1")
         if points and tokens <= points[-1][0]:
-            raise ValueError(f"line {lineno}: tokens {parts[0]} do not increase")
+            raise SettingNotValid(f"line {lineno}: tokens {parts[0]} do not increase")
         points.append((tokens, steps))
     if not points:
-        raise ValueError("no 'tokens, steps' lines")
+        raise SettingNotValid("no 'tokens, steps' lines")
     return points
 
 
@@ -116,7 +117,7 @@ class FileSchedule:
             self.points = parse_schedule(text)
         except (OSError, ValueError) as e:
             if self.points is None:
-                raise ValueError(f"batch-size schedule {self.path}: {e}") from None
+                raise SettingNotValid(f"batch-size schedule {self.path}: {e}") from None
             key = text if not isinstance(e, OSError) else f"OSError {e}"
             if key not in self._warned:
                 self._warned.add(key)
@@ -194,7 +195,7 @@ class RatioGNS:
 
     def __init__(self, horizon_examples: float):
         if not horizon_examples > 0:
-            raise ValueError(f"horizon_examples must be > 0, got {horizon_examples!r}")
+            raise SettingNotValid(f"horizon_examples must be > 0, got {horizon_examples!r}")
         self.horizon_examples = float(horizon_examples)
         self.sums = dict(w=0.0, w2=0.0, g=0.0, a=0.0, gg=0.0, aa=0.0, ag=0.0)
 
@@ -293,15 +294,17 @@ class BatchSizeController:
         start_accum_steps: Optional[int] = None,
     ):
         if rule not in CONTROLLER_RULES:
-            raise ValueError(f"unknown controller rule {rule!r}; choose from {list(CONTROLLER_RULES)}")
+            raise SettingNotValid(f"unknown controller rule {rule!r}; choose from {list(CONTROLLER_RULES)}")
         if not 1 <= min_accum_steps <= max_accum_steps:
-            raise ValueError(f"need 1 <= min_accum_steps ({min_accum_steps}) <= max_accum_steps ({max_accum_steps})")
+            raise SettingNotValid(
+                f"need 1 <= min_accum_steps ({min_accum_steps}) <= max_accum_steps ({max_accum_steps})"
+            )
         if micro_batch_size < 1 or base_batch_size < 1:
-            raise ValueError(
+            raise SettingNotValid(
                 f"micro_batch_size ({micro_batch_size}) and base_batch_size ({base_batch_size}) must be >= 1"
             )
         if hysteresis < 0 or factor <= 0 or cap <= 0:
-            raise ValueError(f"need hysteresis >= 0, factor > 0 and cap > 0 (got {hysteresis}, {factor}, {cap})")
+            raise SettingNotValid(f"need hysteresis >= 0, factor > 0 and cap > 0 (got {hysteresis}, {factor}, {cap})")
         self.rule, self.micro, self.base = rule, int(micro_batch_size), int(base_batch_size)
         self.min_steps, self.max_steps = int(min_accum_steps), int(max_accum_steps)
         self.factor, self.anchor, self.cap, self.lr_hold = factor, anchor, cap, lr_hold
@@ -434,7 +437,7 @@ class BatchSizeController:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state["rule"] != self.rule:
-            raise ValueError(
+            raise SettingNotValid(
                 f"the checkpoint's batch-size controller ran rule {state['rule']!r}, this one {self.rule!r}"
             )
         self.accum = int(state["accum"])

@@ -6,15 +6,22 @@ line naming the flag and its range, never a run that trains silently wrong or a 
     problem = settings.device_problem(device)                     # a device torch cannot use here
     problem = settings.model_size_problem(model_args, device)     # a model too large to allocate, sized first
     problem = settings.model_args_problem(model_args)             # a checkpoint's model_args that build no GPT
-    problem, notes = settings.resume_check(config, checkpoint, has_log)   # a resume that would not continue its run
+    problem, notes = settings.resume_check(config, checkpoint, has_log, vocab_size)  # a resume that would change the run
+    problem = settings.continuation_problem(out_dir, checkpoint)   # a checkpoint that does not continue out_dir's log
 
 configurator.py has checked each key's name and type already; this checks values and their relations. Each
 function returns one line (or None) and raises nothing: the scripts print it and exit.
 
 What a resume may change (resume_check), decided for a user who trusts the run's log:
-- the model's shape (n_layer, n_head, n_embd, bias, block_size) cannot change: the checkpoint's weights and
-  optimizer state are that model's, so a different flag is refused naming it (a block_size that changed would
-  also change what one example is, in which the GNS counts);
+- the model cannot change: every key of the checkpoint's model_args that makes the model (n_layer, n_head, n_embd,
+  bias, block_size, cos_attn, spectral_c_attn, fp32_attention_layers; a key an older checkpoint lacks counts as
+  its default) is compared with its flag, and a different one is refused naming it: the weights and optimizer
+  state are that model's, and the same weights in another function would train another model under the same log
+  (a block_size that changed would also change what one example is, in which the GNS counts). Its vocab_size is
+  compared with the dataset's meta.json. dropout and device_name may change (nanoGPT's fine-tuning changes
+  dropout; device_name is the MFU's denominator), each said in one line;
+- the training data cannot change order: --data_seed must be the checkpoint's (another seed draws other batches
+  from the checkpoint's step on);
 - batch_size and gradient_accumulation_steps may change: the log's batch_size and tokens_processed columns record
   each step's, gns-analysis reports the change, and config.json (rewritten at every start) holds what trains now;
 - what the log measures cannot change while the directory holds the log: a layer choice that would stop (or
@@ -22,12 +29,22 @@ What a resume may change (resume_check), decided for a user who trusts the run's
   measure the same and may be swapped. Without a log (a new out_dir holding a copy of ckpt.pt) it may change;
 - a checkpoint without a token count (nanoGPT's) continues at iter_num x the tokens of one of its steps
   (resumed_tokens), said in one line.
+
+Whether the checkpoint continues the log in out_dir (continuation_problem, on the process that reads out_dir): a
+checkpoint of another run copied into a run directory would append its steps to that run's log. Refused: a run id
+(config["run_id"], kept by every resume) other than the one in out_dir's config.json, or another data_seed, or a
+row of the log at the checkpoint's last step whose iter_num, tokens_processed or batch_size is not the
+checkpoint's. A checkpoint copied into a new out_dir (no log) starts a new log, as before.
 """
 
+import json
 import math
 import os
 
 import torch
+
+from nanogns.runlog.reader import last_row_of_step
+from nanogns.runlog.writer import CONFIG_JSON
 
 DTYPES = ("float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -232,24 +249,68 @@ def measures(layer_choice):
     )
 
 
-def resume_check(config, checkpoint, has_log):
+# the keys of model_args a resume may change, and why (the rest make the model: a change is refused)
+MAY_CHANGE = {
+    "dropout": "dropout is a training setting, not part of the weights (nanoGPT's fine-tuning changes it)",
+    "device_name": "only the MFU's denominator",
+}
+MODEL_DEFAULTS = {
+    "cos_attn": [],
+    "spectral_c_attn": [],
+    "fp32_attention_layers": [],
+    "dropout": 0.0,
+}  # older checkpoints
+
+
+def resume_check(config, checkpoint, has_log, vocab_size=None):
     """(the first reason this resume would not continue the checkpoint's run, as one line naming the flag, or None;
     notes: lines saying what changes, to print).
 
     config: train.py's settings; checkpoint: the loaded checkpoint (model_args checked already); has_log: out_dir
-    holds the run's log."""
+    holds the run's log; vocab_size: the dataset's (its meta.json), or None."""
     old, model_args = checkpoint.get("config") or {}, checkpoint["model_args"]
-    for k in ("n_layer", "n_head", "n_embd", "bias"):
-        if config[k] != model_args[k]:
+    notes = []
+    for k in model_args:
+        if k == "vocab_size" or k not in config:
+            continue
+        was = model_args[k]
+        if config[k] == was:
+            continue
+        if k in MAY_CHANGE:
+            notes.append(f"note: --{k}={config[k]} differs from the checkpoint's {k}={was!r} ({MAY_CHANGE[k]})")
+        elif k == "block_size":
             return (
-                f"--{k}={config[k]} differs from the checkpoint's {k}={model_args[k]}: a resume continues the "
-                f"checkpoint's model; resume with --{k}={model_args[k]} (or train a new model in a new out_dir)"
+                f"--block_size={config['block_size']} differs from the checkpoint's block_size={was}: its model "
+                f"and optimizer state hold {was} positions, and the GNS counts examples, which would change length "
+                f"mid-run; resume with --block_size={was}"
             ), []
-    if config["block_size"] != model_args["block_size"]:
+        else:
+            return (
+                f"--{k}={config[k]} differs from the checkpoint's {k}={was}: a resume continues the checkpoint's "
+                f"model; resume with --{k}={was} (or train a new model in a new out_dir)"
+            ), []
+    for k, default in MODEL_DEFAULTS.items():  # a checkpoint written before the key existed: its model had the default
+        if k not in model_args and k in config and config[k] != default and k not in MAY_CHANGE:
+            return (
+                f"--{k}={config[k]}: the checkpoint's model has {k}={default} (its model_args predate {k}); a "
+                f"resume continues that model; resume with --{k}={default} (or train a new model in a new out_dir)"
+            ), []
+    if vocab_size is not None and vocab_size != model_args["vocab_size"]:
+        dataset, trained_on = config.get("dataset"), old.get("dataset", config.get("dataset"))
+        fix = (
+            f"resume with the run's --dataset={trained_on!r}"
+            if trained_on != dataset
+            else "prepare the dataset as the run had it (its meta.json changed), or train a new model in a new out_dir"
+        )
         return (
-            f"--block_size={config['block_size']} differs from the checkpoint's block_size={model_args['block_size']}: "
-            f"its model and optimizer state hold {model_args['block_size']} positions, and the GNS counts examples, "
-            f"which would change length mid-run; resume with --block_size={model_args['block_size']}"
+            f"--dataset={dataset!r} has vocab_size={vocab_size} (its meta.json), where the checkpoint's model has "
+            f"vocab_size={model_args['vocab_size']}: a resume continues the checkpoint's run on its data; {fix}"
+        ), []
+    if "data_seed" in old and "data_seed" in config and old["data_seed"] != config["data_seed"]:
+        return (
+            f"--data_seed={config['data_seed']} differs from the checkpoint's data_seed={old['data_seed']}: its "
+            f"run's batches are drawn from that seed, and another would train on other batches from this step on; "
+            f"resume with --data_seed={old['data_seed']}"
         ), []
     if has_log:
         for k in LAYER_CHOICES:
@@ -259,7 +320,6 @@ def resume_check(config, checkpoint, has_log):
                     f"{measures(old[k])} with {k}={old[k]!r}: its log would change what it records mid-run; resume "
                     f"with --{k}={old[k]}, or copy ckpt.pt into a new --out_dir and resume there to start a new log"
                 ), []
-    notes = []
     for k in ("batch_size", "gradient_accumulation_steps"):
         if k in old and old[k] != config[k]:
             notes.append(
@@ -267,6 +327,70 @@ def resume_check(config, checkpoint, has_log):
                 "batch_size and tokens_processed columns count the new batch (gns-analysis reports the change)"
             )
     return None, notes
+
+
+def checkpoint_tokens(checkpoint):
+    """The tokens the checkpoint's model had trained on (its tokens_processed buffer), or None (nanoGPT's)."""
+    weights = checkpoint.get("model") or {}
+    for key in ("tokens_processed", "_orig_mod.tokens_processed"):
+        if key in weights:
+            return int(weights[key])
+    return None
+
+
+def _number(cell):
+    try:
+        return float(cell)
+    except (TypeError, ValueError):
+        return None
+
+
+def continuation_problem(out_dir, checkpoint):
+    """Why the checkpoint in out_dir does not continue the log in out_dir, as one line, or None (see the module
+    docstring): another run's id or data_seed in config.json, or the log's row at the checkpoint's last step with
+    another iter_num, tokens_processed or batch_size. Reads out_dir: call it on the process that writes the log."""
+    ckpt, old = os.path.join(out_dir, "ckpt.pt"), checkpoint.get("config") or {}
+    fix = (
+        "resume the run this checkpoint belongs to in its own out_dir, or copy ckpt.pt alone into a new --out_dir "
+        "and resume there to start a new log from it"
+    )
+    try:
+        with open(os.path.join(out_dir, CONFIG_JSON)) as f:
+            run = json.load(f)
+    except (OSError, ValueError):  # no config.json (a library log, an older run), or one that is not JSON
+        run = {}
+    run = run if isinstance(run, dict) else {}
+    for key in ("run_id", "data_seed"):
+        if key in run and key in old and run[key] != old[key]:
+            return (
+                f"cannot resume: {ckpt} was written by another run ({key}={old[key]!r}) than the log in {out_dir} "
+                f"({key}={run[key]!r} in its {CONFIG_JSON}); its steps would be appended to that run's log: {fix}"
+            )
+    log_step = checkpoint.get("log_step")
+    if not isinstance(log_step, int) or log_step < 1:
+        return None
+    try:
+        row = last_row_of_step(out_dir, log_step - 1)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:  # a log in another encoding, say: one line
+        return f"cannot continue the log: {e}"
+    if row is None:  # the log lacks the step: the writer says which steps are missing
+        return None
+    expected = {"iter_num": checkpoint.get("iter_num"), "tokens_processed": checkpoint_tokens(checkpoint)}
+    expected["iter_num"] = expected["iter_num"] - 1 if isinstance(expected["iter_num"], int) else None
+    ranks, accum = checkpoint.get("ranks"), checkpoint.get("accum_steps")
+    if isinstance(ranks, list) and type(accum) is int and type(old.get("batch_size")) is int:
+        expected["batch_size"] = accum * len(ranks) * old["batch_size"]
+    for key, value in expected.items():
+        logged = _number(row.get(key))
+        if value is not None and logged is not None and logged != value:
+            return (
+                f"cannot resume: {ckpt} does not continue the log in {out_dir}: the log's step {log_step - 1} (the "
+                f"checkpoint's last) has {key}={logged:,.0f}, the checkpoint {key}={value:,}; its steps would be "
+                f"appended to another run's log: {fix}"
+            )
+    return None
 
 
 def resumed_tokens(checkpoint, tokens_per_iter):

@@ -47,6 +47,7 @@ from nanogns.conversion.convert import convert
 from nanogns.core import layout, trees
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
 from nanogns.core.module_state import state_of
+from nanogns.errors import NotSupported, SettingNotValid
 from nanogns.monitor.mixing import examples_mixed, reached_example, rows_of
 from nanogns.monitor.monitor import GNSMonitor
 from nanogns.monitor.reader import world_size
@@ -230,10 +231,10 @@ def verify(
         dtype: the dtype the check runs in (float64: the oracle's; None: the model's own). Where the model's forward
             fails in it, the check runs in the model's own dtype and says so.
         convert_options: keyword arguments of nanogns.convert for a model not converted.
-    Raises ValueError when per_example_loss does not return a (B,) tensor that has a gradient."""
+    Raises SettingNotValid (a ValueError) when per_example_loss does not return a (B,) tensor that has a gradient."""
     converted = _converted(model)
     if converted and convert_options:
-        raise ValueError(
+        raise SettingNotValid(
             f"verify: the model is converted already; convert options {convert_options} cannot apply (verify the "
             "model before converting it, or without them)"
         )
@@ -252,7 +253,9 @@ def verify(
                     break
                 except _ForwardFailed as e:
                     if k + 1 == len(dtypes):
-                        raise e.__cause__ from None
+                        raise NotSupported(
+                            f"verify: the model's forward failed in {_name(run_dtype)}: {e.__cause__!r}"
+                        ) from e.__cause__
                     kept.restore()  # the model as it was, for the try in its own dtype
                     notes.append(f"the forward failed in {_name(run_dtype)} ({e.__cause__!r}); checked in {_name(own)}")
         result.notes = notes + sorted({str(w.message) for w in said if str(w.message).startswith(("GNS", "convert"))})
@@ -311,12 +314,12 @@ def _check(model, batch, per_example_loss, run_dtype, own, convert_options, conv
             handle.remove()
     if not (isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.is_floating_point()):
         got = f"a tensor of shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor) else type(losses).__name__
-        raise ValueError(
+        raise SettingNotValid(
             f"verify: per_example_loss(model, batch) returned {got}; it returns each example's loss, a (B,) tensor "
             "whose mean is the step's loss (reduction='none', then a mean over each example's tokens)"
         )
     if not losses.requires_grad:
-        raise ValueError(
+        raise SettingNotValid(
             "verify: per_example_loss(model, batch) returned losses with no gradient (computed under "
             "torch.no_grad(), or from no trainable parameter)"
         )

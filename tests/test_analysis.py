@@ -8,11 +8,14 @@ reference format, error messages and the files written.
     python -m pytest -q tests/test_analysis.py
 """
 
+import contextlib
+import io
 import math
 import os
 import re
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pandas as pd
@@ -24,10 +27,11 @@ sys.path.insert(0, ROOT)
 from nanogns.analysis import analyze as ga
 from nanogns.analysis import cli as analysis_cli
 from nanogns.analysis import parameters as analysis_parameters
+from nanogns.analysis import plots as analysis_plots
 from nanogns.analysis import report as analysis_report
 from nanogns.estimator import RunningGNS, unbiased_stats  # noqa: E402
 from nanogns.runlog.record import write_parameter_record  # noqa: E402
-from nanogns.runlog.writer import LogWrapper  # noqa: E402
+from nanogns.runlog.writer import ANALYSIS_RESULTS, LogWrapper  # noqa: E402
 
 PARAMS = [
     "transformer.wte.weight",
@@ -129,8 +133,7 @@ def test_printed_numbers_match_independent_computation(tmp_path, capsys):
 
 
 def test_default_alpha_is_095_and_help_says_so(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        analysis_cli.main(["--help"])
+    assert analysis_cli.main(["--help"]) == 0  # returned, not argparse's SystemExit
     assert "(default: 0.95)" in capsys.readouterr().out
     norms = synthetic_norms(15, seed=1)
     write_run(tmp_path, norms)
@@ -473,7 +476,7 @@ def test_sogns_without_exact_norms_for_its_parameters_is_compared_with_all_param
     norms = block_norms(BLOCK_PARAMS, 30, seed=14)
     exact_ln = {p: norms[p] for p in BLOCK_PARAMS if p not in LINEAR}  # exact LayerNorm (+ wpe), approximate Linear
     write_run(tmp_path, exact_ln, batch_size=16, approx=approximate(norms, LINEAR, seed=15))
-    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
+    assert analysis_cli.main([str(tmp_path)]) == 0  # with the figures
     out = capsys.readouterr().out
     results = pd.read_csv(tmp_path / "gns_analysis.csv")
     df = pd.read_csv(tmp_path / "log.csv")
@@ -539,6 +542,20 @@ def test_skipped_and_partial_steps_are_not_counted_as_non_finite(tmp_path, capsy
     np.testing.assert_allclose(results["gns"].iloc[-1], exp[-1, 2], rtol=1e-12)
 
 
+@pytest.mark.parametrize("main", [analysis_cli.main, analysis_plots.main], ids=["gns-analysis", "plot"])
+def test_a_bad_argument_is_a_return_code_not_an_exit_and_messages_name_the_program(main, tmp_path, capsys):
+    """argparse's SystemExit(2) left main() on a bad argument, though no module of the package may exit its caller's
+    process; and the installed nanogns-analysis printed its errors as `gns-analysis.py: error:`."""
+    assert main([str(tmp_path), "train/lossf", "--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert "error: unrecognized arguments: " in err and "--no-such-flag" in err, err
+    assert main([]) == 2  # the run directory missing
+    assert "error: the following arguments are required: out_dir" in capsys.readouterr().err
+    script = "import sys; sys.argv[0] = '/venv/bin/nanogns-analysis'; from nanogns.analysis.cli import main; sys.exit(main())"
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "nothing")], capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.startswith("nanogns-analysis: error: no log in "), done.stderr
+
+
 def test_files_written_and_terminal_plots(tmp_path, capsys):
     write_reference_log(tmp_path, n_steps=12)
     assert analysis_cli.main([str(tmp_path)]) == 0
@@ -567,6 +584,86 @@ def test_files_written_and_terminal_plots(tmp_path, capsys):
     assert "gns_block_0" in results and "gns_sogns" not in results
     assert len(results) == 12
     assert not (tmp_path / "gns_sogns_vs_exact.png").exists()
+    # what LogWrapper(..., replace=True) removes with the log it replaces: every result the analysis writes
+    analysed = ga.analyze_gns(str(tmp_path))
+    stems = {name for name, *_ in analysis_cli._figures(analysed.assign(gns_sogns=np.nan))}
+    assert {f"{stem}.png" for stem in stems} | {"gns_analysis.csv"} == set(ANALYSIS_RESULTS)
+
+
+def test_no_plots_writes_no_figure(tmp_path, capsys):
+    """--no-plots skipped the terminal plots but still wrote the PNG figures (about 200 MiB of a 200 MB log's
+    analysis): it now writes gns_analysis.csv alone."""
+    write_reference_log(tmp_path, n_steps=12)
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert sorted(f for f in os.listdir(tmp_path) if not f.startswith("log")) == ["gns_analysis.csv"]
+    assert "Figures saved" not in out and "Legend" not in out and "for the plots" not in out
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_a_long_series_is_drawn_decimated_keeping_its_envelope(scatter, monkeypatch):
+    """Plots drew every step (a list of Python floats per series for the terminal, a path of 400,000 vertices per
+    PNG line): now at most MAX_POINTS per series, each run of points keeping its lowest and highest value."""
+    import plotille
+
+    from nanogns.analysis import plots
+
+    n = 100_003
+    x = np.arange(n, dtype=np.float64)
+    y = np.sin(x / 997) + np.where(x % 5003 == 17, 3.0, 0.0)  # spikes a stride would miss
+    y[[5, 70_001]] = [np.nan, np.inf]
+    drawn = []
+    monkeypatch.setattr(plotille.Figure, "scatter" if scatter else "plot", lambda fig, xs, ys, **kw: drawn.append(xs))
+    plots.terminal_plot([("y", x, y)], scatter=scatter)
+    assert 0 < len(drawn[0]) <= plots.MAX_POINTS
+    dx, dy = plots.decimated(*plots._finite_pairs(x, y), scatter=scatter)
+    assert len(dx) <= plots.MAX_POINTS and np.all(np.diff(dx) > 0)
+    if not scatter:  # the line's envelope is the whole series': every spike and both extremes kept
+        finite = np.isfinite(y)
+        assert dy.max() == y[finite].max() and dy.min() == y[finite].min()
+        assert set(np.flatnonzero(x % 5003 == 17)) <= set(dx.astype(np.int64))
+    short = np.arange(10.0)
+    assert [a.tolist() for a in plots.decimated(short, short)] == [short.tolist()] * 2
+
+
+def test_a_non_finite_batch_size_is_a_bad_cell_warned_and_counted(tmp_path, capsys):
+    """A step whose batch_size cells were nan (or empty) beside its logged norms was dropped without a word."""
+    df, _ = write_reference_log(tmp_path, n_steps=12)
+    batch = [c for c in df.columns if c.endswith("/batch_size")]
+    df.loc[df["step"].isin([3, 7]), batch] = np.nan
+    df.to_csv(tmp_path / "log.csv", index=False)
+    assert analysis_cli.main([str(tmp_path), "--no-plots"]) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == min(2 * len(batch), 20) + (2 * len(batch) > 20), warnings
+    assert warnings[0] == (
+        f"warning: {tmp_path / 'log.csv'}: step 3, column {batch[0]}: batch_size nan is not an integer >= 2 (the GNS "
+        "compares 2 or more examples); step skipped"
+    )
+    assert pd.read_csv(tmp_path / "gns_analysis.csv")["step"].tolist() == [s for s in range(12) if s not in (3, 7)]
+
+
+@pytest.mark.slow
+def test_the_analysis_memory_follows_what_it_keeps_not_the_logs_length(tmp_path):
+    """gns-analysis held each step's sums twice while joining the pieces it read, beside the results: 0.56 of every
+    byte a long log adds (Python's traced memory, after a warm-up; 0.26 now). bench/analysis_memory.py measures
+    the process's peak on a 200 MB log (bench/RESULTS.md)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import analysis_memory
+
+    def peak(rows):
+        run = tmp_path / f"rows-{rows}"
+        run.mkdir()
+        size = analysis_memory.write_log(str(run), rows, "narrow")
+        tracemalloc.start()
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert analysis_cli.main([str(run), "--no-plots"]) == 0
+        traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return size, traced
+
+    peak(100)  # the first analysis's one-time costs (pandas' CSV machinery) out of the comparison
+    (small, small_peak), (large, large_peak) = peak(10_000), peak(30_000)
+    assert (large_peak - small_peak) / (large - small) < 0.4, (small_peak, large_peak, small, large)
 
 
 def test_uneven_batch_sizes_and_batch_size_one_are_errors(tmp_path):

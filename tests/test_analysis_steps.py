@@ -351,10 +351,61 @@ def test_a_binary_file_as_the_log_is_one_line_naming_it(tmp_path, capsys):
     assert err.startswith(f"gns-analysis.py: error: {tmp_path / 'run' / 'log.csv'} is not a text CSV log ("), err
 
 
+@pytest.mark.parametrize("saved_as", ["utf-8-bom", "crlf", "utf-8-bom-crlf"])
+def test_a_log_saved_again_by_a_spreadsheet_reads_as_written(run, tmp_path, saved_as, capsys):
+    """A spreadsheet's "CSV UTF-8" puts a byte order mark before the header (it was read as part of the column
+    `step`, so the rows were analysed in file order without a word), Windows ends lines with CR LF: every column
+    is read, and the shuffled log gives the sorted log's numbers."""
+    directory, df = run
+    expected, _ = analyse(directory, capsys)
+    shuffled = with_log(tmp_path / saved_as, df.sample(frac=1, random_state=3))
+    path = os.path.join(shuffled, "log.csv")
+    text = open(path, "rb").read()
+    if "crlf" in saved_as:
+        text = text.replace(b"\n", b"\r\n")
+    if "bom" in saved_as:
+        text = b"\xef\xbb\xbf" + text
+    with open(path, "wb") as f:
+        f.write(text)
+    results, notes = analyse(shuffled, capsys)
+    pd.testing.assert_frame_equal(results, expected)
+    assert notes == [f"note: {path}: the rows are not in step order; analysed in step order"]
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_log_saved_again_as_utf16_is_one_line_giving_the_command_that_converts_it(run, tmp_path, codec, capsys):
+    directory, df = run
+    path = tmp_path / codec / "log.csv"
+    with_log(tmp_path / codec, df)
+    path.write_bytes(path.read_text().encode(codec))
+    err = refusal(tmp_path / codec, capsys)
+    name = {"utf-16": "UTF-16LE", "utf-16-le": "UTF-16LE", "utf-16-be": "UTF-16BE", "utf-32": "UTF-32LE"}[codec]
+    assert err == (
+        f"gns-analysis.py: error: {path} holds {name} text (as a spreadsheet's \"Unicode text\" or an editor's "
+        f"UTF-16 saves it), not the UTF-8 lines a log is written in: convert it with `iconv -f {name} -t UTF-8 "
+        f'{path} > {path}.utf8 && mv {path}.utf8 {path}` (or save it from the spreadsheet as "CSV UTF-8")'
+    )
+    # the command it gives works: the converted log is read as written
+    converted = subprocess.run(["sh", "-c", err.split("`")[1]], capture_output=True, text=True)
+    assert converted.returncode == 0, converted.stderr
+    expected, _ = analyse(directory, capsys)
+    results, _ = analyse(tmp_path / codec, capsys)
+    pd.testing.assert_frame_equal(results, expected)
+
+
+def test_a_log_whose_lines_end_in_a_carriage_return_alone_is_one_line(run, tmp_path, capsys):
+    directory, df = run
+    path = tmp_path / "cr" / "log.csv"
+    with_log(tmp_path / "cr", df)
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r"))
+    err = refusal(tmp_path / "cr", capsys)
+    assert err.startswith(f"gns-analysis.py: error: {path} holds lines ended by a carriage return alone"), err
+
+
 FULL_DISK = """
 import resource, sys
 sys.argv = ["gns-analysis.py", sys.argv[1], "--no-plots"]
-resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))  # files stop growing at 4 kB, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))  # files stop growing at 1 kB, as on a full disk
 from nanogns.analysis.cli import main
 sys.exit(main())
 """

@@ -7,6 +7,7 @@ GNSMonitor and its parts (nanogns/monitor/) and the GNS estimator (nanogns/estim
 import math
 import os
 import sys
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -19,6 +20,7 @@ from oracle import loss_sqnorms_from_batched_forward
 from nanogns import estimator
 from nanogns import monitor as gnstracking
 from nanogns.core.buffers import BUFFER_SUFFIX, zero_pe_sqnorm_buffers
+from nanogns.errors import NanoGNSError, StepNotMeasured
 from nanogns.kinds.embedding import ShimEmbedding
 from nanogns.kinds.layernorm import PerExampleLayerNorm
 from nanogns.kinds.linear import PerExampleLinear
@@ -124,10 +126,68 @@ def test_tracker_divides_out_the_grad_scale():
 def test_tracker_rejects_a_wrong_batch_size_and_skips_unused_layers():
     layer = PerExampleLinear(3, 2)
     tracker = gnstracking.GNSMonitor(layer)
-    assert tracker.measure(batch_size=4) == []  # nothing ran backward: no measurement
+    with pytest.raises(StepNotMeasured, match=r"^GNS: step\(\) found no example in any of the 2 tracked layers"):
+        tracker.measure(batch_size=4)  # nothing ran backward: refused (it returned no measurement, the GNS nan)
     layer(torch.randn(4, 3)).sum().backward()
     with pytest.raises(ValueError, match="counted 4 examples"):
         tracker.measure(batch_size=8)
+
+
+def test_first_hour_mistakes_in_ones_own_loop_are_one_line_each(tmp_path):
+    """A step before any backward returned {'gns': nan}, a batch of one gave nan without a word, and a loop without
+    log.step() wrote the whole run as one row (the analysis then reported "over 1 steps"): the first and the last
+    are now a StepNotMeasured (a NanoGNSError and a ValueError) naming the fix, after which the next step, done
+    right, is measured; a batch of one is measured (its norms are exact) with one warning that its GNS is nan."""
+    from nanogns.runlog.writer import LogWrapper
+
+    model = nn.Sequential(nn.Embedding(16, 8), PerExampleLayerNorm(8), PerExampleLinear(8, 16))
+    model[0] = ShimEmbedding(16, 8)
+    log = LogWrapper(out_dir=str(tmp_path))
+    monitor = gnstracking.GNSMonitor(model, log=log)
+    ids = torch.randint(0, 16, (4, 5))
+
+    def backward(batch=ids):
+        model(batch).pow(2).mean().backward()
+
+    with pytest.raises(StepNotMeasured) as refused:
+        monitor.step(batch_size=4)  # before any backward
+    assert str(refused.value) == (
+        "GNS: step() found no example in any of the 5 tracked layers' buffers (no backward of a converted model "
+        "since the last step): call monitor.step() after the step's last loss.backward(), once per optimizer step, "
+        "before optimizer.zero_grad()"
+    )
+    assert isinstance(refused.value, NanoGNSError) and isinstance(refused.value, ValueError)
+    backward(ids[:1])
+    with pytest.warns(UserWarning, match=r"^GNS: step\(batch_size=1\): the norms are measured, but the GNS ") as said:
+        row = monitor.step()  # the batch size the layers counted: one
+    assert len(said) == 1 and math.isnan(row["gns"]) and row["train/gns/2.weight/batch_size"] == 1
+    log.step()
+    model.zero_grad(set_to_none=True)
+    backward(ids[:1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monitor.step(batch_size=1)  # said once
+    log.step()
+    model.zero_grad(set_to_none=True)
+    backward()
+    assert monitor.step(batch_size=4)["train/gns/2.weight/batch_size"] == 4
+    model.zero_grad(set_to_none=True)
+    backward()
+    with pytest.raises(StepNotMeasured) as refused:
+        monitor.step(batch_size=4)  # log.step() forgotten
+    assert str(refused.value) == (
+        "GNS: step() again before the log wrote the previous step's row (log.step() was not called since step 2): "
+        "every row would overwrite the last and the log would hold the whole run as one row; call log.step() once "
+        "per optimizer step, after monitor.step() and your own log.log(...)"
+    )
+    assert all(b.sum() == 0 for n, b in model.named_buffers() if n.endswith(BUFFER_SUFFIX))  # zeroed all the same
+    log.step()
+    model.zero_grad(set_to_none=True)
+    backward()
+    monitor.step(batch_size=4)
+    log.step()
+    log.close()
+    assert pd.read_csv(tmp_path / "log.csv")["step"].tolist() == [0, 1, 2, 3]
 
 
 def test_tied_embedding_and_linear_are_tracked_once_under_both_names():

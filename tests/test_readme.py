@@ -12,6 +12,7 @@ A block's marker is the HTML comment on the line before it: `<!-- run by tests/t
 import glob
 import os
 import re
+import sys
 
 import pytest
 from conftest import REPO, run_script
@@ -152,6 +153,40 @@ def test_quick_start_installs_torch_as_ci_does():
     """The quick start's torch install line is .ci/run's (same pin, index and retries), less --quiet."""
     ci_install = next(line for line in read(".ci/run").splitlines() if "torch==" in line and line.startswith("pip"))
     assert ci_install.replace("--quiet ", "").strip() in readme()
+
+
+def requirement_names(path):
+    """The distributions a requirements file names (comments, options and markers left out)."""
+    names = set()
+    for line in read(path).splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-"):
+            names.add(re.split(r"[\s;=<>!~\[]", line)[0].lower())
+    return names
+
+
+def test_the_quick_start_installs_what_it_runs_and_ci_installs_the_rest():
+    """requirements.txt installed the tests' and tools' libraries too (Triton's wheel, jupyter, ruff, peft, ...): the
+    quick start's pip took minutes. It now holds what the quick start runs (the package, with numpy and pandas,
+    and the analysis's plots); every third-party module the quick start's scripts import is there or torch; CI
+    installs requirements-dev.txt, which adds the rest."""
+    assert requirement_names("requirements.txt") == {"plotille", "matplotlib"}
+    assert "-e ." in read("requirements.txt") and "pip install -r requirements.txt" in readme()
+    scripts = ["train.py", "model.py", "configurator.py", "gns-analysis.py", "data/shakespeare_char/prepare.py"]
+    imported = set()
+    for script in scripts:
+        imported |= set(re.findall(r"^\s*(?:import|from) (\w+)", read(script), re.M))
+    third_party = (
+        imported - set(sys.stdlib_module_names) - {"nanogns", "model", "layer_config", "gnstracking", "tracker"}
+    )
+    # wandb only with --wandb_log, transformers only with --init_from=gpt2*: each one line naming it when absent
+    assert third_party <= {"torch", "numpy", "wandb", "transformers"}, third_party
+    dev = read("requirements-dev.txt")
+    assert "-r requirements.txt" in dev.splitlines()
+    assert {"pytest", "pytest-xdist", "ruff", "import-linter", "transformers", "triton"} <= requirement_names(
+        "requirements-dev.txt"
+    )
+    assert "pip install --quiet -r requirements-dev.txt" in read(".ci/run")
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from nanogns.errors import DirectoryHoldsAnotherRun, LogNotContinuable  # noqa: E402
 from nanogns.runlog.reader import load_csv  # noqa: E402
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV, LogWrapper  # noqa: E402
 
@@ -171,6 +172,95 @@ def test_resume_appends_to_a_finished_log(tmp_path):
     assert list(df.columns) == ["step", "a", "b", "c"]
     assert df["step"].tolist() == [0, 1, 2, 3]
     assert df["a"].tolist()[:2] == [1.5, 2.5] and df["c"].tolist()[-1] == 7
+
+
+def _files(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+@pytest.mark.parametrize("saved_as", ["utf-8-bom", "crlf", "utf-8-bom-crlf"])
+@pytest.mark.parametrize("resume_step", [None, 2])
+def test_a_resume_continues_a_log_saved_again_by_a_spreadsheet_as_written(tmp_path, saved_as, resume_step):
+    """A byte order mark was read into the column `step` (the resume refused it as not this package's log); CR LF
+    lines were copied into the new log beside LF ones. Both are read as written, and the log goes on in UTF-8 LF."""
+    t = LogWrapper(out_dir=str(tmp_path), config={"n": 1})
+    for step in range(3):
+        t.log({"a": step + 0.5, "b": f"x{step}"})
+        t.step()
+    t.close()
+    text = (tmp_path / LOG_CSV).read_bytes()
+    text = text.replace(b"\n", b"\r\n") if "crlf" in saved_as else text
+    (tmp_path / LOG_CSV).write_bytes((b"\xef\xbb\xbf" if "bom" in saved_as else b"") + text)
+    t = LogWrapper(out_dir=str(tmp_path), resume=True, resume_step=resume_step)
+    t.log({"a": 9.5, "b": "y"})
+    t.step()
+    t.close()
+    kept = 3 if resume_step is None else resume_step
+    assert (tmp_path / LOG_CSV).read_bytes().decode().splitlines(keepends=True) == [
+        "step,a,b\n",
+        *(f"{step},{step + 0.5},x{step}\n" for step in range(kept)),
+        f"{kept},9.5,y\n",
+    ]
+
+
+@pytest.mark.parametrize("codec", ["utf-16", "utf-32", "latin-1"])
+def test_a_resume_of_a_log_in_another_encoding_is_refused_in_one_line_with_nothing_changed(tmp_path, codec):
+    """A log saved as UTF-16 ended the resume in a UnicodeDecodeError traceback, after config.json was rewritten."""
+    t = LogWrapper(out_dir=str(tmp_path), config={"n": 1})
+    t.log({"a": 1.5, "b": "é" if codec == "latin-1" else "x"})
+    t.step()
+    t.close()
+    (tmp_path / LOG_CSV).write_bytes((tmp_path / LOG_CSV).read_text().encode(codec))
+    before = _files(tmp_path)
+    with pytest.raises(LogNotContinuable) as refused:
+        LogWrapper(out_dir=str(tmp_path), config={"n": 2}, resume=True, resume_step=1)
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1
+    if codec == "latin-1":
+        assert message.startswith(f"cannot continue the log {tmp_path / LOG_CSV}: it holds bytes that are not UTF-8")
+    else:
+        assert message.startswith(f"cannot continue the log: {tmp_path / LOG_CSV} holds UTF-"), message
+        assert "convert it with `iconv -f UTF-" in message
+    assert _files(tmp_path) == before  # config.json not rewritten, no file left beside the log
+
+
+@pytest.mark.parametrize("left", ["finished", "killed"])
+def test_a_new_log_in_a_directory_holding_another_runs_log_is_refused_unless_it_says_resume_or_replace(tmp_path, left):
+    """Running the README's library example twice silently replaced out-tiny/log.csv and left the previous run's
+    gns_analysis.csv and figures beside it, describing a log no longer there (train.py refuses the same)."""
+    first = _write_three_steps(tmp_path)
+    if left == "finished":
+        first.close()
+    else:  # a killed run's .tmp files
+        atexit_unregister(first)
+    for name in ("gns_parameters.json", "gns_analysis.csv", "gns_emas.png", "log_after_step_2.csv", "notes.txt"):
+        (tmp_path / name).write_text("from the first run")
+    before = _files(tmp_path)
+    with pytest.raises(DirectoryHoldsAnotherRun) as refused:
+        LogWrapper(out_dir=str(tmp_path), config={"n": 2})
+    found = "log.csv" if left == "finished" else "log_header.csv.tmp, log_data.csv.tmp"
+    assert str(refused.value) == (
+        f"{str(tmp_path)!r} already holds the log of another run ({found}), which this new log would replace: choose "
+        "another out_dir, continue that log with LogWrapper(..., resume=True), or start afresh there with "
+        "LogWrapper(..., replace=True)"
+    )
+    assert _files(tmp_path) == before
+    log = LogWrapper(out_dir=str(tmp_path), replace=True)
+    log.log({"z": 1})
+    log.step()
+    log.close()
+    assert sorted(os.listdir(tmp_path)) == ["log.csv", "notes.txt"]  # the user's own file stays
+    assert load_csv(tmp_path).columns.tolist() == ["step", "z"]
+    with pytest.raises(ValueError, match="pass one"):
+        LogWrapper(out_dir=str(tmp_path), resume=True, replace=True)
+
+
+def atexit_unregister(log):
+    """Leave a log as a killed run does: its .tmp files, no close() at exit."""
+    import atexit
+
+    atexit.unregister(log._close_at_exit)
+    log._data.close()
 
 
 WRITER = textwrap.dedent(

@@ -5,8 +5,11 @@ through train.py itself, from the checkpoint of a tiny 4-step gns run (checkpoin
 - its log lost: the new rows keep the checkpoint's step numbers, and gns-analysis names the missing steps;
 - a nanoGPT checkpoint (no token count, no log step): the token count is iter_num x its tokens per step, said in
   one line, so the token-based learning rate goes on where it was;
-- another n_layer or block_size, or layer classes that would change what the log measures: one line naming the
-  flag, the run's files untouched; shim, gns and fused measure the same and may be swapped;
+- another n_layer or block_size, any other key of the checkpoint's model_args that makes the model (cos_attn,
+  spectral_c_attn, ...), another data_seed, or layer classes that would change what the log measures: one line
+  naming the flag, the run's files untouched; shim, gns and fused measure the same and may be swapped;
+- another run's ckpt.pt copied into a run directory (its run id, or its row of the log, differs) and a log saved
+  again as UTF-16: one line, the run's files untouched;
 - another batch_size: the log's batch_size and tokens_processed record it, config.json holds the new value and
   gns-analysis says where the batch size changed;
 - a finished run says which limit ends it and what to raise; the README's resume example has steps left.
@@ -123,8 +126,15 @@ def test_a_nanogpt_checkpoint_resumes_at_iter_num_times_its_tokens_per_step(run)
             "linearclass='gns': its log would change what it records mid-run; resume with --linearclass=gns",
         ),
         (["--linearclass=sogns"], "--linearclass=sogns measures approximate norms, where the checkpoint's run"),
+        (
+            ["--cos_attn=[0]"],
+            "--cos_attn=[0] differs from the checkpoint's cos_attn=[]: a resume continues the checkpoint's model; "
+            "resume with --cos_attn=[]",
+        ),
+        (["--fp32_attention_layers=[1]"], "--fp32_attention_layers=[1] differs from the checkpoint's "),
+        (["--data_seed=3"], "--data_seed=3 differs from the checkpoint's data_seed=-1: "),
     ],
-    ids=["n_layer", "block_size", "layers-nn", "layers-approximate"],
+    ids=["n_layer", "block_size", "layers-nn", "layers-approximate", "cos_attn", "fp32_attention", "data_seed"],
 )
 def test_a_resume_that_would_change_the_model_or_what_its_log_measures_is_one_line(run, flags, message):
     before = files(run)
@@ -132,6 +142,96 @@ def test_a_resume_that_would_change_the_model_or_what_its_log_measures_is_one_li
     assert_clean_error(proc, f"train.py: {message}")
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
     assert files(run) == before  # nothing rewritten (the lock it took is gone)
+
+
+def test_a_resume_without_a_flag_that_changed_the_models_function_names_it(tmp_path):
+    """Without --spectral_c_attn the strict load_state_dict ended in a RuntimeError traceback (and without
+    --cos_attn the run trained another model on the same weights, without a word)."""
+    out_dir = tmp_path / "spectral"
+    spectral = ["--linearclass=nn", "--spectral_c_attn=[1]"]
+    proc = train(out_dir, "--max_iters=2", *spectral)
+    assert proc.returncode == 0, proc.stderr
+    before = files(out_dir)
+    proc = train(out_dir, "--max_iters=4", "--init_from=resume", "--linearclass=nn")
+    assert_clean_error(
+        proc,
+        "train.py: --spectral_c_attn=[] differs from the checkpoint's spectral_c_attn=[1]: a resume continues the "
+        "checkpoint's model; resume with --spectral_c_attn=[1]",
+    )
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert files(out_dir) == before
+
+
+def test_weights_that_do_not_fit_the_model_are_one_line():
+    from nanogns import engines
+    from nanogns.errors import CheckpointNotUsable
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    state = {"0.weight": torch.zeros(4, 3), "1.weight": torch.zeros(2, 5), "2.weight": torch.zeros(1)}
+    with pytest.raises(CheckpointNotUsable) as refused:
+        engines.load_weights(model, state, "out/ckpt.pt")
+    assert str(refused.value) == (
+        "cannot resume: the weights in out/ckpt.pt do not fit the model these settings build (missing 0.bias, "
+        "1.bias; unexpected 2.weight; another shape for 1.weight): resume with the flags the run was trained with "
+        "(its config is in the checkpoint and config.json)"
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]).state_dict()
+    with pytest.raises(CheckpointNotUsable, match=r"^cannot resume: the optimizer state in out/ckpt.pt does not fit "):
+        engines.load_optimizer_state(engines.OneProcessEngine("cpu"), model, optimizer, other, "out/ckpt.pt")
+
+
+def test_another_runs_checkpoint_copied_into_a_run_directory_is_refused(run, tmp_path):
+    """It was resumed into that run's log without a word (its tokens jumped by more than a step's)."""
+    other = tmp_path / "other"
+    proc = train(other, "--max_iters=2", "--batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    shutil.copy(other / "ckpt.pt", run / "ckpt.pt")
+    before = files(run)
+    proc = train(run, "--max_iters=6", "--init_from=resume")
+    ours = json.loads((run / "config.json").read_text())["run_id"]
+    theirs = torch.load(other / "ckpt.pt", weights_only=False)["config"]["run_id"]
+    assert_clean_error(
+        proc,
+        f"train.py: cannot resume: {run / 'ckpt.pt'} was written by another run (run_id={theirs!r}) than the log in "
+        f"{run} (run_id={ours!r} in its config.json); its steps would be appended to that run's log: resume the run "
+        "this checkpoint belongs to in its own out_dir, or copy ckpt.pt alone into a new --out_dir",
+    )
+    assert files(run) == before
+    # a run directory without the run id (an earlier version's): its log's row at the checkpoint's step tells
+    config = json.loads((run / "config.json").read_text())
+    del config["run_id"]
+    (run / "config.json").write_text(json.dumps(config))
+    before = files(run)
+    proc = train(run, "--max_iters=6", "--init_from=resume")
+    assert_clean_error(
+        proc,
+        f"train.py: cannot resume: {run / 'ckpt.pt'} does not continue the log in {run}: the log's step 1 (the "
+        f"checkpoint's last) has tokens_processed={2 * TOKENS_PER_ITER}, the checkpoint "
+        f"tokens_processed={4 * TOKENS_PER_ITER}; its steps would be appended to another run's log",
+    )
+    assert files(run) == before
+    # the same checkpoint in a new out_dir starts a new log from it, as before
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(other / "ckpt.pt", fresh / "ckpt.pt")
+    proc = train(fresh, "--max_iters=3", "--init_from=resume", "--batch_size=8")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((fresh / "config.json").read_text())["run_id"] == theirs
+
+
+def test_a_resume_of_a_log_saved_again_as_utf16_is_one_line_and_changes_nothing(run):
+    """It ended in a UnicodeDecodeError traceback, after config.json had been rewritten."""
+    (run / "log.csv").write_bytes((run / "log.csv").read_text().encode("utf-16"))
+    before = files(run)
+    proc = train(run, "--max_iters=6", "--init_from=resume")
+    assert_clean_error(
+        proc,
+        f"train.py: cannot continue the log: {run / 'log.csv'} holds UTF-16LE text (as a spreadsheet's \"Unicode "
+        f"text\" or an editor's UTF-16 saves it), not the UTF-8 lines a log is written in: convert it with `iconv ",
+    )
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert files(run) == before
 
 
 def test_a_resume_with_another_batch_size_trains_it_and_the_log_and_analysis_say_so(run, capsys):
@@ -166,6 +266,37 @@ def test_swapping_layers_that_measure_the_same_is_allowed():
     nn = dict(linearclass="nn", embeddingclass="nn", lnclass="nn")
     assert settings.resume_check({**config, **nn}, checkpoint, has_log=False) == (None, [])
     assert settings.resume_check({**config, **nn}, checkpoint, has_log=True)[0].startswith("--linearclass=nn")
+
+
+def test_every_key_of_the_checkpoints_model_args_is_compared():
+    """Each key that makes the model is refused naming its flag, a key an older checkpoint lacks counts as its
+    default, the dataset's vocabulary is compared, and what may change (dropout, device_name) is said."""
+    sizes = dict(n_layer=2, n_head=2, n_embd=32, bias=False, block_size=16)
+    config = dict(sizes, batch_size=4, dropout=0.0, device_name="cpu", dataset="shakespeare_char")
+    config.update(cos_attn=[], spectral_c_attn=[], fp32_attention_layers=[], data_seed=-1)
+    model_args = dict(sizes, vocab_size=65, dropout=0.0, device_name="cpu", cos_attn=[1])
+    checkpoint = {"config": dict(config), "model_args": model_args}
+    assert settings.resume_check(config, checkpoint, has_log=True)[0].startswith(
+        "--cos_attn=[] differs from the checkpoint's cos_attn=[1]: a resume continues the checkpoint's model; "
+    )
+    model_args.update(cos_attn=[], dropout=0.1, device_name="A100")  # and no spectral_c_attn: an older checkpoint
+    problem, notes = settings.resume_check(dict(config, spectral_c_attn=[0]), checkpoint, has_log=True)
+    assert problem.startswith("--spectral_c_attn=[0]: the checkpoint's model has spectral_c_attn=[] (its model_args ")
+    problem, notes = settings.resume_check(config, checkpoint, has_log=True, vocab_size=65)
+    assert problem is None and notes == [
+        "note: --dropout=0.0 differs from the checkpoint's dropout=0.1 (dropout is a training setting, not part of "
+        "the weights (nanoGPT's fine-tuning changes it))",
+        "note: --device_name=cpu differs from the checkpoint's device_name='A100' (only the MFU's denominator)",
+    ]
+    assert settings.resume_check(config, checkpoint, has_log=True, vocab_size=50304)[0] == (
+        "--dataset='shakespeare_char' has vocab_size=50304 (its meta.json), where the checkpoint's model has "
+        "vocab_size=65: a resume continues the checkpoint's run on its data; prepare the dataset as the run had it "
+        "(its meta.json changed), or train a new model in a new out_dir"
+    )
+    other = dict(config, dataset="openwebtext")
+    assert settings.resume_check(other, checkpoint, has_log=True, vocab_size=50304)[0].endswith(
+        "resume with the run's --dataset='shakespeare_char'"
+    )
 
 
 def test_a_finished_run_names_the_limit_that_ends_it_and_the_readme_example_has_steps_left(run):

@@ -60,3 +60,21 @@ def test_wandb_without_a_login_is_one_line_before_anything_is_made(tmp_path, sha
         "`wandb login`, or log offline with WANDB_MODE=offline (upload later with `wandb sync`), or drop --wandb_log"
     ]
     assert not (tmp_path / "out").exists() and not (tmp_path / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_wandb_not_installed_is_one_line(tmp_path, shakespeare_data):
+    """wandb is not in the quick start's requirements.txt: --wandb_log=True without it is one line, not an
+    ImportError traceback (a wandb that cannot be imported stands in for none)."""
+    (tmp_path / "hidden" / "wandb").mkdir(parents=True)
+    (tmp_path / "hidden" / "wandb" / "__init__.py").write_text("raise ImportError('No module named wandb')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path / "hidden"), os.environ.get("PYTHONPATH")]))
+    out = run_script(
+        "train.py", *TINY, "--wandb_log=True", f"--out_dir={tmp_path / 'out'}", env=dict(os.environ, PYTHONPATH=path)
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (
+        "train.py: wandb_log=True needs wandb, which is not installed (it is not in the quick start's "
+        "requirements.txt): pip install wandb, or drop --wandb_log"
+    )
+    assert not (tmp_path / "out").exists()

@@ -105,14 +105,15 @@ from nanogns.analysis.parameters import (
     parameter_facts,
     usable_parameters,
 )
-from nanogns.analysis.steps import read_steps, step_ranges
+from nanogns.analysis.steps import read_steps, step_ranges, taken
+from nanogns.errors import LogNotUsable
 from nanogns.estimator import gns_from_emas, two_batch_stats, unbiased_stats
 from nanogns.runlog.reader import log_source
 from nanogns.runlog.record import GROUPS, read_parameter_record
 
 DDP_RAW = ("ddp/sq_norm_small", "ddp/sq_norm_large", "ddp/small_batch_size", "ddp/big_batch_size")
-# columns kept as they are for each step (besides the sums): the x-axis, the DDP GNS, the step's batch
-PLAIN = ("tokens_processed", "batch_size", *DDP_RAW, "ddp/gns")
+# columns kept as they are for each step (besides the sums): the x-axis, the DDP GNS
+PLAIN = ("tokens_processed", *DDP_RAW, "ddp/gns")
 # a row holding any of these is a training step (an eval-only row of the reference's logs holds none)
 TRAINING = ("train/lossf", "lr", "iter_num", "tokens_processed", "grad_norm")
 MEASURED, TRAINED, NONFINITE, LACKING, UNEVEN = "_measured", "_trained", "_nonfinite", "_lacking", "_uneven"
@@ -226,10 +227,13 @@ def _reducer(params, chosen, sets, columns):
     return reduce, wanted
 
 
-def gns_of(steps, name, alpha):
-    """_stats of the set `name` from read_steps' reduced rows."""
+def gns_of(steps, name, alpha, drop=False):
+    """_stats of the set `name` from read_steps' reduced rows; with drop, its sums are dropped from `steps` (what
+    the analysis keeps of a group is its GNS: memory follows what is kept)."""
     batch_size = steps[f"bs:{name}"] if name in OWN_BATCH_SIZE else steps["bs:all"]
-    return _stats(steps[f"sgn:{name}"], steps[f"spegn:{name}"], batch_size, alpha)
+    if not drop:
+        return _stats(steps[f"sgn:{name}"], steps[f"spegn:{name}"], batch_size, alpha)
+    return _stats(steps.pop(f"sgn:{name}"), steps.pop(f"spegn:{name}"), batch_size, alpha)
 
 
 def analysis_sets(chosen, facts, approx):
@@ -290,14 +294,14 @@ def load_measurements(
     columns = source.columns
     params = find_params(columns, prefix)
     if not params:
-        raise ValueError(_no_columns_message(columns, prefix, approx_prefix))
+        raise LogNotUsable(_no_columns_message(columns, prefix, approx_prefix))
     approx_columns = find_params(columns, approx_prefix) if approx_prefix else {}
     approx = {}
     if approx_columns and approx_prefix.rstrip("/") != prefix.rstrip("/"):
         approx = usable_parameters(approx_columns, approx_prefix)
     chosen = usable_parameters(params, prefix, record)
     if not chosen:
-        raise ValueError(_nothing_usable_message(params, prefix))
+        raise LogNotUsable(_nothing_usable_message(params, prefix))
     facts = parameter_facts(chosen, record)
     members = dict((sets or analysis_sets)(chosen, facts, approx), all=chosen)
     reduce, wanted = _reducer(params, chosen, members, columns)
@@ -355,45 +359,47 @@ def analyze_gns(
         [f"tied weights left out (one use's norm, not exact): {', '.join(excluded)}"] if excluded else []
     )
     _report_steps(steps, m.path)
-    df = steps if steps[MEASURED].all() else steps[steps[MEASURED]].reset_index(drop=True)
+    log_end = _log_end(steps)
+    # the measured steps; the log's other steps are given up as they are taken (memory: one table, not two)
+    df = steps if steps[MEASURED].all() else taken(steps, steps[MEASURED].to_numpy())
+    m.steps = steps = None
     if df.empty:
-        raise ValueError(f"the log has '{prefix}' columns but no row with a value in them")
+        raise LogNotUsable(f"the log has '{prefix}' columns but no row with a value in them")
     print(f"Processing {len(chosen)} parameters" + (f" ({'; '.join(notes)})" if notes else ""))
 
     if df[UNEVEN].any():
         where = df["step"] if "step" in df else df.index.to_series()
-        raise ValueError(
+        raise LogNotUsable(
             f"batch sizes differ across parameters within a step (steps {where[df[UNEVEN]].tolist()[:10]})"
         )
     batch_size = df["bs:all"]
     if not (batch_size > 1).any():
-        raise ValueError("every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)")
+        raise LogNotUsable("every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)")
 
-    step = df["step"] if "step" in df else pd.Series(np.arange(len(df)), index=df.index)
-    x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
-    results = pd.DataFrame({"step": step, x: df[x] if x in df else batch_size.cumsum(), "batch_size": batch_size})
-    results = pd.concat([results, gns_of(df, "all", alpha)], axis=1)
-
+    # every set but "all" first, each set's sums dropped once its GNS is formed (what is kept of a group is its
+    # GNS): memory peaks near the steps' sums or the results, not both
+    late = {}
     groups = {g: {p: chosen[p] for p in chosen if m.facts[p][0] == g} for g in GROUPS}
     for g, members in groups.items():
-        results[f"gns_{g.lower()}"] = gns_of(df, f"group:{g}", alpha)["gns"] if members else np.nan
+        late[f"gns_{g.lower()}"] = gns_of(df, f"group:{g}", alpha, drop=True)["gns"] if members else np.nan
     if all(c in df for c in DDP_RAW):
-        gtg, trsigma = two_batch_stats(*(df[c] for c in DDP_RAW))
+        gtg, trsigma = two_batch_stats(*(df.pop(c) for c in DDP_RAW))
         finite = np.isfinite(gtg) & np.isfinite(trsigma)
-        results["ddp_gns"] = gns_from_emas(ema(gtg.where(finite), alpha), ema(trsigma.where(finite), alpha))
+        late["ddp_gns"] = gns_from_emas(ema(gtg.where(finite), alpha), ema(trsigma.where(finite), alpha))
+        del gtg, trsigma, finite
     elif "ddp/gns" in df:  # the paper's reference code logs only its own EMA's GNS: shown as logged
-        results["ddp_gns"] = df["ddp/gns"]
+        late["ddp_gns"] = df["ddp/gns"]
     if tied:
-        results["gns_without_tied"] = gns_of(df, "untied", alpha)["gns"] if "sgn:untied" in df else np.nan
+        late["gns_without_tied"] = gns_of(df, "untied", alpha, drop=True)["gns"] if "sgn:untied" in df else np.nan
     blocks = blocks_of(chosen, m.facts)
     for index in blocks:
-        results[f"gns_block_{index}"] = gns_of(df, f"block:{index}", alpha)["gns"]
+        late[f"gns_block_{index}"] = gns_of(df, f"block:{index}", alpha, drop=True)["gns"]
     approx = None
     if m.approx:
-        results["gns_sogns"] = gns_of(df, "sogns", alpha)["gns"]
+        late["gns_sogns"] = gns_of(df, "sogns", alpha, drop=True)["gns"]
         lacking = sorted(p for p in m.approx if p not in chosen)
         if not lacking:
-            results["gns_exact_same_params"] = gns_of(df, "exact_same", alpha)["gns"]
+            late["gns_exact_same_params"] = gns_of(df, "exact_same", alpha, drop=True)["gns"]
         approx = {
             "prefix": approx_prefix.rstrip("/"),
             "exact_prefix": prefix.rstrip("/"),
@@ -402,6 +408,12 @@ def analyze_gns(
             "n_exact": len(chosen),
         }
 
+    step = df["step"] if "step" in df else pd.Series(np.arange(len(df)), index=df.index)
+    x = "tokens_processed" if "tokens_processed" in df else "examples_processed"
+    first = {"step": step, x: df[x] if x in df else batch_size.cumsum(), "batch_size": batch_size}
+    overall = gns_of(df, "all", alpha)
+    results = pd.DataFrame({**first, **{c: overall[c] for c in overall.columns}, **late}, index=df.index, copy=False)
+    del df, first, overall, late
     results = results.reset_index(drop=True)
     results.attrs["groups"] = {g: sorted(members) for g, members in groups.items()}
     results.attrs["blocks"] = {index: sorted(members) for index, members in blocks.items()}
@@ -409,7 +421,7 @@ def analyze_gns(
     results.attrs["excluded"] = excluded
     results.attrs["approx"] = approx
     results.attrs["x"] = x
-    results.attrs["log_end"] = _log_end(steps, df)
+    results.attrs["log_end"] = log_end
     record = read_parameter_record(out_dir)
     results.attrs["grouped_by"] = "record" if record is not None else "name"
     numel = [record[p].get("numel") for p in chosen if p in record] if record else []
@@ -417,13 +429,14 @@ def analyze_gns(
     return results
 
 
-def _log_end(steps, measured):
+def _log_end(steps):
     """The whole log's last training step and tokens (measured or not), and the last measured step: the totals
     count the whole log."""
-    trained = steps[steps[TRAINED] | steps[MEASURED]]
+    trained = steps[TRAINED] | steps[MEASURED]
     end = {"step": None, "tokens_processed": None, "measured_step": None}
-    if "step" in steps and len(trained):
-        end["step"], end["measured_step"] = int(trained["step"].iloc[-1]), int(measured["step"].iloc[-1])
+    if "step" in steps and trained.any() and steps[MEASURED].any():
+        end["step"] = int(steps["step"][trained].iloc[-1])
+        end["measured_step"] = int(steps["step"][steps[MEASURED]].iloc[-1])
     if "tokens_processed" in steps and steps["tokens_processed"].notna().any():
         end["tokens_processed"] = float(steps["tokens_processed"].max())
     return end

@@ -4,7 +4,6 @@ printed (report.py), plotted in the terminal and saved as PNGs, and written to g
 analyze.py's docstring for the numbers, and `--help` for the flags.
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -12,8 +11,10 @@ import tempfile
 import numpy as np
 
 from nanogns.analysis.analyze import analyze_gns
+from nanogns.analysis.commandline import Parser, prog_name
 from nanogns.analysis.plots import HAS_MATPLOTLIB, HAS_PLOTILLE, PLOT_EXTRA, save_png, terminal_plot
 from nanogns.analysis.report import approx_line, block_table, group_table, layernorm_line, summary, tradeoff_lines
+from nanogns.errors import LogNotUsable
 from nanogns.runlog.record import GROUPS
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
@@ -110,7 +111,7 @@ def _run_dir(path):
     if os.path.isfile(path):
         if os.path.basename(path) in (LOG_CSV, HEADER_TMP, DATA_TMP):
             return os.path.dirname(path) or "."
-        raise ValueError(
+        raise LogNotUsable(
             f"{path} is a file: gns-analysis.py reads a run directory (the one holding log.csv and "
             "gns_parameters.json, e.g. out-shakespeare-char)"
         )
@@ -138,7 +139,9 @@ def _output_dir(run_dir, output_dir):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Gradient noise scale of a run from its CSV log.")
+    """gns-analysis's command line (argv: its arguments, sys.argv's when None); returns the exit code."""
+    prog = prog_name(argv, "gns-analysis.py")
+    parser = Parser(prog, description="Gradient noise scale of a run from its CSV log.")
     parser.add_argument(
         "out_dir",
         help="run directory holding log.csv (or the .tmp files of a running/killed run); a path to its log.csv "
@@ -160,7 +163,9 @@ def main(argv=None):
         "ones when the log has them (default: train/sogns)",
     )
     parser.add_argument(
-        "--no-plots", action="store_true", help="skip the terminal plots (PNG figures are always written)"
+        "--no-plots",
+        action="store_true",
+        help="no plots: neither the terminal plots nor the PNG figures (gns_analysis.csv is written)",
     )
     parser.add_argument(
         "--output-dir",
@@ -168,16 +173,19 @@ def main(argv=None):
         help="where gns_analysis.csv and the PNG figures go (default: the run directory, or a new temporary "
         "directory, with a note, when the run directory is read-only)",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    if isinstance(args, int):  # --help, or a bad argument (usage printed)
+        return args
     if not 0 <= args.alpha < 1:
-        parser.error(f"--alpha must be in [0, 1), got {args.alpha}")
+        print(f"{prog}: error: --alpha must be in [0, 1), got {args.alpha}", file=sys.stderr)
+        return 2
 
     try:
         run_dir = _run_dir(args.out_dir)
         results = analyze_gns(run_dir, args.alpha, args.prefix, args.approx_prefix)
     except (OSError, ValueError) as e:  # FileNotFoundError, a file that cannot be read, a log that is not one
         reason = f"cannot read {e.filename} ({e.strerror})" if isinstance(e, OSError) and e.filename else str(e)
-        print(f"gns-analysis.py: error: {reason}", file=sys.stderr)
+        print(f"{prog}: error: {reason}", file=sys.stderr)
         return 1
 
     print()
@@ -198,13 +206,14 @@ def main(argv=None):
             print(f"\n{note}")
         if not args.no_plots and HAS_PLOTILLE:
             print_plots(results)
-        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB else []  # without the plot extra: the CSV alone
+        # without the plot extra, or with --no-plots: the CSV alone
+        paths = save_plots(results, output_dir) if HAS_MATPLOTLIB and not args.no_plots else []
         output_path = os.path.join(output_dir, "gns_analysis.csv")
         _write_csv(results, output_path)  # last: a write that fails before it leaves no results file
     except OSError as e:  # a full disk, an unwritable --output-dir
         where = e.filename or args.output_dir or run_dir
         print(
-            f"gns-analysis.py: error: cannot write {where} ({e.strerror or e}); free some space, or write the "
+            f"{prog}: error: cannot write {where} ({e.strerror or e}); free some space, or write the "
             "results elsewhere with --output-dir",
             file=sys.stderr,
         )
@@ -214,7 +223,10 @@ def main(argv=None):
     print(f"Detailed results saved to: {output_path}")
     missing = [
         name
-        for name, found in (("plotille", HAS_PLOTILLE or args.no_plots), ("matplotlib", HAS_MATPLOTLIB))
+        for name, found in (
+            ("plotille", HAS_PLOTILLE or args.no_plots),
+            ("matplotlib", HAS_MATPLOTLIB or args.no_plots),
+        )
         if not found
     ]
     if missing:

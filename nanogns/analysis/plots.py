@@ -6,10 +6,10 @@ Terminal plots of any logged metric, and the plotting helper gns-analysis.py sha
     python plot.py OUT_DIR lr --png lr.png                   # also save a PNG (matplotlib)
 
 Reads finished, running and killed runs alike (nanogns.load_csv). Points whose
-x or y is missing or non-finite are left out.
+x or y is missing or non-finite are left out; a series longer than MAX_POINTS is
+drawn decimated (each run of points keeps its lowest and highest value).
 """
 
-import argparse
 import difflib
 import importlib.util
 import sys
@@ -17,6 +17,8 @@ import sys
 import numpy as np
 import pandas as pd
 
+from nanogns.analysis.commandline import Parser, prog_name
+from nanogns.errors import LogNotUsable
 from nanogns.runlog.reader import load_csv
 
 # the plot extra (pip install "nanogns[plot]"): without it the analysis prints and saves its numbers, no figures
@@ -32,6 +34,28 @@ def _finite_pairs(x, y):
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     keep = np.isfinite(x) & np.isfinite(y)
+    return x[keep], y[keep]
+
+
+MAX_POINTS = 4000  # drawn per series: a PNG is 840 pixels wide, a terminal plot 160 dots; a long run has 10^5+ steps
+
+
+def decimated(x, y, points=MAX_POINTS, scatter=False):
+    """(x, y) cut to at most `points` points, drawing the same picture: for a line, each of points / 2 runs of
+    consecutive points keeps its lowest and its highest y, in their order (the line's envelope is the whole
+    series'); for a scatter, points spread evenly over the series. Memory and time of a plot then follow the
+    figure's size, not the run's length."""
+    n = len(x)
+    if n <= points:
+        return x, y
+    if scatter:
+        keep = np.unique(np.linspace(0, n - 1, points).round().astype(np.int64))
+        return x[keep], y[keep]
+    runs = points // 2
+    size = -(-n // runs)  # ceil: `runs` runs of `size` points, the last one padded with its last point
+    padded = np.concatenate([y, np.full(runs * size - n, y[-1])]).reshape(runs, size)
+    first = np.arange(runs) * size
+    keep = np.unique(np.minimum(np.r_[first + padded.argmin(axis=1), first + padded.argmax(axis=1)], n - 1))
     return x[keep], y[keep]
 
 
@@ -55,7 +79,7 @@ def terminal_plot(series, x_label="x", y_label="y", scatter=False, width=80, hei
     """
     import plotille
 
-    pairs = [(label, *_finite_pairs(x, y)) for label, x, y in series]
+    pairs = [(label, *decimated(*_finite_pairs(x, y), scatter=scatter)) for label, x, y in series]
     empty = [label for label, x, _ in pairs if not len(x)]
     note = f"\n(no finite points, not drawn: {', '.join(empty)})" if empty else ""
     pairs = [(label, x, y) for label, x, y in pairs if len(x)]
@@ -82,7 +106,7 @@ def save_png(path, series, x_label="x", y_label="y", title=None, scatter=False, 
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, x, y in series:
-        x, y = _finite_pairs(x, y)
+        x, y = decimated(*_finite_pairs(x, y), scatter=scatter)
         if scatter:
             ax.scatter(x, y, s=6, label=label)
         else:
@@ -126,7 +150,9 @@ def unknown_columns_message(unknown, columns):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot logged metrics of a run in the terminal.")
+    """plot.py's command line (argv: its arguments, sys.argv's when None); returns the exit code."""
+    prog = prog_name(argv, "plot.py")
+    parser = Parser(prog, description="Plot logged metrics of a run in the terminal.")
     parser.add_argument("out_dir", help="run directory holding log.csv (or the .tmp files of a running/killed run)")
     parser.add_argument("keys", nargs="+", metavar="KEY", help="column(s) to plot, e.g. train/lossf")
     parser.add_argument("--x", default="step", help="column for the x axis (default: step)")
@@ -134,15 +160,17 @@ def main(argv=None):
     parser.add_argument("--png", default=None, help="also save the figure to this PNG file (default: none)")
     parser.add_argument("--width", type=int, default=80, help="plot width in characters (default: 80)")
     parser.add_argument("--height", type=int, default=20, help="plot height in characters (default: 20)")
-    args = parser.parse_args(argv)
+    args = parser.parse(argv)
+    if isinstance(args, int):  # --help, or a bad argument (usage printed)
+        return args
 
     try:
         df = load_csv(args.out_dir)
         unknown = [k for k in [args.x, *args.keys] if k not in df.columns]
         if unknown:
-            raise ValueError(unknown_columns_message(unknown, df.columns))
+            raise LogNotUsable(unknown_columns_message(unknown, df.columns))
     except (FileNotFoundError, ValueError) as e:
-        print(f"plot.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
 
     x = pd.to_numeric(df[args.x], errors="coerce").to_numpy(dtype=np.float64)

@@ -11,8 +11,8 @@ and reads them in pieces, so its memory follows the steps' few sums, not the log
 - A bad cell in `checked` (the numbers the analysis uses) in a step's last row is reported in one line naming the
   step, the column and the file, and the step is skipped (never a silently wrong number, never the superseded
   row): text where a number belongs, a negative norm, pegn or token count, a batch_size that is not an integer
-  >= 2 (the GNS needs two examples). nan and inf are numbers: a step logged non-finite stays, and the estimator
-  skips it.
+  >= 2 (the GNS needs two examples; nan, inf or empty beside a logged norm included). A non-finite norm or pegn
+  is a number: a step logged non-finite stays, and the estimator skips it (and counts it).
 - Rows are put in step order (with a note when the file had them otherwise).
 
 Each piece of rows is reduced by the caller (`reduce`: the few per-step sums it needs) as soon as it is read: only
@@ -21,6 +21,8 @@ the reduced rows are kept.
 
 import numpy as np
 import pandas as pd
+
+from nanogns.errors import LogNotUsable
 
 SHOWN = 20  # bad cells reported one per line; beyond this, one line counts the rest
 NONNEGATIVE = ("/norm", "/pegn", "tokens_processed")
@@ -54,10 +56,13 @@ def _numbers(column):
     return numbers.astype(float), column.notna() & numbers.isna() & ~text.isin(["nan", ""])
 
 
-def _bad_value(column, values):
-    """Where a (numeric) cell of `column` is a value the analysis cannot use, and why."""
+def _bad_value(column, values, measured=None):
+    """Where a (numeric) cell of `column` is a value the analysis cannot use, and why. measured: for a batch_size
+    column, the rows where its parameter's norm or pegn is logged (there, an empty or nan batch size is bad too;
+    elsewhere it is a step without a measurement)."""
     if column.endswith(BATCH_SIZE):
-        bad = values.notna() & ~((values >= 2) & np.isfinite(values) & (values == values.round()))
+        logged = values.notna() if measured is None else values.notna() | measured
+        bad = logged & ~((values >= 2) & np.isfinite(values) & (values == values.round()))
         return bad, "batch_size {:g} is not an integer >= 2 (the GNS compares 2 or more examples)"
     if column.endswith(NONNEGATIVE):
         return values < 0, "{:g} is negative, which a norm or a token count never is"
@@ -102,13 +107,13 @@ def read_steps(source, checked, reduce, usecols):
             `reduce` as floats).
         reduce: reduce(chunk) -> DataFrame with the chunk's index: what the analysis keeps of each row.
         usecols: the columns `reduce` reads (besides step).
-    Returns the reduced rows with `step` (when the log has one; int64) and LINE (the row's line in the file).
+    Returns the reduced rows with `step` (when the log has one; int64).
     Raises ValueError when every logged batch size is 1 (the GNS is undefined there).
     """
     path, first_line = source.path, source.first_line
     has_step = "step" in source.columns
     checked = [c for c in checked if c in source.columns]
-    parts, reasons = [], {}  # reasons: {line: [why, ...]} of rows with a bad cell
+    table, reasons = _Table(_rows_at_most(source)), {}  # reasons: {line: [why, ...]} of rows with a bad cell
     batch_sizes_logged = batch_sizes_above_1 = False
     for chunk in source.chunks(usecols=["step", *usecols, *checked]):
         line = pd.Series(chunk.index + first_line, index=chunk.index)
@@ -130,7 +135,12 @@ def read_steps(source, checked, reduce, usecols):
                 reasons.setdefault(line[index], []).append(
                     f"{where(index)}, column {column}: {chunk.at[index, column]!r} is not a number"
                 )
-            wrong, why = _bad_value(column, values)
+            measured = None
+            if column.endswith(BATCH_SIZE):  # its parameter's norms: a measured step needs its batch size
+                partners = [column[: -len(BATCH_SIZE)] + m for m in ("/norm", "/pegn")]
+                partners = [c for c in partners if c in chunk]
+                measured = chunk[partners].notna().any(axis=1) & ~text if partners else None
+            wrong, why = _bad_value(column, values, measured)
             for index in chunk.index[wrong]:
                 reasons.setdefault(line[index], []).append(
                     f"{where(index)}, column {column}: " + why.format(float(values[index]))
@@ -145,15 +155,14 @@ def read_steps(source, checked, reduce, usecols):
         if has_step:
             reduced.insert(0, "step", step)
         reduced[LINE], reduced[BAD] = line, bad
-        parts.append(reduced)
+        table.append(reduced)
     if batch_sizes_logged and not batch_sizes_above_1:
-        raise ValueError(
+        raise LogNotUsable(
             f"{path}: every step has batch size 1: the GNS is undefined at B=1 (it needs 2+ examples per step)"
         )
-    if not parts:
+    if not table.rows:
         return pd.DataFrame(columns=["step", LINE, BAD])
-    steps = pd.concat(parts, ignore_index=True)
-    parts.clear()
+    steps = table.frame()
 
     keep = ~steps[BAD]
     earlier = pd.Series(dtype=np.int64)  # {step: line of its last superseded row}, for steps skipped below
@@ -178,8 +187,60 @@ def read_steps(source, checked, reduce, usecols):
         print(f"warning: {path}: {report}; step skipped")
     if len(reports) > SHOWN:
         print(f"warning: {path}: {len(reports) - SHOWN} more bad cells like these; their steps skipped")
-    steps = steps.loc[keep, [c for c in steps.columns if c != BAD]]
-    if has_step and not steps["step"].is_monotonic_increasing:
+    del steps[BAD], steps[LINE]
+    rows = None if keep.all() else keep.to_numpy()
+    if has_step and not steps["step"][keep].is_monotonic_increasing:
         print(f"note: {path}: the rows are not in step order; analysed in step order")
-        steps = steps.sort_values("step", kind="stable")
-    return steps.reset_index(drop=True)
+        kept = np.flatnonzero(keep.to_numpy()) if rows is not None else np.arange(len(steps))
+        rows = kept[np.argsort(steps["step"].to_numpy()[kept], kind="stable")]
+    return steps if rows is None else taken(steps, rows)
+
+
+def _rows_at_most(source):
+    """The lines between the source's start and end: at least its rows (read a megabyte at a time)."""
+    with open(source.path, "rb") as f:
+        f.seek(source.start)
+        left, lines = source.end - source.start, 1
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            left -= len(block)
+    return lines
+
+
+class _Table:
+    """The reduced rows, written into columns allocated once for `capacity` rows (a bound from the log's lines):
+    no piece is kept and no concatenation copies them, and the untouched end of a column never takes memory."""
+
+    def __init__(self, capacity):
+        self.capacity, self.rows, self.columns = capacity, 0, None
+
+    def append(self, piece):
+        if self.columns is None:
+            self.columns = {c: np.empty(self.capacity, dtype=_dtype(c, piece[c])) for c in piece.columns}
+        end = self.rows + len(piece)
+        for c, column in self.columns.items():
+            column[self.rows : end] = piece[c].to_numpy(dtype=column.dtype)
+        self.rows = end
+
+    def frame(self):
+        return pd.DataFrame({c: column[: self.rows] for c, column in self.columns.items()}, copy=False)
+
+
+def _dtype(name, column):
+    """A reduced column's type for every piece: flags are bool, step and line numbers int64, the rest float64 (a
+    piece's column of integers may be floats in the next, where a cell is empty)."""
+    if pd.api.types.is_bool_dtype(column):
+        return np.bool_
+    return np.int64 if name in ("step", LINE) else np.float64
+
+
+def taken(frame, rows):
+    """frame's rows `rows` (positions or a boolean mask), a column at a time, each of frame's columns dropped from it
+    once taken (the caller gives frame up): memory peaks at one frame plus a column, not two frames."""
+    columns = {}
+    for c in list(frame.columns):
+        columns[c] = frame.pop(c).to_numpy()[rows]
+    return pd.DataFrame(columns, copy=False)

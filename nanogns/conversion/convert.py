@@ -17,6 +17,7 @@ from nanogns.conversion import intercept, probe, replay
 from nanogns.core.buffers import BUFFER_SUFFIX
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import ROLES, LayerKind, adopt
+from nanogns.errors import SettingNotValid
 from nanogns.kinds import KINDS
 from nanogns.monitor.monitor import GNSMonitor
 
@@ -36,17 +37,17 @@ def _treat_as_entries(treat_as, known):
     for cls, spec in (treat_as or {}).items():
         label = getattr(cls, "__name__", repr(cls))
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ValueError(f"treat_as keys are nn.Module classes, got {cls!r}")
+            raise SettingNotValid(f"treat_as keys are nn.Module classes, got {cls!r}")
         if not (isinstance(spec, str) or isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], dict)):
-            raise ValueError(f"treat_as[{label}] is a kind or (kind, {{option: value}}), got {spec!r}")
+            raise SettingNotValid(f"treat_as[{label}] is a kind or (kind, {{option: value}}), got {spec!r}")
         kind, options = (spec, {}) if isinstance(spec, str) else spec
         if cls in known:
-            raise ValueError(f"{label} is converted by its class already; remove it from treat_as")
+            raise SettingNotValid(f"{label} is converted by its class already; remove it from treat_as")
         if kind not in probed:
-            raise ValueError(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
+            raise SettingNotValid(f"treat_as[{label}]: unknown kind {kind!r}; choose from {probed}")
         allowed = set(KINDS.kind(kind).probe.options) | set(ROLES)
         if set(options) - allowed or any(not isinstance(options[role], str) for role in ROLES if role in options):
-            raise ValueError(
+            raise SettingNotValid(
                 f"treat_as[{label}]: {kind} takes options {sorted(allowed)} ({' and '.join(ROLES)} "
                 f"name the parameters playing those roles), got {options}"
             )
@@ -71,7 +72,7 @@ class Conversion:
     def run(self, model):
         """Convert every module of `model` in place; returns `unconverted`."""
         if type(model) in self.known:
-            raise ValueError(
+            raise SettingNotValid(
                 f"convert() swaps the layers inside a model; got a bare {type(model).__name__}: "
                 "wrap it in a module (e.g. nn.Sequential(layer)) and convert that"
             )

@@ -44,6 +44,7 @@ import torch.nn as nn
 from nanogns.conversion import intercept
 from nanogns.core import layout, shared
 from nanogns.core.registry import adopt
+from nanogns.errors import NotSupported
 from nanogns.kinds import KINDS
 
 # float64 decides what the module computes; its own dtype then checks dtypes and rounding (float32: loose
@@ -202,7 +203,7 @@ def _forward_backward(forward, params, x, grad_out=None, autocast_dtype=None):
         ]
     )
     if not outs:
-        raise TypeError(f"its forward returns a {type(out).__name__}, not tensors")
+        raise NotSupported(f"its forward returns a {type(out).__name__}, not tensors")
     if grad_out is None:
         gen = torch.Generator().manual_seed(1)
         grad_out = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.device, o.dtype) for o in outs]

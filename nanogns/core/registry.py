@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 from nanogns.core import shared
 from nanogns.core.module_state import state_of
+from nanogns.errors import SettingNotValid
 
 CONFIG_KEYS = ("linearclass", "embeddingclass", "lnclass")  # the user choices (train.py flags) that pick variants
 GROUPS = ("Linear", "Embedding", "LayerNorm")  # the analysis groups a kind sums in (runlog/record.py adds "Other")
@@ -91,7 +92,7 @@ class LayerKind:
     def layer_class(self, variant):
         """The class of `variant` ('nn', 'shim', 'gns', 'fused', ...); ValueError naming the choices otherwise."""
         if variant not in self.variants:
-            raise ValueError(f"unknown {self.config_key} {variant!r}; choose from {sorted(self.variants)}")
+            raise SettingNotValid(f"unknown {self.config_key} {variant!r}; choose from {sorted(self.variants)}")
         found = self.variants[variant]
         return resolve(found) if isinstance(found, str) else found
 
@@ -122,7 +123,7 @@ class Registry(Mapping):
         for kind in kinds:
             problem = _problem(kind, self._kinds)
             if problem is not None:
-                raise ValueError(f"layer kind {kind.name!r}: {problem}")
+                raise SettingNotValid(f"layer kind {kind.name!r}: {problem}")
             self._kinds[kind.name] = kind
 
     def __getitem__(self, name: str) -> LayerKind:
@@ -135,9 +136,9 @@ class Registry(Mapping):
         return len(self._kinds)
 
     def kind(self, name: str) -> LayerKind:
-        """The LayerKind `name`; ValueError naming the kinds otherwise."""
+        """The LayerKind `name`; SettingNotValid (a ValueError) naming the kinds otherwise."""
         if name not in self._kinds:
-            raise ValueError(f"unknown layer kind {name!r}; choose from {sorted(self._kinds)}")
+            raise SettingNotValid(f"unknown layer kind {name!r}; choose from {sorted(self._kinds)}")
         return self._kinds[name]
 
     def group_of(self, kind_name: str) -> str:

@@ -25,6 +25,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
+from nanogns.errors import SettingNotValid
+
 LINEAR_CHOICES = (None, "gram", "materialise")
 CROSS_TERM_CHOICES = (None, "table", "gather")
 FUSED_LINEAR_NAMES = ("gram", "materialise", "kernel")
@@ -57,14 +59,16 @@ def forced(**choices: Any) -> Iterator[Strategies]:
     """Force strategies inside the `with` block (fields of Strategies), restoring the previous ones after."""
     unknown = set(choices) - {field.name for field in dataclasses.fields(Strategies)}
     if unknown:
-        raise ValueError(f"unknown strategy field(s) {sorted(unknown)}; choose from linear, fused_linear, cross_term")
+        raise SettingNotValid(
+            f"unknown strategy field(s) {sorted(unknown)}; choose from linear, fused_linear, cross_term"
+        )
     if choices.get("linear") not in LINEAR_CHOICES:
-        raise ValueError(f"linear strategy {choices['linear']!r}; choose from {LINEAR_CHOICES}")
+        raise SettingNotValid(f"linear strategy {choices['linear']!r}; choose from {LINEAR_CHOICES}")
     if choices.get("cross_term") not in CROSS_TERM_CHOICES:
-        raise ValueError(f"cross_term strategy {choices['cross_term']!r}; choose from {CROSS_TERM_CHOICES}")
+        raise SettingNotValid(f"cross_term strategy {choices['cross_term']!r}; choose from {CROSS_TERM_CHOICES}")
     fused = choices.get("fused_linear")
     if isinstance(fused, str) and fused not in FUSED_LINEAR_NAMES:
-        raise ValueError(f"fused_linear strategy {fused!r}; choose from {FUSED_LINEAR_NAMES} or a LinearConfig")
+        raise SettingNotValid(f"fused_linear strategy {fused!r}; choose from {FUSED_LINEAR_NAMES} or a LinearConfig")
     previous = CONTEXT.current
     CONTEXT.current = dataclasses.replace(previous, **choices)
     try:

@@ -20,6 +20,7 @@ import torch
 
 from nanogns.core.mapper import BUFFER_SUFFIX
 from nanogns.core.module_state import state_of
+from nanogns.errors import NotSupported
 
 try:
     from torch.distributed.tensor import DTensor
@@ -81,7 +82,7 @@ class BufferTable:
             if b is not None and n.endswith(BUFFER_SUFFIX)
         ]
         if any(is_dtensor(b) for _, _, b in entries):  # parallelize_module distributes the buffers too
-            raise ValueError(
+            raise NotSupported(
                 "GNS: the model's layers are sharded by tensor parallelism (their buffers are DTensors): "
                 + TENSOR_PARALLEL
             )

@@ -42,6 +42,7 @@ import torch.nn as nn
 from nanogns.core import strategy, uses
 from nanogns.core.buffers import BUFFER_SUFFIX, add_pe_sqnorm, norm_dtype, refuse_step
 from nanogns.core.module_state import state_of
+from nanogns.errors import NotSupported
 
 GATHER_CHUNK_ELEMENTS = 2**24  # elements of G held at once (64 MB in fp32); examples are processed in chunks
 CROSS_BUFFER_INFIX = "_tiecross"  # buffer `<param>_tiecross_pe_sqnorm`: ends in BUFFER_SUFFIX, so zeroed with the rest
@@ -187,7 +188,7 @@ class TiedParameter:
         if forward_pass is None:
             return out
         if rows is None or rows.examples != forward_pass.rows.examples:
-            raise ValueError(
+            raise NotSupported(
                 f"tied weight {'+'.join(self.names)}: the output layer's input has shape {tuple(x.shape)} but the "
                 f"embedding saw ids of shape {tuple(forward_pass.ids.shape)} per example; the rows of both must map "
                 "to the same examples (keep the examples on dim 0, or flatten (B, T, D) to (B*T, D) in that order), "

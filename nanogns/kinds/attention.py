@@ -31,6 +31,7 @@ from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import LayerKind, adopt
+from nanogns.errors import CallNotValid
 from nanogns.kinds import functional
 
 PROJECTIONS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
@@ -147,7 +148,7 @@ class PerExampleMultiheadAttention(PerExampleNormLayer):
             target_type=q.dtype,
         )
         if is_causal and attn_mask is None:
-            raise RuntimeError("Need attn_mask if specifying the is_causal hint (as torch's MultiheadAttention)")
+            raise CallNotValid("Need attn_mask if specifying the is_causal hint (as torch's MultiheadAttention)")
         if is_causal and key_padding_mask is None:
             attn_mask = None  # the hint alone tells SDPA
         else:

@@ -24,6 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer
 from nanogns.core.registry import LayerKind, own_class_name
+from nanogns.errors import SettingNotValid
 from nanogns.kinds.affine import channels_first_affine
 
 MIXES = (
@@ -76,7 +77,7 @@ class PerExampleBatchNorm(PerExampleNormLayer, _BatchNorm):
         if original is not None:
             return original._check_input_dim(self, input)
         if input.dim() < 2:
-            raise ValueError(f"expected an input of at least 2 dims (N, C, ...), got {tuple(input.shape)}")
+            raise SettingNotValid(f"expected an input of at least 2 dims (N, C, ...), got {tuple(input.shape)}")
 
     def forward(self, x):
         if uses_batch_statistics(self) or not self.affine:

@@ -16,6 +16,7 @@ the benchmarks all look them up there.
 import contextlib
 from typing import ContextManager, Dict, Iterator
 
+from nanogns.errors import SettingNotValid
 from nanogns.kinds import KINDS
 
 
@@ -42,7 +43,9 @@ class LayerConfig:
         """Build modules with these layer classes inside the `with` block, restoring the old ones after."""
         unknown = set(classes) - set(constructible_kinds())
         if unknown:
-            raise ValueError(f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(constructible_kinds())}")
+            raise SettingNotValid(
+                f"unknown layer kind(s) {sorted(unknown)}; choose from {sorted(constructible_kinds())}"
+            )
         previous = dict(self.chosen)
         self.chosen.update(classes)
         try:

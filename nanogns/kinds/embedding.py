@@ -28,6 +28,7 @@ from nanogns.core.ids import untagged
 from nanogns.core.registry import LayerKind, Probe
 from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding
+from nanogns.errors import NotSupported
 
 
 def embedding_pe_sqnorm(ids, g, num_embeddings, padding_idx=None):
@@ -137,7 +138,7 @@ def _check_plain_embedding(kwargs):
         and k not in ("padding_idx", "device", "dtype", "_weight", "_freeze")
     ]
     if unsupported:
-        raise ValueError(
+        raise NotSupported(
             f"per-example norm Embedding does not support {sorted(unsupported)}; "
             f"use embeddingclass='nn' for such an embedding"
         )

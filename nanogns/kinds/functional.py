@@ -49,6 +49,7 @@ from nanogns.core.ids import untagged
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Rows
 from nanogns.core.tied import note_embedding, note_head
+from nanogns.errors import SettingNotValid
 from nanogns.kinds import embedding as embedding_kind
 from nanogns.kinds import layernorm as layernorm_kind
 from nanogns.kinds import linear as linear_kind
@@ -67,14 +68,14 @@ def register_buffers(module: nn.Module, *param_names: str, kind: Optional[str] =
     """
     missing = [n for n in param_names if not isinstance(getattr(module, n, None), torch.nn.Parameter)]
     if missing:
-        raise ValueError(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
+        raise SettingNotValid(f"{type(module).__name__} has no parameter(s) {missing}: register the parameters first")
     if kind is not None:
         nanogns.kinds.KINDS.kind(kind)  # an unknown kind raises, naming the kinds (read at the call: this module is
         # imported while nanogns/kinds/__init__.py makes KINDS)
     for name in param_names:
         param = getattr(module, name)
         if not 0 <= bank_dims < param.dim():
-            raise ValueError(
+            raise SettingNotValid(
                 f"bank_dims={bank_dims} for {name} of shape {tuple(param.shape)}: it must leave at least "
                 "one dim to each slice (0 for a parameter that is not a bank)"
             )

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from nanogns.core.layout import install
 from nanogns.core.module_state import state_of
+from nanogns.errors import NotSupported, StepNotMeasured
 from nanogns.estimator import RunningGNS
 from nanogns.kinds import batchnorm
 from nanogns.monitor.following import ModelShape, changes, describe_changes
@@ -137,7 +138,7 @@ class GNSMonitor:
         self.untracked = {}
         self._track()
         if expect_tracked and not self.tracked and not self.approx_tracked:
-            raise ValueError(
+            raise NotSupported(
                 f"GNSMonitor: no parameter of {type(model).__name__} has a per-example norm layer; convert "
                 "it first (nanogns.convert(model)) or build it with per-example norm layer classes"
             )
@@ -148,6 +149,7 @@ class GNSMonitor:
         self.measurements = []  # the last step's exact Measurements (e.g. for a GNS over some of the parameters)
         self.approx_measurements = []  # and its SOGNS ones
         self.step_count = self.scaler_skipped_steps = self.nonfinite_steps = 0
+        self._logged = None  # (the log, its step_count) when step() last logged a row: log.step() must follow
         self.record_path = None
         self._counts = {}  # {logged name: the count of examples its buffer recorded} of the last step read
         self.write_record(out_dir if out_dir is not None else getattr(log, "out_dir", None))
@@ -298,7 +300,7 @@ class GNSMonitor:
             self.mixing.note(self.row_map)
         if self.row_map.mixing:  # every rank's model mixes alike: each refuses here, before the all-reduce
             (layer, why), *others = self.row_map.mixing.items()
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: this step is not measured: {layer} mixes the examples of the batch: {why}"
                 + (f" (and {len(others)} more such layers)" if others else "")
             )
@@ -309,9 +311,22 @@ class GNSMonitor:
         if not finite:
             self.scaler_skipped_steps += 1
             return []
+        if len(values) and not np.any(values[:, 2] != 0):  # nan counts a refused forward, not an absent one
+            raise StepNotMeasured(
+                f"GNS: step() found no example in any of the {len(values)} tracked layers' buffers (no backward of a "
+                "converted model since the last step): call monitor.step() after the step's last loss.backward(), "
+                "once per optimizer step, before optimizer.zero_grad()"
+            )
         if batch_size is None:  # the count most tracked tensors report (a layer shared across depth counts k B)
             counted = [c for c in values[:, 2].tolist() if c > 0 and not math.isnan(c)]
             batch_size = int(min(set(counted), key=lambda c: (-counted.count(c), c))) if counted else 0
+        if batch_size == 1 and "batch of one" not in self._warned:  # the norms are measured; the GNS is undefined
+            self._warned.add("batch of one")
+            warnings.warn(
+                "GNS: step(batch_size=1): the norms are measured, but the GNS compares each example's gradient with "
+                "their mean, which one example cannot give (|G|^2 and tr(Sigma) divide by B - 1): it stays nan; use 2 "
+                "or more examples per optimizer step (micro-batch size x accumulation steps x ranks)"
+            )
         scale = self.scaler.get_scale() if scaler_on else 1.0
         scales = (1.0 if gradients_unscaled else scale, scale)  # (of the batch gradient, of the per-example parts)
         n_exact = len(self.tracked)
@@ -374,7 +389,7 @@ class GNSMonitor:
             )
         if impossible.any():
             i = int(np.flatnonzero(impossible)[0])
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: {names[i]}: this step is not measured: its per-example norms give mean_i ||g_i||^2 = "
                 f"{pe_sqnorm[i]:.4g}, below ||mean_i g_i||^2 = {norm_sq[i]:.4g}, which no examples can give: its "
                 "gradient comes in part from a use its layer did not record (code outside the module's forward "
@@ -391,7 +406,7 @@ class GNSMonitor:
             raise self._count_error(entry, count, batch_size)
         if count == 0:
             if exact and grad_sq > 0 and name not in no_grad:
-                raise ValueError(
+                raise StepNotMeasured(
                     f"GNS: {name} has a gradient (norm {math.sqrt(grad_sq):.3g}) but its layer recorded no "
                     f"example in this step: the parameter was used by code other than its layer's forward (e.g. "
                     f"a parent module reading its weight), so its per-example norms are unknown. Call "
@@ -402,7 +417,7 @@ class GNSMonitor:
             return False  # not used by the step's forwards: a module replayed per example with its subtree (replay.py)
             # records a zero gradient for each of its parameters, a bias its code leaves out included
         if name in no_grad:
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: {name}: its layer recorded {count:.0f} examples in this step but the parameter has no "
                 f"gradient (.grad is None), so there is no batch gradient to compare them with. Call step() "
                 f"after the last backward and before optimizer.zero_grad()"
@@ -475,7 +490,7 @@ class GNSMonitor:
         return ", ".join(parts)
 
     def _count_error(self, entry, count, batch_size):
-        """The ValueError for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused): what
+        """The StepNotMeasured for a buffer that counted `count` examples in a step of `batch_size` (NaN: refused): what
         was observed, and the remedies that fit it (never a guessed cause)."""
         if math.isnan(count):
             reasons = {
@@ -490,13 +505,13 @@ class GNSMonitor:
                 else "see nanogns/core/rowmaps.py for the rows that can be mapped; for a layout of your own, pass "
                 "nanogns.core.layout.install(model, layout_of=...); to leave the layer untracked, convert(model, exclude=[its path])"
             )
-            return ValueError(
+            return StepNotMeasured(
                 f"GNS: {entry.name}: this step is not measured: no example's own gradient can be told apart ({why}). "
                 + remedy[0].upper()
                 + remedy[1:]
             )
         if self.row_map.forwards == 0:
-            return ValueError(
+            return StepNotMeasured(
                 f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}), and no "
                 f"forward of the converted model ran this step: its layers were called by other code (a submodule "
                 f"called directly, such as model.transformer(...)), so no layer was told which rows are whose; call "
@@ -521,7 +536,7 @@ class GNSMonitor:
                 "examples))"
             )
         remedies.append("to leave the layer untracked, convert(model, exclude=[its path])")
-        return ValueError(
+        return StepNotMeasured(
             f"GNS: {entry.name}'s buffer counted {count:.0f} examples but step(batch_size={batch_size}) says the step "
             f"had {batch_size}. Observed this step: {self._observed()}. A forward counts the rows of its "
             f"input's dim 0 as its examples. Remedies: " + "; ".join(remedies)
@@ -529,7 +544,19 @@ class GNSMonitor:
 
     def step(self, batch_size: Optional[int] = None, gradients_unscaled: bool = False) -> Dict[str, float]:
         """Measure this step (B = batch_size examples over all micro-batches and ranks; see `measure`), zero the
-        buffers, update the running GNS and log the row; returns the row."""
+        buffers, update the running GNS and log the row; returns the row.
+
+        Raises StepNotMeasured (see `measure`), and when the log (a LogWrapper) has not written the row of the
+        previous step: log.step() was not called since, so every step's row would overwrite the last one's."""
+        written = getattr(self.log, "step_count", None)
+        if self._logged is not None and self._logged[0] is self.log and self._logged[1] == written:
+            self.table.zero()
+            self.row_map.clear()
+            raise StepNotMeasured(
+                f"GNS: step() again before the log wrote the previous step's row (log.step() was not called since "
+                f"step {written}): every row would overwrite the last and the log would hold the whole run as one "
+                "row; call log.step() once per optimizer step, after monitor.step() and your own log.log(...)"
+            )
         try:
             exact = self.measure(batch_size, gradients_unscaled)
         finally:
@@ -544,6 +571,8 @@ class GNSMonitor:
         }
         row["gns"] = self.running.update(*summed_squares(exact or approx))  # the exact GNS when there is one
         self.emit(row)
+        if self.log is not None:
+            self._logged = (self.log, written) if written is not None else None
         return row
 
     def emit(self, row: Dict[str, float]) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from nanogns.core.table import BufferTable, buffer_table, is_dtensor  # noqa: F401  (the monitor's names for them)
+from nanogns.errors import StepNotMeasured
 
 try:
     from torch.distributed.tensor import DTensor
@@ -50,12 +51,12 @@ def _copies(mesh, placements, copies_by_layout):
     key = (id(mesh), tuple(placements))
     if key not in copies_by_layout:
         if any(p.is_partial() for p in placements):
-            raise ValueError(
+            raise StepNotMeasured(
                 "GNS: a gradient with a Partial placement (not yet reduced across ranks) cannot be read; "
                 "read the step after the gradients are reduced"
             )
         if mesh.size() != world_size():
-            raise ValueError(
+            raise StepNotMeasured(
                 f"GNS: a DTensor gradient on a mesh of {mesh.size()} ranks in a world of "
                 f"{world_size()}: the monitor adds the ranks' shards over the whole world"
             )

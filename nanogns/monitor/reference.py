@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
+from nanogns.errors import NotSupported
 from nanogns.monitor import tracked
 from nanogns.monitor.monitor import GNSMonitor
 
@@ -91,7 +92,7 @@ class MeasurementTracker:
             and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1
         ):
-            raise ValueError(
+            raise NotSupported(
                 "MeasurementTracker reads the examples of one process; under torch.distributed use "
                 "gnstracking.GNSMonitor(model, log=...) and call its step() on every rank"
             )

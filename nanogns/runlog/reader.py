@@ -2,6 +2,7 @@
 Read the CSV log that tracker.LogWrapper writes, finished or not.
 
     df = load_csv(out_dir)                         # pandas DataFrame, one row per logged step
+    row = last_row_of_step(out_dir, step)          # {column: cell text} of the step's last row, or None
     source = log_source(out_dir)                   # or in pieces, memory not growing with the log:
     for chunk in source.chunks(usecols=[...]):     #   DataFrames of up to CHUNK_ROWS rows, the chosen columns
         ...
@@ -17,17 +18,22 @@ df.attrs (and a LogSource's fields) say where the rows come from, for messages:
 it; a chunk's index counts rows from 0, so row i is on line first_line + i) and
 "cut_line" (the end of a last line that was dropped, or None).
 
-A file that is not a text CSV log (a binary file, a row with more cells than the
-header) raises ValueError naming the file.
+A log saved again by a spreadsheet or an editor is read as written: a UTF-8 byte
+order mark is skipped (a spreadsheet's "CSV UTF-8"), lines ended by CR LF are lines;
+UTF-16 or UTF-32 text is refused in one line giving the command that converts it
+(runlog/encoding.py). A file that is not a text CSV log (a binary file, a row with
+more cells than the header) raises ValueError naming the file.
 """
 
 import csv
 import os
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import pandas as pd
 
+from nanogns.errors import LogNotFound, LogNotUsable
+from nanogns.runlog.encoding import text_start
 from nanogns.runlog.writer import DATA_TMP, HEADER_TMP, LOG_CSV
 
 CHUNK_ROWS = 2000  # rows per piece: a few MB of a wide log, whatever its length
@@ -64,6 +70,13 @@ class _Bytes:
         self.file.seek(start)
         self.left = limit
 
+    def readline(self):
+        if self.left <= 0:
+            return b""
+        line = self.file.readline(self.left)
+        self.left -= len(line)
+        return line
+
     def read(self, size=-1):
         if self.left <= 0:
             return b""
@@ -77,7 +90,7 @@ class _Bytes:
 
 
 def _not_text(path, e):
-    return ValueError(
+    return LogNotUsable(
         f"{path} is not a text CSV log ({type(e).__name__}: {str(e)[:120]}): a log is the log.csv (or the "
         "log_header.csv.tmp and log_data.csv.tmp) that a run writes"
     )
@@ -119,7 +132,7 @@ class LogSource:
             with reader:
                 yield from reader
         except pd.errors.ParserError as e:  # a row with more cells than the header, an unclosed quote
-            raise ValueError(f"{self.path} is not a log that can be read: {str(e).strip()}") from None
+            raise LogNotUsable(f"{self.path} is not a log that can be read: {str(e).strip()}") from None
         except UnicodeDecodeError as e:
             raise _not_text(self.path, e) from None
         finally:
@@ -128,8 +141,10 @@ class LogSource:
 
 def _header(path):
     """The column names on the first line of `path` and the byte offset after it (None when the first line is not
-    complete)."""
+    complete). A UTF-8 byte order mark before it is skipped; UTF-16 or UTF-32 text is refused (ValueError)."""
+    start = text_start(path)
     with open(path, "rb") as f:
+        f.seek(start)
         first = f.readline(1 << 24)
     try:
         text = first.decode("utf-8")
@@ -141,16 +156,17 @@ def _header(path):
     if "\x00" in text:
         raise _not_text(path, ValueError("a NUL byte in its first line"))
     if not first.endswith(b"\n"):
-        return None, len(first)
-    return next(csv.reader([text]), []), len(first)
+        return None, start + len(first)
+    return next(csv.reader([text]), []), start + len(first)
 
 
 def log_source(out_dir: str) -> LogSource:
     """Where the run's log rows are (see LogSource), reading only its header and last line.
 
     Raises:
-        FileNotFoundError: neither log.csv nor the tmp header exists in out_dir.
-        ValueError: the log has a header but no rows, or is not a text CSV log (the message names the file).
+        LogNotFound (a FileNotFoundError): neither log.csv nor the tmp header exists in out_dir.
+        LogNotUsable (a ValueError): the log has a header but no rows, or is not a text CSV log (the message names
+            the file).
     """
     header_path = os.path.join(out_dir, HEADER_TMP)
     data_path = os.path.join(out_dir, DATA_TMP)
@@ -158,17 +174,18 @@ def log_source(out_dir: str) -> LogSource:
     if os.path.exists(header_path):
         columns, _ = _header(header_path)
         if not columns:
-            raise ValueError(f"{header_path} is empty: the run has not logged anything yet")
-        path, start, first_line = data_path, 0, 1
+            raise LogNotUsable(f"{header_path} is empty: the run has not logged anything yet")
+        path, first_line = data_path, 1
         if not os.path.exists(data_path):
-            raise ValueError(f"{data_path} has no rows: the run has not logged a step yet")
+            raise LogNotUsable(f"{data_path} has no rows: the run has not logged a step yet")
+        start = text_start(data_path)
     elif os.path.exists(log_path):
         columns, start = _header(log_path)
         if columns is None:
-            raise ValueError(f"{log_path} is empty" if start == 0 else f"{log_path} has a header but no rows")
+            raise LogNotUsable(f"{log_path} is empty" if start == 0 else f"{log_path} has a header but no rows")
         path, first_line = log_path, 2
     else:
-        raise FileNotFoundError(
+        raise LogNotFound(
             f"no log in {out_dir!r}: expected {log_path} (finished run) "
             f"or {header_path} and {data_path} (run in progress or killed)"
         )
@@ -177,7 +194,7 @@ def log_source(out_dir: str) -> LogSource:
     source = LogSource(path, columns, start, end, first_line, cut.decode("utf-8", "replace")[-40:] or None)
     if end <= start or not _has_row(source):
         where = "has no rows: the run has not logged a step yet" if path == data_path else "has a header but no rows"
-        raise ValueError(f"{path} {where}")
+        raise LogNotUsable(f"{path} {where}")
     return source
 
 
@@ -204,10 +221,42 @@ def load_csv(out_dir: str) -> pd.DataFrame:
     """The run's log as a DataFrame (all of it in memory: the analysis reads it in pieces, log_source).
 
     Raises:
-        FileNotFoundError: neither log.csv nor the tmp header exists in out_dir.
-        ValueError: the log has a header but no rows, or is not a text CSV log (the message names the file).
+        LogNotFound (a FileNotFoundError): neither log.csv nor the tmp header exists in out_dir.
+        LogNotUsable (a ValueError): the log has a header but no rows, or is not a text CSV log (the message names
+            the file).
     """
     source = log_source(out_dir)
     chunks = list(source.chunks())
     df = pd.concat(chunks) if chunks else pd.DataFrame(columns=source.columns)
     return _described(df, source)
+
+
+def last_row_of_step(out_dir: str, step: int) -> Optional[Dict[str, str]]:
+    """The cells ({column: text}) of the last row logged for `step` (a resume's rewrite may repeat a step), or None
+    when the log has no such row (or no row at all). One line at a time: memory does not grow with the log.
+
+    Raises:
+        FileNotFoundError: no log in out_dir.
+        ValueError: the log is not a text CSV log (the message names the file).
+    """
+    try:
+        source = log_source(out_dir)
+    except ValueError as e:
+        if "no rows" in str(e):
+            return None
+        raise
+    prefix, found = f"{step},".encode(), None
+    stream = _Bytes(source.path, source.start, source.end - source.start)
+    try:
+        for line in iter(stream.readline, b""):
+            if line.startswith(prefix):
+                found = line
+    finally:
+        stream.close()
+    if found is None:
+        return None
+    try:
+        cells = next(csv.reader([found.decode("utf-8")]), [])
+    except UnicodeDecodeError as e:
+        raise _not_text(source.path, e) from None
+    return dict(zip(source.columns, cells))

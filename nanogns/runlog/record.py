@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
-from nanogns.errors import WriteFailed
+from nanogns.errors import LogNotUsable, WriteFailed
 
 PARAMETERS_JSON = "gns_parameters.json"  # beside log.csv
 RECORD_FORMAT = 2
@@ -74,8 +74,8 @@ def read_parameter_record(out_dir: str) -> Optional[Dict[str, Dict[str, Any]]]:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
+        raise LogNotUsable(f"{path} is not valid JSON ({e}); {fix}") from None
     problem = _shape_problem(record)
     if problem:
-        raise ValueError(f"{path} is not a record of the tracked parameters: {problem} (expected {SHAPE}); {fix}")
+        raise LogNotUsable(f"{path} is not a record of the tracked parameters: {problem} (expected {SHAPE}); {fix}")
     return record["parameters"]

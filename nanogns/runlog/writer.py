@@ -48,9 +48,16 @@ or, with no Python at hand, `cat log_header.csv.tmp log_data.csv.tmp > log.csv`
 after deleting any unfinished last line of log_data.csv.tmp (short rows are
 then read as trailing empty cells by pandas).
 
+A new log never replaces another run's: LogWrapper(out_dir=...) refuses a
+directory that holds a log (log.csv, or a running or killed run's .tmp files)
+with nanogns.errors.DirectoryHoldsAnotherRun, one line, as train.py refuses it.
+LogWrapper(..., replace=True) starts afresh there instead: the old log, its
+record (gns_parameters.json), the rows a resume set aside and the analysis's
+results of it (gns_analysis.csv and its figures) are removed first.
+
 LogWrapper(..., resume=True) continues an existing log in out_dir (a finished
 log.csv or a killed run's .tmp files): old rows are kept and `step` goes on
-from the last one. Without it, a new run replaces the old log when it closes.
+from the last one.
 With resume_step=N as well (train.py passes the step count its checkpoint
 recorded), the log continues at step N so that log and weights agree: rows with
 step >= N, written after the checkpoint by a run that then crashed, are moved
@@ -74,12 +81,26 @@ import string
 import sys
 from typing import Any, Callable, Dict, Optional
 
-from nanogns.errors import LogNotContinuable, WriteFailed
+from nanogns.errors import CallNotValid, DirectoryHoldsAnotherRun, LogNotContinuable, SettingNotValid, WriteFailed
+from nanogns.runlog.encoding import text_start
+from nanogns.runlog.record import PARAMETERS_JSON
 
 HEADER_TMP = "log_header.csv.tmp"
 DATA_TMP = "log_data.csv.tmp"
 LOG_CSV = "log.csv"
 CONFIG_JSON = "config.json"
+# what describes a run's log beside it, removed with the log by LogWrapper(..., replace=True): its record
+# (PARAMETERS_JSON), and the analysis's results (analysis/cli.py writes them; tests/test_analysis.py holds the two
+# lists together)
+ANALYSIS_RESULTS = (
+    "gns_analysis.csv",
+    "gns_emas.png",
+    "gns_phase.png",
+    "gns_over_tokens.png",
+    "gns_groups.png",
+    "gns_layernorm_vs_all.png",
+    "gns_sogns_vs_exact.png",
+)
 
 
 def format_value(value: Any) -> str:
@@ -114,17 +135,23 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
+class _NoStepNumber(ValueError):
+    """A row whose first cell is not a step number: _continue says so as LogNotContinuable."""
+
+
 def _rows(lines):
-    """(line, its step) for each complete, non-empty row of a log's lines; a last line cut off (no trailing newline)
-    is not a row. One line at a time: memory does not grow with the log."""
+    """(line, its step) for each complete, non-empty row of a log's lines, ended by LF (a CR before it dropped); a
+    last line cut off (no trailing newline) is not a row. One line at a time: memory does not grow with the log."""
     for line in lines:
         if not line.endswith("\n"):
             return
+        if line.endswith("\r\n"):  # a log saved again with Windows line ends
+            line = line[:-2] + "\n"
         if line.strip():
             try:
                 step = int(float(line.split(",", 1)[0]))  # the step: an integer, never quoted
             except ValueError:
-                raise ValueError(line[:40]) from None
+                raise _NoStepNumber(line[:40]) from None
             yield line, step
 
 
@@ -135,7 +162,8 @@ def _padded(line, width):
 
 
 class _Replacement:
-    """A file written beside `path` and moved over it at commit() (fsync'd first): a kill meanwhile keeps the old."""
+    """A file written beside `path` and moved over it at commit() (fsync'd first): a kill meanwhile keeps the old;
+    abort() removes it, leaving the old as it was."""
 
     def __init__(self, path):
         self.path = path
@@ -147,6 +175,11 @@ class _Replacement:
         self.file.close()
         os.replace(self.path + ".writing", self.path)
 
+    def abort(self):
+        self.file.close()
+        with contextlib.suppress(OSError):
+            os.remove(self.path + ".writing")
+
 
 class LogWrapper:
     """Caches one step's values, writes them as one CSV row, forwards them to `logf`.
@@ -155,13 +188,15 @@ class LogWrapper:
         logf: callable taking a dict (e.g. wandb's run.log), or None.
         config: dict written to out_dir/config.json, or None.
         out_dir: directory for the CSV files; None writes no files at all.
-        resume: continue the log already in out_dir instead of replacing it.
+        resume: continue the log already in out_dir.
         resume_step: with resume, the step to continue at (rows from it on are set aside).
+        replace: start a new log in an out_dir that holds another run's, removing it and what describes it.
 
     Raises:
         WriteFailed: a write failed (a full disk, an unwritable directory): one line naming the file. Logging
             stops; the rows written before stay in the .tmp files, which load_csv reads and a resume continues.
         LogNotContinuable: resume=True and the log in out_dir cannot be continued (the message names the row).
+        DirectoryHoldsAnotherRun: out_dir holds another run's log, and neither resume nor replace was given.
     """
 
     def __init__(
@@ -171,6 +206,7 @@ class LogWrapper:
         out_dir: Optional[str] = None,
         resume: bool = False,
         resume_step: Optional[int] = None,
+        replace: bool = False,
     ):
         self.logf = logf
         self.config = config
@@ -182,17 +218,23 @@ class LogWrapper:
         self.closed = False
         self._data = None  # open handle to log_data.csv.tmp
         if out_dir is not None:
+            if resume and replace:
+                raise SettingNotValid(
+                    "LogWrapper: resume=True continues the log in out_dir, replace=True removes it: pass one"
+                )
+            if not resume:
+                self._leave_other_runs(replace)
             with self._writing(out_dir):
                 os.makedirs(out_dir, exist_ok=True)
-            if config is not None:
-                with self._writing(self._path(CONFIG_JSON)):
-                    _write_atomic(self._path(CONFIG_JSON), json.dumps(config, indent=2, default=str) + "\n")
             with self._writing(self._path(DATA_TMP)):
                 # data first: a kill between the two leaves the old header (or log.csv) with the same columns
-                if resume:
+                if resume:  # and before config.json: a log that cannot be continued is refused with nothing changed
                     self._continue(int(resume_step) if resume_step is not None else None)
                 else:
                     _write_atomic(self._path(DATA_TMP), "")
+            if config is not None:
+                with self._writing(self._path(CONFIG_JSON)):
+                    _write_atomic(self._path(CONFIG_JSON), json.dumps(config, indent=2, default=str) + "\n")
             with self._writing(self._path(HEADER_TMP)):
                 _write_atomic(self._path(HEADER_TMP), _csv_line(self.columns))
                 self._data = open(self._path(DATA_TMP), "a", newline="")
@@ -201,6 +243,25 @@ class LogWrapper:
 
     def _path(self, name):
         return os.path.join(self.out_dir, name)
+
+    def _leave_other_runs(self, replace):
+        """Refuse an out_dir holding another run's log (DirectoryHoldsAnotherRun), or with replace, remove that log
+        and what describes it (see the module docstring)."""
+        found = [name for name in (LOG_CSV, HEADER_TMP, DATA_TMP) if os.path.exists(self._path(name))]
+        if not found:
+            return
+        if not replace:
+            raise DirectoryHoldsAnotherRun(
+                f"{self.out_dir!r} already holds the log of another run ({', '.join(found)}), which this new log would "
+                "replace: choose another out_dir, continue that log with LogWrapper(..., resume=True), or start "
+                "afresh there with LogWrapper(..., replace=True)",
+                self.out_dir,
+                found,
+            )
+        aside = [name for name in os.listdir(self.out_dir) if name.startswith("log_after_step_")]
+        for name in (*found, PARAMETERS_JSON, *ANALYSIS_RESULTS, *aside):
+            with self._writing(self._path(name)), contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(name))
 
     @contextlib.contextmanager
     def _writing(self, path):
@@ -249,38 +310,57 @@ class LogWrapper:
                 self.step_count = resume_step
             return
         header_path, data_path = source
-        with open(header_path, newline="") as header:
-            first = header.readline()
-            columns = next(csv.reader([first]), None) if first.endswith("\n") else None
-            if columns:
-                if columns[0] != "step":
-                    raise LogNotContinuable(
-                        f"cannot continue the log {header_path}: its first column is {columns[0][:40]!r}, not step "
-                        "(not a log this package wrote); move it away to start the log afresh"
-                    )
-                self.columns = columns
-            lines = open(data_path, newline="") if data_path else header  # log.csv: its rows follow its header
-            aside, last, last_kept, n_aside = None, None, -1, 0
+        for path in filter(None, source):  # a log saved again as UTF-16 (say) is refused before anything is written
             try:
-                for line, step in _rows(lines if columns else []):
-                    last = step
-                    if resume_step is None or step < resume_step:
-                        data.file.write(line)
-                        last_kept = step
-                        continue
-                    if aside is None:
-                        aside = _Replacement(self._aside_path(resume_step))
-                        aside.file.write(_csv_line(self.columns))
-                    aside.file.write(_padded(line, len(self.columns)))
-                    n_aside += 1
+                text_start(path)
             except ValueError as e:
+                data.abort()
+                raise LogNotContinuable(f"cannot continue the log: {e}") from None
+        aside, last, last_kept, n_aside = None, None, -1, 0
+        try:
+            # utf-8-sig: a byte order mark a spreadsheet put before the header is not part of the column `step`
+            with open(header_path, newline="", encoding="utf-8-sig") as header:
+                first = header.readline()
+                columns = next(csv.reader([first]), None) if first.endswith("\n") else None
+                if columns:
+                    if columns[0] != "step":
+                        raise LogNotContinuable(
+                            f"cannot continue the log {header_path}: its first column is {columns[0][:40]!r}, not "
+                            "step (not a log this package wrote); move it away to start the log afresh"
+                        )
+                    self.columns = columns
+                # log.csv: its rows follow its header
+                lines = open(data_path, newline="", encoding="utf-8-sig") if data_path else header
+                try:
+                    for line, step in _rows(lines if columns else []):
+                        last = step
+                        if resume_step is None or step < resume_step:
+                            data.file.write(line)
+                            last_kept = step
+                            continue
+                        if aside is None:
+                            aside = _Replacement(self._aside_path(resume_step))
+                            aside.file.write(_csv_line(self.columns))
+                        aside.file.write(_padded(line, len(self.columns)))
+                        n_aside += 1
+                finally:
+                    if lines is not header:
+                        lines.close()
+        except (LogNotContinuable, _NoStepNumber, UnicodeDecodeError) as e:  # nothing written stays: the log as it was
+            for replacement in filter(None, (data, aside)):
+                replacement.abort()
+            if isinstance(e, LogNotContinuable):
+                raise
+            if isinstance(e, UnicodeDecodeError):
                 raise LogNotContinuable(
-                    f"cannot continue the log in {self.out_dir}: a row of {lines.name} has no step number "
-                    f"in its first cell ({str(e)!r}); repair or move the file"
+                    f"cannot continue the log {data_path or header_path}: it holds bytes that are not UTF-8 "
+                    f"({e.object[e.start : e.start + 4]!r}), the text a log is written in; save it again as UTF-8 "
+                    '("CSV UTF-8"), or move it away to start the log afresh'
                 ) from None
-            finally:
-                if lines is not header:
-                    lines.close()
+            raise LogNotContinuable(
+                f"cannot continue the log in {self.out_dir}: a row of {data_path or header_path} has no step number "
+                f"in its first cell ({str(e)!r}); repair or move the file"
+            ) from None
         if aside is not None:  # side file first: a kill before the data's commit keeps every row somewhere
             aside.commit()
             print(f"log: {n_aside} row(s) written after the checkpoint (step >= {resume_step}) moved to {aside.path}")
@@ -306,13 +386,13 @@ class LogWrapper:
     def log(self, values: Dict[str, Any]) -> None:
         """Cache values for the current step; a key logged twice keeps the later value."""
         if self.closed:
-            raise RuntimeError("LogWrapper.log() after close()")
+            raise CallNotValid("LogWrapper.log() after close()")
         self.log_dict.update(values)
 
     def step(self) -> None:
         """Write the cached values as one row (if any), call logf, clear the cache."""
         if self.closed:
-            raise RuntimeError("LogWrapper.step() after close()")
+            raise CallNotValid("LogWrapper.step() after close()")
         if self.log_dict:
             if self.out_dir is not None:
                 new = [k for k in self.log_dict if k not in self._known]

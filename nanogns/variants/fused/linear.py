@@ -12,6 +12,7 @@ import torch
 from nanogns.core import strategy
 from nanogns.core.matmul import bias_pe_grads, linear_forward, linear_weight_grad_and_pe_sqnorm
 from nanogns.core.rowmaps import Rows
+from nanogns.errors import CallNotValid
 from nanogns.variants.fused import finish, linear_plan, runtime
 from nanogns.variants.fused.runtime import kernels, triton
 
@@ -120,7 +121,7 @@ def _fastest(key, candidates, run):
                     stacklevel=2,
                 )
         if not times:
-            raise RuntimeError(f"fused Linear {key[:4]}: every candidate failed") from error
+            raise CallNotValid(f"fused Linear {key[:4]}: every candidate failed") from error
         _linear_choices[key] = min(times, key=times.get)
     return _linear_choices[key]
 

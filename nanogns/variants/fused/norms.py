@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from nanogns.errors import CallNotValid
 from nanogns.variants.fused import finish, runtime
 from nanogns.variants.fused.runtime import kernels, triton
 
@@ -143,7 +144,7 @@ def _norm_forward(ctx, x, weight, bias, eps, is_rms):
     D = weight.numel()
     runtime._check_input(x, D, what)
     if D > runtime.MAX_NORM_FEATURES:
-        raise RuntimeError(
+        raise CallNotValid(
             f"{what}: feature dim {D} of input shape {tuple(x.shape)} exceeds the kernels' "
             f"{runtime.MAX_NORM_FEATURES} features (one row per program, in registers); "
             f"use lnclass='gns' for it"

@@ -10,6 +10,8 @@ import warnings
 
 import torch
 
+from nanogns.errors import CallNotValid
+
 try:
     import triton
 
@@ -113,12 +115,12 @@ def _use_kernel(layer, x):
 
 def _check_input(x, features, what):
     if x.dim() < 2:
-        raise RuntimeError(
+        raise CallNotValid(
             f"{what} needs input (N, ..., {features}) with examples along dim 0, got shape "
             f"{tuple(x.shape)}; add an example dim, e.g. x.unsqueeze(0)"
         )
     if x.shape[-1] != features:
-        raise RuntimeError(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
+        raise CallNotValid(f"{what} expects {features} features in the last dim, got shape {tuple(x.shape)}")
 
 
 def matmul_allows_tf32():
