@@ -85,6 +85,7 @@ class Task:
     width: int = 512  # the data-parallel model: a step of up to `width` examples costs one unit
     ema_decay: float = 0.95
     one_epoch: bool = False  # shakespeare: a run that would read a window twice stops (not reached)
+    plateau_below: float = 0.3  # the certification: the first plateau ends where the metric first falls below this
     lr_ref: float = 1e-3  # (critical_batch.build's optimizer default; every step sets its own LR)
 
 
@@ -105,6 +106,7 @@ SHAKESPEARE = Task(
     max_tokens=1e6,
     width=256,
     one_epoch=True,
+    plateau_below=None,
 )
 QUICK = Task(
     target=0.8,
@@ -354,14 +356,15 @@ def task_metric(curve):
 # the sweep: the cosine tuned per batch size on the tuning seeds
 
 
-def tune_cosine(task, data, B, start, seeds, lr_only_horizon=None, margin=0.02, max_steps=None):
+def tune_cosine(task, data, B, start, seeds, lr_only_horizon=None, margin=0.02, max_steps=None, make=None, name=None):
     """Coordinate search on the grid lr = lr0 sqrt(2)^i, horizon = horizon0 1.5^j (or a constant LR when
     lr_only_horizon is 'const'), from `start` = (i, j): the LR walked up (then down) while the mean steps over `seeds`
     fall by more than `margin` (seeds differ by a few percent: a smaller gain is noise), then the horizon, then the LR
     again if the horizon moved. A candidate runs seed by seed, each run stopped once it passes 1.1 x the best's steps
     on that seed, and is dropped after a seed that is already slower than the best's by the margin. Returns (best:
     dict(i, j, lr, horizon, steps (mean), tokens (mean), runs), every candidate: [dict(i, j, lr, horizon, steps,
-    reached, metric: the best metric its runs reached)]). max_steps: every run's bound until one reaches the target."""
+    reached, metric: the best metric its runs reached)]). max_steps: every run's bound until one reaches the target.
+    make(lr, horizon) -> a method: another schedule's horizon tuned the same way (the LR stays at start's)."""
     const = lr_only_horizon == "const"
     tried, best = {}, None
 
@@ -372,8 +375,9 @@ def tune_cosine(task, data, B, start, seeds, lr_only_horizon=None, margin=0.02, 
         runs = []
         for k, seed in enumerate(seeds):
             bound = math.ceil(best["runs"][k]["steps"] * 1.1) + 1 if best else max_steps
-            label = f"B={B} lr={lr:.2e} " + ("const" if const else f"cosine {horizon:,.0f}")
-            runs.append(train(task, data, seed, Fixed(B, lr, horizon, task.floor), label, max_steps=bound))
+            label = f"{name or f'B={B}'} lr={lr:.2e} " + ("const" if const else f"cosine {horizon:,.0f}")
+            method = make(lr, horizon) if make else Fixed(B, lr, horizon, task.floor)
+            runs.append(train(task, data, seed, method, label, max_steps=bound))
             if not runs[-1]["reached"] or (best and runs[-1]["steps"] > best["runs"][k]["steps"] * (1 + margin)):
                 break
         ok = len(runs) == len(seeds) and all(r["reached"] for r in runs)
@@ -402,15 +406,17 @@ def tune_cosine(task, data, B, start, seeds, lr_only_horizon=None, margin=0.02, 
     score(*cur)
     best = tried[cur] if tried[cur]["reached"] else None
     if best is None:  # nothing reached at the start: a larger LR, a smaller one, a longer horizon, until one does
-        for nxt in [(cur[0] + 1, cur[1]), (cur[0] - 1, cur[1])] + ([] if const else [(cur[0], cur[1] + 1)]):
+        lr_moves = [] if make else [(cur[0] + 1, cur[1]), (cur[0] - 1, cur[1])]
+        for nxt in lr_moves + ([] if const else [(cur[0], cur[1] + 1), (cur[0], cur[1] + 2)]):
             if score(*nxt) < math.inf:
                 cur, best = nxt, tried[nxt]
                 break
     if best is not None:
-        cur, _ = walk(cur, 0)
+        if make is None:
+            cur, _ = walk(cur, 0)
         if not const:
             cur, moved = walk(cur, 1)
-            if moved:
+            if moved and make is None:
                 cur, _ = walk(cur, 0)
     keep = ("i", "j", "lr", "horizon", "steps", "reached", "metric")
     trials = [{k: t[k] for k in keep} for t in tried.values()]
@@ -455,11 +461,20 @@ def tune_constant(task, data, B, start_i, seeds, bound_steps):
 # the certification: is this task one where lowering the noise temperature is what reaches the target?
 
 
-def first_plateau_end(gns):
-    """The step where the first plateau ends, read from a run's running GNS (one value per step): the GNS rises
-    while the loss sits on its first plateau (the gradient vanishes there), falls as the loss drops off it, and then
-    grows again towards the noise floor; the end is its lowest point after its first peak (a peak: a maximum the GNS
-    later falls below 2/3 of). A GNS that never falls that far has no first plateau: its first step."""
+def first_plateau_end(gns, losses=None, below=None):
+    """The step (0-based) where the first plateau ends. With `below` (the teacher task: its entropy + 0.3 nats), the
+    first step whose training loss (its EMA, 0.9 a step) is under it: the first plateau is where the student predicts
+    from the last input alone, 0.9-1.2 nats above the teacher, until it learns to look at the one before; 0.3 is well
+    below that and above everything after. Without, it is read from the running GNS (one value per step): the GNS
+    rises while the loss sits on a plateau (the gradient vanishes there) and falls as the loss drops off it; the end
+    is its lowest point after its first peak (a maximum it later falls below 2/3 of), or, with no such peak, its
+    lowest point in the first tenth of the run."""
+    if below is not None and losses is not None:
+        ema = None
+        for i, loss in enumerate(losses):
+            ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+            if ema < below:
+                return i
     g = np.asarray(gns, dtype=np.float64)
     g = np.where(np.isfinite(g), g, np.nan)
     peak = None
@@ -477,8 +492,9 @@ def first_plateau_end(gns):
     return peak + int(np.nanargmin(g[peak:]))
 
 
-def certify(task, reference_runs, horizon, const_best, const_trials, ref_steps):
-    """The three checks of issue 48, on the tuning seeds' runs. Returns (passed, lines, numbers)."""
+def certify(task, reference_runs, horizon, const_best, const_trials, ref_steps, entropy=None):
+    """The three checks of issue 48, on the tuning seeds' runs (entropy: the teacher's, where the first plateau is
+    read from the loss). Returns (passed, lines, numbers)."""
     lines, passed = [], True
     bound = 2 * ref_steps
     if const_best is None:
@@ -501,12 +517,18 @@ def certify(task, reference_runs, horizon, const_best, const_trials, ref_steps):
     growth = []
     for r in reference_runs:
         gns = [t[3] for t in r["trace"]]
-        end = first_plateau_end(gns)
-        growth.append((end, gns[end], r["gns"], r["gns"] / gns[end]))
+        below = None if task.plateau_below is None or entropy is None else entropy + task.plateau_below
+        end = first_plateau_end(gns, [t[4] for t in r["trace"]], below)
+        growth.append((end + 1, gns[end], r["gns"], r["gns"] / gns[end]))
     ok = all(x[3] >= 10 for x in growth)
     lines.append(
         f"  [{'pass' if ok else 'FAIL'}] the GNS grows >= 10x from the end of the first plateau to the target: "
         + "; ".join(f"{a:.0f} at step {e} -> {b:.0f} ({c:.1f}x)" for e, a, b, c in growth)
+        + (
+            ""
+            if task.plateau_below is None
+            else f" (the first plateau ends where the metric first falls below {task.plateau_below})"
+        )
     )
     passed &= ok
     numbers = dict(const_best=const_best, fractions=fractions, gns_growth=growth, passed=bool(passed))
@@ -545,10 +567,10 @@ def controller(task, rule, B0, start=None, couple=None, **kw):
     )
 
 
-TEMPER = dict(anchor=0.5, ratio=2.0, cap=2.0, start=1.0, couple="")  # 'temper''s settings (anchor, start: x B_ref)
+TEMPER = dict(anchor=0.125, ratio=2.0, cap=4.0, start=0.5, couple="")  # 'temper''s settings (anchor, start: x B_ref)
 
 
-def methods(task, b_ref, ref, const_lr, exponent, temper=None):
+def methods(task, b_ref, ref, const_lr, exponent, temper=None, seesaw_horizon=None):
     """{name: a function making a fresh method}: the reference, the constant LR, the planned schedules, the earlier
     rules and the new controller."""
     lr, horizon, floor = ref["lr"], ref["horizon"], task.floor
@@ -557,7 +579,7 @@ def methods(task, b_ref, ref, const_lr, exponent, temper=None):
     m = {
         f"reference: B={b_ref}, cosine": lambda: Fixed(b_ref, lr, horizon, floor),
         f"B={b_ref}, constant LR": lambda: Fixed(b_ref, const_lr),
-        f"Seesaw (planned) B0={b_ref}": lambda: Seesaw(b_ref, lr, horizon, floor, task.max_batch),
+        f"Seesaw (planned) B0={b_ref}": lambda: Seesaw(b_ref, lr, seesaw_horizon or horizon, floor, task.max_batch),
         f"doubling {b_ref // 4}->{4 * b_ref} (planned)": lambda: Doubling(b_ref, lr, horizon, floor),
         "gns rule (issue 21), ref. cosine": lambda: GnsRule(4, task.max_batch, b_ref, lr, horizon, floor),
         "sqrt x4, ref. cosine": lambda: Controlled(
@@ -818,7 +840,7 @@ def check_pieces():
         ("sqrt", dict(factor=4.0)),
         ("grow", dict(cap=4.0)),
         ("goodput", {}),
-        ("temper", dict(ratio=2.0, cap=1.0)),  # anchor: B0 / 2 = 32
+        ("temper", dict(anchor=32.0, ratio=2.0, cap=1.0)),
     ):
         make = lambda: schedules.BatchSizeController(  # noqa: E731
             rule, micro_batch_size=4, base_batch_size=64, max_accum_steps=1024, beta2=0.99, weight_decay=0.1, **kw
@@ -914,6 +936,7 @@ def main(argv=None):
         "tuning seeds, to choose settings without looking at the scored ones)",
     )
     p.add_argument("--only", default=None, help="comma-separated prefixes of the methods to run (the reference always)")
+    p.add_argument("--certify_only", action="store_true", help="stop after the sweep and the certification")
     p.add_argument("--reuse_sweep", default=None, help="a previous run's sweep.json: score without tuning again")
     p.add_argument("--temper", default="", help="'temper''s settings for this run, e.g. anchor=0.5,ratio=2,cap=2")
     args = p.parse_args(argv)
@@ -948,11 +971,13 @@ def main(argv=None):
         )
 
     # 1. the sweep and the reference (tuning seeds)
+    seesaw_best = seesaw_trials = None
     if args.reuse_sweep:  # a previous run's sweep (its tuning-seed runs), to score again without tuning again
         with open(args.reuse_sweep) as f:
             cached = json.load(f)
         best, trials = {int(B): b for B, b in cached["best"].items()}, cached["trials"]
         const_best, const_trials = cached["const_best"], cached["const_trials"]
+        seesaw_best, seesaw_trials = cached.get("seesaw_best"), cached.get("seesaw_trials")
         print(f"sweep and constant LR: from {args.reuse_sweep}", flush=True)
     else:
         best, trials = sweep(task, data)
@@ -967,29 +992,61 @@ def main(argv=None):
     )
     if not args.reuse_sweep:
         const_best, const_trials = tune_constant(task, data, b_ref, ref["i"], task.tuning_seeds, 2 * ref["steps"])
+    if not args.reuse_sweep or seesaw_trials is None:
+        seesaw_best, seesaw_trials = tune_cosine(  # the best planned Seesaw: its horizon tuned as the reference's was
+            task,
+            data,
+            b_ref,
+            (ref["i"], ref["j"]),
+            task.tuning_seeds,
+            max_steps=math.ceil(2 * ref["steps"]),
+            make=lambda lr, horizon: Seesaw(b_ref, lr, horizon, task.floor, task.max_batch),
+            name=f"Seesaw B0={b_ref}",
+        )
         with open(os.path.join(out_dir, "sweep.json"), "w") as f:
-            strip = lambda b: (
-                b and {**b, "runs": [{k: v for k, v in r.items() if k not in ("curve", "norms")} for r in b["runs"]]}
-            )  # noqa: E731
+            strip = lambda b: b and {**b, "runs": [{k: v for k, v in r.items() if k != "norms"} for r in b["runs"]]}  # noqa: E731
             json.dump(
                 dict(
                     best={B: strip(b) for B, b in best.items()},
                     trials=trials,
                     const_best=strip(const_best),
                     const_trials=const_trials,
+                    seesaw_best=strip(seesaw_best),
+                    seesaw_trials=seesaw_trials,
                 ),
                 f,
                 default=float,
             )
 
     # 2. the certification, before any score
-    passed, lines, cert = certify(task, ref["runs"], ref["horizon"], const_best, const_trials, ref["steps"])
+    entropy = data.teacher.entropy if task.name == "teacher" else None
+    passed, lines, cert = certify(task, ref["runs"], ref["horizon"], const_best, const_trials, ref["steps"], entropy)
     print(f"certification ({task.name}, tuning seeds {task.tuning_seeds}): {'PASSED' if passed else 'NOT PASSED'}")
     print("\n".join(lines), flush=True)
+    if args.certify_only:
+        cpu_total = time.process_time() - cpu_start
+        with open(os.path.join(out_dir, "certification.json"), "w") as f:
+            json.dump(
+                dict(
+                    task=dataclasses.asdict(task),
+                    machine=machine,
+                    fit=fit,
+                    reference=dict(B=b_ref, **slim(ref)),
+                    lines=lines,
+                    cpu_seconds=cpu_total,
+                    **{k: v for k, v in cert.items() if k != "const_best"},
+                ),
+                f,
+                default=float,
+            )
+        print(f"certification only: {cpu_total:.0f} s CPU")
+        return dict(fit=fit, certified=passed, certification=lines, reference=b_ref)
 
     # 3. every method on the scored seeds
     const_lr = const_best["lr"] if const_best else min(const_trials, key=lambda t: t["lr"])["lr"]
-    made = methods(task, b_ref, ref, const_lr, exponent, temper)
+    seesaw_horizon = seesaw_best["horizon"] if seesaw_best else None
+    print(f"Seesaw's horizon (tuning seeds): {seesaw_horizon or ref['horizon']:,.0f} tokens", flush=True)
+    made = methods(task, b_ref, ref, const_lr, exponent, temper, seesaw_horizon)
     ref_name, seesaw_name = next(iter(made)), next(n for n in made if n.startswith("Seesaw"))
     only = [s for s in (args.only or "").split(",") if s]
     results = {}
@@ -1030,6 +1087,7 @@ def main(argv=None):
                 reference=dict(B=b_ref, **slim(ref)),
                 lr_exponent=exponent,
                 constant=dict(best=slim(const_best) if const_best else None, trials=const_trials),
+                seesaw=dict(best=slim(seesaw_best) if seesaw_best else None, trials=seesaw_trials),
                 certification=dict(lines=lines, **{k: v for k, v in cert.items() if k != "const_best"}),
                 cpu_model=cpu_model,
                 mccandlish_bound=bounds,

@@ -160,7 +160,7 @@ def gns_steps(current, gns, batch_size, factor=1.0, min_steps=1, max_steps=1, ma
 # to it (learning rate, Adam's beta2 and its bias correction, weight decay, Adam's second moment at a switch).
 
 CONTROLLER_RULES = ("sqrt", "grow", "goodput", "temper")
-DEFAULT_CAP = {"grow": 4.0, "temper": 2.0}  # 'cap' x GNS: the largest batch 'grow' takes, and 'temper' doubles to
+DEFAULT_CAP = {"grow": 4.0, "temper": 4.0}  # 'cap' x GNS: the largest batch 'grow' takes, and 'temper' doubles to
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,8 @@ class BatchSizeController:
           the GNS passes `anchor` examples and halves each time the GNS grows `ratio`-fold (2: the temperature
           inversely proportional to the GNS, which along a tuned cosine it is, bench/controller.py). Batch: it
           doubles, the LR x sqrt(2) (the same temperature), each time the doubled batch is within cap x GNS, and
-          never shrinks. Run it on a constant LR after warmup: it is the decay. anchor defaults to B0 / 2.
+          never shrinks. Run it on a constant LR after warmup: it is the decay. The defaults (anchor B0 / 8, cap 4)
+          are bench/controller.py's, chosen on its tuning seeds (one task: set them for yours).
       'sqrt': B = factor x sqrt(GNS x anchor): the batch minimising steps + examples / anchor per unit of
           progress under McCandlish et al. 2018 (S/S_min - 1 = B_noise / B); anchor (default B0) is the batch at
           which B = factor x GNS.
@@ -351,7 +352,7 @@ class BatchSizeController:
         self.rule, self.micro, self.base = rule, int(micro_batch_size), int(base_batch_size)
         self.min_steps, self.max_steps = int(min_accum_steps), int(max_accum_steps)
         self.factor, self.cap, self.ratio, self.lr_exponent = factor, cap, ratio, lr_exponent
-        default_anchor = base_batch_size / 2 if rule == "temper" else base_batch_size
+        default_anchor = base_batch_size / 8 if rule == "temper" else base_batch_size
         self.anchor = float(anchor) if anchor is not None else float(default_anchor)
         self.max_rel_error = max_rel_error
         self.hysteresis, self.beta2, self.weight_decay = hysteresis, beta2, weight_decay

@@ -72,23 +72,27 @@ def test_the_first_plateau_ends_at_the_gns_low_after_its_first_peak():
     assert bench.first_plateau_end(rising) == 69  # the low after the peak at 49, not the first step
     assert bench.first_plateau_end(np.linspace(5, 600, 300)) == 0  # no peak: the run's start
     assert bench.first_plateau_end([math.nan, math.nan, 9.0, 50.0, 20.0, 90.0]) == 4
+    losses = [2.0] * 30 + [0.5] * 240  # the loss's EMA (0.9 a step) first under 1.0 at index 40
+    assert bench.first_plateau_end(rising, losses, below=1.0) == 40
 
 
 def run_of(tokens, gns_path):
-    return dict(tokens=tokens, gns=gns_path[-1], trace=[(64, 1e-3, 0.01, g, 1.0) for g in gns_path])
+    losses = [2.0] * 30 + [0.5] * (len(gns_path) - 30)  # with entropy 0.7: the first plateau ends at step 41
+    return dict(tokens=tokens, gns=gns_path[-1], trace=[(64, 1e-3, 0.01, g, x) for g, x in zip(gns_path, losses)])
 
 
 def test_certification_passes_only_when_all_three_checks_do():
     path = np.concatenate([np.linspace(5, 60, 30), np.linspace(60, 20, 10), np.linspace(20, 400, 100)])
     refs = [run_of(850_000, path), run_of(900_000, path)]
-    passed, lines, numbers = bench.certify(bench.TEACHER, refs, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0)
-    assert passed and all(line.startswith("  [pass]") for line in lines) and numbers["gns_growth"][0][3] == 20.0
+    passed, lines, numbers = bench.certify(bench.TEACHER, refs, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 0.7)
+    assert passed and all(line.startswith("  [pass]") for line in lines) and numbers["gns_growth"][0][:2] == (41, 20.0)
+    assert numbers["gns_growth"][0][3] == 20.0
     fast_constant = dict(lr=1e-3, steps=450.0)  # needs only 1.5x the reference's steps
-    assert not bench.certify(bench.TEACHER, refs, 1e6, fast_constant, [], 300.0)[0]
+    assert not bench.certify(bench.TEACHER, refs, 1e6, fast_constant, [], 300.0, 0.7)[0]
     early = [run_of(500_000, path), run_of(900_000, path)]  # one reference crossed at half its decay
-    assert not bench.certify(bench.TEACHER, early, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0)[0]
+    assert not bench.certify(bench.TEACHER, early, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 0.7)[0]
     flat = [run_of(850_000, np.linspace(50, 200, 100))] * 2  # the GNS grows only 4x
-    passed, lines, _ = bench.certify(bench.TEACHER, flat, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0)
+    passed, lines, _ = bench.certify(bench.TEACHER, flat, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 0.7)
     assert not passed and lines[2].startswith("  [FAIL]")
 
 
