@@ -35,6 +35,9 @@ class Teacher:
         self.cdf = self.probs.cumsum(-1)
         self.cdf[:, -1] = 1.0  # no rounding gap above the last class
         self.entropy = float(-(self.probs * self.probs.log()).sum(-1).mean())  # nats per target, contexts uniform
+        # the first plateau: the best a student that ignores x[t-1] can do is P(y | x[t]), this far above the teacher
+        p = self.probs.reshape(vocab, vocab, vocab)  # [x[t-1], x[t], y]
+        self.plateau_excess = float((p * (p.log() - p.mean(0, keepdim=True).log())).sum(-1).mean())  # I(y; a | b)
 
     def contexts(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T) inputs -> (B, T - 1) context ids of positions 1..T-1."""

@@ -62,6 +62,12 @@ def test_the_teacher_streams_targets_from_its_table_and_the_metric_is_the_exact_
         return out
 
     assert metric(Exact(exact)) == pytest.approx(0.0, abs=1e-12)
+    p_ab = teacher.probs.reshape(4, 4, 4)  # the first plateau: the best from x[t] alone is P(y | x[t]), this far above
+    plateau = (
+        sum(float((p_ab[a, b] * (p_ab[a, b] / p_ab[:, b].mean(0)).log()).sum()) for a in range(4) for b in range(4))
+        / 16
+    )
+    assert teacher.plateau_excess == pytest.approx(plateau, rel=1e-9) and 0 < plateau < math.log(4)
     uniform = metric(Exact(lambda x: torch.zeros(*x.shape, 4)))
     p = teacher.probs[teacher.contexts(metric.x)]
     assert uniform == pytest.approx(float((p * (p.log() + math.log(4))).sum(-1).mean()), rel=1e-9) and uniform > 0
@@ -77,22 +83,22 @@ def test_the_first_plateau_ends_at_the_gns_low_after_its_first_peak():
 
 
 def run_of(tokens, gns_path):
-    losses = [2.0] * 30 + [0.5] * (len(gns_path) - 30)  # with entropy 0.7: the first plateau ends at step 41
+    losses = [2.0] * 30 + [0.5] * (len(gns_path) - 30)  # below 1.0 (the EMA's) from step 41: the plateau's end
     return dict(tokens=tokens, gns=gns_path[-1], trace=[(64, 1e-3, 0.01, g, x) for g, x in zip(gns_path, losses)])
 
 
 def test_certification_passes_only_when_all_three_checks_do():
     path = np.concatenate([np.linspace(5, 60, 30), np.linspace(60, 20, 10), np.linspace(20, 400, 100)])
     refs = [run_of(850_000, path), run_of(900_000, path)]
-    passed, lines, numbers = bench.certify(bench.TEACHER, refs, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 0.7)
+    passed, lines, numbers = bench.certify(bench.TEACHER, refs, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 1.0)
     assert passed and all(line.startswith("  [pass]") for line in lines) and numbers["gns_growth"][0][:2] == (41, 20.0)
     assert numbers["gns_growth"][0][3] == 20.0
     fast_constant = dict(lr=1e-3, steps=450.0)  # needs only 1.5x the reference's steps
-    assert not bench.certify(bench.TEACHER, refs, 1e6, fast_constant, [], 300.0, 0.7)[0]
+    assert not bench.certify(bench.TEACHER, refs, 1e6, fast_constant, [], 300.0, 1.0)[0]
     early = [run_of(500_000, path), run_of(900_000, path)]  # one reference crossed at half its decay
-    assert not bench.certify(bench.TEACHER, early, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 0.7)[0]
+    assert not bench.certify(bench.TEACHER, early, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 1.0)[0]
     flat = [run_of(850_000, np.linspace(50, 200, 100))] * 2  # the GNS grows only 4x
-    passed, lines, _ = bench.certify(bench.TEACHER, flat, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 0.7)
+    passed, lines, _ = bench.certify(bench.TEACHER, flat, 1e6, None, [dict(lr=1e-3, metric=0.04)], 300.0, 1.0)
     assert not passed and lines[2].startswith("  [FAIL]")
 
 
