@@ -100,9 +100,9 @@ bs_min_accum_steps = 1
 bs_max_accum_steps = 0 # 0 = gradient_accumulation_steps
 bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples; 'sqrt': B = factor x sqrt(GNS x bs_anchor)
 # controllers (schedules.BatchSizeController: 'sqrt', 'grow', 'goodput', 'temper'), from the configured batch and learning rate:
-bs_cap = 0.0 # the batch within bs_cap x GNS ('grow' grows up to it in place of LR decay, 'temper' doubles within it); 0: 4 / 2
-bs_anchor = 0.0 # 'sqrt': the batch where B = factor x GNS; 'temper': the GNS where its temperature starts to fall; 0: B0 / B0/2
-bs_ratio = 2.0 # 'temper' (the decay: run it without --decay_lr's): the temperature halves each time the GNS grows bs_ratio-fold
+bs_cap = 0.0 # the batch within bs_cap x GNS ('grow' grows up to it in place of LR decay, 'temper' doubles within it); 0: 4
+bs_anchor = 0.0 # 'sqrt': the batch where B = factor x GNS; 'temper': the GNS where its temperature starts to fall; 0: B0, B0/8
+bs_ratio = 2.0 # 'temper' (it replaces the LR decay; the warmup stays): the temperature halves each time the GNS grows bs_ratio-fold
 bs_lr_exponent = 0.5 # 'sqrt', 'goodput': LR x (B / B0)^bs_lr_exponent (B0: the configured batch)
 bs_gns_horizon = 0 # their GNS's horizon in examples; 0 = 20 x the configured batch
 data_seed = -1 # >= 0: training batches drawn from (data_seed, iter_num, global micro-batch index), the same for any number of ranks

@@ -270,7 +270,7 @@ class Controlled(Fixed):
         self.controller.apply(optimizer, dataclasses.replace(self.decision, lr=optimizer.param_groups[0]["lr"]))
 
     def observe(self, sq, pe, B, seconds, loss):
-        self.controller.observe(sq, pe, B, step_seconds=seconds, loss=loss)
+        self.controller.observe(sq, pe, B, step_seconds=seconds)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -375,16 +375,8 @@ class BatchSizeController:
         """Whether the GNS is measured well enough to act on (its |G|^2 average's relative error <= max_rel_error)."""
         return self.estimator.relative_error <= self.max_rel_error and self.gns > 0
 
-    def observe(
-        self,
-        sq_norm: float,
-        pe_sqnorm: float,
-        batch_size: int,
-        step_seconds: Optional[float] = None,
-        loss: Optional[float] = None,
-    ) -> float:
-        """Add one step's measurement (the summed squared norms, B) and, for 'goodput', its duration; the GNS.
-        (`loss` is accepted for loops that pass it; no rule uses it.)"""
+    def observe(self, sq_norm: float, pe_sqnorm: float, batch_size: int, step_seconds: Optional[float] = None) -> float:
+        """Add one step's measurement (the summed squared norms, B) and, for 'goodput', its duration; the GNS."""
         gns = self.estimator.update(sq_norm, pe_sqnorm, batch_size)
         if step_seconds is not None:
             self.observe_time(batch_size, step_seconds)
