@@ -98,9 +98,12 @@ bs_schedule = 'none' # 'none', 'linear' (out_dir/grad_accum_schedule.txt, re-rea
 # from bs_min_accum_steps at 0 tokens to bs_max_accum_steps at max_tokens) or 'gns' (follows the running GNS); both end at max_tokens
 bs_min_accum_steps = 1
 bs_max_accum_steps = 0 # 0 = gradient_accumulation_steps
-bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples; 'sqrt': B = factor x sqrt(GNS x its max so far)
-# controllers (schedules.BatchSizeController: 'sqrt', 'grow', 'goodput'), from the configured batch and learning rate:
-bs_cap = 4.0 # 'grow': the batch grows in place of LR decay up to bs_cap x GNS
+bs_gns_factor = 1.0 # 'gns': aim at a global batch of bs_gns_factor x GNS examples; 'sqrt': B = factor x sqrt(GNS x bs_anchor)
+# controllers (schedules.BatchSizeController: 'sqrt', 'grow', 'goodput', 'temper'), from the configured batch and learning rate:
+bs_cap = 0.0 # the batch within bs_cap x GNS ('grow' grows up to it in place of LR decay, 'temper' doubles within it); 0: 4
+bs_anchor = 0.0 # 'sqrt': the batch where B = factor x GNS; 'temper': the GNS where its temperature starts to fall; 0: B0, B0/8
+bs_ratio = 2.0 # 'temper' (it replaces the LR decay; the warmup stays): the temperature halves each time the GNS grows bs_ratio-fold
+bs_lr_exponent = 0.5 # 'sqrt', 'goodput': LR x (B / B0)^bs_lr_exponent (B0: the configured batch)
 bs_gns_horizon = 0 # their GNS's horizon in examples; 0 = 20 x the configured batch
 data_seed = -1 # >= 0: training batches drawn from (data_seed, iter_num, global micro-batch index), the same for any number of ranks
 # -----------------------------------------------------------------------------
@@ -145,7 +148,7 @@ if spectral_c_attn and linearclass != 'nn':
 # gns: check the batch-size schedule
 bs_max_accum_steps = bs_max_accum_steps or gradient_accumulation_steps
 if bs_schedule not in ('none', 'linear', 'gns', *schedules.CONTROLLER_RULES):
-    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear', 'gns', 'sqrt', 'grow' or 'goodput'")
+    fail(f"unknown bs_schedule {bs_schedule!r}; choose 'none', 'linear', 'gns', 'sqrt', 'grow', 'goodput' or 'temper'")
 if bs_schedule not in ('none', 'linear') and not tracked:
     fail(f"bs_schedule={bs_schedule!r} follows the measured GNS: set a layer class other than 'nn' "
          "(e.g. --linearclass=gns)")
@@ -417,8 +420,10 @@ monitor = gnstracking.GNSMonitor(model, log=tracker, scaler=scaler, ema_decay=gn
 # gns: a batch-size controller (micro-batches of batch_size x ranks examples, counted per rank)
 controller = schedules.BatchSizeController(
     bs_schedule, batch_size * ddp_world_size, bs_base_batch, *(schedules.per_rank_steps(n, ddp_world_size) for n in (bs_min_accum_steps, bs_max_accum_steps)),
-    factor=bs_gns_factor, cap=bs_cap, horizon_examples=bs_gns_horizon or None, beta2=beta2, weight_decay=weight_decay,
-) if bs_schedule in schedules.CONTROLLER_RULES else None
+    factor=bs_gns_factor, cap=bs_cap or None, anchor=bs_anchor or None, ratio=bs_ratio, lr_exponent=bs_lr_exponent,
+    horizon_examples=bs_gns_horizon or None, **({} if bs_schedule == 'temper' else dict(beta2=beta2, weight_decay=weight_decay)),
+    start_accum_steps=schedules.per_rank_steps(bs_base_batch // batch_size, ddp_world_size) if bs_schedule == 'temper' else None,
+) if bs_schedule in schedules.CONTROLLER_RULES else None # ('temper' starts at the configured batch, couples no beta2 or decay, as Seesaw)
 decision = None
 
 # compile the model
@@ -546,6 +551,8 @@ while not eval_only and iter_num < max_iters and tokens_processed < max_tokens:
 
     # determine and set the learning rate for this iteration
     lr = get_lr(tokens_processed, tokens_per_iter) if decay_lr else learning_rate
+    if bs_schedule == 'temper' and tokens_processed >= warmup_tokens: # gns: 'temper' is the decay: after warmup, the peak
+        lr = learning_rate
     if controller is not None: # gns: the controller's LR, beta2, weight decay, and Adam's state at a switch
         decision = dataclasses.replace(decision, lr=lr * decision.lr)
         controller.apply(optimizer, decision)

@@ -1,5 +1,5 @@
 """
-Batch-size schedules for train.py (`--bs_schedule=none|linear|gns|sqrt|grow|goodput`).
+Batch-size schedules for train.py (`--bs_schedule=none|linear|gns|sqrt|grow|goodput|temper`).
 
 A schedule decides, before each optimizer step, the step's gradient accumulation
 steps counted over the whole job (nanoGPT's `gradient_accumulation_steps`, an
@@ -15,9 +15,11 @@ B = batch_size x per_rank_steps x world_size examples.
   one warning per distinct bad content.
 - 'gns': adaptive, steps -> bs_gns_factor x GNS / batch_size (that is B ~ factor x GNS),
   clamped to [min, max] and moved by at most `max_delta` per step.
-- 'sqrt', 'grow', 'goodput': BatchSizeController, a controller any loop asks each step for its
+- 'sqrt', 'grow', 'goodput', 'temper': BatchSizeController, a controller any loop asks each step for its
   accumulation steps, learning rate, Adam's beta2 and weight decay, from its own GNS estimate
   (RatioGNS); measured against fixed batches and published schedules in bench/controller.py.
+  'temper' lowers the noise temperature (the LR over the square root of the batch, for Adam) as a decay
+  schedule does, timed by the GNS, knowing neither the target nor the budget.
 """
 
 import math
@@ -156,9 +158,10 @@ def gns_steps(current, gns, batch_size, factor=1.0, min_steps=1, max_steps=1, ma
 
 # ---------------------------------------------------------------------------------------------------------------
 # The batch-size controller: each step, from the measured GNS, the batch (whole micro-batches) and what is coupled
-# to it (learning rate, Adam's beta2, weight decay, Adam's second moment at a switch).
+# to it (learning rate, Adam's beta2 and its bias correction, weight decay, Adam's second moment at a switch).
 
-CONTROLLER_RULES = ("sqrt", "grow", "goodput")
+CONTROLLER_RULES = ("sqrt", "grow", "goodput", "temper")
+DEFAULT_CAP = {"grow": 4.0, "temper": 4.0}  # 'cap' x GNS: the largest batch 'grow' takes, and 'temper' doubles to
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,8 @@ class Decision:
     lr, beta2, weight_decay: the coupled values (beta2 / weight_decay None where the controller was given none).
     second_moment_scale: multiply Adam's exp_avg_sq by this before the step (1.0 unless the batch switched).
     gns: the controller's bias-corrected GNS estimate the decision used (NaN before the first measurement).
+    temperature: the noise temperature, lr / sqrt(B) over the loop's lr / sqrt(base batch) (below 1 once 'temper'
+        has lowered it; for the other rules, what their LR coupling makes of it).
     """
 
     accum_steps: int
@@ -179,6 +184,7 @@ class Decision:
     second_moment_scale: float
     switched: bool
     gns: float
+    temperature: float = 1.0
 
 
 class RatioGNS:
@@ -191,6 +197,9 @@ class RatioGNS:
     grows as (tr(Sigma)/B)^2): by the delta method E[A/G] ~ (A/G)(1 + Var(G)/G^2 - Cov(A, G)/(A G)), so the
     estimate is divided by that factor, with Var and Cov of the averages from EMAs of the products and the
     weights' sum of squares (exact for independent steps); the factor is clamped to [1/2, 2].
+    `relative_error` is the standard error of the |G|^2 average over the average: where the batch is far below
+    the GNS, one step's |G|^2 is mostly noise (often negative), and a controller decides nothing until enough
+    steps have averaged it out.
     """
 
     def __init__(self, horizon_examples: float):
@@ -232,6 +241,23 @@ class RatioGNS:
         factor = 1 + var_g / (g * g) - (cov_ag / (a * g) if a > 0 else 0.0)
         return raw / min(max(factor, 0.5), 2.0)
 
+    @property
+    def effective_steps(self) -> float:
+        """How many equally weighted steps the averages are worth: (sum of weights)^2 / sum of squared weights."""
+        s = self.sums
+        return s["w"] ** 2 / s["w2"] if s["w2"] > 0 else 0.0
+
+    @property
+    def relative_error(self) -> float:
+        """The standard error of the |G|^2 average over the average (inf before two steps or while it is <= 0):
+        the per-step spread from the EMAs (made unbiased: x n / (n - 1) for n effective steps), over sqrt(n)."""
+        s, n = self.sums, self.effective_steps
+        if n < 2 or s["g"] <= 0:
+            return math.inf
+        g = s["g"] / s["w"]
+        var_step = max(s["gg"] / s["w"] - g * g, 0.0) * n / (n - 1)
+        return math.sqrt(var_step / n) / g
+
     def state_dict(self) -> Dict[str, Any]:
         return {"horizon_examples": self.horizon_examples, **self.sums}
 
@@ -243,8 +269,7 @@ class RatioGNS:
 class BatchSizeController:
     """Each step's batch (whole micro-batches) from the measured GNS, and what is coupled to it.
 
-        controller = BatchSizeController("grow", micro_batch_size=4, base_batch_size=64, max_accum_steps=128,
-                                         beta2=0.99, weight_decay=0.1)
+        controller = BatchSizeController("temper", micro_batch_size=16, base_batch_size=128, max_accum_steps=256)
         for step ...:
             d = controller.decide(lr=base_lr_now, decay=base_lr_now / peak_lr)  # the loop's own LR schedule
             controller.apply(optimizer, d)          # lr, betas, weight decay; Adam's state at a switch
@@ -252,27 +277,40 @@ class BatchSizeController:
             monitor.step(batch_size=d.batch_size)
             controller.observe(*summed_squares(monitor.measurements), step_seconds=dt)
 
-    Rules (`rule`):
+    Rules (`rule`); B0 is base_batch_size, the batch the loop's LR is for:
+      'temper': lowers the noise temperature lr / sqrt(B) (for Adam, what sets the loss's noise floor) as a decay
+          schedule does, knowing neither a target nor a budget, and grows the batch where the GNS says it is cheap.
+          Temperature: min(1, anchor / G)^(log 2 / log ratio) x the base's, G the largest GNS measured so far (its
+          lower bound: the estimate / (1 + its relative error), counted only once resolved): it starts to fall when
+          the GNS passes `anchor` examples and halves each time the GNS grows `ratio`-fold (2: the temperature
+          inversely proportional to the GNS, which along a tuned cosine it is, bench/controller.py). Batch: it
+          doubles, the LR x sqrt(2) (the same temperature), each time the doubled batch is within cap x GNS, and
+          never shrinks. Run it on a constant LR after warmup: it is the decay. The defaults (anchor B0 / 8, cap 4)
+          are bench/controller.py's, chosen on its tuning seeds (one task: set them for yours).
       'sqrt': B = factor x sqrt(GNS x anchor): the batch minimising steps + examples / anchor per unit of
-          progress under McCandlish et al. 2018 (S/S_min - 1 = B_noise / B); anchor (default: the largest GNS
-          measured so far) is the batch at which B = factor x GNS.
+          progress under McCandlish et al. 2018 (S/S_min - 1 = B_noise / B); anchor (default B0) is the batch at
+          which B = factor x GNS.
       'grow': batch growth in place of learning-rate decay (Smith et al. 2018, Seesaw): where the loop's
-          schedule multiplies the LR by `decay` = a, the batch is base_batch_size / a and the LR lr x sqrt(B /
-          base_batch_size) (so LR x sqrt(a) at B / a), capped at cap x GNS: beyond it growth stops paying
-          (S/S_min - 1 = B_noise / B) and the rest of the decay stays in the LR. Early on, while the GNS is
-          small, the cap makes it a warmup of the batch (Merrill et al. 2025).
+          schedule multiplies the LR by `decay` = a, the batch is B0 / a and the LR lr x sqrt(B / B0) (so LR x
+          sqrt(a) at B / a), capped at cap x GNS: beyond it growth stops paying (S/S_min - 1 = B_noise / B) and the
+          rest of the decay stays in the LR. Early on, while the GNS is small, the cap makes it a warmup of the
+          batch (Merrill et al. 2025).
       'goodput': Pollux's goodput, throughput(B) x efficiency(B) = B / t(B) x (GNS + B0) / (GNS + B), with
           t(B) = t0 + t1 B fitted to the step times given to `observe` (the last `time_window` steps; until two
           batch sizes have been timed, or while the fit finds no cost per example (noisy times), the batch grows
           one hysteresis band to measure another, rather than jump to the largest).
-    Couplings (every rule): the LR scales as sqrt(B / base_batch_size) for Adam below the GNS and is held once the
-    batch passes it (lr_hold x GNS; Surge: Adam's best LR peaks near B_noise), except 'grow', whose LR follows
-    Seesaw (sqrt(B / B0), never above the schedule's peak: a sqrt(B/B0) <= sqrt(a) <= 1); beta2 keeps its half-life in tokens (beta2^(B/B0), Marek et
-    al.); weight decay keeps AdamW's timescale B / (lr wd) (Power Lines); at a switch Adam's second moment is
-    rescaled by E|g_B'|^2 / E|g_B|^2 = (1 + GNS/B') / (1 + GNS/B). The GNS is RatioGNS (a horizon in examples,
-    bias-corrected). Switches are by whole micro-batches and only when the target leaves the band [n / (1 +
-    hysteresis), n (1 + hysteresis)] around the current n micro-batches. `state_dict` holds all that a resume
-    needs (the rule's settings are the caller's, given again).
+    Couplings: the LR is lr x (B / B0)^lr_exponent for 'sqrt' and 'goodput' (0.5, the square root for Adam, unless
+    a sweep of tuned LRs says otherwise; bench/controller.py passes its sweep's), lr x sqrt(B / B0) for 'grow' and
+    'temper' (the same noise temperature; 'temper' then lowers it). Given beta2, it becomes beta2^(B/B0) (the same
+    half-life in tokens, Marek et al.), and `apply` keeps Adam's bias correction right as it changes; given
+    weight_decay, it keeps AdamW's timescale B / (lr wd) (Power Lines; a lowered temperature counts as decay, not as
+    coupling); with rescale_second_moment (default: on, off for 'temper', as Seesaw), Adam's second moment is
+    rescaled at a switch by E|g_B'|^2 / E|g_B|^2 = (1 + GNS/B') / (1 + GNS/B). The GNS is RatioGNS (a horizon in
+    examples, bias-corrected); nothing is decided while its |G|^2 average's relative standard error is above
+    max_rel_error (a GNS measured far above the batch is mostly noise). 'sqrt', 'grow' and 'goodput' switch by
+    whole micro-batches and only when the target leaves the band [n / (1 + hysteresis), n (1 + hysteresis)] around
+    the current n micro-batches. `state_dict` holds all that a resume needs (the rule's settings are the caller's,
+    given again).
     """
 
     def __init__(
@@ -284,12 +322,15 @@ class BatchSizeController:
         max_accum_steps: int = 1,
         factor: float = 1.0,
         anchor: Optional[float] = None,
-        cap: float = 4.0,
-        lr_hold: Optional[float] = 1.0,
+        cap: Optional[float] = None,
+        ratio: float = 2.0,
+        lr_exponent: float = 0.5,
+        max_rel_error: float = 0.3,
         horizon_examples: Optional[float] = None,
         hysteresis: float = 0.1,
         beta2: Optional[float] = None,
         weight_decay: Optional[float] = None,
+        rescale_second_moment: Optional[bool] = None,
         time_window: int = 50,
         start_accum_steps: Optional[int] = None,
     ):
@@ -303,16 +344,27 @@ class BatchSizeController:
             raise SettingNotValid(
                 f"micro_batch_size ({micro_batch_size}) and base_batch_size ({base_batch_size}) must be >= 1"
             )
-        if hysteresis < 0 or factor <= 0 or cap <= 0:
-            raise SettingNotValid(f"need hysteresis >= 0, factor > 0 and cap > 0 (got {hysteresis}, {factor}, {cap})")
+        cap = DEFAULT_CAP.get(rule, 4.0) if cap is None else cap
+        if hysteresis < 0 or factor <= 0 or cap <= 0 or not ratio > 1 or not max_rel_error > 0:
+            raise SettingNotValid(
+                f"need hysteresis >= 0, factor > 0, cap > 0, ratio > 1 and max_rel_error > 0 (got {hysteresis}, "
+                f"{factor}, {cap}, {ratio}, {max_rel_error})"
+            )
+        if anchor is not None and not anchor > 0:
+            raise SettingNotValid(f"anchor must be > 0 examples, got {anchor!r}")
         self.rule, self.micro, self.base = rule, int(micro_batch_size), int(base_batch_size)
         self.min_steps, self.max_steps = int(min_accum_steps), int(max_accum_steps)
-        self.factor, self.anchor, self.cap, self.lr_hold = factor, anchor, cap, lr_hold
+        self.factor, self.cap, self.ratio, self.lr_exponent = factor, cap, ratio, lr_exponent
+        default_anchor = base_batch_size / 8 if rule == "temper" else base_batch_size
+        self.anchor = float(anchor) if anchor is not None else float(default_anchor)
+        self.max_rel_error = max_rel_error
         self.hysteresis, self.beta2, self.weight_decay = hysteresis, beta2, weight_decay
+        self.rescale = rule != "temper" if rescale_second_moment is None else bool(rescale_second_moment)
         self.time_window = time_window
         self.estimator = RatioGNS(horizon_examples or 20 * base_batch_size)
         self.accum = self._clamp(start_accum_steps if start_accum_steps is not None else min_accum_steps)
-        self.max_gns = math.nan
+        self.clock = 0.0  # 'temper': the largest resolved GNS lower bound so far
+        self.temp = 1.0  # 'temper': the temperature over the base's
         self.times: List[Tuple[int, float]] = []  # (B, seconds) of the last time_window steps
         self.steps = self.switches = 0
 
@@ -321,11 +373,14 @@ class BatchSizeController:
     def gns(self) -> float:
         return self.estimator.gns
 
+    @property
+    def resolved(self) -> bool:
+        """Whether the GNS is measured well enough to act on (its |G|^2 average's relative error <= max_rel_error)."""
+        return self.estimator.relative_error <= self.max_rel_error and self.gns > 0
+
     def observe(self, sq_norm: float, pe_sqnorm: float, batch_size: int, step_seconds: Optional[float] = None) -> float:
         """Add one step's measurement (the summed squared norms, B) and, for 'goodput', its duration; the GNS."""
         gns = self.estimator.update(sq_norm, pe_sqnorm, batch_size)
-        if math.isfinite(gns) and gns > 0:
-            self.max_gns = gns if math.isnan(self.max_gns) else max(self.max_gns, gns)
         if step_seconds is not None:
             self.observe_time(batch_size, step_seconds)
         self.steps += 1
@@ -354,16 +409,15 @@ class BatchSizeController:
         return min(max(int(n), self.min_steps), self.max_steps)
 
     def target_batch(self, decay: float = 1.0) -> float:
-        """The rule's wanted batch in examples (before whole micro-batches, bounds and hysteresis); NaN = keep."""
+        """The rule's wanted batch in examples (before whole micro-batches, bounds and hysteresis); NaN = keep.
+        ('temper' moves by doublings in `decide`, not to a target: NaN.)"""
         gns = self.gns
-        if self.rule == "grow":
-            wanted = self.base / max(decay, 1e-12)
-            return min(wanted, self.cap * gns) if math.isfinite(gns) else math.nan
-        if not (math.isfinite(gns) and gns > 0):
+        if self.rule == "temper" or not self.resolved:
             return math.nan
+        if self.rule == "grow":
+            return min(self.base / max(decay, 1e-12), self.cap * gns)
         if self.rule == "sqrt":
-            anchor = self.anchor if self.anchor is not None else self.max_gns
-            return self.factor * math.sqrt(gns * anchor)
+            return self.factor * math.sqrt(gns * self.anchor)
         model = self.step_time_model()  # goodput
         if model is None or model[1] <= 0:  # one batch size timed, or no sign yet that a bigger one costs more:
             return (math.ceil(self.accum * (1 + self.hysteresis)) + 1) * self.micro  # explore one band up, not max
@@ -374,24 +428,39 @@ class BatchSizeController:
         return float(b[int(np.argmax(goodput))])
 
     def lr_multiplier(self, batch_size: int) -> float:
-        """The LR coupling for Adam: sqrt(min(B, H) / min(B0, H)) with H = lr_hold x GNS: the square root of the
-        batch ratio while both batches are below the GNS, held once the batch passes it (Surge: Adam's best LR
-        rises with B up to about B_noise). Pure sqrt(B / B0) when lr_hold is None or the GNS is unknown, and for
-        'grow', whose growth (B <= B0 / decay) keeps it <= 1 / sqrt(decay)."""
-        if self.rule == "grow" or self.lr_hold is None or not (self.gns > 0):
+        """The LR's multiplier at batch B for the batch alone: (B / B0)^lr_exponent ('sqrt', 'goodput'), sqrt(B / B0)
+        ('grow', 'temper': the base's noise temperature; 'temper' lowers it by temperature() on top)."""
+        if self.rule in ("grow", "temper"):
             return math.sqrt(batch_size / self.base)
-        hold = self.lr_hold * self.gns
-        return math.sqrt(min(batch_size, hold) / min(self.base, hold))
+        return (batch_size / self.base) ** self.lr_exponent
+
+    def temperature(self) -> float:
+        """'temper''s noise temperature over the base's (1 until the GNS passes the anchor); 1 for the other rules."""
+        return self.temp
+
+    def _temper(self):
+        """The temperature from the largest resolved GNS (lower bound) so far; the batch doubled while 2B <= cap x
+        GNS (and max_accum_steps allows)."""
+        if not self.resolved:
+            return
+        gns = self.gns
+        self.clock = max(self.clock, gns / (1 + self.estimator.relative_error))
+        self.temp = min(1.0, (self.anchor / self.clock) ** (math.log(2) / math.log(self.ratio)))
+        while 2 * self.accum <= self.max_steps and 2 * self.accum * self.micro <= self.cap * gns:
+            self.accum *= 2
 
     def decide(self, lr: float, decay: float = 1.0) -> Decision:
         """This step's Decision. lr: the loop's learning rate now (its schedule's, for base_batch_size);
         decay: the schedule's decay factor now (1 at the peak; 'grow' turns it into batch growth)."""
-        target = self.target_batch(decay)
         old = self.accum
-        if math.isfinite(target):
-            wanted = self._clamp(round(target / self.micro))
-            if wanted >= old * (1 + self.hysteresis) or wanted <= old / (1 + self.hysteresis):
-                self.accum = wanted
+        if self.rule == "temper":
+            self._temper()
+        else:
+            target = self.target_batch(decay)
+            if math.isfinite(target):
+                wanted = self._clamp(round(target / self.micro))
+                if wanted >= old * (1 + self.hysteresis) or wanted <= old / (1 + self.hysteresis):
+                    self.accum = wanted
         if self.rule == "grow":  # never past B0 / decay, hysteresis or not: the LR stays <= the schedule's peak
             self.accum = min(self.accum, max(self.min_steps, math.floor(self.base / max(decay, 1e-12) / self.micro)))
         switched = self.accum != old
@@ -399,22 +468,35 @@ class BatchSizeController:
         batch = self.accum * self.micro
         gns = self.gns
         scale = 1.0
-        if switched and math.isfinite(gns) and gns > 0:
+        if switched and self.rescale and math.isfinite(gns) and gns > 0:
             scale = (1 + gns / batch) / (1 + gns / (old * self.micro))
         mult = self.lr_multiplier(batch)
         wd = None
         if self.weight_decay is not None:  # B / (lr wd) constant, at the schedule's peak (decay = 1)
             wd = self.weight_decay * (batch / self.base) / mult
         beta2 = self.beta2 ** (batch / self.base) if self.beta2 is not None else None
-        return Decision(self.accum, batch, lr * mult, beta2, wd, scale, switched, gns)
+        temperature = self.temp * mult / math.sqrt(batch / self.base)
+        return Decision(self.accum, batch, lr * mult * self.temp, beta2, wd, scale, switched, gns, temperature)
 
     @staticmethod
     def apply(optimizer, decision: Decision, decay_groups: Optional[List[int]] = None) -> None:
         """Set the decision's lr, beta2 and weight decay (on `decay_groups`, default the groups whose weight decay
-        is not 0) in every param group of a torch Adam/AdamW, and rescale its exp_avg_sq at a switch."""
+        is not 0) in every param group of a torch Adam/AdamW, and rescale its exp_avg_sq at a switch.
+
+        Where beta2 changes, torch's bias correction would divide the second moment by 1 - beta2_new^t although it
+        was averaged with the old beta2 (weight 1 - beta2_old^t): after a switch to a larger batch early in a run,
+        that reads the second moment several times too small and steps too far. exp_avg_sq is multiplied by
+        (1 - beta2_new^t) / (1 - beta2_old^t), so the corrected second moment is the same average before and after
+        (t: the parameter's optimizer steps so far)."""
         for i, group in enumerate(optimizer.param_groups):
             group["lr"] = decision.lr
-            if decision.beta2 is not None and "betas" in group:
+            if decision.beta2 is not None and "betas" in group and group["betas"][1] != decision.beta2:
+                old_beta2 = group["betas"][1]
+                for p in group["params"]:
+                    state = optimizer.state.get(p, {})
+                    t = float(state["step"]) if "step" in state else 0.0
+                    if t > 0 and "exp_avg_sq" in state:
+                        state["exp_avg_sq"].mul_((1 - decision.beta2**t) / (1 - old_beta2**t))
                 group["betas"] = (group["betas"][0], decision.beta2)
             decays = group.get("weight_decay", 0) != 0 if decay_groups is None else i in decay_groups
             if decision.weight_decay is not None and decays:
@@ -428,7 +510,8 @@ class BatchSizeController:
         return {
             "rule": self.rule,
             "accum": self.accum,
-            "max_gns": self.max_gns,
+            "clock": self.clock,
+            "temp": self.temp,
             "times": [list(t) for t in self.times],
             "steps": self.steps,
             "switches": self.switches,
@@ -441,7 +524,7 @@ class BatchSizeController:
                 f"the checkpoint's batch-size controller ran rule {state['rule']!r}, this one {self.rule!r}"
             )
         self.accum = int(state["accum"])
-        self.max_gns = float(state["max_gns"])
+        self.clock, self.temp = float(state.get("clock", 0.0)), float(state.get("temp", 1.0))
         self.times = [(int(b), float(t)) for b, t in state["times"]]
         self.steps, self.switches = int(state["steps"]), int(state["switches"])
         self.estimator.load_state_dict(state["estimator"])

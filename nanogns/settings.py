@@ -48,7 +48,7 @@ from nanogns.runlog.writer import CONFIG_JSON
 
 DTYPES = ("float32", "bfloat16", "float16")
 INIT_FROM = ("scratch", "resume", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-BS_SCHEDULES = ("none", "linear", "gns", "sqrt", "grow", "goodput")  # the last three: schedules.CONTROLLER_RULES
+BS_SCHEDULES = ("none", "linear", "gns", "sqrt", "grow", "goodput", "temper")  # the last four: CONTROLLER_RULES
 
 
 def _integer(low, high=None):
@@ -92,7 +92,10 @@ RANGES = {
     "beta2": (*_number(0, 1), "AdamW's decays; 0 means no averaging"),
     "gns_ema_decay": (*_number(0, 1, low_open=True), "a decay: 1 would freeze the running GNS"),
     "bs_gns_factor": (*_number(0, None, low_open=True), ""),
-    "bs_cap": (*_number(0, None, low_open=True), "the 'grow' controller's cap, a multiple of the GNS"),
+    "bs_cap": (*_number(0, None), "a multiple of the GNS; 0 means the rule's default"),
+    "bs_anchor": (*_number(0, None), "examples; 0 means the rule's default"),
+    "bs_ratio": (*_number(1, None, low_open=True), "'temper': the GNS's growth per halving"),
+    "bs_lr_exponent": (*_number(-1, 1), "the LR's power of the batch ratio (0.5: Adam's square root)"),
     "bs_gns_horizon": (*_integer(0), "examples; 0 means 20 x the configured batch"),
 }
 CHOICES = {"dtype": DTYPES, "init_from": INIT_FROM, "bs_schedule": BS_SCHEDULES}

@@ -77,7 +77,7 @@ CASES = [
     ({"lr_decay_tokens": 10, "warmup_tokens": 10}, "--lr_decay_tokens=10 must be above --warmup_tokens=10"),
     (
         {"bs_schedule": "cosine"},
-        "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns', 'sqrt', 'grow', 'goodput']",
+        "unknown bs_schedule 'cosine'; choose from ['none', 'linear', 'gns', 'sqrt', 'grow', 'goodput', 'temper']",
     ),
     ({"bs_gns_factor": 0.0}, "--bs_gns_factor=0.0 is out of range: it must be a number in (0, inf)"),
     ({"bs_min_accum_steps": 0}, "--bs_min_accum_steps=0 is out of range: it must be an integer >= 1"),
