@@ -62,14 +62,15 @@ ABSOLUTE_TOLERANCE = 1e-9
 
 @dataclasses.dataclass
 class ParameterCheck:
-    """One parameter's verdict: its true `pegn` = sqrt(mean_i ||g_i||^2) and `norm` = ||mean_i g_i|| (the oracle's),
-    what the monitor measured (None where it measured nothing), and why where it is not exact."""
+    """One parameter's verdict: its true `rms_pe_norm` = sqrt(mean_i ||g_i||^2) (the log's `pegn`) and `norm` =
+    ||mean_i g_i|| (the oracle's), what the monitor measured (None where it measured nothing), and why where it is
+    not exact."""
 
     name: str
     verdict: str  # "exact", "differs", "refused", "not measured"
-    true_pegn: float
+    true_rms_pe_norm: float
     true_norm: float
-    pegn: Optional[float] = None
+    rms_pe_norm: Optional[float] = None
     norm: Optional[float] = None
     why: str = ""
 
@@ -109,7 +110,7 @@ class Verification:
         ]
         for c in self.parameters:
             lines.append(
-                f"{c.name:<{width}}  {c.verdict:<12}  {number(c.true_pegn):>12}  {number(c.pegn):>15}  "
+                f"{c.name:<{width}}  {c.verdict:<12}  {number(c.true_rms_pe_norm):>12}  {number(c.rms_pe_norm):>15}  "
                 f"{number(c.true_norm):>12}  {number(c.norm):>15}" + (f"  {c.why}" if c.why else "")
             )
         lines += [f"likely cause: {cause}" for cause in self.causes]
@@ -400,7 +401,7 @@ def _parameter_checks(model, monitor, values, truth, B, dtype):
             check.why = f"its layer counted {count:.0f} examples in a step of {B}"
         else:
             pe_sq = sums * B
-            check.pegn, check.norm = math.sqrt(max(pe_sq, 0.0)), math.sqrt(grad_sq)
+            check.rms_pe_norm, check.norm = math.sqrt(max(pe_sq, 0.0)), math.sqrt(grad_sq)
             close = all(
                 abs(got - want) <= relative * want + absolute
                 for got, want in ((pe_sq, true_pe_sq), (grad_sq, true_norm_sq))

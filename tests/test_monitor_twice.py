@@ -131,7 +131,11 @@ def test_a_sam_step_read_after_both_passes_is_refused_as_two_forwards():
     perturb(model)
     model.zero_grad()
     sam_losses(model, ids).mean().backward()
-    with pytest.raises(ValueError, match="counted 10 examples but step\\(batch_size=5\\).*forward ran more than once"):
+    with pytest.raises(
+        ValueError,
+        match=r"counted 10 examples but step\(batch_size=5\).*Observed this step: 2 forwards.*a SAM step's second pass\), "
+        r"measure one pass: nanogns.zero_pe_sqnorm_buffers\(model\) between the passes",
+    ):
         monitor.step(batch_size=5)
 
 

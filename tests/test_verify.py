@@ -48,7 +48,9 @@ def test_an_exact_model_is_exact(converted):
     result = nanogns.verify(model, torch.randint(0, 20, (6, 6)), lm_losses, file=out)  # B == T on purpose
     assert result.verdict == "exact" and result.exact, out.getvalue()
     assert [c.name for c in result.parameters] == ["emb.weight", "norm.weight", "norm.bias", "head.weight", "head.bias"]
-    assert all(c.verdict == "exact" and c.pegn == pytest.approx(c.true_pegn, rel=1e-4) for c in result.parameters)
+    assert all(
+        c.verdict == "exact" and c.rms_pe_norm == pytest.approx(c.true_rms_pe_norm, rel=1e-4) for c in result.parameters
+    )
     assert result.dtype == torch.float64 and result.examples == 6
     assert out.getvalue().startswith("nanogns.verify: exact (6 examples, float64")
     assert not converted or not any(name.endswith("_pe_sqnorm") for name, _ in TinyLM().named_buffers())
@@ -78,7 +80,7 @@ def test_a_loss_coupling_the_examples_differs_and_is_named():
     assert result.verdict == "differs"
     checks = result.by_name()
     # the softmax is invariant to the document bias: every example's own gradient of it is 0, yet its rows' part is not
-    assert checks["document.bias"].true_pegn < 1e-12 < 0.1 < checks["document.bias"].pegn
+    assert checks["document.bias"].true_rms_pe_norm < 1e-12 < 0.1 < checks["document.bias"].rms_pe_norm
     assert checks["document.bias"].verdict == checks["document.weight"].verdict == "differs"
     assert checks["query.weight"].verdict == "exact"  # (each query's row is its own example's only)
     assert result.causes[0].startswith("the loss couples the examples: example 0's loss depends on the model's outputs")

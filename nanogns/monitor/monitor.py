@@ -528,6 +528,12 @@ class GNSMonitor:
                 f"answer, {k} text queries for one image), say so before convert(model): "
                 f"nanogns.core.layout.install(model, layout_of=nanogns.core.layout.grouped({k}))"
             )
+        forwards = [found for found in self.row_map.layouts if found is not None]
+        if len(forwards) > 1 and count > batch_size:
+            remedies.append(
+                "if some of these forwards ran on the same examples again (a SAM step's second pass), measure one "
+                "pass: nanogns.zero_pe_sqnorm_buffers(model) between the passes (docs/integrations.md, SAM)"
+            )
         if count < batch_size:
             remedies.append(
                 "if one row of the input holds several examples (packed sequences separated by a block mask), pass "
