@@ -251,6 +251,7 @@ def test_embedding_large_vocab_needs_no_vocab_sized_tensor():
 def test_layernorm_matches_oracle_and_plain_grads(cls, bias, lead, D, kernel_per_example, monkeypatch):
     """Both ways of the gns backward (the batched per-example sums, torch's kernel run once per example)."""
     monkeypatch.setattr(layernorm, "PER_EXAMPLE_KERNEL_ELEMENTS", 1 if kernel_per_example else 2**62)
+    monkeypatch.setattr(layernorm, "PER_EXAMPLE_KERNEL_THREADS", 2**20)  # whatever torch's threads
     torch.manual_seed(0)
     module = cls(D, bias=bias).double()
     with torch.no_grad():  # away from the identity init, so the affine part matters

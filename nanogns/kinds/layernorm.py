@@ -25,6 +25,10 @@ from nanogns.variants import fused
 # (one pass over x and g, about 60 us more per call) beats the batched per-example sums (four passes more, about 2 ns
 # per element each on the project's 2-core machine); the crossover is near 30k elements
 PER_EXAMPLE_KERNEL_ELEMENTS = 2**15
+# ... and only at this many of torch's threads or fewer: each example's kernel is too small to share among threads,
+# where the batched sums are split among them (the 4x256 GPT at 2 threads, wall clock: LayerNorm-only 1.04 against
+# 1.09 with the kernels, every layer 1.20 against 1.24; bench/RESULTS.md, issue 47)
+PER_EXAMPLE_KERNEL_THREADS = 1
 _layer_norm_backward_out = torch.ops.aten.native_layer_norm_backward.out
 
 
@@ -84,7 +88,7 @@ class LayerNormFunction(torch.autograd.Function):
 
 def _per_example_kernels(rows, x, weight):
     """True when torch's own LayerNorm backward, run once per example, is the cheaper way to the per-example affine
-    gradients: on the CPU, examples whose rows are one contiguous block (dim 0, or flattened (N*T, D)) of at least
+    gradients: on the CPU at one thread (PER_EXAMPLE_KERNEL_THREADS), examples whose rows are one contiguous block (dim 0, or flattened (N*T, D)) of at least
     PER_EXAMPLE_KERNEL_ELEMENTS elements, in float32 or float64 (the kernel sums in the input's dtype); eagerly only.
     Under torch.compile each example's out= call becomes a functional call plus a copy of the whole input gradient
     into which its slice is scattered: N copies of it per layer (630 ms instead of 9 for one LayerNorm of the baby
@@ -97,6 +101,7 @@ def _per_example_kernels(rows, x, weight):
         and x.dtype in (torch.float32, torch.float64)
         and weight.dtype == x.dtype
         and x.numel() >= rows.examples * PER_EXAMPLE_KERNEL_ELEMENTS
+        and torch.get_num_threads() <= PER_EXAMPLE_KERNEL_THREADS
     )
 
 
