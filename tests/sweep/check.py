@@ -52,6 +52,19 @@ class NotBuildable(Exception):
     """The tiny model, or examples it runs on, could not be made: the reason."""
 
 
+def checked_losses(loss_of, examples):
+    """loss_of, once it gives finite per-example losses on all `examples` and on the micro-batches of 1 and the rest
+    (the split the check runs); NotBuildable otherwise."""
+    with torch.no_grad():
+        for part in (slice(0, examples), slice(0, 1), slice(1, examples)):
+            loss = loss_of(part)
+            if loss.shape != (part.stop - part.start,):
+                raise NotBuildable(f"its outputs give losses of shape {tuple(loss.shape)}")
+            if not torch.isfinite(loss).all():
+                raise NotBuildable("its tiny model's outputs are not finite")
+    return loss_of
+
+
 @dataclasses.dataclass
 class Prepared:
     """What a case builds: the model (its final dtype, training mode), its step's examples (n of them) and

@@ -26,7 +26,7 @@ import torch
 import transformers
 from transformers.models.auto import modeling_auto
 
-from sweep.check import NotBuildable, Prepared, one_line
+from sweep.check import NotBuildable, Prepared, checked_losses, one_line
 from sweep.tiny import ATTEMPTS, VOCAB, sections, tiny_config
 
 TASKS = {  # the sweep's task name: transformers' auto mapping of that head
@@ -209,15 +209,7 @@ def _loss_of(model, examples, extra=None):
 
 def _runs(model, examples):
     """loss_of if the plain model runs on the whole batch and on the micro-batches, with per-example losses."""
-    loss_of = _loss_of(model, examples)
-    with torch.no_grad():
-        for part in (slice(0, B), slice(0, 1), slice(1, B)):
-            loss = loss_of(part)
-            if loss.shape != (part.stop - part.start,):
-                raise NotBuildable(f"its outputs give losses of shape {tuple(loss.shape)}")
-            if not torch.isfinite(loss).all():
-                raise NotBuildable("its tiny model's outputs are not finite")
-    return loss_of
+    return checked_losses(_loss_of(model, examples), B)
 
 
 def _text_examples(model, config, task):

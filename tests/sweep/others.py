@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from sweep.check import NotBuildable, Prepared, one_line
+from sweep.check import NotBuildable, Prepared, checked_losses, one_line
 from sweep.tiny import ATTEMPTS, tiny_arguments
 
 B = 3
@@ -70,17 +70,6 @@ def _projection_loss(forward, examples, pick):
 
 def _per_example(value):
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == B
-
-
-def _checked(loss_of):
-    with torch.no_grad():
-        for part in (slice(0, B), slice(0, 1), slice(1, B)):
-            loss = loss_of(part)
-            if loss.shape != (part.stop - part.start,):
-                raise NotBuildable(f"its outputs give losses of shape {tuple(loss.shape)}")
-            if not torch.isfinite(loss).all():
-                raise NotBuildable("its tiny model's outputs are not finite")
-    return loss_of
 
 
 # -----------------------------------------------------------------------------
@@ -188,7 +177,7 @@ def _diffusers_examples(model):
         examples = {main: torch.randn(*shape, generator=gen, dtype=torch.float64), **extra}
         loss_of = _projection_loss(model, examples, _sample_of)
         try:
-            return _checked(loss_of), f"{what} {'x'.join(map(str, shape[1:]))}" + (
+            return checked_losses(loss_of, B), f"{what} {'x'.join(map(str, shape[1:]))}" + (
                 f" with {', '.join(extra)}" if extra else ""
             )
         except NotBuildable as e:
@@ -275,7 +264,7 @@ def _classifier(model, name, sizes):
             lambda x: model(x), {"x": pixels}, lambda out: out[0] if isinstance(out, tuple) else out
         )
         try:
-            return Prepared(model, _checked(loss_of), B, f"{name}, images {'x'.join(map(str, size))}")
+            return Prepared(model, checked_losses(loss_of, B), B, f"{name}, images {'x'.join(map(str, size))}")
         except NotBuildable as e:
             errors.append(str(e))
         except Exception as e:
