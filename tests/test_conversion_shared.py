@@ -8,6 +8,8 @@ as a user calls it (no position ids passed):
   (a LayerNorm of the weight itself, through the query and key projections);
 - many uses: ALBERT's layer group shared by every layer, Pegasus's and BART's matrix shared by the embeddings and
   the head, DeBERTa's projections (each example's rows and the shared table);
+- a table meeting the examples in expand_as, torch.cat, torch.bmm and torch.einsum, and a parameter read by its
+  module in torch.einsum (XLM, RoCBert, LED, Funnel, Pegasus-X: the architecture sweep's classes);
 - a table meeting the examples in an op that per-example norms do not follow is refused, naming the op.
 
     python -m pytest -q tests/test_conversion_shared.py
@@ -213,14 +215,68 @@ class GatheredPositions(nn.Module):
         return self.head(torch.cat([self.wte(ids), positions.expand(ids.shape[0], -1, -1) * 1.0], dim=-1))
 
 
+class RelativeAttention(nn.Module):
+    """Funnel's relative attention, reduced: a parameter read by its own module in torch.einsum
+    ("bind,snd->bnis", its seg_embed), and a table computed from another ("td,dnh->tnh", its r_kernel) met by the
+    examples' queries in torch.einsum ("binh,tnh->bnit")."""
+
+    def __init__(self):
+        super().__init__()
+        self.seg = nn.Parameter(torch.randn(3, 2, 4))
+        self.kernel = nn.Parameter(torch.randn(5, 2, 4))
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.q(x).view(*x.shape[:2], 2, 4)  # (b, i, n, h)
+        by_segment = torch.einsum("bind,snd->bnis", q, self.seg)
+        r_head = torch.einsum("td,dnh->tnh", torch.ones(6, 5, dtype=q.dtype), self.kernel)
+        return by_segment.sum(-1) + torch.einsum("binh,tnh->bnit", q, r_head).sum(-1)
+
+
+class TablesMetEverywhere(nn.Module):
+    """A table meeting the examples in each op of transformers' models that per-example copies follow:
+    expand_as (XLM's positions), torch.cat along the features and torch.bmm of a table with one row per example
+    (RoCBert's and LED's lookups of ids made for the batch, not from it), torch.einsum (Funnel, Pegasus-X)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe, self.wse = nn.Embedding(V, 8), nn.Embedding(8, 8), nn.Embedding(3, 8)
+        self.rel, self.head = RelativeAttention(), nn.Linear(2, V)
+
+    def forward(self, ids):
+        tokens = self.wte(ids)
+        x = tokens + self.wpe(torch.arange(ids.shape[1]).unsqueeze(0)).expand_as(tokens)
+        segments = self.wse(ids.new_zeros(ids.shape))  # (N, T, 8): ids made for the batch, looked up once
+        x = torch.cat([x, segments], dim=-1)[..., :8] + torch.bmm(x, segments.transpose(1, 2)).softmax(-1) @ x
+        return self.head(self.rel(x).transpose(1, 2))
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (5, 3)])
+def test_tables_met_in_expand_as_cat_bmm_and_einsum_exact(shape):
+    """Each op of TablesMetEverywhere gives every example its copy (or its own row) of the table, and the
+    parameter read in einsum its copy: exact against brute force, batch size equal to the sequence length on
+    purpose, and a micro-batch of one example (whose table of one row is its own)."""
+    ids = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = TablesMetEverywhere().double()
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, shape[0])
+    monitor = lc.convert(model)
+    assert "its own forward" in monitor.explain()["rel"]  # seg read in einsum by the module's own forward
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, shape[0])], shape[0])
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
+
+
 def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
-    """expand(N, ...) is followed (each example its copy); the same table, met in torch.cat without an expand,
-    is refused with the op named (never a number)."""
+    """expand(N, ...) is followed (each example its copy); the same table, met in torch.tensordot (an op no copy
+    follows), is refused with the op named (never a number)."""
 
     class Joined(GatheredPositions):
         def forward(self, ids):
-            positions = self.wpe(torch.arange(ids.shape[1]).unsqueeze(0))
-            return self.head(torch.cat([self.wte(ids), torch.cat([positions] * ids.shape[0])], dim=-1))
+            positions = self.wpe(torch.arange(ids.shape[1]))
+            scores = torch.tensordot(self.wte(ids), positions, dims=([2], [1]))  # (N, T, T)
+            return self.head(torch.cat([self.wte(ids), scores.softmax(-1) @ self.wte(ids)], dim=-1))
 
     ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
@@ -232,5 +288,5 @@ def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
     model = Joined().double()
     monitor = lc.convert(model)
     model(ids).pow(2).mean().backward()
-    with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*in torch.cat"):
+    with pytest.raises(ValueError, match=r"wpe.weight: this step is not measured.*in torch.functional.tensordot"):
         monitor.measure(batch_size=4)

@@ -175,6 +175,10 @@ class _ParameterUses(TorchFunctionMode):
         elif func in _MATMUL and len(args) == 2 and names == [None, names[1]] and names[1] is not None and not kwargs:
             if args[1].dim() == 2 and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:  # x @ W: F.linear
                 return functional.linear(args[0], args[1].t(), None, self.buffer(args[1]))  # (Gemma 3's projector)
+        elif func is torch.functional.einsum or func is torch.einsum:
+            given = shared.einsum_with_copies(args, kwargs, self.copied, self.items_of_data, self.copies)
+            if given is not None:  # einsum("bind,snd->bnis", x, W): each example's own copy of W
+                return torch.einsum(*given)
         elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:
             # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
             return self.follow(func(*args), args[0], -1 if func is torch.Tensor.__rsub__ else 1)
@@ -237,6 +241,20 @@ class _ParameterUses(TorchFunctionMode):
             return None
         sign = self.signs.get(id(param), 1)
         return BroadcastOverExamples.apply(param.view(leading), items, self.buffer(param), sign)
+
+    def copied(self, t):
+        return self.name_of(t) is not None
+
+    def items_of_data(self, t):
+        """The Items of t's dim 0 when t is the examples' data (not a parameter, nor a table), else None."""
+        if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0:
+            return None
+        return _items_of(t.shape[0]) if layout.current() is not None else None
+
+    def copies(self, param, items):
+        """(items.count, *param.shape): one copy of the parameter per item, each receiving its item's gradient."""
+        sign = self.signs.get(id(param), 1)
+        return BroadcastOverExamples.apply(param.reshape(1, *param.shape), items, self.buffer(param), sign)
 
     def index(self, weight, index):
         """W[ids] for a tensor of ids: an embedding lookup (functional.embedding: per example, or a table shared by

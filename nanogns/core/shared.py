@@ -22,8 +22,11 @@ core/uses.py).
 How a table is known: it is a SharedRows tensor, a torch.Tensor subclass that follows every op taking it
 (__torch_function__): an op on tables, constants and parameters gives a table (the parameters join its sources);
 an op meeting the examples' data (dim 0 holding the forward's N examples) is where the copies are made:
-elementwise broadcasts and matmuls, Tensor.expand(N, ...), Tensor.repeat(N, ...) (DeBERTa), the attention mask of
-scaled_dot_product_attention. Which part of the table an example gets is torch's broadcasting's: where the table's
+elementwise broadcasts and matmuls, Tensor.expand(N, ...) and expand_as (XLM), Tensor.repeat(N, ...) (DeBERTa),
+the attention mask of scaled_dot_product_attention, torch.einsum (the table gains the subscript under which the
+data holds the examples, one copy per example: Funnel's, SeamlessM4T's relative positions), and torch.cat or stack
+along another dim than 0, bmm and baddbmm, whose output's dim 0 is their operands' (a table of one row per example
+there: RoCBert's and LED's ids made for the batch). Which part of the table an example gets is torch's broadcasting's: where the table's
 dim aligned with the data's example dim has size 1 (or the table has no such dim), every example gets all of it, a
 copy each; where it has size N, example i gets slice i (no copies: a table of one row per example, per-example ids
 looked up without the examples' tag, core/layout.py), so no decision rests on sizes that happen to match. The data's
@@ -176,6 +179,9 @@ def _follow(func, args, kwargs):
     if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
         return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
     others = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, SharedRows)]
+    if func is torch.Tensor.expand_as and len(args) == 2 and isinstance(args[0], SharedRows) and not kwargs:
+        if isinstance(args[1], torch.Tensor) and not isinstance(args[1], SharedRows) and _items(args[1]) is not None:
+            func, args = torch.Tensor.expand, (args[0], tuple(args[1].shape))  # expand_as(x): expand(x's sizes)
     meets = _meeting(func, args, kwargs)
     if meets is not None:  # Tensor.expand(N, ...), Tensor.repeat(N, ...): copies made here
         return meets(sources)
@@ -184,6 +190,14 @@ def _follow(func, args, kwargs):
         if func in _ELEMENTWISE or func is F.scaled_dot_product_attention:
             t, items = max(data, key=lambda found: found[0].dim())
             return _at_meeting(func, args, kwargs, items, t.dim(), sources)
+        if func is torch.functional.einsum or func is torch.einsum:
+            found = _einsum_meeting(args, kwargs, sources)
+            if found is not None:
+                return found
+        if func in _ALONG_EXAMPLES:
+            found = _along_examples(func, args, kwargs, data, sources)
+            if found is not None:
+                return found
         return _refused(func, args, kwargs, sources, "meets the examples' data there")
     data = [t for t in others if t.requires_grad and not isinstance(t, nn.Parameter)]
     if data:
@@ -257,6 +271,107 @@ def _at_meeting(func, args, kwargs, items, rank, sources):
 
     args, kwargs = trees.map_leaves(given, (args, kwargs))
     return _run(func, args, kwargs)
+
+
+# ops that keep dim 0 of their operands as their output's dim 0 (operands of equal dim 0): where the examples' data
+# holds the items on dim 0, a table of as many rows gives item i its slice i
+_ALONG_EXAMPLES = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.bmm, torch.Tensor.bmm, torch.baddbmm}
+
+
+def _along_examples(func, args, kwargs, data, sources):
+    """cat / stack along a dim other than 0, bmm, baddbmm of tables with the examples' data, whose dim 0 holds the
+    items: dim 0 of the output is the operands' dim 0, so item i's output holds only slice i of each table, and
+    each table (dim 0 of the items' count, as the op requires) is given to the items slice by slice. None when the
+    op concatenates along dim 0 (the output's rows are no longer the items) or the operands' dim 0 differ."""
+    items = data[0][1]
+    if not all(_same(found, items) for _, found in data):
+        return None
+    operands = list(args[0]) if func in (torch.cat, torch.concat, torch.concatenate, torch.stack) else list(args)
+    if func in (torch.cat, torch.concat, torch.concatenate, torch.stack):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        rank = operands[0].dim() + (1 if func is torch.stack else 0)
+        if not isinstance(dim, int) or dim % max(rank, 1) == 0:
+            return None
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+    if any(t.dim() == 0 or t.shape[0] != items.count for t in tensors):
+        return None
+
+    def given(t):
+        return _sliced(t, items, sources) if isinstance(t, SharedRows) else t
+
+    args, kwargs = trees.map_leaves(given, (args, kwargs))
+    return _run(func, args, kwargs)
+
+
+def _same(a, b):
+    """True when Items a and b are the same items (equal counts of the same examples, in the same order)."""
+    if a is b:
+        return True
+    if (a.count, a.examples) != (b.count, b.examples):
+        return False
+    if a.example_of_item is None or b.example_of_item is None:
+        return a.example_of_item is None and b.example_of_item is None
+    return torch.equal(a.example_of_item, b.example_of_item)
+
+
+def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
+    """torch.einsum's arguments with each operand for which `copied(t)` holds (a table, a parameter) given one copy
+    per item of the examples' data, `copy(t, items)` -> (count, *t.shape), under a new leading subscript: the one
+    under which every other operand holding the examples' data (`items_of(t)` not None) has them on dim 0, which the
+    output keeps and no copied operand carries (each item's output then depends on its own copy alone); a copied
+    operand carrying it as its dim 0 (a table of one slice per item) is given as `slices(t, items)`. None when that
+    does not hold (an ellipsis, the examples summed over, operands of different items)."""
+    if kwargs or len(args) < 2 or not isinstance(args[0], str):
+        return None
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    equation = args[0].replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return None
+    inputs, output = equation.split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(operands) or not all(isinstance(t, torch.Tensor) for t in operands):
+        return None
+    letters, found = set(), None
+    for subscript, t in zip(subscripts, operands):
+        items = None if copied(t) or not subscript else items_of(t)
+        if items is None:
+            continue
+        if found is not None and not _same(items, found):
+            return None
+        found = items
+        letters.add(subscript[0])
+    if found is None or len(letters) != 1:
+        return None
+    (letter,) = letters
+    if letter not in output or any(letter in s[1:] for s, t in zip(subscripts, operands) if copied(t)):
+        return None
+    if any(letter in s and t.shape[s.index(letter)] != found.count for s, t in zip(subscripts, operands)):
+        return None
+    if slices is None and any(s[:1] == letter for s, t in zip(subscripts, operands) if copied(t)):
+        return None
+
+    def give(s, t):
+        if not copied(t):
+            return s, t
+        if s[:1] == letter:  # a table of one slice per item under the items' subscript: item i's is slice i
+            return s, slices(t, found)
+        return letter + s, copy(t, found)
+
+    given = [give(s, t) for s, t in zip(subscripts, operands)]
+    return (",".join(s for s, _ in given) + "->" + output, *[t for _, t in given])
+
+
+def _einsum_meeting(args, kwargs, sources):
+    """torch.einsum of tables with the examples' data: each table one copy per item (einsum_with_copies)."""
+    given = einsum_with_copies(
+        args,
+        kwargs,
+        lambda t: isinstance(t, SharedRows),
+        _items,
+        lambda t, items: _copies(t, items, (items.count, *t.shape), sources),
+        lambda t, items: _sliced(t, items, sources),
+    )
+    return None if given is None else _run(torch.einsum, given, {})
 
 
 def _note_uses(sources):
