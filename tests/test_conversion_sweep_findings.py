@@ -9,7 +9,10 @@ gradient from the same batched forward, two uneven micro-batches) or as a refusa
 - the count refusal says what it observed (the counts, the forwards, their examples) and remedies that work: a
   reward model's chosen and rejected rows, text queries per image, sequences packed behind a block mask are exact
   once described; a vision tower's unequal images are refused for their real cause;
-- an Embedding and a Linear tied, the Embedding recorded by the replay of a module above it, exact (Gemma 4).
+- an Embedding and a Linear tied, the Embedding recorded by the replay of a module above it, exact (Gemma 4);
+- a router's (N*T, k) top-k weights with k equal to a micro-batch's N (Laguna, MiniMax-M2, HY-V3, PhiMoE), latents
+  expanded to the batch size their forward is given (Perceiver), a replayed embedding of choices' ids (I-BERT):
+  exact (each was refused).
 
     python -m pytest -q tests/test_conversion_sweep_findings.py
 """
@@ -591,3 +594,115 @@ def test_a_parameter_used_outside_its_layer_is_refused_and_the_stated_cause_is_t
     assert model.proj.weight.grad is not None and not calls  # a gradient, and the layer's forward never ran
     with pytest.raises(ValueError, match="proj.weight has a gradient .* but its layer recorded no example"):
         monitor.measure(batch_size=3)
+
+
+class _Router(nn.Module):
+    """A mixture's router as Laguna's and MiniMax-M2's are written: flattened (N*T, E) logits and top-k weights,
+    a frozen score correction (a parameter without gradient)."""
+
+    def __init__(self, top_k):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.randn(4, 6) / 3)
+        self.correction = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, hidden):
+        return self.route(hidden, self.correction)
+
+    def route(self, hidden, correction):
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        scores = torch.sigmoid(F.linear(hidden, self.weight))
+        _, chosen = torch.topk(scores + correction, self.top_k, dim=-1)
+        weights = scores.gather(-1, chosen)
+        return weights / weights.sum(-1, keepdim=True), chosen
+
+
+class _RouterGivenItsCorrection(_Router):
+    """HY-V3's: the correction is an input of its forward (no probe can feed it: the router is replayed)."""
+
+    def forward(self, hidden, correction):
+        return self.route(hidden, correction)
+
+
+class _Routed(nn.Module):
+    def __init__(self, router):
+        super().__init__()
+        self.router, self.experts = router, nn.Linear(6, 6 * 4)
+
+    def forward(self, x):
+        given = isinstance(self.router, _RouterGivenItsCorrection)
+        weights, chosen = self.router(x, self.router.correction) if given else self.router(x)
+        outs = self.experts(x).view(-1, 4, 6)  # every expert's output; the chosen ones weighted
+        picked = outs.gather(1, chosen.unsqueeze(-1).expand(-1, -1, 6))
+        return (weights.unsqueeze(-1) * picked).sum(1).view(*x.shape)
+
+
+@pytest.mark.parametrize("correction_as_input", [False, True])
+def test_a_router_s_top_k_weights_with_k_equal_to_the_batch_exact(correction_as_input):
+    """The (N*T, k) weights of a micro-batch of N == k examples: their examples are the flattened rows of dim 0 (as
+    the autograd history says), not dim 1, whose size only happens to be N (the replay sliced them as examples and
+    failed). A frozen correction no longer sends the router to the replay: its own forward, its weight's uses
+    followed; the correction passed as an input (HY-V3), it is replayed."""
+    torch.manual_seed(0)
+    model = _Routed((_RouterGivenItsCorrection if correction_as_input else _Router)(2)).double()
+    x = torch.randn(3, 5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    monitor = lc.convert(model)
+    expected = replay.ReplayedForward if correction_as_input else lc.conversion.intercept.InterceptedForward
+    assert isinstance(model.router, expected)
+    assert_exact(
+        model, lambda part: model(x[part]).pow(2).mean((1, 2)), 3, parts=[slice(0, 1), slice(1, 3)], monitor=monitor
+    )
+
+
+class _Latents(nn.Module):
+    """Perceiver's latents: forward(batch_size: int) expands its parameter over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(3, 6))
+
+    def forward(self, batch_size: int):
+        return self.latents.expand(batch_size, -1, -1)
+
+
+class _CrossAttends(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embeddings, self.proj = _Latents(), nn.Linear(6, 6)
+
+    def forward(self, x):
+        latents = self.embeddings(x.shape[0])
+        scores = (latents @ self.proj(x).transpose(1, 2)).softmax(-1)
+        return scores @ x
+
+
+def test_parameters_expanded_to_a_batch_size_their_forward_is_given_exact():
+    """No input of the latents' forward carries the examples (a replay has nothing to slice): its own forward is
+    kept, and its expand over the batch gives each example its copy."""
+    torch.manual_seed(0)
+    model = _CrossAttends().double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), 4)
+    assert "its own forward" in lc.convert(_CrossAttends()).explain()["embeddings"]
+
+
+def test_a_replayed_embedding_of_multiple_choice_ids_exact():
+    """I-BERT's QuantEmbedding is replayed per example; its input is the (B*C, T) ids of the choices, integers:
+    each example's choices are its units."""
+    from test_conversion_models import TINY, config
+
+    torch.manual_seed(0)
+    model = transformers.IBertForMultipleChoice(
+        config(transformers.IBertConfig, **TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ).double()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 30, (3, 2, 5), generator=gen)
+    answers = torch.randint(0, 2, (3,), generator=gen)
+    monitor = lc.convert(model)
+    assert isinstance(model.ibert.embeddings.word_embeddings, replay.ReplayedForward)
+    assert_exact(
+        model,
+        lambda part: F.cross_entropy(model(input_ids=ids[part]).logits, answers[part], reduction="none"),
+        3,
+        monitor=monitor,
+    )

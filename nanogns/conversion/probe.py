@@ -434,6 +434,7 @@ def intercept_problem(module, container=False):
         isinstance(module, (nn.Linear, nn.Embedding))
         or all(p.dim() >= 2 and p.shape[0] == 1 for p in params.values())
         or _inputs(module) == []  # a forward of no input computes tables the examples share (Swin's bias)
+        or _sized_by_an_int(module)  # forward(batch_size: int): parameters expanded to the batch (Perceiver's latents)
         or container  # a block whose children hold its big layers (Wav2Vec2Model, CLIP's embeddings)
     )
     if not _takes_one_input(module):
@@ -480,7 +481,8 @@ def intercept_problem(module, container=False):
             got_out, _, got_grads = _forward_backward(forward, dict(twin._parameters), x, grad_out)
     except Exception as e:
         return f"its forward fails with its parameter uses followed ({type(e).__name__}: {e})"
-    reasons = {name: row_map.reasons(twin.pe_buffer(name)) for name in params}
+    trainable = [name for name, p in params.items() if p.requires_grad]  # (a router's frozen score correction)
+    reasons = {name: row_map.reasons(twin.pe_buffer(name)) for name in trainable}
     found = next((r[0] for r in reasons.values() if r), None)
     if found is not None:
         return found
@@ -488,7 +490,7 @@ def intercept_problem(module, container=False):
     diff, where = _difference([want_out, *want_grads], [got_out, *got_grads], names, check_dtype=True)
     if diff > PROBE_TOLERANCE[torch.float64]:
         return f"its forward with its parameter uses followed differs in the {where} by {diff:.1e}"
-    unused = [name for name in params if twin.pe_buffer(name)[1].item() == 0]
+    unused = [name for name in trainable if twin.pe_buffer(name)[1].item() == 0]
     if unused and not any(tables):
         return f"its forward does not use its {', '.join(unused)} through F.linear or F.embedding"
     return None
@@ -500,6 +502,16 @@ def _inputs(module):
         return list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
+
+
+def _sized_by_an_int(module):
+    """True when module.forward's first input is annotated as an int (a batch size it expands its parameters to):
+    no probe can feed it data, and its uses of its parameters are checked at every step."""
+    inputs = _inputs(module)
+    if not inputs:
+        return False
+    annotation = inputs[0].annotation
+    return annotation is int or (isinstance(annotation, str) and annotation.strip() == "int")
 
 
 def _signature(module):

@@ -54,7 +54,7 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
-from nanogns.core.inputs import example_dim
+from nanogns.core.inputs import dim_by_history, example_dim
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Items
@@ -434,7 +434,7 @@ def _units(args, kwargs, current):
     if current.packed is not None:
         return None, "its rows are packed sequences, which a replay per example cannot slice"
     floats = [t for t in tensors if t.is_floating_point()]
-    for t in floats:
+    for t in floats + [t for t in tensors if not t.is_floating_point()]:  # (ids of the choices: IBert's embedding)
         items = layout.items_of(t.shape[0])
         if items is not None and (items.count != items.examples or items.example_of_item is not None):
             return items, None  # (a tower's images map to their examples whatever their number: 2 images of 1
@@ -468,12 +468,22 @@ def _rows(t, units, lengths):
         found = example_dim(t, count)
         if isinstance(found, str):
             raise _Ambiguous(found)
+        per = _flattened(t, count, lengths)
+        if found and per and dim_by_history(t) == 0:  # (N*T, k) rows whose k == N (a router's top-k weights)
+            return _Rows(0, per)
         if found is not None:
             return _Rows(found)
     elif t.shape[0] == count:
         return _Rows(0)
+    per = _flattened(t, count, lengths)
+    return None if per is None else _Rows(0, per)
+
+
+def _flattened(t, count, lengths):
+    """T where t's dim 0 holds `count` units' T rows each, flattened (N*T, ...) (inside a layer splitting its
+    examples into windows: k windows each), else None."""
     if count and t.shape[0] % count == 0 and (t.shape[0] // count in lengths or layout.in_windows()):
-        return _Rows(0, t.shape[0] // count)  # (inside a layer splitting its examples into windows: k windows each)
+        return t.shape[0] // count
     return None
 
 

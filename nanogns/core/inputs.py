@@ -119,6 +119,12 @@ def example_dim(t, count):
     )
 
 
+def dim_by_history(t):
+    """The dim of t on which its autograd history puts the examples (data arrives with them on dim 0; the ops that
+    move dims are followed back), whatever t's sizes."""
+    return _traced_example_dim(t.grad_fn, t.dim(), 0)
+
+
 _SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
 
 
