@@ -12,7 +12,8 @@ gradient from the same batched forward, two uneven micro-batches) or as a refusa
 - an Embedding and a Linear tied, the Embedding recorded by the replay of a module above it, exact (Gemma 4);
 - a router's (N*T, k) top-k weights with k equal to a micro-batch's N (Laguna, MiniMax-M2, HY-V3, PhiMoE), latents
   expanded to the batch size their forward is given (Perceiver), a replayed embedding of choices' ids (I-BERT):
-  exact (each was refused).
+  exact (each was refused); rows moved to dim 1 by the model's own transpose, mapped from the autograd history
+  (Longformer, LED).
 
     python -m pytest -q tests/test_conversion_sweep_findings.py
 """
@@ -706,3 +707,27 @@ def test_a_replayed_embedding_of_multiple_choice_ids_exact():
         3,
         monitor=monitor,
     )
+
+
+class _TransposesAndPads(nn.Module):
+    """Longformer's and LED's self-attention input: the hidden states transposed to (T', N, D), T' padded to a
+    length no input of the model has; the projection's rows are sequence-first, as the autograd history says."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        x = self.embed(x)  # (the history starts at a tensor with a gradient)
+        padded = F.pad(x, (0, 0, 0, 3)).transpose(0, 1)  # (T + 3, N, D)
+        return self.head(torch.tanh(self.proj(padded)).transpose(0, 1)[:, : x.shape[1]])
+
+
+@pytest.mark.parametrize("shape", [(4, 4, 6), (3, 5, 6)])
+def test_rows_moved_to_dim_1_by_the_model_s_own_transpose_exact(shape):
+    """(T', N, D) rows whose T' is no input's length: mapped sequence-first from the autograd history (a transpose
+    of data with the examples on dim 0), not from sizes (N == T on purpose in the first case)."""
+    torch.manual_seed(0)
+    model = _TransposesAndPads().double()
+    x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), shape[0])

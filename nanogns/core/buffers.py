@@ -206,6 +206,8 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     rows = (lookup and layout.untold_ids(shape)) or layout.rows_for(shape, module=module)
+    if isinstance(rows, str) and not lookup:  # sizes fit no mapping: where the autograd history moved the examples
+        rows = layout.rows_by_history(x) or rows
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)

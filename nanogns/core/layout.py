@@ -38,7 +38,7 @@ import torch
 
 from nanogns.core import scopes
 from nanogns.core.ids import ExampleIds, tagged_inputs
-from nanogns.core.inputs import grouped, layout_of_inputs  # noqa: F401 (grouped: documented here)
+from nanogns.core.inputs import dim_by_history, grouped, layout_of_inputs  # noqa: F401 (grouped: documented here)
 from nanogns.core.mapper import RowMapper
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Layout, Rows, ragged  # noqa: F401 (ragged: documented here)
@@ -283,6 +283,19 @@ def rows_for(shape, batch_first=False, module=None):
     if rows is None:
         rows = found.rows[key] = found.layout.rows_for(shape, scope)
     return rows
+
+
+def rows_by_history(x):
+    """Rows 'seqfirst' for a (T, N, D) input whose autograd history moved the examples' dim 0 to dim 1 (Longformer's
+    and LED's hidden states transposed before their projections, T padded to a length no input has), else None.
+    Asked only where the input's sizes fit no mapping."""
+    found = current_pass()
+    if found is None or found.layout is None or found.layout.packed is not None or found.scopes:
+        return None
+    N = found.layout.examples
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != N or x.grad_fn is None:
+        return None
+    return Rows("seqfirst", N, positions=x.shape[0]) if dim_by_history(x) == 1 else None
 
 
 def items_of(dim0):

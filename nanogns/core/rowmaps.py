@@ -17,7 +17,7 @@ to match:
   position_ids restart     restarting at 0 (or cu_seq_lens)
   (N, ...) any tensor      N examples                      (N, ...) dim 0 is the example
 
-Three things say which rows are which, rather than their sizes:
+Four things say which rows are which, rather than their sizes:
 
   a tag that follows the ids   the integer tensors the model computes from its example inputs
                                (input_ids, token types...) carry ExampleIds (core/ids.py), a tensor
@@ -34,6 +34,9 @@ Three things say which rows are which, rather than their sizes:
   torch's broadcasting         where a table meets the examples' data (core/shared.py), the table's dim
                                aligned with the data's example dim tells whether each example gets
                                all of it (size 1, or no such dim) or its own slice (size N).
+  the autograd history         where an input's sizes fit no mapping, the ops that made it (transposes,
+                               permutes, stacks: core/inputs.py's dim_by_history) say which dim holds the
+                               examples (Longformer's (T', N, D) states, T' padded); a replay's outputs too.
 
 A layer input that fits none of these (a (1, T) data row broadcast over the batch, rows of no known length)
 cannot be mapped: `Layout.rows_for` returns the reason as a str, and the layer records it so that the monitor
