@@ -13,7 +13,8 @@ gradient from the same batched forward, two uneven micro-batches) or as a refusa
 - a router's (N*T, k) top-k weights with k equal to a micro-batch's N (Laguna, MiniMax-M2, HY-V3, PhiMoE), latents
   expanded to the batch size their forward is given (Perceiver), a replayed embedding of choices' ids (I-BERT):
   exact (each was refused); rows moved to dim 1 by the model's own transpose, mapped from the autograd history
-  (Longformer, LED).
+  (Longformer, LED); ids written into a tensor of zeros (a decoder's shifted inputs) still the examples' ids
+  (T5Gemma, MVP).
 
     python -m pytest -q tests/test_conversion_sweep_findings.py
 """
@@ -731,3 +732,31 @@ def test_rows_moved_to_dim_1_by_the_model_s_own_transpose_exact(shape):
     model = _TransposesAndPads().double()
     x = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), shape[0])
+
+
+class _ShiftsItsIds(nn.Module):
+    """A decoder's inputs as T5's, MVP's and T5Gemma's shift_right makes them: ids written into a tensor of zeros
+    (shifted[:, 1:] = ids[:, :-1]), then looked up and split into heads folded into the batch, (N*H, T, d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.proj, self.head = nn.Embedding(V, 8), nn.Linear(8, 8), nn.Linear(8, V)
+
+    def forward(self, ids):
+        N, T = ids.shape
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 1
+        heads = lambda t: t.view(N, T, 2, 4).transpose(1, 2).reshape(N * 2, T, 4)  # noqa: E731
+        q, k = heads(self.proj(self.wte(ids))), heads(self.wte(shifted))
+        out = torch.bmm(torch.bmm(q, k.transpose(1, 2)).softmax(-1), k)
+        return self.head(out.view(N, 2, T, 4).transpose(1, 2).reshape(N, T, 8))
+
+
+def test_ids_written_into_zeros_stay_the_examples_ids_exact():
+    """The shifted ids hold the examples' ids (they were a table the examples share, whose heads folded into the
+    batch met the queries in bmm, refused): B == T on purpose."""
+    torch.manual_seed(0)
+    model = _ShiftsItsIds().double()
+    ids = ids_batch(4, 4)
+    assert_exact(model, lambda part: next_token_losses(model(ids[part]), ids[part]), 4)

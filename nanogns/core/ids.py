@@ -29,9 +29,18 @@ class ExampleIds(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], ExampleIds):
+            _written_into(args[0])
         if func in _NOT_FROM_THE_IDS or _takes_dtype_only(func, args) or _one_example_out(func, args, kwargs):
             return out
         return trees.map_leaves(_tag, out)
+
+
+def _written_into(target):
+    """A plain integer tensor into which the examples' ids were written (`shifted = ids.new_zeros(ids.shape);
+    shifted[:, 1:] = ids[:, :-1]`: T5's, BART's and MVP's decoder inputs) holds the examples' ids: tagged in place."""
+    if type(target) is torch.Tensor and not (target.is_floating_point() or target.is_complex()):
+        target.__class__ = ExampleIds
 
 
 # ops whose result takes nothing from a tagged argument but its dtype, device or shape
