@@ -18,6 +18,9 @@ torch call that takes one of its parameters:
                                            x): replaced by one copy per example, whose gradients are
                                            the examples' own (a ViT's class token and position
                                            embeddings, a scale written out by hand)
+  torch.einsum("bind,snd->bnis", x, W)     the examples' data x holding them under a subscript (b) that the output
+                                           keeps and W lacks: W given that subscript, one copy per example
+                                           (Funnel's seg_embed; core/shared.py:einsum_with_copies)
   W.to(dtype), W.float(), W.t(), W.T, ...  norm-preserving views and casts: followed, so that
                                            F.linear(x, W.to(x.dtype)) is a use of W
   W.shape, W.dtype, W.detach(), ...        no gradient flows: ignored
