@@ -690,7 +690,8 @@ def test_parameters_expanded_to_a_batch_size_their_forward_is_given_exact():
 
 def test_a_replayed_embedding_of_multiple_choice_ids_exact():
     """I-BERT's QuantEmbedding is replayed per example; its input is the (B*C, T) ids of the choices, integers:
-    each example's choices are its units."""
+    each example's choices are its units (the token types passed: zeros the model makes itself are no example's
+    ids, and a replay does not take a tensor for the examples' by its size)."""
     from test_conversion_models import TINY, config
 
     torch.manual_seed(0)
@@ -704,7 +705,11 @@ def test_a_replayed_embedding_of_multiple_choice_ids_exact():
     assert isinstance(model.ibert.embeddings.word_embeddings, replay.ReplayedForward)
     assert_exact(
         model,
-        lambda part: F.cross_entropy(model(input_ids=ids[part]).logits, answers[part], reduction="none"),
+        lambda part: F.cross_entropy(
+            model(input_ids=ids[part], token_type_ids=torch.zeros_like(ids[part])).logits,
+            answers[part],
+            reduction="none",
+        ),
         3,
         monitor=monitor,
     )

@@ -250,8 +250,8 @@ class _ParameterUses(TorchFunctionMode):
 
     def items_of_data(self, t):
         """The Items of t's dim 0 when t is the examples' data (not a parameter, nor a table), else None."""
-        if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0:
-            return None
+        if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0 or not t.requires_grad:
+            return None  # (a constant, sinusoidal positions, whose dim 0 happens to have the items' size, is none)
         return _items_of(t.shape[0]) if layout.current() is not None else None
 
     def copies(self, param, items):

@@ -54,6 +54,7 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
+from nanogns.core.ids import ExampleIds
 from nanogns.core.inputs import dim_by_history, example_dim
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
@@ -434,7 +435,8 @@ def _units(args, kwargs, current):
     if current.packed is not None:
         return None, "its rows are packed sequences, which a replay per example cannot slice"
     floats = [t for t in tensors if t.is_floating_point()]
-    for t in floats + [t for t in tensors if not t.is_floating_point()]:  # (ids of the choices: IBert's embedding)
+    ids = [t for t in tensors if isinstance(t, ExampleIds)]  # (the choices' ids: I-BERT's embedding; ids tagged as
+    for t in floats + ids:  # the examples' only, so that a buffer of positions whose size happens to fit is none)
         items = layout.items_of(t.shape[0])
         if items is not None and (items.count != items.examples or items.example_of_item is not None):
             return items, None  # (a tower's images map to their examples whatever their number: 2 images of 1

@@ -194,8 +194,9 @@ def _follow(func, args, kwargs):
             found = _einsum_meeting(args, kwargs, sources)
             if found is not None:
                 return found
-        if func in _ALONG_EXAMPLES:
-            found = _along_examples(func, args, kwargs, data, sources)
+        carried = [(t, items) for t, items in data if _carries_gradient(t)]  # (a constant's size proves nothing)
+        if func in _ALONG_EXAMPLES and carried:
+            found = _along_examples(func, args, kwargs, carried, sources)
             if found is not None:
                 return found
         return _refused(func, args, kwargs, sources, "meets the examples' data there")
@@ -303,6 +304,13 @@ def _along_examples(func, args, kwargs, data, sources):
     return _run(func, args, kwargs)
 
 
+def _carries_gradient(t):
+    """True for the examples' data as the forward computed it (a gradient flows through it): a constant (sinusoidal
+    positions, a mask) whose dim 0 happens to have the items' size is no example's (Funnel's relative positions,
+    2T rows, met 2N choices)."""
+    return t.requires_grad and not isinstance(t, nn.Parameter)
+
+
 def _same(a, b):
     """True when Items a and b are the same items (equal counts of the same examples, in the same order)."""
     if a is b:
@@ -317,7 +325,8 @@ def _same(a, b):
 def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
     """torch.einsum's arguments with each operand for which `copied(t)` holds (a table, a parameter) given one copy
     per item of the examples' data, `copy(t, items)` -> (count, *t.shape), under a new leading subscript: the one
-    under which every other operand holding the examples' data (`items_of(t)` not None) has them on dim 0, which the
+    under which every other operand holding the examples' data (`items_of(t)` not None: only tensors a gradient
+    flows through, as the callers give it) has them on dim 0, which the
     output keeps and no copied operand carries (each item's output then depends on its own copy alone); a copied
     operand carrying it as its dim 0 (a table of one slice per item) is given as `slices(t, items)`. None when that
     does not hold (an ellipsis, the examples summed over, operands of different items)."""
@@ -367,7 +376,7 @@ def _einsum_meeting(args, kwargs, sources):
         args,
         kwargs,
         lambda t: isinstance(t, SharedRows),
-        _items,
+        lambda t: _items(t) if _carries_gradient(t) else None,
         lambda t, items: _copies(t, items, (items.count, *t.shape), sources),
         lambda t, items: _sliced(t, items, sources),
     )
