@@ -1,8 +1,8 @@
 """
 Modules no kind describes, each against the brute-force loop over examples (float64, two uneven micro-batches,
 padded sequences): their forward is kept, with their parameters' uses followed (intercept.py) or, where those
-cannot be followed, replayed per example in backward (replay.py): Mamba's and Mamba2's mixers (conv1d and dt_proj
-read directly, A_log, D), the gated norm of Mamba2, Zamba2, Bamba and FalconH1 (never swapped for a one-input
+cannot be followed, replayed per example in backward (replay.py): Mamba's, Mamba2's, Jamba's, Zamba2's, Bamba's and
+FalconH1's mixers (their forward kept, A_log, D and the children it reads, conv1d and dt_proj, followed), the gated norm of Mamba2, Zamba2, Bamba and FalconH1 (never swapped for a one-input
 RMSNorm), Jamba, GPT-OSS's attention sinks, Cohere's per-head q/k norms, Nemotron's LayerNorm1P, RWKV's time
 mixing, DeepSeek-V3's router, Wav2Vec2's GroupNorm and weight-normed position convolution, ConvNeXt's channel
 LayerNorm and layer scale, DBRX's expert banks (a kind of their own). A module whose output for one example
@@ -180,14 +180,16 @@ def causal_lms():
     }
 
 
-# the modules replayed per example (replay.py), children included: their code reads their children's weights
-REPLAYED = {
-    "Mamba": "backbone.layers.0.mixer",
-    "Mamba2": "backbone.layers.0.mixer",
-    "Jamba": "model.layers.0.mamba",
-    "Zamba2": "model.layers.0.mamba",
-    "Bamba": "model.layers.0.mamba",
-    "FalconH1": "model.layers.0.mamba",
+# the state-space mixers, whose code reads their children's weights (conv1d.weight.squeeze(1) into a depthwise
+# convolution, dt_proj.weight @ x): kept with their own forward, their own and those children's parameters' uses
+# followed (intercept.py; a probe shows it computes the same), the children they only call converted by kind
+FOLLOWED_WITH_CHILDREN = {
+    "Mamba": ("backbone.layers.0.mixer", ("conv1d", "dt_proj", "out_proj", "x_proj")),
+    "Mamba2": ("backbone.layers.0.mixer", ("conv1d",)),
+    "Jamba": ("model.layers.0.mamba", ("conv1d", "dt_proj")),
+    "Zamba2": ("model.layers.0.mamba", ("conv1d",)),
+    "Bamba": ("model.layers.0.mamba", ("conv1d",)),
+    "FalconH1": ("model.layers.0.mamba", ("conv1d",)),
 }
 # blocks kept with their own forward, their parameters' uses followed (intercept.py): GPT-OSS's sinks reshaped and
 # expanded over the examples (a table the examples share, core/shared.py); RWKV's attention is replayed alone
@@ -211,9 +213,10 @@ def test_modules_no_kind_describes_are_exact(name):
         monitor = lc.convert(model)
         got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert not monitor.unconverted and not monitor.untracked
-    if name in REPLAYED:
-        assert isinstance(model.get_submodule(REPLAYED[name]), ReplayedForward)
-        assert state_of(model.get_submodule(REPLAYED[name])).replay_subtree
+    if name in FOLLOWED_WITH_CHILDREN:
+        path, children = FOLLOWED_WITH_CHILDREN[name]
+        assert isinstance(model.get_submodule(path), InterceptedForward)
+        assert state_of(model.get_submodule(path)).read_children == children
     if name in INTERCEPTED:
         assert isinstance(model.get_submodule(INTERCEPTED[name]), InterceptedForward)
     if name in REPLAYED_ALONE:  # its own parameters only, its children converted by kind

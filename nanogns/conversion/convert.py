@@ -209,9 +209,16 @@ class Conversion:
         # own parameters' uses followed (checked at every step) even where no probe can run it: replaying it
         # would run the block again per example
         container = any(True for c in module.children() for _ in c.parameters())
-        followed = probe.intercept_problem(module, container and not replay.reads_children_parameters(module))
+        reads = container and replay.reads_children_parameters(module)
+        followed = probe.intercept_problem(module, container and not reads)
         if followed is None:
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
+            return None
+        read = replay.children_read(module) if reads else None
+        if read and probe.read_children_problem(module, read) is None:  # (Mamba's mixer: conv1d, dt_proj...)
+            adopt(module, intercept.InterceptedForward, {"kinds": kinds, "children": read})
+            for name in read:  # measured with this module: left as they are
+                self.visited.add(id(module.get_submodule(name)))
             return None
         if probe.CHANGES_PARAMETERS in (problem or ""):  # a replay would change them again
             return (

@@ -21,11 +21,20 @@ torch call that takes one of its parameters:
   torch.einsum("bind,snd->bnis", x, W)     the examples' data x holding them under a subscript (b) that the output
                                            keeps and W lacks: W given that subscript, one copy per example
                                            (Funnel's seg_embed; core/shared.py:einsum_with_copies)
+  W @ x                                    x^T through F.linear (Mamba's dt_proj.weight @ time_step^T)
+  F.conv1d(x, W, b, ..., groups=g)         each example's copy of W and b (of a table of them, W.squeeze(1)),
+                                           as one convolution of N*g groups over the examples' channels
   W.to(dtype), W.float(), W.t(), W.T, ...  norm-preserving views and casts: followed, so that
                                            F.linear(x, W.to(x.dtype)) is a use of W
   W.shape, W.dtype, W.detach(), ...        no gradient flows: ignored
   anything else                            a use the norms would miss: the step is refused
                                            with an error naming the call (never a number)
+
+A module whose code reads its children's parameters itself (Mamba's mixer: conv1d.weight.squeeze(1) into a
+depthwise convolution, dt_proj.weight @ x) has those children's parameters followed too, the children left as
+they are (their own forwards run inside this one, their uses followed the same way), once a probe shows the
+followed forward computes what the module computes (probe.py:read_children_problem); the children it only calls
+are converted by kind. Otherwise such a module is replayed per example (replay.py), which runs it again.
 
 A parameter used twice in one forward counts its examples twice, and the
 monitor then stops tracking it (the norm of a sum of uses needs cross terms),
@@ -39,7 +48,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from nanogns.core import layout, shared, uses
-from nanogns.core.buffers import PerExampleNormLayer, add_pe_sqnorm, norm_dtype, refuse_step
+from nanogns.core.buffers import (
+    BUFFER_SUFFIX,
+    PerExampleNormLayer,
+    add_pe_sqnorm,
+    norm_dtype,
+    refuse_step,
+    register_pe_sqnorm_buffers,
+)
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Items
 from nanogns.kinds import functional
@@ -135,9 +151,17 @@ class _ParameterUses(TorchFunctionMode):
     def __init__(self, module):
         super().__init__()
         self.module = module
-        self.tracked = {id(p): name for name, p in module.named_parameters(recurse=False) if p.requires_grad}
+        self.params = dict(module.named_parameters(recurse=False))
+        self.buffers = {name: module.pe_buffer(name) for name in self.params}
+        for child_name in state_of(module).read_children:  # children whose parameters its code reads itself
+            child = module.get_submodule(child_name)
+            for name, p in child.named_parameters(recurse=False):
+                self.params[f"{child_name}.{name}"] = p
+                self.buffers[f"{child_name}.{name}"] = child._buffers.get(name + BUFFER_SUFFIX)
+        self.tracked = {id(p): name for name, p in self.params.items() if p.requires_grad}
         self.derived = []  # tensors followed from a parameter: kept alive so that their ids stay theirs
         self.signs = {}  # id(derived tensor) -> -1 where its gradient is minus the parameter's (c - W)
+        self.recipes = {}  # id(derived tensor) -> how to compute it again (shared.Recipe)
 
     def name_of(self, t):
         return self.tracked.get(id(t)) if isinstance(t, torch.Tensor) else None
@@ -154,7 +178,7 @@ class _ParameterUses(TorchFunctionMode):
             out = func(*args, **kwargs)
             name = self.name_of(args[0])
             if name is not None and sum(n is not None for n in names) == 1 and isinstance(out, torch.Tensor):
-                return self.follow(out, args[0])
+                return self.follow(out, args[0], recipe=self.recipe(func, args, kwargs))
         elif func is F.linear:
             return self.linear(*args, **kwargs)
         elif func is F.embedding:
@@ -178,13 +202,22 @@ class _ParameterUses(TorchFunctionMode):
         elif func in _MATMUL and len(args) == 2 and names == [None, names[1]] and names[1] is not None and not kwargs:
             if args[1].dim() == 2 and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:  # x @ W: F.linear
                 return functional.linear(args[0], args[1].t(), None, self.buffer(args[1]))  # (Gemma 3's projector)
+        elif func in _MATMUL and len(args) == 2 and names[0] is not None and names[1] is None and not kwargs:
+            if args[0].dim() == 2 and isinstance(args[1], torch.Tensor) and args[1].dim() >= 3:  # W @ x: F.linear
+                x = args[1].transpose(-1, -2)  # (Mamba's dt_proj.weight @ time_step^T)
+                return functional.linear(x, args[0], None, self.buffer(args[0])).transpose(-1, -2)
+        elif func is F.conv1d:
+            found = self.conv1d(*args, **kwargs)
+            if found is not None:
+                return found
         elif func is torch.functional.einsum or func is torch.einsum:
             given = shared.einsum_with_copies(args, kwargs, self.copied, self.items_of_data, self.copies)
             if given is not None:  # einsum("bind,snd->bnis", x, W): each example's own copy of W
                 return torch.einsum(*given)
         elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:
             # W + c, W - c, c + W, c - W: the same gradient as W's, up to its sign
-            return self.follow(func(*args), args[0], -1 if func is torch.Tensor.__rsub__ else 1)
+            sign = -1 if func is torch.Tensor.__rsub__ else 1
+            return self.follow(func(*args), args[0], sign, self.recipe(func, args, {}))
         elif func in _BROADCAST and len(args) == 2 and sum(n is not None for n in names) == 1 and not kwargs:
             i = 0 if names[0] is not None else 1
             other = args[1 - i]
@@ -192,7 +225,7 @@ class _ParameterUses(TorchFunctionMode):
             if expanded is not None:
                 return func(*((expanded, other) if i == 0 else (other, expanded)))
         if self.parameters_alone(args, kwargs):  # computed from parameters (and constants) alone: a table
-            return self.table(func(*args, **kwargs), names)
+            return self.table(func(*args, **kwargs), names, (func, args, kwargs))
         return self.refuse(func, names, func(*args, **kwargs))
 
     def parameters_alone(self, args, kwargs):
@@ -208,27 +241,41 @@ class _ParameterUses(TorchFunctionMode):
                 return False
         return True
 
-    def table(self, out, names):
-        """out, computed from these parameters alone, as a table the examples share (shared.py): where it meets
-        them, each example gets its copy, and its gradient is pulled back to the parameters."""
-        params = dict(self.module.named_parameters(recurse=False))
-        sources = {id(params[n]): (params[n], self.module.pe_buffer(n)) for n in names if n is not None}
+    def recipe(self, func, args, kwargs, index=None):
+        """shared.Recipe of func(*args, **kwargs): the tensors followed from parameters and the tables among its
+        arguments by their own recipes."""
+        given = pytree.tree_map(
+            lambda t: self.recipes.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+        )
+        given = pytree.tree_map(shared.recipe_of, given)
+        return shared.Recipe(func, given[0], given[1], index)
+
+    def table(self, out, names, call=None):
+        """out, computed from these parameters alone (by call: (func, args, kwargs)), as a table the examples share
+        (shared.py): where it meets them, each example gets its copy, and its gradient is pulled back to the
+        parameters."""
+        sources = {id(self.params[n]): (self.params[n], self.buffers[n]) for n in names if n is not None}
+        single = isinstance(out, torch.Tensor)
+        positions = iter(range(len(pytree.tree_leaves(out))))
 
         def wrap(t):
+            index = None if single else next(positions)
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 return t
             found = dict(sources)
             if shared.is_shared(t):
                 found.update({id(p): (p, b) for p, b in t.pe_sources})
-            return shared.table(t, found.values())
+            return shared.table(t, found.values(), None if call is None else self.recipe(*call, index))
 
         return pytree.tree_map(wrap, out)
 
-    def follow(self, out, source, sign=1):
+    def follow(self, out, source, sign=1, recipe=None):
         """Track `out`, computed from the parameter (or derived tensor) `source` with a Jacobian of +-1 (a cast, a
-        transpose, a shift by a number): a use of `out` is a use of the parameter."""
+        transpose, a shift by a number; by `recipe`): a use of `out` is a use of the parameter."""
         self.tracked[id(out)] = self.tracked[id(source)]
         self.signs[id(out)] = self.signs.get(id(source), 1) * sign
+        if recipe is not None:
+            self.recipes[id(out)] = recipe
         self.derived.append(out)
         return out
 
@@ -244,6 +291,39 @@ class _ParameterUses(TorchFunctionMode):
             return None
         sign = self.signs.get(id(param), 1)
         return BroadcastOverExamples.apply(param.view(leading), items, self.buffer(param), sign)
+
+    def conv1d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        """F.conv1d of the examples' data x (N, C, L) with a weight and bias that are this module's parameters or
+        tables computed from them (Mamba's depthwise causal convolution of conv1d.weight.squeeze(1)): each
+        example's own copy of each, as one grouped convolution over the N examples' channels (the same
+        arithmetic), so that backward gives each copy its example's gradient. None when that does not hold."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.requires_grad or isinstance(padding, str):
+            return None
+        items = _items_of(x.shape[0])
+        if items is None or items.count != items.examples or self.name_of(x) is not None:
+            return None
+        N = x.shape[0]
+        given = []
+        for t in (weight, bias):
+            if t is None:
+                given.append(None)
+            elif self.name_of(t) is not None:
+                given.append(self.copies(t, items))
+            elif shared.is_shared(t):
+                given.append(shared.copies_for(t, items))
+            else:
+                return None
+        w, b = given
+        out = F.conv1d(
+            x.reshape(1, N * x.shape[1], x.shape[2]),
+            w.reshape(N * weight.shape[0], *weight.shape[1:]),
+            None if b is None else b.reshape(-1),
+            stride,
+            padding,
+            dilation,
+            groups * N,
+        )
+        return out.view(N, weight.shape[0], out.shape[-1])
 
     def copied(self, t):
         return self.name_of(t) is not None
@@ -265,15 +345,17 @@ class _ParameterUses(TorchFunctionMode):
         (shared.py, Whisper's positions); else None."""
         if isinstance(index, torch.Tensor) and not index.is_floating_point() and index.dtype != torch.bool:
             if self.constant(index):  # ids stored in the module (Swin's relative-position index): a shared table
-                param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
-                return shared.table(weight[index], [(param, self.buffer(weight))])
+                param = self.params[self.name_of(weight)]
+                recipe = self.recipe(torch.Tensor.__getitem__, (weight, index), {})
+                return shared.table(weight[index], [(param, self.buffer(weight))], recipe)
             if weight.dim() == 2:
                 return functional.embedding(index, weight, self.buffer(weight))
             return None
         if any(isinstance(t, torch.Tensor) for t in _tensors(index)):
             return None
-        param = dict(self.module.named_parameters(recurse=False))[self.name_of(weight)]
-        return shared.table(weight[index], [(param, self.buffer(weight))])
+        param = self.params[self.name_of(weight)]
+        recipe = self.recipe(torch.Tensor.__getitem__, (weight, index), {})
+        return shared.table(weight[index], [(param, self.buffer(weight))], recipe)
 
     def write(self, target, index, value):
         """target[mask] = value for a boolean mask over target's leading dims, whose dim 0 holds the forward's
@@ -302,7 +384,7 @@ class _ParameterUses(TorchFunctionMode):
 
     def buffer(self, t):
         name = self.name_of(t)
-        return self.module.pe_buffer(name) if name is not None else None
+        return self.buffers.get(name) if name is not None else None
 
     def linear(self, input, weight, bias=None):
         if self.name_of(input) is not None or (
@@ -330,7 +412,7 @@ class _ParameterUses(TorchFunctionMode):
                 f"its forward uses its {name} in {call}, which per-example norms do not follow (only "
                 f"F.linear, F.embedding and broadcasts over the examples)"
             )
-            refuse_step(reason, [self.module.pe_buffer(name)])
+            refuse_step(reason, [self.buffers.get(name)])
         return out
 
 
@@ -387,6 +469,12 @@ class InterceptedForward(PerExampleNormLayer):
         kinds = options.pop("kinds", {})
         self.register_pe_buffers(*[name for name, _ in self.named_parameters(recurse=False)])
         state_of(self).kinds.update(kinds)
+        state_of(self).read_children = tuple(options.pop("children", ()))
+        for child_name in state_of(self).read_children:  # their parameters' norms recorded by this module's forward
+            child = self.get_submodule(child_name)
+            names = [name for name, _ in child.named_parameters(recurse=False)]
+            register_pe_sqnorm_buffers(child, names)
+            state_of(child).kinds.update(parameter_kinds(child))
 
 
 def parameter_kinds(module):

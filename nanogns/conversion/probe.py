@@ -519,3 +519,52 @@ def _signature(module):
         return str(inspect.signature(module.forward))
     except (TypeError, ValueError):
         return "(...)"
+
+
+def read_children_problem(module, read):
+    """None when `module`'s own forward, with its own parameters' and its children `read`'s parameters' uses followed
+    (intercept.py: its code reads those children's parameters itself, Mamba's mixer its conv1d's and dt_proj's),
+    computes what it computes and records each of those parameters' examples, on a probe input of three examples
+    of four rows as wide as its first Linear child takes (float64, inside a forward of that layout); else what goes
+    wrong (the module is then replayed per example)."""
+    params = list(module.parameters())
+    if any(p.device.type == "meta" for p in params) or not all(p.is_floating_point() for p in params):
+        return "its parameters are on the meta device or not floating point"
+    width = next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), None)
+    if width is None or not _takes_one_input(module):
+        return "no probe input can be made for it (a Linear child's width, one input)"
+    generator = torch.Generator().manual_seed(0)
+    device = params[0].device
+    plain = copy.deepcopy(module).double()
+    twin = copy.deepcopy(module).double()
+    with torch.no_grad():
+        for p, q in zip(plain.parameters(), twin.parameters()):
+            p.copy_(
+                torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device) / max(1, p.shape[-1]) ** 0.5
+            )
+            q.copy_(p)
+    x = torch.randn(3, 4, width, generator=generator, dtype=torch.float64).to(device)
+    adopt(twin, intercept.InterceptedForward, {"kinds": {}, "children": read})
+    try:
+        want_out, grad_out, want_grads = _forward_backward(lambda p, inp: plain(inp), dict(plain.named_parameters()), x)
+        with layout.running(layout.Layout(3, (4,))) as running:
+            got_out, _, got_grads = _forward_backward(
+                lambda p, inp: twin(inp), dict(twin.named_parameters()), x, grad_out
+            )
+    except Exception as e:
+        return f"its forward fails with its children's parameter uses followed ({type(e).__name__}: {e})"
+    tracked = [(n, c) for n in read for c in [twin.get_submodule(n)]]
+    buffers = [b for _, c in tracked for b in c.buffers() if b is not None] + [
+        b for name, b in twin.named_buffers(recurse=False) if name.endswith("_pe_sqnorm")
+    ]
+    for buffer in buffers:
+        found = running.mapper.reasons(buffer)
+        if found:
+            return found[0]
+        if buffer[1].item() != 3:
+            return "a parameter of it or of a child it reads recorded no example on the probe"
+    names = ["output"] + [f"{name} gradient" for name, _ in plain.named_parameters()] + ["input gradient"]
+    diff, where = _difference([want_out, *want_grads], [got_out, *got_grads], names, check_dtype=True)
+    if diff > PROBE_TOLERANCE[torch.float64]:
+        return f"its forward with its children's parameter uses followed differs in the {where} by {diff:.1e}"
+    return None

@@ -320,6 +320,23 @@ def _static_value(node, module):
 _ASKING = {"isinstance", "getattr", "hasattr", "type", "id", "len", "callable"}
 
 
+def children_read(module):
+    """The names of the children whose parameters the module's code computes with itself (reads_children_parameters,
+    child by child); None when the code cannot be read."""
+    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
+    found = forward_methods(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")), True)
+    if found is None:
+        return None
+    read = set()
+    for _, text in found.values():
+        try:
+            tree = _untaken(ast.parse(textwrap.dedent(text)), module)
+        except SyntaxError:
+            return None
+        read |= {name for name, child in children.items() if _computes_with_children(tree, {name: child})}
+    return tuple(sorted(read))
+
+
 def _computes_with_children(tree, children):
     """True when the parsed method reads self.<child>.<parameter> (or a ParameterDict child's entries, or the
     child's .parameters()) in a computation (see reads_children_parameters)."""

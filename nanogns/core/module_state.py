@@ -35,6 +35,8 @@ class ModuleState:
         replay_calls: its replayed methods running now: a call inside a call runs plainly (replay.py).
         measured_by: (path, why): which of convert()'s paths measures it and why (conversion/convert.py), what
             GNSMonitor.explain() reports.
+        read_children: names of the children whose parameters its own code reads, their uses followed by its
+            kept forward with its own (conversion/intercept.py); convert() leaves them as they are.
     """
 
     owner: int = 0  # id() of the module this state belongs to (a copy's is another)
@@ -48,6 +50,7 @@ class ModuleState:
     replay_changed: tuple = ()
     replay_calls: int = 0
     measured_by: Optional[tuple] = None
+    read_children: tuple = ()
 
 
 def state_of(module) -> ModuleState:

@@ -112,6 +112,7 @@ class SharedRows(torch.Tensor):
     pe_shared = True  # what core/buffers.py asks (it cannot import this module)
     pe_sources = ()  # ((parameter, its buffer or None), ...) it was computed from
     pe_lookup = None  # (ids, per_example) when it is an Embedding's lookup met as it is (`lookup`)
+    pe_recipe = None  # Recipe: how to compute it again from its sources (a backward that cannot run twice)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -126,10 +127,40 @@ def is_shared(t):
     return isinstance(t, SharedRows)
 
 
-def table(t, sources):
-    """`t` (plain) as a table computed from `sources` ((parameter, buffer or None), ...)."""
+class Recipe:
+    """How a table (or a tensor followed from a parameter) was computed: func(*args, **kwargs), output `index` of
+    its flattened outputs; its arguments the parameters themselves, constants, and other tables' or followed
+    tensors' Recipes. A table's per-example gradients are pulled back through the graph the forward built; where
+    that graph cannot be run backward a second time (selective activation checkpointing), through the table
+    computed again from its recipe (`recomputed`)."""
+
+    __slots__ = ("func", "args", "kwargs", "index")
+
+    def __init__(self, func, args, kwargs=None, index=None):
+        self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
+
+
+def recipe_of(value):
+    """The Recipe standing for value in another's recipe: a table's own, else the value itself."""
+    return value.pe_recipe if isinstance(value, SharedRows) and value.pe_recipe is not None else value
+
+
+def recomputed(value):
+    """value (a Recipe, or anything else, returned as it is) computed again, plain, with a graph to the parameters."""
+    if not isinstance(value, Recipe):
+        return value.as_subclass(torch.Tensor) if isinstance(value, SharedRows) else value
+    args, kwargs = trees.map_leaves(recomputed, (value.args, value.kwargs))
+    with torch._C.DisableTorchFunctionSubclass():
+        out = value.func(*args, **kwargs)
+    return out if value.index is None else trees.leaves(out)[value.index]
+
+
+def table(t, sources, recipe=None):
+    """`t` (plain) as a table computed from `sources` ((parameter, buffer or None), ...), by `recipe` (a Recipe, or
+    None where it cannot be computed again)."""
     out = t.as_subclass(SharedRows)
     out.pe_sources = tuple(sources)
+    out.pe_recipe = recipe
     return out
 
 
@@ -138,7 +169,8 @@ def lookup(ids, weight, padding_idx, buffer, per_example=None):
     table whose source is the embedding's weight. per_example(ids, rows): the same lookup recording each example's
     norms (the Embedding kind's); where the table itself meets the examples, each example's rows of it are then
     looked up for it (no pull-back through the table, no N x V x D per-example gradients)."""
-    out = table(F.embedding(ids, weight, padding_idx), [(weight, buffer)])
+    recipe = Recipe(F.embedding, (ids.as_subclass(torch.Tensor), weight, padding_idx))
+    out = table(F.embedding(ids, weight, padding_idx), [(weight, buffer)], recipe)
     if per_example is not None:
         out.pe_lookup = (ids, per_example)
     return out
@@ -153,7 +185,7 @@ def parameters_as_tables(module, args):
     if current is None:
         return None
     return tuple(
-        table(a.view_as(a), [(a, current.mapper.buffer_of(a))])
+        table(a.view_as(a), [(a, current.mapper.buffer_of(a))], Recipe(torch.Tensor.view_as, (a, a)))
         if isinstance(a, nn.Parameter) and a.requires_grad
         else a
         for a in args
@@ -213,7 +245,17 @@ def _follow(func, args, kwargs):
         if isinstance(p, nn.Parameter) and p.requires_grad:
             sources[id(p)] = (p, layout.current_pass().mapper.buffer_of(p))
     out = _run(func, *trees.map_leaves(_plain, (args, kwargs)))
-    return trees.map_leaves(lambda t: table(t, sources.values()) if isinstance(t, torch.Tensor) else t, out)
+    given = trees.map_leaves(recipe_of, (args, kwargs))
+    single = isinstance(out, torch.Tensor)
+    positions = iter(range(len(trees.leaves(out))))
+
+    def as_table(t):
+        index = None if single else next(positions)
+        if not isinstance(t, torch.Tensor):
+            return t
+        return table(t, sources.values(), Recipe(func, given[0], given[1], index))
+
+    return trees.map_leaves(as_table, out)
 
 
 def _items(t):
@@ -383,6 +425,13 @@ def _einsum_meeting(args, kwargs, sources):
     return None if given is None else _run(torch.einsum, given, {})
 
 
+def copies_for(t, items):
+    """(items.count, *t.shape): one copy of table t per item, each receiving its item's gradient (pulled back to the
+    parameters t was computed from), for an op that takes each item's copy itself (a grouped convolution)."""
+    sources = {id(p): (p, b) for p, b in t.pe_sources}
+    return _copies(t, items, (items.count, *t.shape), sources)
+
+
 def _note_uses(sources):
     """Each meeting is a use of every parameter the table was computed from (core/uses.py)."""
     current = layout.current_pass()
@@ -400,7 +449,7 @@ def _copies(s, items, shape, sources):
         ids = ids.reshape((1,) * (len(shape) - 1 - ids.dim()) + tuple(ids.shape)).expand(shape[:-1])
         return per_example(ids, items.rows(ids.shape))
     plain = s.as_subclass(torch.Tensor)
-    return ExampleCopies.apply(plain, shape, items, tuple(sources.values()))
+    return ExampleCopies.apply(plain, shape, items, (tuple(sources.values()), s.pe_recipe))
 
 
 def _sliced(t, items, sources):
@@ -410,7 +459,7 @@ def _sliced(t, items, sources):
     if found is not None and found[0].dim() + 1 == t.dim():  # a lookup of the items' own ids
         ids, per_example = found
         return per_example(ids, items.rows(ids.shape))
-    return SlicedTable.apply(t.as_subclass(torch.Tensor), items, tuple(sources.values()))
+    return SlicedTable.apply(t.as_subclass(torch.Tensor), items, (tuple(sources.values()), t.pe_recipe))
 
 
 def _refused(func, args, kwargs, sources, why):
@@ -429,33 +478,33 @@ def _refused(func, args, kwargs, sources, why):
 
 
 class ExampleCopies(torch.autograd.Function):
-    """copies(table (plain), shape (count, ...), items, sources) -> the table's copies, one per item; backward
+    """copies(table (plain), shape (count, ...), items, (sources, recipe)) -> the table's copies, one per item; backward
     records each example's gradient of the sources (its items' copies' gradients summed, pulled back through the
     table's computation, batched over the examples) and returns the table's gradient, the copies' sum."""
 
     @staticmethod
     def forward(ctx, plain, shape, items, sources):
         ctx.save_for_backward(plain)
-        ctx.sources, ctx.table_shape, ctx.items = sources, plain.shape, items
+        (ctx.sources, ctx.recipe), ctx.table_shape, ctx.items = sources, plain.shape, items
         return plain.reshape(1, *shape[1:]).expand(shape).clone()  # a copy: an output may not be a view of an input
 
     @staticmethod
     def backward(ctx, grad):
         (plain,) = ctx.saved_tensors
         per_item = grad.reshape(grad.shape[0], *ctx.table_shape)
-        _record(plain, ctx.sources, ctx.items.to_examples(per_item))
+        _record(plain, ctx.sources, ctx.items.to_examples(per_item), ctx.recipe)
         return per_item.sum(0), None, None, None
 
 
 class SlicedTable(torch.autograd.Function):
-    """sliced(table (plain), items, sources) -> the table (a copy), whose dim 0 holds one slice per item; backward
+    """sliced(table (plain), items, (sources, recipe)) -> the table (a copy), whose dim 0 holds one slice per item; backward
     records each example's gradient of the sources: its items' slices of the table's gradient (the rest zero),
     pulled back through the table's computation."""
 
     @staticmethod
     def forward(ctx, plain, items, sources):
         ctx.save_for_backward(plain)
-        ctx.sources, ctx.items = sources, items
+        (ctx.sources, ctx.recipe), ctx.items = sources, items
         return plain.clone()
 
     @staticmethod
@@ -465,18 +514,18 @@ class SlicedTable(torch.autograd.Function):
         per_item = grad.new_zeros(count, *grad.shape)
         index = torch.arange(count, device=grad.device)
         per_item[index, index] = grad
-        _record(plain, ctx.sources, ctx.items.to_examples(per_item))
+        _record(plain, ctx.sources, ctx.items.to_examples(per_item), ctx.recipe)
         return grad, None, None
 
 
-def _record(plain, sources, per_example):
+def _record(plain, sources, per_example, recipe=None):
     """Record each example's gradient of the sources, per_example (N, *table shape) pulled back through the
     table's computation."""
     recorded = [(p, b) for p, b in sources if b is not None and p.requires_grad]
     if not recorded:
         return
     N = per_example.shape[0]
-    grads = _pulled_back(plain, [p for p, _ in recorded], per_example)
+    grads = _pulled_back(plain, [p for p, _ in recorded], per_example, recipe)
     for (param, buffer), g in zip(recorded, grads):
         g = torch.zeros(N, *param.shape, dtype=per_example.dtype, device=per_example.device) if g is None else g
         if not uses.hand_over(buffer, lambda g=g: uses.DenseFactor(g)):
@@ -484,7 +533,7 @@ def _record(plain, sources, per_example):
             add_pe_sqnorm(buffer, g.reshape(N, -1).pow(2).sum(1, dtype=dtype))  # (a 0-d tensor's too)
 
 
-def _pulled_back(table_tensor, params, per_example):
+def _pulled_back(table_tensor, params, per_example, recipe=None):
     """Each example's gradients of `params` (N, *shape each) for its gradient of the table, through the table's
     computation: batched over the examples, or one by one where a backward formula cannot be batched."""
     try:
@@ -492,6 +541,13 @@ def _pulled_back(table_tensor, params, per_example):
             table_tensor, params, per_example, is_grads_batched=True, retain_graph=True, allow_unused=True
         )
     except RuntimeError:
+        if recipe is not None:  # (a graph that cannot run backward twice: selective activation checkpointing)
+            with torch.enable_grad():
+                table_tensor = recomputed(recipe)
+            try:
+                return torch.autograd.grad(table_tensor, params, per_example, is_grads_batched=True, allow_unused=True)
+            except RuntimeError:
+                pass
         found = [
             torch.autograd.grad(table_tensor, params, g, retain_graph=True, allow_unused=True) for g in per_example
         ]
