@@ -338,3 +338,44 @@ def test_wav2vec2_masked_frames_take_each_example_its_copy_of_the_mask_embedding
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert not monitor.unconverted and not monitor.untracked and got["masked_spec_embed"].rms_pe_norm > 0
     check_exact(model, monitor, want, got)
+
+
+class _ReadsItsConv(nn.Module):
+    """Reads its children's weights itself, as Mamba's mixer does: a depthwise causal convolution of
+    conv.weight.squeeze(1) (F.conv1d of a table computed from the child's weight), proj.weight @ x, and a child it
+    only calls (inp); with `unfollowed`, the conv weight also meets the examples in an op no rule follows."""
+
+    def __init__(self, unfollowed=False):
+        super().__init__()
+        self.unfollowed = unfollowed
+        self.inp, self.conv, self.proj = nn.Linear(6, 4), nn.Conv1d(4, 4, 3, groups=4), nn.Linear(4, 6)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        h = self.inp(x).transpose(1, 2)  # (N, C, T)
+        weight = self.conv.weight.squeeze(1)
+        if self.unfollowed:  # (N, T, C) x (C, K) -> (N, T, K): a meeting no rule follows
+            h = h + torch.tensordot(h.transpose(1, 2), weight, dims=([2], [0])).sum(-1)[:, None, :]
+        h = F.conv1d(h, weight.unsqueeze(1), self.conv.bias, padding=2, groups=4)[..., : x.shape[1]]
+        h = torch.tanh(h) * self.scale[:, None]
+        return (self.proj.weight @ h).transpose(1, 2) + self.proj.bias
+
+
+@pytest.mark.parametrize("unfollowed", [False, True])
+def test_a_module_reading_its_children_s_weights_keeps_its_forward_or_is_replayed(unfollowed):
+    """Its forward kept with the children it reads followed where the probe passes (the child it only calls a
+    Linear of its own), else replayed per example with its children; exact either way, B == T on purpose."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ReadsItsConv(unfollowed), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    if unfollowed:
+        assert isinstance(model[0], ReplayedForward) and state_of(model[0]).replay_subtree
+    else:
+        assert isinstance(model[0], InterceptedForward) and state_of(model[0]).read_children == ("conv", "proj")
+        assert type(model[0].inp).__name__ == "PerExampleLinear"
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)

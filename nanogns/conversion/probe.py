@@ -553,16 +553,17 @@ def read_children_problem(module, read):
             )
     except Exception as e:
         return f"its forward fails with its children's parameter uses followed ({type(e).__name__}: {e})"
-    tracked = [(n, c) for n in read for c in [twin.get_submodule(n)]]
-    buffers = [b for _, c in tracked for b in c.buffers() if b is not None] + [
-        b for name, b in twin.named_buffers(recurse=False) if name.endswith("_pe_sqnorm")
-    ]
-    for buffer in buffers:
-        found = running.mapper.reasons(buffer)
-        if found:
-            return found[0]
-        if buffer[1].item() != 3:
-            return "a parameter of it or of a child it reads recorded no example on the probe"
+    grads = dict(zip([name for name, _ in twin.named_parameters()], want_grads))
+    owners = [("", twin)] + [(name + ".", twin.get_submodule(name)) for name in read]
+    for prefix, owner in owners:
+        for name, param in owner.named_parameters(recurse=False):
+            buffer = owner._buffers.get(name + "_pe_sqnorm")
+            found = running.mapper.reasons(buffer) if buffer is not None else ()
+            if found:
+                return found[0]
+            used = bool(grads[prefix + name].abs().sum() > 0)  # (a bias its code never reads has no gradient)
+            if param.requires_grad and used and (buffer is None or buffer[1].item() != 3):
+                return f"its {prefix + name} recorded no example on the probe"
     names = ["output"] + [f"{name} gradient" for name, _ in plain.named_parameters()] + ["input gradient"]
     diff, where = _difference([want_out, *want_grads], [got_out, *got_grads], names, check_dtype=True)
     if diff > PROBE_TOLERANCE[torch.float64]:
