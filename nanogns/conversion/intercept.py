@@ -20,7 +20,7 @@ torch call that takes one of its parameters:
                                            embeddings, a scale written out by hand)
   torch.einsum("bind,snd->bnis", x, W)     the examples' data x holding them under a subscript (b) that the output
                                            keeps and W lacks: W given that subscript, one copy per example
-                                           (Funnel's seg_embed; core/shared.py:einsum_with_copies)
+                                           (Funnel's seg_embed; core/einsum.py)
   W @ x                                    x^T through F.linear (Mamba's dt_proj.weight @ time_step^T)
   F.conv1d(x, W, b, ..., groups=g)         each example's copy of W and b (of a table of them, W.squeeze(1)),
                                            as one convolution of N*g groups over the examples' channels
@@ -56,6 +56,7 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
+from nanogns.core.einsum import einsum_with_copies
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Items
 from nanogns.kinds import functional
@@ -211,7 +212,7 @@ class _ParameterUses(TorchFunctionMode):
             if found is not None:
                 return found
         elif func is torch.functional.einsum or func is torch.einsum:
-            given = shared.einsum_with_copies(args, kwargs, self.copied, self.items_of_data, self.copies)
+            given = einsum_with_copies(args, kwargs, self.copied, self.items_of_data, self.copies)
             if given is not None:  # einsum("bind,snd->bnis", x, W): each example's own copy of W
                 return torch.einsum(*given)
         elif func in _SHIFTS and len(args) == 2 and names[0] is not None and _is_number(args[1]) and not kwargs:

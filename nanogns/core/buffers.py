@@ -206,11 +206,13 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     rows = (lookup and layout.untold_ids(shape)) or layout.rows_for(shape, module=module)
-    if isinstance(rows, str) and not lookup:  # sizes fit no mapping: where the autograd history moved the examples
-        rows = layout.rows_by_history(x) or rows
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)
+        moved = None if lookup or not isinstance(rows, str) else layout.rows_by_history(x)
+        if moved is not None:  # sizes fit no mapping, and the autograd history moved the examples to dim 1
+            layout.note_uses(buffers)
+            return moved, buffers
         reason = rows if isinstance(rows, str) else SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))
         # (a module called with hooks runs those registered during its forward; adopt() gives every converted one)
         hooked = module is not None and (module._forward_pre_hooks or module._forward_hooks)

@@ -48,8 +48,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import layout, trees, uses
-from nanogns.core.buffers import add_pe_sqnorm
+from nanogns.core import layout, trees
+from nanogns.core.einsum import einsum_with_copies, same_items
+from nanogns.core.pullback import ExampleCopies, Recipe, SlicedTable  # noqa: F401 (Recipe: intercept.py's)
 
 # ops where a table meets the examples' data, broadcast over them
 _ELEMENTWISE = {
@@ -127,32 +128,9 @@ def is_shared(t):
     return isinstance(t, SharedRows)
 
 
-class Recipe:
-    """How a table (or a tensor followed from a parameter) was computed: func(*args, **kwargs), output `index` of
-    its flattened outputs; its arguments the parameters themselves, constants, and other tables' or followed
-    tensors' Recipes. A table's per-example gradients are pulled back through the graph the forward built; where
-    that graph cannot be run backward a second time (selective activation checkpointing), through the table
-    computed again from its recipe (`recomputed`)."""
-
-    __slots__ = ("func", "args", "kwargs", "index")
-
-    def __init__(self, func, args, kwargs=None, index=None):
-        self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
-
-
 def recipe_of(value):
     """The Recipe standing for value in another's recipe: a table's own, else the value itself."""
     return value.pe_recipe if isinstance(value, SharedRows) and value.pe_recipe is not None else value
-
-
-def recomputed(value):
-    """value (a Recipe, or anything else, returned as it is) computed again, plain, with a graph to the parameters."""
-    if not isinstance(value, Recipe):
-        return value.as_subclass(torch.Tensor) if isinstance(value, SharedRows) else value
-    args, kwargs = trees.map_leaves(recomputed, (value.args, value.kwargs))
-    with torch._C.DisableTorchFunctionSubclass():
-        out = value.func(*args, **kwargs)
-    return out if value.index is None else trees.leaves(out)[value.index]
 
 
 def table(t, sources, recipe=None):
@@ -327,7 +305,7 @@ def _along_examples(func, args, kwargs, data, sources):
     each table (dim 0 of the items' count, as the op requires) is given to the items slice by slice. None when the
     op concatenates along dim 0 (the output's rows are no longer the items) or the operands' dim 0 differ."""
     items = data[0][1]
-    if not all(_same(found, items) for _, found in data):
+    if not all(same_items(found, items) for _, found in data):
         return None
     operands = list(args[0]) if func in (torch.cat, torch.concat, torch.concatenate, torch.stack) else list(args)
     if func in (torch.cat, torch.concat, torch.concatenate, torch.stack):
@@ -351,65 +329,6 @@ def _carries_gradient(t):
     positions, a mask) whose dim 0 happens to have the items' size is no example's (Funnel's relative positions,
     2T rows, met 2N choices)."""
     return t.requires_grad and not isinstance(t, nn.Parameter)
-
-
-def _same(a, b):
-    """True when Items a and b are the same items (equal counts of the same examples, in the same order)."""
-    if a is b:
-        return True
-    if (a.count, a.examples) != (b.count, b.examples):
-        return False
-    if a.example_of_item is None or b.example_of_item is None:
-        return a.example_of_item is None and b.example_of_item is None
-    return torch.equal(a.example_of_item, b.example_of_item)
-
-
-def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
-    """torch.einsum's arguments with each operand for which `copied(t)` holds (a table, a parameter) given one copy
-    per item of the examples' data, `copy(t, items)` -> (count, *t.shape), under a new leading subscript: the one
-    under which every other operand holding the examples' data (`items_of(t)` not None: only tensors a gradient
-    flows through, as the callers give it) has them on dim 0, which the
-    output keeps and no copied operand carries (each item's output then depends on its own copy alone); a copied
-    operand carrying it as its dim 0 (a table of one slice per item) is given as `slices(t, items)`. None when that
-    does not hold (an ellipsis, the examples summed over, operands of different items)."""
-    if kwargs or len(args) < 2 or not isinstance(args[0], str):
-        return None
-    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    equation = args[0].replace(" ", "")
-    if "->" not in equation or "." in equation:
-        return None
-    inputs, output = equation.split("->")
-    subscripts = inputs.split(",")
-    if len(subscripts) != len(operands) or not all(isinstance(t, torch.Tensor) for t in operands):
-        return None
-    letters, found = set(), None
-    for subscript, t in zip(subscripts, operands):
-        items = None if copied(t) or not subscript else items_of(t)
-        if items is None:
-            continue
-        if found is not None and not _same(items, found):
-            return None
-        found = items
-        letters.add(subscript[0])
-    if found is None or len(letters) != 1:
-        return None
-    (letter,) = letters
-    if letter not in output or any(letter in s[1:] for s, t in zip(subscripts, operands) if copied(t)):
-        return None
-    if any(letter in s and t.shape[s.index(letter)] != found.count for s, t in zip(subscripts, operands)):
-        return None
-    if slices is None and any(s[:1] == letter for s, t in zip(subscripts, operands) if copied(t)):
-        return None
-
-    def give(s, t):
-        if not copied(t):
-            return s, t
-        if s[:1] == letter:  # a table of one slice per item under the items' subscript: item i's is slice i
-            return s, slices(t, found)
-        return letter + s, copy(t, found)
-
-    given = [give(s, t) for s, t in zip(subscripts, operands)]
-    return (",".join(s for s, _ in given) + "->" + output, *[t for _, t in given])
 
 
 def _einsum_meeting(args, kwargs, sources):
@@ -475,80 +394,3 @@ def _refused(func, args, kwargs, sources, why):
             buffers,
         )
     return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
-
-
-class ExampleCopies(torch.autograd.Function):
-    """copies(table (plain), shape (count, ...), items, (sources, recipe)) -> the table's copies, one per item; backward
-    records each example's gradient of the sources (its items' copies' gradients summed, pulled back through the
-    table's computation, batched over the examples) and returns the table's gradient, the copies' sum."""
-
-    @staticmethod
-    def forward(ctx, plain, shape, items, sources):
-        ctx.save_for_backward(plain)
-        (ctx.sources, ctx.recipe), ctx.table_shape, ctx.items = sources, plain.shape, items
-        return plain.reshape(1, *shape[1:]).expand(shape).clone()  # a copy: an output may not be a view of an input
-
-    @staticmethod
-    def backward(ctx, grad):
-        (plain,) = ctx.saved_tensors
-        per_item = grad.reshape(grad.shape[0], *ctx.table_shape)
-        _record(plain, ctx.sources, ctx.items.to_examples(per_item), ctx.recipe)
-        return per_item.sum(0), None, None, None
-
-
-class SlicedTable(torch.autograd.Function):
-    """sliced(table (plain), items, (sources, recipe)) -> the table (a copy), whose dim 0 holds one slice per item; backward
-    records each example's gradient of the sources: its items' slices of the table's gradient (the rest zero),
-    pulled back through the table's computation."""
-
-    @staticmethod
-    def forward(ctx, plain, items, sources):
-        ctx.save_for_backward(plain)
-        (ctx.sources, ctx.recipe), ctx.items = sources, items
-        return plain.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        (plain,) = ctx.saved_tensors
-        count = grad.shape[0]
-        per_item = grad.new_zeros(count, *grad.shape)
-        index = torch.arange(count, device=grad.device)
-        per_item[index, index] = grad
-        _record(plain, ctx.sources, ctx.items.to_examples(per_item), ctx.recipe)
-        return grad, None, None
-
-
-def _record(plain, sources, per_example, recipe=None):
-    """Record each example's gradient of the sources, per_example (N, *table shape) pulled back through the
-    table's computation."""
-    recorded = [(p, b) for p, b in sources if b is not None and p.requires_grad]
-    if not recorded:
-        return
-    N = per_example.shape[0]
-    grads = _pulled_back(plain, [p for p, _ in recorded], per_example, recipe)
-    for (param, buffer), g in zip(recorded, grads):
-        g = torch.zeros(N, *param.shape, dtype=per_example.dtype, device=per_example.device) if g is None else g
-        if not uses.hand_over(buffer, lambda g=g: uses.DenseFactor(g)):
-            dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-            add_pe_sqnorm(buffer, g.reshape(N, -1).pow(2).sum(1, dtype=dtype))  # (a 0-d tensor's too)
-
-
-def _pulled_back(table_tensor, params, per_example, recipe=None):
-    """Each example's gradients of `params` (N, *shape each) for its gradient of the table, through the table's
-    computation: batched over the examples, or one by one where a backward formula cannot be batched."""
-    try:
-        return torch.autograd.grad(
-            table_tensor, params, per_example, is_grads_batched=True, retain_graph=True, allow_unused=True
-        )
-    except RuntimeError:
-        if recipe is not None:  # (a graph that cannot run backward twice: selective activation checkpointing)
-            with torch.enable_grad():
-                table_tensor = recomputed(recipe)
-            try:
-                return torch.autograd.grad(table_tensor, params, per_example, is_grads_batched=True, allow_unused=True)
-            except RuntimeError:
-                pass
-        found = [
-            torch.autograd.grad(table_tensor, params, g, retain_graph=True, allow_unused=True) for g in per_example
-        ]
-        return [None if found[0][j] is None else torch.stack([f[j] for f in found]) for j in range(len(params))]

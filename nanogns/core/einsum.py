@@ -1,0 +1,67 @@
+"""
+torch.einsum where a shared operand (a table the examples share, core/shared.py; a module's own parameter,
+conversion/intercept.py) meets the examples' data: each item of the examples gets its own copy of the shared
+operand under a new subscript, the one under which the data holds the items, so that each item's output depends on
+its copy alone and backward gives each copy its item's gradient.
+"""
+
+import torch
+
+
+def same_items(a, b):
+    """True when Items a and b are the same items (equal counts of the same examples, in the same order)."""
+    if a is b:
+        return True
+    if (a.count, a.examples) != (b.count, b.examples):
+        return False
+    if a.example_of_item is None or b.example_of_item is None:
+        return a.example_of_item is None and b.example_of_item is None
+    return torch.equal(a.example_of_item, b.example_of_item)
+
+
+def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
+    """torch.einsum's arguments with each operand for which `copied(t)` holds (a table, a parameter) given one copy
+    per item of the examples' data, `copy(t, items)` -> (count, *t.shape), under a new leading subscript: the one
+    under which every other operand holding the examples' data (`items_of(t)` not None: only tensors a gradient
+    flows through, as the callers give it) has them on dim 0, which the
+    output keeps and no copied operand carries (each item's output then depends on its own copy alone); a copied
+    operand carrying it as its dim 0 (a table of one slice per item) is given as `slices(t, items)`. None when that
+    does not hold (an ellipsis, the examples summed over, operands of different items)."""
+    if kwargs or len(args) < 2 or not isinstance(args[0], str):
+        return None
+    operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    equation = args[0].replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return None
+    inputs, output = equation.split("->")
+    subscripts = inputs.split(",")
+    if len(subscripts) != len(operands) or not all(isinstance(t, torch.Tensor) for t in operands):
+        return None
+    letters, found = set(), None
+    for subscript, t in zip(subscripts, operands):
+        items = None if copied(t) or not subscript else items_of(t)
+        if items is None:
+            continue
+        if found is not None and not same_items(items, found):
+            return None
+        found = items
+        letters.add(subscript[0])
+    if found is None or len(letters) != 1:
+        return None
+    (letter,) = letters
+    if letter not in output or any(letter in s[1:] for s, t in zip(subscripts, operands) if copied(t)):
+        return None
+    if any(letter in s and t.shape[s.index(letter)] != found.count for s, t in zip(subscripts, operands)):
+        return None
+    if slices is None and any(s[:1] == letter for s, t in zip(subscripts, operands) if copied(t)):
+        return None
+
+    def give(s, t):
+        if not copied(t):
+            return s, t
+        if s[:1] == letter:  # a table of one slice per item under the items' subscript: item i's is slice i
+            return s, slices(t, found)
+        return letter + s, copy(t, found)
+
+    given = [give(s, t) for s, t in zip(subscripts, operands)]
+    return (",".join(s for s, _ in given) + "->" + output, *[t for _, t in given])
