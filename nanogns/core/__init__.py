@@ -17,6 +17,8 @@ lists the route as calls):
     uses.py          a tensor used several times in one forward: its uses' per-example gradients summed
     tied.py          a matrix tied between an Embedding and a Linear: the cross term of their uses
     shared.py        tables computed from parameters alone and shared by the examples (positions, relative bias)
+    einsum.py        torch.einsum where a table or a parameter meets the examples: a copy per example
+    pullback.py      a table's per-example gradients pulled back to its parameters (recomputed where need be)
     towers.py        which example each image of a vision tower is
     matmul.py        the Gram trick and materialised dW_i: the maths every matrix-product kind reuses
     strategy.py      the one context that forces an exact computation where there are several (tests, benchmarks)
