@@ -147,7 +147,8 @@ def test_clip_text_and_vision_with_its_0d_logit_scale_exact():
 
 
 class _ScaledProjection(nn.Module):
-    """Reads its child's weight itself (so it is replayed per example as one unit) and scales by a 0-d parameter."""
+    """Reads its child's weight itself in an op its kept forward cannot follow (tensordot: so it is replayed per
+    example as one unit, conversion/probe.py:read_children_problem) and scales by a 0-d parameter."""
 
     def __init__(self):
         super().__init__()
@@ -155,7 +156,7 @@ class _ScaledProjection(nn.Module):
         self.alpha = nn.Parameter(torch.tensor(0.7))
 
     def forward(self, x):
-        return torch.tanh(F.linear(x, self.proj.weight) * self.alpha)
+        return torch.tanh(torch.tensordot(x, self.proj.weight.t(), dims=1) * self.alpha)
 
 
 def test_a_0d_parameter_of_a_replayed_module_exact():

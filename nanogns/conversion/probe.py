@@ -522,26 +522,37 @@ def _signature(module):
 
 
 def read_children_problem(module, read):
+    """See _read_children_problem; any failure of the probe itself (a module that cannot be copied) is its reason."""
+    try:
+        return _read_children_problem(module, read)
+    except Exception as e:
+        return f"no probe of its forward with its children's parameter uses followed ran ({type(e).__name__}: {e})"
+
+
+def _read_children_problem(module, read):
     """None when `module`'s own forward, with its own parameters' and its children `read`'s parameters' uses followed
     (intercept.py: its code reads those children's parameters itself, Mamba's mixer its conv1d's and dt_proj's),
     computes what it computes and records each of those parameters' examples, on a probe input of three examples
     of four rows as wide as its first Linear child takes (float64, inside a forward of that layout); else what goes
     wrong (the module is then replayed per example)."""
     params = list(module.parameters())
-    if any(p.device.type == "meta" for p in params) or not all(p.is_floating_point() for p in params):
-        return "its parameters are on the meta device or not floating point"
+    if not all(p.is_floating_point() for p in params):
+        return "its parameters are not floating point"
     width = next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), None)
     if width is None or not _takes_one_input(module):
         return "no probe input can be made for it (a Linear child's width, one input)"
     generator = torch.Generator().manual_seed(0)
     device = params[0].device
-    plain = copy.deepcopy(module).double()
-    twin = copy.deepcopy(module).double()
+    if device.type == "meta":  # (real sizes built on the meta device: probed on the CPU, with random values)
+        device = torch.device("cpu")
+        plain = copy.deepcopy(module).to_empty(device=device).double()
+    else:
+        plain = copy.deepcopy(module).double()
+    twin = copy.deepcopy(plain)
     with torch.no_grad():
         for p, q in zip(plain.parameters(), twin.parameters()):
-            p.copy_(
-                torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device) / max(1, p.shape[-1]) ** 0.5
-            )
+            scale = max(1, p.shape[-1]) ** 0.5 if p.dim() else 1.0  # (a 0-d parameter: a scale)
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device) / scale)
             q.copy_(p)
     x = torch.randn(3, 4, width, generator=generator, dtype=torch.float64).to(device)
     adopt(twin, intercept.InterceptedForward, {"kinds": {}, "children": read})
