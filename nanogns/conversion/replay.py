@@ -223,20 +223,8 @@ def reads_children_parameters(module):
     reads its output projection's weight only `if self.pretraining_tp > 1 and ...`: see _untaken)."""
     if parametrize.is_parametrized(module):  # its weight is a parametrisation (a child) of its parameters
         return True
-    children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
-    if not children:
-        return False
-    found = forward_methods(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")), True)
-    if found is None:
-        return True
-    for _, text in found.values():
-        try:
-            tree = ast.parse(textwrap.dedent(text))
-        except SyntaxError:
-            return True
-        if _computes_with_children(_untaken(tree, module), children):
-            return True
-    return False
+    read = children_read(module)
+    return read is None or bool(read)
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -321,9 +309,11 @@ _ASKING = {"isinstance", "getattr", "hasattr", "type", "id", "len", "callable"}
 
 
 def children_read(module):
-    """The names of the children whose parameters the module's code computes with itself (reads_children_parameters,
-    child by child); None when the code cannot be read."""
+    """The names of the children whose parameters the module's code computes with itself (the rules of
+    reads_children_parameters, child by child); None when the code cannot be read."""
     children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
+    if not children:
+        return ()
     found = forward_methods(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")), True)
     if found is None:
         return None
