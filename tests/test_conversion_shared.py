@@ -235,7 +235,7 @@ class RelativeAttention(nn.Module):
 
 class TablesMetEverywhere(nn.Module):
     """A table meeting the examples in each op of transformers' models that per-example copies follow:
-    expand_as (XLM's positions), torch.cat along the features and torch.bmm of a table with one row per example
+    expand_as (XLM's positions; Flaubert's, looked up from ids expanded over the batch), torch.cat along the features and torch.bmm of a table with one row per example
     (RoCBert's and LED's lookups of ids made for the batch, not from it), torch.einsum (Funnel, Pegasus-X)."""
 
     def __init__(self):
@@ -246,6 +246,7 @@ class TablesMetEverywhere(nn.Module):
     def forward(self, ids):
         tokens = self.wte(ids)
         x = tokens + self.wpe(torch.arange(ids.shape[1]).unsqueeze(0)).expand_as(tokens)
+        x = x + self.wpe(torch.arange(ids.shape[1]).expand(ids.shape)).expand_as(tokens)  # Flaubert: ids expanded
         segments = self.wse(ids.new_zeros(ids.shape))  # (N, T, 8): ids made for the batch, looked up once
         x = torch.cat([x, segments], dim=-1)[..., :8] + torch.bmm(x, segments.transpose(1, 2)).softmax(-1) @ x
         return self.head(self.rel(x).transpose(1, 2))

@@ -188,10 +188,13 @@ def _follow(func, args, kwargs):
     current = layout.current()
     if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
         return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
-    others = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, SharedRows)]
     if func is torch.Tensor.expand_as and len(args) == 2 and isinstance(args[0], SharedRows) and not kwargs:
         if isinstance(args[1], torch.Tensor) and not isinstance(args[1], SharedRows) and _items(args[1]) is not None:
-            func, args = torch.Tensor.expand, (args[0], tuple(args[1].shape))  # expand_as(x): expand(x's sizes)
+            # expand_as(x) is expand(x's sizes): x gives only its shape (a table of one row per example, Flaubert's
+            # positions looked up from ids expanded over the batch, stays a table until it meets the data)
+            func, args = torch.Tensor.expand, (args[0], tuple(args[1].shape))
+            flat = trees.leaves((args, kwargs))
+    others = [t for t in flat if isinstance(t, torch.Tensor) and not isinstance(t, SharedRows)]
     meets = _meeting(func, args, kwargs)
     if meets is not None:  # Tensor.expand(N, ...), Tensor.repeat(N, ...): copies made here
         return meets(sources)
