@@ -740,6 +740,54 @@ def test_rows_moved_to_dim_1_by_the_model_s_own_transpose_exact(shape):
     assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), shape[0])
 
 
+class _TransposesItsIds(nn.Module):
+    """XLNet's layout: the ids transposed to (T, N) before the lookup, every layer on (T, N, D) rows, the output
+    transposed back to (N, T, D) for the head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.proj, self.head = nn.Embedding(V, 8), nn.Linear(8, 8), nn.Linear(8, V)
+
+    def forward(self, ids):
+        x = self.wte(ids.transpose(0, 1).contiguous())  # (T, N, 8)
+        return self.head(torch.tanh(self.proj(x)).permute(1, 0, 2))
+
+
+def test_the_ids_tag_follows_the_examples_through_moves_of_dims():
+    """examples_dim: where tagged ids hold their examples, through transposes, permutes, unsqueezes and ops that
+    keep the rank; unknown (None) once the rank changes after a move; 0 for untouched ids."""
+    from nanogns.core.ids import ExampleIds, examples_dim
+
+    ids = torch.arange(12).view(3, 4).as_subclass(ExampleIds)
+    moved = ids.transpose(0, 1).contiguous()
+    assert [examples_dim(t) for t in (ids, moved, moved.unsqueeze(-1), moved.unsqueeze(0), ids.T)] == [0, 1, 1, 2, 1]
+    assert [examples_dim(t) for t in (ids.permute(1, 0), torch.movedim(ids.unsqueeze(-1), 0, 2), moved[:, 1:] + 1)] == [
+        1,
+        2,
+        1,
+    ]
+    assert examples_dim(moved.reshape(-1)) is None and examples_dim(ids.reshape(-1)) == 0
+
+
+@pytest.mark.parametrize("model_of", [_TransposesItsIds, _TransposesAndPads])
+def test_rows_of_n_by_n_where_the_forward_moved_its_examples_are_refused_not_guessed(model_of):
+    """A micro-batch of as many examples as the rows the forward moved to dim 0 (XLNet's ids transposed, N == T;
+    Longformer's padded states, N == T'): (N, N, D) rows hold the examples on dim 0 or dim 1, sizes cannot tell,
+    and the step is refused saying so (they were taken as dim 0's: wrong numbers). Other sizes stay exact."""
+    torch.manual_seed(0)
+    model = model_of().double()
+    if model_of is _TransposesItsIds:
+        data, loss_of = ids_batch(6, 5), lambda x: next_token_losses(model(x), x)
+    else:
+        data, loss_of = torch.randn(8, 4, 6, dtype=torch.float64), lambda x: model(x).pow(2).mean((1, 2))
+    n = len(data)
+    assert_exact(model, lambda part: loss_of(data[part]), n, parts=[slice(0, 2), slice(2, n)])
+    monitor = lc.convert(model)
+    loss_of(data[1:]).sum().backward()  # 5 ids of 5 tokens; 7 states padded to 7 positions
+    with pytest.raises(ValueError, match=r"rows \((5, 5|7, 7)\) for the forward's \d examples.*size other than"):
+        monitor.measure(batch_size=n - 1)
+
+
 class _ShiftsItsIds(nn.Module):
     """A decoder's inputs as T5's, MVP's and T5Gemma's shift_right makes them: ids written into a tensor of zeros
     (shifted[:, 1:] = ids[:, :-1]), then looked up and split into heads folded into the batch, (N*H, T, d)."""

@@ -25,15 +25,86 @@ class ExampleIds(torch.Tensor):
     ids: they stay plain, so that a lookup of them is a table's, whatever the sizes (an untagged lookup is exact
     either way: core/shared.py gives each example its rows of the table as torch broadcasts them)."""
 
+    _examples_dim = 0  # the dim holding the examples (examples_dim), set on ids whose examples an op moved
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
+        moved = 0
+        with torch._C.DisableTorchFunctionSubclass():  # (ndim read in here: no __torch_function__ of its own)
             out = func(*args, **(kwargs or {}))
+            if args and type(args[0]) is ExampleIds and (func in _MOVES or args[0]._examples_dim != 0):
+                if type(out) is torch.Tensor:  # where the examples are in the output, for the tag below
+                    moved = _moved(func, args, kwargs, args[0]._examples_dim, args[0].ndim, out.ndim)
         if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], ExampleIds):
             _written_into(args[0])
         if func in _NOT_FROM_THE_IDS or _takes_dtype_only(func, args) or _one_example_out(func, args, kwargs):
             return out
-        return trees.map_leaves(_tag, out)
+        out = trees.map_leaves(_tag, out)
+        if moved != 0 and type(out) is ExampleIds:
+            out._examples_dim = moved
+        return out
+
+
+def examples_dim(ids):
+    """The dim of tagged ids that holds the examples: 0 as the root's inputs hold them, the dim a transpose,
+    permute, movedim or unsqueeze moved it to (XLNet's (T, N) ids), None where an op changed the rank of ids whose
+    examples had moved (no longer known)."""
+    return ids._examples_dim
+
+
+# ops that move the dims of a tensor (a tagged one's examples_dim follows them)
+_MOVES = frozenset(
+    {
+        torch.transpose,
+        torch.Tensor.transpose,
+        torch.swapaxes,
+        torch.Tensor.swapaxes,
+        torch.swapdims,
+        torch.Tensor.swapdims,
+        torch.t,
+        torch.Tensor.t,
+        torch.permute,
+        torch.Tensor.permute,
+        torch.movedim,
+        torch.Tensor.movedim,
+        torch.moveaxis,
+        torch.Tensor.moveaxis,
+        torch.unsqueeze,
+        torch.Tensor.unsqueeze,
+        torch.Tensor.T.__get__,
+        torch.Tensor.mT.__get__,
+    }
+)
+
+
+def _moved(func, args, kwargs, at, before, after):
+    """The dim holding the examples in func's output, for tagged ids (of `before` dims) holding them on dim `at`."""
+    if at is None:
+        return None
+    if func not in _MOVES:  # an op keeping the rank keeps the dims (elementwise, slices, clone)
+        return at if before == after else (0 if at == 0 else None)
+    given = (*args[1:], *kwargs.values()) if kwargs else args[1:]
+    if func in (torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.t, torch.Tensor.t):
+        order = list(range(after))
+        if func is torch.Tensor.T.__get__:
+            order.reverse()
+        elif after >= 2:
+            order[-2], order[-1] = order[-1], order[-2]
+        return order.index(at)
+    if func in (torch.unsqueeze, torch.Tensor.unsqueeze):
+        return at + 1 if given[0] % after <= at else at
+    if func in (torch.permute, torch.Tensor.permute):
+        order = list(given[0]) if len(given) == 1 and not isinstance(given[0], int) else list(given)
+        return [d % after for d in order].index(at)
+    if func in (torch.movedim, torch.Tensor.movedim, torch.moveaxis, torch.Tensor.moveaxis):
+        sources, destinations = ([g] if isinstance(g, int) else list(g) for g in given[:2])
+        sources, destinations = [d % after for d in sources], [d % after for d in destinations]
+        if at in sources:
+            return destinations[sources.index(at)]
+        rest = [d for d in range(after) if d not in destinations]
+        return rest[[d for d in range(before) if d not in sources].index(at)]
+    d0, d1 = (d % after for d in given[:2])  # transpose, swapaxes, swapdims
+    return d1 if at == d0 else d0 if at == d1 else at
 
 
 def _written_into(target):

@@ -62,6 +62,8 @@ class Pass:
         self.module_scopes = {}  # {id(layer): the scope it ran in}, for a recompute in backward (rows_for)
         self.backward_seen = False  # a layer's backward asked about this pass's uses (uses.py)
         self.interleaved = False  # it began before the backward of an earlier forward with tensors used twice
+        self.examples_moved = False  # its ids or data were seen with their examples moved off dim 0 (a transpose)
+        self.ids_moved = False  # its ids were (an autograd history then starts at data whose examples are not dim 0)
         if counting:
             for shared in mapper.shared:
                 for address in shared.addresses():
@@ -293,9 +295,51 @@ def rows_by_history(x):
     if found is None or found.layout is None or found.layout.packed is not None or found.scopes:
         return None
     N = found.layout.examples
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != N or x.grad_fn is None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != N or x.grad_fn is None or found.ids_moved:
+        return None  # (ids moved to dim 1: the history's data did not arrive with its examples on dim 0)
+    if dim_by_history(x) != 1:
         return None
-    return Rows("seqfirst", N, positions=x.shape[0]) if dim_by_history(x) == 1 else None
+    found.examples_moved = True
+    return Rows("seqfirst", N, positions=x.shape[0])
+
+
+def rows_of_moved_ids(ids):
+    """Rows of ids (..., 1) an Embedding looks up whose examples the forward moved off dim 0 (core/ids.py's
+    examples_dim: XLNet transposes its ids to (T, N)): 'seqfirst' for (T, N, 1) ids, whatever T and N; why they
+    cannot be mapped for other moves; None for ids holding their examples on dim 0 (rows_for decides)."""
+    at = ids._examples_dim if isinstance(ids, ExampleIds) else 0
+    found = current_pass()
+    if at == 0 or found is None or found.layout is None:
+        return None
+    found.examples_moved = found.ids_moved = True
+    N = found.layout.examples
+    if at == 1 and ids.dim() == 3 and ids.shape[1] == N and found.layout.packed is None and not found.scopes:
+        return Rows("seqfirst", N, positions=ids.shape[0])
+    return (
+        f"its ids have rows {tuple(ids.shape[:-1])}, the forward having moved their examples to dim {at} (a "
+        f"transpose or permute of the ids): only (T, {N}) ids, the forward's {N} examples on dim 1, can be mapped"
+    )
+
+
+def undecided_rows(x):
+    """Why rows 'dim0' of an input x (N, N, ...) cannot be trusted: its forward moved the examples off dim 0 (its ids
+    transposed, or x's autograd history transposes its data), so dim 0 and dim 1 both have the N examples' sizes and
+    nothing tells which holds them; None when x's examples can only be on dim 0. Asked only for (N, N, ...) inputs."""
+    found = current_pass()
+    if found is None or found.layout is None or found.scopes or found.layout.packed is not None:
+        return None
+    N = found.layout.examples
+    if not isinstance(x, torch.Tensor) or x.shape[0] != N:
+        return None
+    if not found.examples_moved:
+        if x.grad_fn is None or dim_by_history(x) == 0:
+            return None
+        found.examples_moved = True
+    return (
+        f"its input has rows {tuple(x.shape[:-1])} for the forward's {N} examples, and this forward moves its "
+        "examples off dim 0 (its ids, or its data, transposed): dim 0 and dim 1 both have the examples' size, and "
+        f"nothing tells which holds them; use micro-batches of a size other than {N}"
+    )
 
 
 def items_of(dim0):

@@ -29,7 +29,7 @@ import warnings
 import torch
 
 from nanogns.core import layout, trees
-from nanogns.core.ids import ExampleIds
+from nanogns.core.ids import ExampleIds, examples_dim
 from nanogns.core.inputs import EXAMPLE_ARGUMENTS, SHAPE_ARGUMENT
 from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Rows
@@ -66,7 +66,7 @@ class MixingCheck:
         except Exception as e:  # the check is the monitor's own: a failure of it refuses nothing, and is said
             warnings.warn(f"GNS: the check that the forward does not mix the examples could not run ({e!r})")
             found = None
-        if found != "one example":  # (a forward of one example: checked at a later step)
+        if found != "one example":  # (a forward of one example, or of rows sizes cannot map: checked later)
             self.found[module.training] = found
 
     def note(self, mapper):
@@ -177,6 +177,7 @@ def _probe(module, args, kwargs, mapper, table, key):
             ((*args[:key], main, *args[key + 1 :]), kwargs) if isinstance(key, int) else (args, {**kwargs, key: main})
         )
     sources, points, running = [], [], []  # sources (tensor, rows); points (stack, tensor, rows) in forward order
+    moved = []  # the Embeddings whose ids had their examples moved off dim 0
     seen = set()  # a tensor is a point where it first appears (not again in a container's output tuple)
 
     def note(t, found):
@@ -200,9 +201,15 @@ def _probe(module, args, kwargs, mapper, table, key):
             found = layout.current_pass()
             replaced = None
             if found is not None and isinstance(mod, torch.nn.Embedding) and isinstance(output, torch.Tensor):
-                if inputs and isinstance(inputs[0], ExampleIds) and rows_of(found, output) is not None:
+                rows = None
+                if inputs and isinstance(inputs[0], ExampleIds) and examples_dim(inputs[0]) != 0:
+                    moved.append(path)  # ids whose examples the forward moved (XLNet's (T, N)): rows from the tag
+                    rows = layout.rows_of_moved_ids(inputs[0].unsqueeze(-1))
+                elif inputs and isinstance(inputs[0], ExampleIds):
+                    rows = rows_of(found, output)
+                if isinstance(rows, Rows) and rows.kind != "shared":
                     replaced = output.detach().requires_grad_(True)  # the examples' first rows: followed back to
-                    sources.append((replaced, rows_of(found, output)))
+                    sources.append((replaced, rows))
             for t in trees.leaves(replaced if replaced is not None else output) if found is not None else ():
                 note(t, found)
             if running and running[-1] == path:
@@ -237,6 +244,8 @@ def _probe(module, args, kwargs, mapper, table, key):
             N = found.layout.examples
             if N < 2:
                 return "one example"
+            if moved and any(t.dim() > 2 and t.shape[0] == t.shape[1] == N for t, _ in sources + targets):
+                return "one example"  # (N, N, ...) rows where the examples moved: sizes cannot tell; a later step
             if not sources or not targets:
                 return None
             for j in sorted({0, N - 1}):
