@@ -340,15 +340,61 @@ def test_wav2vec2_masked_frames_take_each_example_its_copy_of_the_mask_embedding
     check_exact(model, monitor, want, got)
 
 
+class _GatedHeadNorm(nn.Module):
+    """Qwen3.5's and OLMo-Hybrid's gated RMSNorm: a module of its own (no kind), called on heads flattened into rows
+    ((N, T, H * d) reshaped to (N*T*H, d)) with a gate flattened the same way."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, gate):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * F.silu(gate)
+
+
+class _FlattensItsHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.gate, self.norm, self.head = (
+            nn.Linear(6, 8),
+            nn.Linear(6, 8),
+            _GatedHeadNorm(2),
+            nn.Linear(8, 3),
+        )
+
+    def forward(self, x):
+        N, T, _ = x.shape
+        heads = self.proj(x).view(N, T, 4, 2).transpose(1, 2).reshape(-1, 2)  # (N*H*T, d), heads first
+        return self.head(
+            self.norm(heads, self.gate(x).view(N, T, 4, 2).transpose(1, 2).reshape(-1, 2)).view(N, 8, T).transpose(1, 2)
+        )
+
+
+def test_a_replayed_module_on_rows_a_reshape_flattened_from_the_examples_exact():
+    """The norm's (N*H*T, d) rows: no input's length, so sizes say nothing; the autograd history (a reshape of
+    (N, ...) data) says each example holds H*T of them, one example after the other. Replayed, exact, B == T."""
+    torch.manual_seed(0)
+    model = _FlattensItsHeads().double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    assert isinstance(model.norm, ReplayedForward)
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    check_exact(model, monitor, want, got)
+
+
 class _ReadsItsConv(nn.Module):
     """Reads its children's weights itself, as Mamba's mixer does: a depthwise causal convolution of
     conv.weight.squeeze(1) (F.conv1d of a table computed from the child's weight), proj.weight @ x, and a child it
-    only calls (inp); with `unfollowed`, the conv weight also meets the examples in an op no rule follows."""
+    only calls (inp); with `unfollowed`, the conv weight also meets the examples in an op no rule follows; without
+    `bias`, the convolution called with keywords and no parameter among its arguments, only a table (Qwen3.5's and
+    Qwen3-Next's gated DeltaNet)."""
 
-    def __init__(self, unfollowed=False):
+    def __init__(self, unfollowed=False, bias=True):
         super().__init__()
         self.unfollowed = unfollowed
-        self.inp, self.conv, self.proj = nn.Linear(6, 4), nn.Conv1d(4, 4, 3, groups=4), nn.Linear(4, 6)
+        self.inp, self.conv, self.proj = nn.Linear(6, 4), nn.Conv1d(4, 4, 3, groups=4, bias=bias), nn.Linear(4, 6)
         self.scale = nn.Parameter(torch.ones(4))
 
     def forward(self, x):
@@ -356,17 +402,20 @@ class _ReadsItsConv(nn.Module):
         weight = self.conv.weight.squeeze(1)
         if self.unfollowed:  # (N, T, C) x (C, K) -> (N, T, K): a meeting no rule follows
             h = h + torch.tensordot(h.transpose(1, 2), weight, dims=([2], [0])).sum(-1)[:, None, :]
-        h = F.conv1d(h, weight.unsqueeze(1), self.conv.bias, padding=2, groups=4)[..., : x.shape[1]]
+        if self.conv.bias is None:
+            h = F.conv1d(h, weight=weight.unsqueeze(1), bias=None, padding=2, groups=4)[..., : x.shape[1]]
+        else:
+            h = F.conv1d(h, weight.unsqueeze(1), self.conv.bias, padding=2, groups=4)[..., : x.shape[1]]
         h = torch.tanh(h) * self.scale[:, None]
         return (self.proj.weight @ h).transpose(1, 2) + self.proj.bias
 
 
-@pytest.mark.parametrize("unfollowed", [False, True])
-def test_a_module_reading_its_children_s_weights_keeps_its_forward_or_is_replayed(unfollowed):
+@pytest.mark.parametrize("unfollowed, bias", [(False, True), (True, True), (False, False)])
+def test_a_module_reading_its_children_s_weights_keeps_its_forward_or_is_replayed(unfollowed, bias):
     """Its forward kept with the children it reads followed where the probe passes (the child it only calls a
     Linear of its own), else replayed per example with its children; exact either way, B == T on purpose."""
     torch.manual_seed(0)
-    model = nn.Sequential(_ReadsItsConv(unfollowed), nn.Linear(6, 3)).double()
+    model = nn.Sequential(_ReadsItsConv(unfollowed, bias), nn.Linear(6, 3)).double()
     x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
     want = brute_force(model, loss_of, 4)

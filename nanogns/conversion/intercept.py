@@ -293,38 +293,19 @@ class _ParameterUses(TorchFunctionMode):
         sign = self.signs.get(id(param), 1)
         return BroadcastOverExamples.apply(param.view(leading), items, self.buffer(param), sign)
 
-    def conv1d(self, x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        """F.conv1d of the examples' data x (N, C, L) with a weight and bias that are this module's parameters or
-        tables computed from them (Mamba's depthwise causal convolution of conv1d.weight.squeeze(1)): each
-        example's own copy of each, as one grouped convolution over the N examples' channels (the same
-        arithmetic), so that backward gives each copy its example's gradient. None when that does not hold."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.requires_grad or isinstance(padding, str):
+    def conv1d(self, *args, **kwargs):
+        """F.conv1d of the examples' data with a weight and bias that are this module's parameters or tables computed
+        from them (Mamba's depthwise causal convolution of conv1d.weight.squeeze(1)): shared.per_example_conv1d,
+        each example its own copy of each. None when that does not hold."""
+
+        def copies(t, items):
+            if self.name_of(t) is not None:
+                return self.copies(t, items)
+            return shared.copies_for(t, items) if shared.is_shared(t) else None
+
+        if self.name_of(args[0] if args else kwargs.get("input")) is not None:  # (a parameter as the data)
             return None
-        items = _items_of(x.shape[0])
-        if items is None or items.count != items.examples or self.name_of(x) is not None:
-            return None
-        N = x.shape[0]
-        given = []
-        for t in (weight, bias):
-            if t is None:
-                given.append(None)
-            elif self.name_of(t) is not None:
-                given.append(self.copies(t, items))
-            elif shared.is_shared(t):
-                given.append(shared.copies_for(t, items))
-            else:
-                return None
-        w, b = given
-        out = F.conv1d(
-            x.reshape(1, N * x.shape[1], x.shape[2]),
-            w.reshape(N * weight.shape[0], *weight.shape[1:]),
-            None if b is None else b.reshape(-1),
-            stride,
-            padding,
-            dilation,
-            groups * N,
-        )
-        return out.view(N, weight.shape[0], out.shape[-1])
+        return shared.per_example_conv1d(*args, **kwargs, copies=copies)
 
     def copied(self, t):
         return self.name_of(t) is not None

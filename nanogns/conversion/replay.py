@@ -55,7 +55,7 @@ from nanogns.core.buffers import (
     register_pe_sqnorm_buffers,
 )
 from nanogns.core.ids import ExampleIds
-from nanogns.core.inputs import dim_by_history, example_dim
+from nanogns.core.inputs import dim_by_history, example_dim, flattened_by_history
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Items
@@ -455,6 +455,8 @@ def _units(args, kwargs, current):
             return None, found
         if found is not None or (N and t.shape[0] % N == 0 and t.shape[0] // N in current.lengths):
             return Items(N, N), None  # (N, ...) on some dim, or (N*T, ...) flattened rows
+        if flattened_by_history(t, N):  # (N*k, ...) rows a reshape of (N, ...) made
+            return Items(N, N), None
     return None, f"none of its inputs has the forward's {N} examples (or their items) on a dim"
 
 
@@ -493,7 +495,21 @@ def _flattened(t, count, lengths):
     examples into windows: k windows each), else None."""
     if count and t.shape[0] % count == 0 and (t.shape[0] // count in lengths or layout.in_windows()):
         return t.shape[0] // count
+    return flattened_by_history(t, count)  # (N*k, ...) rows a reshape of (N, ...) made, whatever k
+
+
+def _like_inputs(out, args, kwargs, in_rows):
+    """The flattened rows (N*k, ...) of an input whose dim 0 `out` has (a norm of (N*T*H, d) rows returns as many),
+    else None: `check` then holds each example's replayed output to the batch's rows it is given."""
+    for t, rows in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves(in_rows, is_leaf=_is_rows)):
+        if isinstance(rows, _Rows) and rows.per > 1 and isinstance(out, torch.Tensor) and out.dim() > 0:
+            if isinstance(t, torch.Tensor) and t.shape[0] == out.shape[0]:
+                return _Rows(0, rows.per)
     return None
+
+
+def _is_rows(x):
+    return x is None or isinstance(x, _Rows)
 
 
 class _Ambiguous(Exception):
@@ -538,7 +554,9 @@ class _Held:
         inputs = pytree.tree_map(_held_input, (args, kwargs))
         self.inputs = pytree.tree_map(_by_example, inputs, self.in_rows)
         self.positions = positions
-        self.out_rows = [_rows(flat[i], units, lengths) for i in positions]
+        self.out_rows = [
+            _rows(flat[i], units, lengths) or _like_inputs(flat[i], args, kwargs, self.in_rows) for i in positions
+        ]
         self.out = [
             _by_example(flat[i].detach(), r) if r else flat[i].detach() for i, r in zip(positions, self.out_rows)
         ]

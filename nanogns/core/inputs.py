@@ -125,6 +125,21 @@ def dim_by_history(t):
     return _traced_example_dim(t.grad_fn, t.dim(), 0)
 
 
+def flattened_by_history(t, count):
+    """k where t's dim 0 holds `count` examples' k rows each, made by a view or reshape of a tensor holding the
+    examples on its dim 0 (Qwen3.5's gated norm takes its (N, T, H, d) heads as (N*T*H, d) rows), as t's autograd
+    history says, whatever the sizes; else None. (A view keeps the elements' order: each example's elements stay
+    together, and rows of t do not straddle two examples when its dim 0 is a multiple of the examples.)"""
+    node = t.grad_fn
+    if node is None or not count or t.dim() == 0 or t.shape[0] % count or type(node).__name__ not in _VIEWS:
+        return None
+    before = tuple(node._saved_self_sym_sizes)
+    if not before or before[0] != count or _traced_example_dim(node.next_functions[0][0], len(before), 0) != 0:
+        return None
+    return t.shape[0] // count
+
+
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 _SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
 
 

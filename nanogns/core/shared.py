@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from nanogns.core import layout, trees
 from nanogns.core.einsum import einsum_with_copies, same_items
 from nanogns.core.pullback import ExampleCopies, Recipe, SlicedTable  # noqa: F401 (Recipe: intercept.py's)
+from nanogns.core.rowmaps import Items
 
 # ops where a table meets the examples' data, broadcast over them
 _ELEMENTWISE = {
@@ -207,6 +208,10 @@ def _follow(func, args, kwargs):
             found = _einsum_meeting(args, kwargs, sources)
             if found is not None:
                 return found
+        if func is F.conv1d:  # (Qwen3.5's gated DeltaNet: its conv1d.weight.squeeze(1), unsqueezed again)
+            found = per_example_conv1d(*args, **kwargs, copies=lambda t, items: _copies_or_none(t, items, sources))
+            if found is not None:
+                return found
         carried = [(t, items) for t, items in data if _carries_gradient(t)]  # (a constant's size proves nothing)
         if func in _ALONG_EXAMPLES and carried:
             found = _along_examples(func, args, kwargs, carried, sources)
@@ -345,6 +350,42 @@ def _einsum_meeting(args, kwargs, sources):
         lambda t, items: _sliced(t, items, sources),
     )
     return None if given is None else _run(torch.einsum, given, {})
+
+
+def per_example_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, copies):
+    """F.conv1d of the examples' data `input` (N, C, L) with a weight and bias shared by the examples (a module's
+    parameters, tables computed from them: Mamba's and the gated DeltaNets' depthwise causal convolutions), each
+    example given its own copy of each, `copies(t, items)` -> (N, *t.shape) or None, as one grouped convolution over
+    the N examples' channels (the same arithmetic), so that backward gives each copy its example's gradient. None
+    when that does not hold (then the caller refuses)."""
+    x = input
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.requires_grad or isinstance(padding, str):
+        return None
+    items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
+    if items is None or items.count != items.examples or is_shared(x) or isinstance(x, nn.Parameter):
+        return None
+    given = [None if t is None else copies(t, items) for t in (weight, bias)]
+    if given[0] is None or (bias is not None and given[1] is None):
+        return None
+    N, (w, b) = x.shape[0], given
+    out = _run(
+        F.conv1d,
+        (
+            x.reshape(1, N * x.shape[1], x.shape[2]).as_subclass(torch.Tensor),
+            w.reshape(N * weight.shape[0], *weight.shape[1:]).as_subclass(torch.Tensor),
+            None if b is None else b.reshape(-1).as_subclass(torch.Tensor),
+            stride,
+            padding,
+            dilation,
+            groups * N,
+        ),
+        {},
+    )
+    return out.view(N, weight.shape[0], out.shape[-1])
+
+
+def _copies_or_none(t, items, sources):
+    return _copies(t, items, (items.count, *t.shape), sources) if isinstance(t, SharedRows) else None
 
 
 def copies_for(t, items):
