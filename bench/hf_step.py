@@ -8,9 +8,10 @@ conv net, converted, beside the same model unconverted, in the same process, int
     python bench/hf_step.py --count                           # ops and Python calls per step, counted (no clock)
 
 Models (B = 8, float32): `llama` (4 layers, 256 wide, T = 128: every layer a kind), `llama-small` (2 layers, 64
-wide, T = 64), `mamba` (4 layers, 256 wide, T = 128: its mixers measured by the generic replay,
-conversion/replay.py, with transformers' reference scan), `bamba` (a Mamba-2 + attention hybrid, 4 layers, 256
-wide), `groupnorm` (a 3-block conv net with GroupNorm, 32x32 images, B = 16: GroupNorm a kind) and
+wide, T = 64), `mamba` (4 layers, 256 wide, T = 128: its mixers' own forward kept, their parameter uses
+followed by conversion/intercept.py, with transformers' reference scan), `bamba` (a Mamba-2 + attention hybrid, 4 layers, 256
+wide), `deltanet` (Qwen3.5's text model: 3 gated-DeltaNet layers and 1 attention layer, 256 wide, transformers'
+reference chunked delta rule), `groupnorm` (a 3-block conv net with GroupNorm, 32x32 images, B = 16: GroupNorm a kind) and
 `groupnorm-replayed` (the same net with the norm written as a module of one's own, which no kind matches:
 convert() replays each, the path any module without a kind takes). The ratio is the median over rounds of the converted step's time over the plain
 step's in the same round, with its quartiles; --count gives the ops (a TorchDispatchMode) and Python calls
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 import nanogns  # noqa: E402
 
-MODELS = ("llama", "llama-small", "mamba", "bamba", "groupnorm", "groupnorm-replayed")
+MODELS = ("llama", "llama-small", "mamba", "bamba", "deltanet", "groupnorm", "groupnorm-replayed")
 
 
 def _config(name):
@@ -55,6 +56,12 @@ def _config(name):
             vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=4, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=64, mamba_d_state=16,
             mamba_n_groups=1, mamba_chunk_size=32, max_position_embeddings=128,
+        ), 128  # fmt: skip
+    if name == "deltanet":
+        return transformers.Qwen3_5TextConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4,
+            linear_key_head_dim=64, linear_value_head_dim=64, max_position_embeddings=128,
         ), 128  # fmt: skip
     raise ValueError(name)
 
