@@ -29,6 +29,7 @@ from test_conversion_third_wave import assert_exact, next_token_losses
 
 import nanogns as lc
 from nanogns.conversion import replay
+from nanogns.conversion.intercept import InterceptedForward
 from nanogns.core import layout, rowmaps
 from nanogns.core.buffers import zero_pe_sqnorm_buffers
 
@@ -751,6 +752,50 @@ class _TransposesItsIds(nn.Module):
     def forward(self, ids):
         x = self.wte(ids.transpose(0, 1).contiguous())  # (T, N, 8)
         return self.head(torch.tanh(self.proj(x)).permute(1, 0, 2))
+
+
+class _RelativeAttentionSequenceFirst(nn.Module):
+    """XLNet's relative attention, reduced, on (T, N, D) states: its projections are parameters in torch.einsum
+    ("ibh,hnd->ibnd"), a bias broadcast over (T, N, n, d), and a table computed from a parameter and constant
+    positions expanded over the batch ((2T, N, D): no gradient) met by the queries in torch.einsum under the batch
+    letter, which both hold on dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.r = nn.Parameter(torch.randn(8, 2, 4) / 3), nn.Parameter(torch.randn(8, 2, 4) / 3)
+        self.bias, self.o = nn.Parameter(torch.randn(2, 4)), nn.Parameter(torch.randn(8, 2, 4) / 3)
+        self.norm = nn.LayerNorm(8)  # (its residual's, as XLNet's; the probe's inputs take its width)
+
+    def forward(self, h):
+        T, N, _ = h.shape
+        positions = torch.sin(torch.arange(2 * T, dtype=h.dtype)[:, None] * torch.arange(8, dtype=h.dtype) / 8)
+        r_head = torch.einsum("ibh,hnd->ibnd", positions[:, None].expand(-1, N, -1), self.r)  # (2T, N, n, d) table
+        q = torch.einsum("ibh,hnd->ibnd", h, self.q) + self.bias
+        scores = torch.einsum("ibnd,jbnd->bnij", q, r_head)[..., :T].softmax(-1)
+        return self.norm(h + torch.einsum("ibnd,hnd->ibh", torch.einsum("bnij,jbnd->ibnd", scores, q), self.o))
+
+
+class _SequenceFirstAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.attn, self.head = nn.Embedding(V, 8), _RelativeAttentionSequenceFirst(), nn.Linear(8, V)
+
+    def forward(self, ids):
+        h = self.wte(ids.transpose(0, 1).contiguous())  # (T, N, 8), as XLNet's forward makes it
+        return self.head(self.attn(h).permute(1, 0, 2))
+
+
+@pytest.mark.parametrize("shape", [(5, 4), (3, 6)])
+def test_parameters_and_tables_in_einsum_on_sequence_first_states_exact(shape):
+    """XLNet: the examples on dim 1 (the ids transposed by the model, so the tag says so) in every einsum, broadcast
+    and table meeting: each example's copy there, exact (micro-batches of 2 and 3, and of 2 and 1 examples)."""
+    torch.manual_seed(0)
+    model = _SequenceFirstAttention().double()
+    ids = ids_batch(*shape)
+    monitor = lc.convert(model)
+    assert isinstance(model.attn, InterceptedForward)  # (not replayed per example)
+    parts = [slice(0, 2), slice(2, shape[0])]
+    assert_exact(model, lambda part: next_token_losses(model(ids[part]), ids[part]), shape[0], parts, monitor)
 
 
 def test_the_ids_tag_follows_the_examples_through_moves_of_dims():

@@ -288,9 +288,14 @@ class _ParameterUses(TorchFunctionMode):
             return None
         items = _items_of(target_shape[0])
         leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
+        sign = self.signs.get(id(param), 1)
+        if items is None and len(leading) > 1 and leading[:2] == (1, 1):  # (T, N, ...) where the ids were moved
+            held = layout.items_held(target_shape)
+            if held is not None and held[1] == 1:  # (XLNet's q_head + r_w_bias): each example's copy on dim 1
+                copies = BroadcastOverExamples.apply(param.view(leading[1:]), held[0], self.buffer(param), sign)
+                return copies.unsqueeze(0)
         if items is None or leading[0] != 1:
             return None
-        sign = self.signs.get(id(param), 1)
         return BroadcastOverExamples.apply(param.view(leading), items, self.buffer(param), sign)
 
     def conv1d(self, *args, **kwargs):
@@ -311,10 +316,10 @@ class _ParameterUses(TorchFunctionMode):
         return self.name_of(t) is not None
 
     def items_of_data(self, t):
-        """The Items of t's dim 0 when t is the examples' data (not a parameter, nor a table), else None."""
+        """(Items, the dim holding them) when t is the examples' data (not a parameter, nor a table), else None."""
         if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0 or not t.requires_grad:
             return None  # (a constant, sinusoidal positions, whose dim 0 happens to have the items' size, is none)
-        return _items_of(t.shape[0]) if layout.current() is not None else None
+        return layout.items_held(t.shape)
 
     def copies(self, param, items):
         """(items.count, *param.shape): one copy of the parameter per item, each receiving its item's gradient."""

@@ -22,11 +22,12 @@ def same_items(a, b):
 def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
     """torch.einsum's arguments with each operand for which `copied(t)` holds (a table, a parameter) given one copy
     per item of the examples' data, `copy(t, items)` -> (count, *t.shape), under a new leading subscript: the one
-    under which every other operand holding the examples' data (`items_of(t)` not None: only tensors a gradient
-    flows through, as the callers give it) has them on dim 0, which the
-    output keeps and no copied operand carries (each item's output then depends on its own copy alone); a copied
-    operand carrying it as its dim 0 (a table of one slice per item) is given as `slices(t, items)`. None when that
-    does not hold (an ellipsis, the examples summed over, operands of different items)."""
+    under which every other operand holding the examples' data (`items_of(t)` -> (Items, the dim holding them) or
+    None: only tensors a gradient flows through, as the callers give it) has them, on dim 0 or, in a forward that
+    moved its examples to dim 1, there (XLNet's "ibh,hnd->ibnd"), which the output keeps and no copied operand
+    carries (each item's output then depends on its own copy alone); a copied operand carrying it (a table of one
+    slice per item) is given as `slices(t, items)`, that dim first. None when that does not hold (an ellipsis, the
+    examples summed over, operands of different items)."""
     if kwargs or len(args) < 2 or not isinstance(args[0], str):
         return None
     operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
@@ -39,28 +40,30 @@ def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
         return None
     letters, found = set(), None
     for subscript, t in zip(subscripts, operands):
-        items = None if copied(t) or not subscript else items_of(t)
-        if items is None:
+        held = None if copied(t) or not subscript else items_of(t)
+        if held is None:
             continue
-        if found is not None and not same_items(items, found):
+        items, dim = held
+        if dim >= len(subscript) or (found is not None and not same_items(items, found)):
             return None
         found = items
-        letters.add(subscript[0])
+        letters.add(subscript[dim])
     if found is None or len(letters) != 1:
         return None
     (letter,) = letters
-    if letter not in output or any(letter in s[1:] for s, t in zip(subscripts, operands) if copied(t)):
+    if letter not in output or any(s.count(letter) > 1 for s in subscripts):
         return None
     if any(letter in s and t.shape[s.index(letter)] != found.count for s, t in zip(subscripts, operands)):
         return None
-    if slices is None and any(s[:1] == letter for s, t in zip(subscripts, operands) if copied(t)):
+    if slices is None and any(letter in s for s, t in zip(subscripts, operands) if copied(t)):
         return None
 
     def give(s, t):
         if not copied(t):
             return s, t
-        if s[:1] == letter:  # a table of one slice per item under the items' subscript: item i's is slice i
-            return s, slices(t, found)
+        if letter in s:  # a table of one slice per item under the items' subscript: item i's is slice i
+            at = s.index(letter)
+            return letter + s[:at] + s[at + 1 :], slices(t.movedim(at, 0) if at else t, found)
         return letter + s, copy(t, found)
 
     given = [give(s, t) for s, t in zip(subscripts, operands)]

@@ -41,7 +41,7 @@ from nanogns.core.ids import ExampleIds, tagged_inputs
 from nanogns.core.inputs import dim_by_history, grouped, layout_of_inputs  # noqa: F401 (grouped: documented here)
 from nanogns.core.mapper import RowMapper
 from nanogns.core.module_state import state_of
-from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Layout, Rows, ragged  # noqa: F401 (ragged: documented here)
+from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Items, Layout, Rows, ragged  # noqa: F401 (ragged: documented here)
 
 
 class Pass:
@@ -349,6 +349,22 @@ def items_of(dim0):
     if found is None or found.layout is None:
         return None
     return found.layout.items_of(dim0, found.scopes[-1] if found.scopes else None)
+
+
+def items_held(shape):
+    """(Items, dim) of a tensor of `shape` holding the examples' data in the running forward: its dim 0's items, or
+    the examples on dim 1 in a forward whose ids had their examples moved there (XLNet's (T, N, ...) states: dim 1
+    has the N examples, dim 0 another size); None where sizes cannot tell (N == T there) and outside a forward."""
+    found = current_pass()
+    if found is None or found.layout is None or not len(shape):
+        return None
+    items = found.layout.items_of(shape[0], found.scopes[-1] if found.scopes else None)
+    if items is not None:
+        return None if found.ids_moved and len(shape) > 1 and shape[1] == shape[0] else (items, 0)
+    N = found.layout.examples
+    if found.ids_moved and not found.scopes and found.layout.packed is None and len(shape) > 1 and shape[1] == N:
+        return Items(N, N), 1
+    return None
 
 
 def looks_up_a_table(ids):

@@ -219,6 +219,10 @@ def _follow(func, args, kwargs):
                 return found
         return _refused(func, args, kwargs, sources, "meets the examples' data there")
     data = [t for t in others if t.requires_grad and not isinstance(t, nn.Parameter)]
+    if data and (func is torch.functional.einsum or func is torch.einsum):  # (data holding its examples on dim 1)
+        found = _einsum_meeting(args, kwargs, sources)
+        if found is not None:
+            return found
     if data:
         return _refused(
             func,
@@ -345,7 +349,7 @@ def _einsum_meeting(args, kwargs, sources):
         args,
         kwargs,
         lambda t: isinstance(t, SharedRows),
-        lambda t: _items(t) if _carries_gradient(t) else None,
+        lambda t: layout.items_held(t.shape) if _carries_gradient(t) else None,
         lambda t, items: _copies(t, items, (items.count, *t.shape), sources),
         lambda t, items: _sliced(t, items, sources),
     )
