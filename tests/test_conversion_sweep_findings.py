@@ -812,6 +812,7 @@ def test_the_ids_tag_follows_the_examples_through_moves_of_dims():
         1,
     ]
     assert examples_dim(moved.reshape(-1)) is None and examples_dim(ids.reshape(-1)) == 0
+    assert examples_dim(torch.cat([moved, moved])) == 1 and examples_dim(torch.cat([moved, moved]).sum(0)) is None
 
 
 @pytest.mark.parametrize("model_of", [_TransposesItsIds, _TransposesAndPads])

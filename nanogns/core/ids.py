@@ -26,6 +26,8 @@ class ExampleIds(torch.Tensor):
     either way: core/shared.py gives each example its rows of the table as torch broadcasts them)."""
 
     _examples_dim = 0  # the dim holding the examples (examples_dim), set on ids whose examples an op moved
+    _moved_any = False  # (class-wide) some ids had their examples moved in this root forward (layout.enter resets
+    # it): only then are the other arguments of an op looked at for them (torch.cat of moved ids)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -35,6 +37,10 @@ class ExampleIds(torch.Tensor):
             if args and type(args[0]) is ExampleIds and (func in _MOVES or args[0]._examples_dim != 0):
                 if type(out) is torch.Tensor:  # where the examples are in the output, for the tag below
                     moved = _moved(func, args, kwargs, args[0]._examples_dim, args[0].ndim, out.ndim)
+            elif ExampleIds._moved_any and type(out) is torch.Tensor:  # moved ids among the others (torch.cat)
+                source = _moved_source(args)
+                if source is not None:
+                    moved = source._examples_dim if source.ndim == out.ndim else None
         if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], ExampleIds):
             _written_into(args[0])
         if func in _NOT_FROM_THE_IDS or _takes_dtype_only(func, args) or _one_example_out(func, args, kwargs):
@@ -42,7 +48,17 @@ class ExampleIds(torch.Tensor):
         out = trees.map_leaves(_tag, out)
         if moved != 0 and type(out) is ExampleIds:
             out._examples_dim = moved
+            ExampleIds._moved_any = True
         return out
+
+
+def _moved_source(args):
+    """The first tagged ids with their examples moved off dim 0 among args (and the lists and tuples in them)."""
+    for a in args:
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if type(t) is ExampleIds and t._examples_dim != 0:
+                return t
+    return None
 
 
 def examples_dim(ids):

@@ -162,6 +162,8 @@ def enter(layout, mapper, tagged, inputs):
     # (in_backward's question, inline: this runs at every root forward)
     recompute = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
     this = Pass(layout, mapper, torch.is_grad_enabled() and not recompute, tagged, inputs)
+    if tagged:  # (ids moved by an earlier forward say nothing of this one's: see ExampleIds)
+        ExampleIds._moved_any = False
     mapper.forwards += 1
     if this.counting:
         mapper.layouts.append(layout)
