@@ -269,6 +269,46 @@ def test_tables_met_in_expand_as_cat_bmm_and_einsum_exact(shape):
     check_exact(model, monitor, want, got)
 
 
+class HeadsFoldedIntoTheBatch(nn.Module):
+    """Attention with its heads folded into the batch ((N, T, H, d) reshaped to (N*H, T, d)), as older models
+    write it, and a relative-position table (T, T) looked up from distances (ids made for the batch) added to the
+    (N*H, T, T) scores: dim 0 holds N*H rows that no input's size names; tokens folded (H, N*T, d) and queries
+    (T, N*H, d), each met by a table in torch.bmm or torch.matmul: dim 1 holds the examples' rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.rel, self.head = nn.Embedding(V, 8), nn.Embedding(15, 1), nn.Linear(8, V)
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.per_head, self.pos = nn.Embedding(2, 16), nn.Embedding(8, 4)
+
+    def forward(self, ids):
+        N, T = ids.shape
+        x = self.wte(ids)
+        heads = lambda t: t.view(N, T, 2, 4).transpose(1, 2).reshape(N * 2, T, 4)  # noqa: E731 (N*H, T, d)
+        q, k = heads(self.q(x)), heads(self.k(x))
+        distance = torch.arange(T)[None, :] - torch.arange(T)[:, None] + 7
+        scores = torch.bmm(q, k.transpose(1, 2)) + self.rel(distance).squeeze(-1)  # (N*H, T, T) + (T, T)
+        out = torch.bmm(scores.softmax(-1), k).view(N, 2, T, 4).transpose(1, 2).reshape(N, T, 8)
+        tokens = x.reshape(N * T, 2, 4).transpose(0, 1)  # (H, N*T, d): tokens folded, heads first (DeepSeek-V4)
+        mixed = torch.bmm(tokens, self.per_head(torch.arange(2)).view(2, 4, 4))  # a table per head
+        by_position = q.view(N * 2, T, 4).transpose(0, 1)  # (T, N*H, d) (SpeechT5's relative positions)
+        bias = torch.matmul(by_position, self.pos(torch.arange(T)).view(T, 4, 1))  # a table per position
+        bias = bias.transpose(0, 1).reshape(N, 2, T, 1).sum(1)  # (N, T, 1)
+        return self.head(out + x + mixed.transpose(0, 1).reshape(N, T, 8) + bias)
+
+
+def test_a_table_meeting_heads_folded_into_the_batch_exact():
+    """The scores' rows are N*H: their autograd history (a reshape of (N, ...) data) says each example holds H of
+    them, one example after the other; the table gets one copy per row, summed per example: exact, B == T."""
+    ids = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = HeadsFoldedIntoTheBatch().double()
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4))
+
+
 def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
     """expand(N, ...) is followed (each example its copy); the same table, met in torch.tensordot (an op no copy
     follows), is refused with the op named (never a number)."""

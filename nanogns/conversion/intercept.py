@@ -222,7 +222,8 @@ class _ParameterUses(TorchFunctionMode):
         elif func in _BROADCAST and len(args) == 2 and sum(n is not None for n in names) == 1 and not kwargs:
             i = 0 if names[0] is not None else 1
             other = args[1 - i]
-            expanded = self.broadcast(args[i], other.shape if isinstance(other, torch.Tensor) else None)
+            target = other if isinstance(other, torch.Tensor) else None
+            expanded = self.broadcast(args[i], None if target is None else target.shape, target)
             if expanded is not None:
                 return func(*((expanded, other) if i == 0 else (other, expanded)))
         if self.parameters_alone(args, kwargs):  # computed from parameters (and constants) alone: a table
@@ -280,13 +281,16 @@ class _ParameterUses(TorchFunctionMode):
         self.derived.append(out)
         return out
 
-    def broadcast(self, param, target_shape):
+    def broadcast(self, param, target_shape, target=None):
         """The parameter as one copy per item of the forward's examples (the examples themselves, or their choices,
         a tower's images...), (count, ...), when an op broadcasts it over a target whose dim 0 holds those items (the
         op then gives each item's gradient to its own copy; an example's is its items' sum); else None."""
         if target_shape is None or len(target_shape) < param.dim() or not len(target_shape):
             return None
         items = _items_of(target_shape[0])
+        if items is None and target is not None and not shared.is_shared(target):  # (N*k, ...) rows a reshape made
+            held = layout.items_by_history(target)
+            items = held[0] if held is not None and held[1] == 0 else None
         leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
         sign = self.signs.get(id(param), 1)
         if items is None and len(leading) > 1 and leading[:2] == (1, 1):  # (T, N, ...) where the ids were moved
@@ -319,7 +323,7 @@ class _ParameterUses(TorchFunctionMode):
         """(Items, the dim holding them) when t is the examples' data (not a parameter, nor a table), else None."""
         if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0 or not t.requires_grad:
             return None  # (a constant, sinusoidal positions, whose dim 0 happens to have the items' size, is none)
-        return layout.items_held(t.shape)
+        return layout.items_held(t.shape) or layout.items_by_history(t)  # (or examples folded by a reshape)
 
     def copies(self, param, items):
         """(items.count, *param.shape): one copy of the parameter per item, each receiving its item's gradient."""

@@ -126,19 +126,53 @@ def dim_by_history(t):
 
 
 def flattened_by_history(t, count):
-    """k where t's dim 0 holds `count` examples' k rows each, made by a view or reshape of a tensor holding the
-    examples on its dim 0 (Qwen3.5's gated norm takes its (N, T, H, d) heads as (N*T*H, d) rows), as t's autograd
-    history says, whatever the sizes; else None. (A view keeps the elements' order: each example's elements stay
-    together, and rows of t do not straddle two examples when its dim 0 is a multiple of the examples.)"""
-    node = t.grad_fn
-    if node is None or not count or t.dim() == 0 or t.shape[0] % count or type(node).__name__ not in _VIEWS:
-        return None
-    before = tuple(node._saved_self_sym_sizes)
-    if not before or before[0] != count or _traced_example_dim(node.next_functions[0][0], len(before), 0) != 0:
-        return None
-    return t.shape[0] // count
+    """k where t's dim 0 holds `count` examples' k rows each, folded there by a view or reshape (folded_by_history);
+    else None."""
+    found = folded_by_history(t, count)
+    return found[1] if found is not None and found[0] == 0 else None
 
 
+def folded_by_history(t, count):
+    """(dim, k) where t's dim `dim` holds `count` examples' k rows each, made by a view or reshape of a tensor holding
+    the examples on its dim 0, one example after the other (Qwen3.5's gated norm takes its (N, T, H, d) heads as
+    (N*T*H, d) rows; attention with its heads folded into the batch, (N*H, T, d), or its tokens, (H, N*T, d)), as
+    t's autograd history says (followed back through transposes and ops that keep the dims: bmm, softmax,
+    elementwise ops), whatever the sizes; else None. (A view keeps the elements' order: each example's elements stay
+    together, and rows do not straddle two examples when the folded dim is a multiple of them.)"""
+    node, ndim = t.grad_fn, t.dim()
+    if node is None or not count or ndim == 0:
+        return None
+    to_t = list(range(ndim))  # to_t[j]: the dim of t that dim j of the node's output becomes (None: none)
+    for _ in range(16):
+        name = type(node).__name__
+        if name in _VIEWS:
+            before = tuple(node._saved_self_sym_sizes)
+            if not before or before[0] == count or to_t[0] is None or before[0] != t.shape[to_t[0]]:
+                break
+            to_t, ndim = [to_t[0]] + [None] * (len(before) - 1), len(before)  # a view keeping dim 0: further back
+        elif name == "TransposeBackward0":
+            d0, d1 = node._saved_dim0 % ndim, node._saved_dim1 % ndim
+            to_t[d0], to_t[d1] = to_t[d1], to_t[d0]
+        elif name == "BmmBackward0" and ndim == 3:  # (b, m, k) @ (b, k, l): its first operand's b and m are kept
+            to_t[2] = None
+        elif name not in _KEEPS_DIMS and name.rstrip("0123456789").removesuffix("Backward") not in _SAME_DIMS:
+            return None
+        if to_t[0] is None:
+            return None
+        node = node.next_functions[0][0] if node.next_functions else None
+        if node is None:
+            return None
+    else:
+        return None
+    before, dim = tuple(node._saved_self_sym_sizes), to_t[0]
+    if not before or before[0] != count or dim is None or t.shape[dim] % count:
+        return None
+    if _traced_example_dim(node.next_functions[0][0], len(before), 0) != 0:
+        return None
+    return dim, t.shape[dim] // count
+
+
+_KEEPS_DIMS = ("SoftmaxBackward0", "LogSoftmaxBackward0")
 _VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 _SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
 

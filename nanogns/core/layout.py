@@ -38,7 +38,12 @@ import torch
 
 from nanogns.core import scopes
 from nanogns.core.ids import ExampleIds, tagged_inputs
-from nanogns.core.inputs import dim_by_history, grouped, layout_of_inputs  # noqa: F401 (grouped: documented here)
+from nanogns.core.inputs import (  # noqa: F401 (grouped: documented here)
+    dim_by_history,
+    folded_by_history,
+    grouped,
+    layout_of_inputs,
+)
 from nanogns.core.mapper import RowMapper
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import SEQUENCE_FIRST, WINDOWS, Items, Layout, Rows, ragged  # noqa: F401 (ragged: documented here)
@@ -367,6 +372,21 @@ def items_held(shape):
     if found.ids_moved and not found.scopes and found.layout.packed is None and len(shape) > 1 and shape[1] == N:
         return Items(N, N), 1
     return None
+
+
+def items_by_history(t):
+    """(Items, dim) of data t whose dim `dim` a view or reshape of (N, ...) data folded the examples into, example
+    after example (heads folded into the batch: (N*H, T, d); tokens: (H, N*T, d); core/inputs.py's
+    folded_by_history), whatever the sizes; else None. Not asked in a forward that moved its examples off dim 0 (its
+    history would not start at data holding them on dim 0)."""
+    found = current_pass()
+    if found is None or found.layout is None or found.examples_moved or found.scopes or found.layout.packed is not None:
+        return None
+    N = found.layout.examples
+    folded = folded_by_history(t, N) if t.requires_grad and t.dim() > 0 else None
+    if folded is None or folded[1] == 1:
+        return None
+    return Items(t.shape[folded[0]], N), folded[0]
 
 
 def looks_up_a_table(ids):

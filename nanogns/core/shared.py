@@ -223,6 +223,11 @@ def _follow(func, args, kwargs):
         found = _einsum_meeting(args, kwargs, sources)
         if found is not None:
             return found
+    if data and func in _BATCHED_MATMUL and len(args) == 2 and not kwargs:  # (H, N*T, d) @ a table (H, d, k)
+        if all(isinstance(a, torch.Tensor) and a.dim() == 3 and a.shape[0] == args[0].shape[0] for a in args):
+            found = _einsum_meeting(("bmk,bkl->bml", *args), {}, sources)
+            if found is not None:
+                return found
     if data:
         return _refused(
             func,
@@ -254,6 +259,9 @@ def _items(t):
     if t.dim() == 0:
         return None
     items = layout.items_of(t.shape[0])
+    if items is None and t.requires_grad and not isinstance(t, nn.Parameter):
+        held = layout.items_by_history(t)  # (N*H, ...): heads folded into the batch by a reshape of (N, ...)
+        return held[0] if held is not None and held[1] == 0 else None
     if items is None or (items.count == 1 and not (t.requires_grad and not isinstance(t, nn.Parameter))):
         return None
     return items
@@ -349,7 +357,7 @@ def _einsum_meeting(args, kwargs, sources):
         args,
         kwargs,
         lambda t: isinstance(t, SharedRows),
-        lambda t: layout.items_held(t.shape) if _carries_gradient(t) else None,
+        lambda t: _held(t) if _carries_gradient(t) else None,
         lambda t, items: _copies(t, items, (items.count, *t.shape), sources),
         lambda t, items: _sliced(t, items, sources),
     )
@@ -390,6 +398,14 @@ def per_example_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1
 
 def _copies_or_none(t, items, sources):
     return _copies(t, items, (items.count, *t.shape), sources) if isinstance(t, SharedRows) else None
+
+
+_BATCHED_MATMUL = {torch.bmm, torch.Tensor.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+
+def _held(t):
+    """(Items, dim) of data t: layout.items_held, else rows a reshape of (N, ...) folded on dim 0."""
+    return layout.items_held(t.shape) or layout.items_by_history(t)
 
 
 def copies_for(t, items):
