@@ -834,6 +834,39 @@ def test_rows_of_n_by_n_where_the_forward_moved_its_examples_are_refused_not_gue
         monitor.measure(batch_size=n - 1)
 
 
+class _FoldsItsFrames(nn.Module):
+    """A video model's layout (SanaVideo, Cosmos' autoencoder, ACE-Step): each example's F frames folded into the
+    batch by a reshape of (N, F, ...) data, then convolutions, a group norm, a pad, a split, attention over each
+    frame's pixels ((N*F, heads, H*W, d): scaled_dot_product_attention) and a LayerNorm before the rows are unfolded:
+    no input has N*F rows, so only how the rows were made says which example each belongs to."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.conv, self.norm = nn.Linear(3, 8), nn.Conv2d(8, 16, 3, padding=1), nn.GroupNorm(4, 16)
+        self.depth, self.ln, self.out = nn.Conv2d(8, 8, 3, groups=8), nn.LayerNorm(8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):  # x (N, F, H, W, 3)
+        N, F_, H, W, _ = x.shape
+        h = self.inp(x).permute(0, 1, 4, 2, 3).reshape(N * F_, 8, H, W)  # (N*F, C, H, W)
+        a, b = F.silu(self.norm(self.conv(h))).split(8, dim=1)
+        h = self.depth(F.pad(a * b, (1, 1, 1, 1)))  # (N*F, 8, H, W)
+        tokens = self.ln(h.flatten(2).transpose(1, 2))  # (N*F, H*W, 8)
+        q = tokens.view(N * F_, H * W, 2, 4).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(N * F_, H * W, 8)
+        return self.head(self.out(attended).reshape(N, F_ * H * W, 8))
+
+
+def test_frames_folded_into_the_batch_are_mapped_from_how_they_were_made_exact():
+    """The (N*F, ...) rows of every layer after the first: their autograd history (convolutions, norms, a pad, a
+    split, attention, permutes) leads back to the reshape of (N, F, ...) data; exact, F equal to the micro-batch's
+    examples on purpose."""
+    torch.manual_seed(0)
+    model = _FoldsItsFrames().double()
+    x = torch.randn(4, 3, 3, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert_exact(model, lambda part: model(x[part]).pow(2).mean((1, 2)), 4, parts=[slice(0, 1), slice(1, 4)])
+
+
 class _ShiftsItsIds(nn.Module):
     """A decoder's inputs as T5's, MVP's and T5Gemma's shift_right makes them: ids written into a tensor of zeros
     (shifted[:, 1:] = ids[:, :-1]), then looked up and split into heads folded into the batch, (N*H, T, d)."""

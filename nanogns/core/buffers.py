@@ -217,7 +217,9 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)
         moved = None if lookup or undecided or not isinstance(rows, str) else layout.rows_by_history(x)
-        if moved is not None:  # sizes fit no mapping, and the autograd history moved the examples to dim 1
+        if moved is None and not lookup and not undecided and isinstance(rows, str):
+            moved = layout.rows_by_fold(x)  # (N*k, ...) rows a reshape of the examples' data made
+        if moved is not None:  # sizes fit no mapping, and the autograd history moved or folded the examples
             layout.note_uses(buffers)
             return moved, buffers
         reason = rows if isinstance(rows, str) else SHARED_INPUT.format(rows.examples, tuple(shape[:-1]))

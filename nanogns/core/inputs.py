@@ -143,7 +143,7 @@ def folded_by_history(t, count):
     if node is None or not count or ndim == 0:
         return None
     to_t = list(range(ndim))  # to_t[j]: the dim of t that dim j of the node's output becomes (None: none)
-    for _ in range(16):
+    for _ in range(64):  # (as deep as _traced_example_dim looks)
         name = type(node).__name__
         if name in _VIEWS:
             before = tuple(node._saved_self_sym_sizes)
@@ -153,6 +153,13 @@ def folded_by_history(t, count):
         elif name == "TransposeBackward0":
             d0, d1 = node._saved_dim0 % ndim, node._saved_dim1 % ndim
             to_t[d0], to_t[d1] = to_t[d1], to_t[d0]
+        elif name == "PermuteBackward0":  # output dim j is input dim dims[j]
+            dims = [d % ndim for d in node._saved_dims]
+            to_t = [to_t[dims.index(j)] for j in range(ndim)]
+        elif name in ("SplitBackward0", "SplitWithSizesBackward0") and node._saved_dim % ndim != 0:
+            pass  # (a split along another dim keeps dim 0)
+        elif name == "ConstantPadNdBackward0" and len(node._saved_pad) < 2 * ndim:
+            pass  # (a pad of the last dims keeps dim 0)
         elif name == "BmmBackward0" and ndim == 3:  # (b, m, k) @ (b, k, l): its first operand's b and m are kept
             to_t[2] = None
         elif name not in _KEEPS_DIMS and name.rstrip("0123456789").removesuffix("Backward") not in _SAME_DIMS:
@@ -175,6 +182,13 @@ def folded_by_history(t, count):
 _KEEPS_DIMS = ("SoftmaxBackward0", "LogSoftmaxBackward0")
 _VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 _SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
+# the kinds' own autograd functions keep their input's leading dims (x, their first argument, is followed back)
+_SAME_DIMS += ("LinearFunction", "LayerNormFunction", "AffineFunction", "FusedLinearFunction")
+_SAME_DIMS += ("FusedLayerNormFunction", "FusedRMSNormFunction", "NativeLayerNorm", "NativeDropout")
+_SAME_DIMS += ("Convolution", "ConvFunction", "NativeGroupNorm")  # (a convolution keeps its input's dim 0)
+# attention keeps its query's leading dims (the query, its first argument, is followed back)
+_SAME_DIMS += ("ScaledDotProductFlashAttentionForCpu", "ScaledDotProductEfficientAttention")
+_SAME_DIMS += ("ScaledDotProductFlashAttention", "ScaledDotProductCudnnAttention")
 
 
 def _traced_example_dim(node, ndim, depth):

@@ -310,6 +310,16 @@ def rows_by_history(x):
     return Rows("seqfirst", N, positions=x.shape[0])
 
 
+def rows_by_fold(x):
+    """Rows 'dim0' for an input whose dim 0 a view or reshape of (N, ...) data folded the examples into, example after
+    example (N*k, ...), as its autograd history says (items_by_history), k no input's size; else None. Asked only
+    where the input's sizes fit no mapping."""
+    held = items_by_history(x) if isinstance(x, torch.Tensor) else None
+    if held is None or held[1] != 0:
+        return None
+    return Rows("dim0", held[0].examples)
+
+
 def rows_of_moved_ids(ids):
     """Rows of ids (..., 1) an Embedding looks up whose examples the forward moved off dim 0 (core/ids.py's
     examples_dim: XLNet transposes its ids to (T, N)): 'seqfirst' for (T, N, 1) ids, whatever T and N; why they
@@ -336,7 +346,7 @@ def undecided_rows(x):
     if found is None or found.layout is None or found.scopes or found.layout.packed is not None:
         return None
     N = found.layout.examples
-    if not isinstance(x, torch.Tensor) or x.shape[0] != N:
+    if not isinstance(x, torch.Tensor) or x.shape[0] != N or N == 1:  # (one example: every row is its own)
         return None
     if not found.examples_moved:
         if x.grad_fn is None or dim_by_history(x) == 0:
@@ -367,7 +377,7 @@ def items_held(shape):
         return None
     items = found.layout.items_of(shape[0], found.scopes[-1] if found.scopes else None)
     if items is not None:
-        return None if found.ids_moved and len(shape) > 1 and shape[1] == shape[0] else (items, 0)
+        return None if found.ids_moved and len(shape) > 1 and shape[1] == shape[0] != 1 else (items, 0)
     N = found.layout.examples
     if found.ids_moved and not found.scopes and found.layout.packed is None and len(shape) > 1 and shape[1] == N:
         return Items(N, N), 1

@@ -142,10 +142,13 @@ class _ConvBase(PerExampleNormLayer):
         """(x padded, cast for autocast; weight; bias; buffers; the Items on dim 0), buffers None when dim 0 does not
         hold the examples (or their items)."""
         rows, buffers = self.pe_rows_and_buffers(x.movedim(1, -1), "weight", "bias")  # examples on dim 0
-        x, weight, bias = autocast_inputs(padded_input(self, x), self.weight, self.bias)
+        given, (x, weight, bias) = x, autocast_inputs(padded_input(self, x), self.weight, self.bias)
         items = None
         if rows is not None:
             items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
+            if items is None:  # (N*F, C, H, W): frames folded into the batch by a reshape of (N, ...) data
+                held = layout.items_by_history(given)
+                items = held[0] if held is not None and held[1] == 0 else None
             if items is None:
                 refuse_step(
                     f"a convolution's input must have the forward's examples (or their items) on dim 0, got shape "
