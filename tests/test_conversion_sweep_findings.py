@@ -798,6 +798,30 @@ def test_parameters_and_tables_in_einsum_on_sequence_first_states_exact(shape):
     assert_exact(model, lambda part: next_token_losses(model(ids[part]), ids[part]), shape[0], parts, monitor)
 
 
+class _SequenceFirstChoices(nn.Module):
+    """XLNet's multiple choice: (N, C, T) ids flattened to (N*C, T), then transposed by the model: dim 1 holds each
+    example's C choices, one example after the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _SequenceFirstAttention()
+
+    def forward(self, ids):
+        N, C, T = ids.shape
+        return self.inner(ids.view(N * C, T)).view(N, C, T, -1)
+
+
+def test_choices_on_dim_1_of_sequence_first_states_exact():
+    """Each layer's (T, N*C, ...) rows, einsum and broadcast give example i the choices 2i and 2i + 1: exact."""
+    torch.manual_seed(0)
+    model = _SequenceFirstChoices().double()
+    ids = torch.randint(1, V, (3, 2, 5), generator=torch.Generator().manual_seed(1))
+    monitor = lc.convert(model)
+    assert isinstance(model.inner.attn, InterceptedForward)
+    parts = [slice(0, 2), slice(2, 3)]
+    assert_exact(model, lambda part: model(ids[part]).pow(2).mean((1, 2, 3)), 3, parts, monitor)
+
+
 def test_the_ids_tag_follows_the_examples_through_moves_of_dims():
     """examples_dim: where tagged ids hold their examples, through transposes, permutes, unsqueezes and ops that
     keep the rank; unknown (None) once the rank changes after a move; 0 for untouched ids."""

@@ -218,7 +218,7 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
             return rows, tuple(None for _ in buffers)
         moved = None if lookup or undecided or not isinstance(rows, str) else layout.rows_by_history(x)
         if moved is None and not lookup and not undecided and isinstance(rows, str):
-            moved = layout.rows_by_fold(x)  # (N*k, ...) rows a reshape of the examples' data made
+            moved = layout.rows_by_fold(x) or layout.sequence_first_groups(shape)  # (N*k, ...); (T, N*C, ...)
         if moved is not None:  # sizes fit no mapping, and the autograd history moved or folded the examples
             layout.note_uses(buffers)
             return moved, buffers

@@ -332,10 +332,30 @@ def rows_of_moved_ids(ids):
     N = found.layout.examples
     if at == 1 and ids.dim() == 3 and ids.shape[1] == N and found.layout.packed is None and not found.scopes:
         return Rows("seqfirst", N, positions=ids.shape[0])
+    rows = sequence_first_groups(ids.shape) if at == 1 and ids.dim() == 3 else None
+    if rows is not None:
+        return rows
     return (
         f"its ids have rows {tuple(ids.shape[:-1])}, the forward having moved their examples to dim {at} (a "
         f"transpose or permute of the ids): only (T, {N}) ids, the forward's {N} examples on dim 1, can be mapped"
     )
+
+
+def sequence_first_groups(shape):
+    """Rows of a (T, N*k, ...) input in a forward whose ids had their examples moved to dim 1, each example's k rows
+    (its choices) one after the other there (XLNet's multiple choice: (N, C, T) ids flattened to (N*C, T), then
+    transposed): ragged, row (t, j) example j // k; else None."""
+    found = current_pass()
+    if found is None or found.layout is None or not found.ids_moved or found.scopes or len(shape) < 3:
+        return None
+    N, M = found.layout.examples, shape[1]
+    k = next((k for k in found.layout.groups if M == N * k), None)
+    if k is None or shape[0] == M:
+        return None
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return ragged((torch.arange(rows) % M) // k, N)
 
 
 def undecided_rows(x):
@@ -379,8 +399,11 @@ def items_held(shape):
     if items is not None:
         return None if found.ids_moved and len(shape) > 1 and shape[1] == shape[0] != 1 else (items, 0)
     N = found.layout.examples
-    if found.ids_moved and not found.scopes and found.layout.packed is None and len(shape) > 1 and shape[1] == N:
-        return Items(N, N), 1
+    if found.ids_moved and not found.scopes and found.layout.packed is None and len(shape) > 1:
+        if shape[1] == N:
+            return Items(N, N), 1
+        if any(shape[1] == N * k for k in found.layout.groups) and shape[0] != shape[1]:  # (T, N*C, ...): choices
+            return Items(shape[1], N), 1
     return None
 
 
