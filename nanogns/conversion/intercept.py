@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from nanogns.core import layout, shared, uses
+from nanogns.core import history, layout, shared, uses
 from nanogns.core.buffers import (
     BUFFER_SUFFIX,
     PerExampleNormLayer,
@@ -56,7 +56,7 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
-from nanogns.core.einsum import einsum_with_copies
+from nanogns.core.einsum import einsum_with_copies, per_example_conv1d
 from nanogns.core.module_state import state_of
 from nanogns.core.rowmaps import Items
 from nanogns.kinds import functional
@@ -289,12 +289,12 @@ class _ParameterUses(TorchFunctionMode):
             return None
         items = _items_of(target_shape[0])
         if items is None and target is not None and not shared.is_shared(target):  # (N*k, ...) rows a reshape made
-            held = layout.items_by_history(target)
+            held = history.items_by_history(target)
             items = held[0] if held is not None and held[1] == 0 else None
         leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
         sign = self.signs.get(id(param), 1)
         if items is None and len(leading) > 1 and leading[:2] == (1, 1):  # (T, N, ...) where the ids were moved
-            held = layout.items_held(target_shape)
+            held = history.items_held(target_shape)
             if held is not None and held[1] == 1:  # (XLNet's q_head + r_w_bias): each example's copy on dim 1
                 copies = BroadcastOverExamples.apply(param.view(leading[1:]), held[0], self.buffer(param), sign)
                 return copies.unsqueeze(0)
@@ -304,7 +304,7 @@ class _ParameterUses(TorchFunctionMode):
 
     def conv1d(self, *args, **kwargs):
         """F.conv1d of the examples' data with a weight and bias that are this module's parameters or tables computed
-        from them (Mamba's depthwise causal convolution of conv1d.weight.squeeze(1)): shared.per_example_conv1d,
+        from them (Mamba's depthwise causal convolution of conv1d.weight.squeeze(1)): core/einsum.py's per_example_conv1d,
         each example its own copy of each. None when that does not hold."""
 
         def copies(t, items):
@@ -314,7 +314,7 @@ class _ParameterUses(TorchFunctionMode):
 
         if self.name_of(args[0] if args else kwargs.get("input")) is not None:  # (a parameter as the data)
             return None
-        return shared.per_example_conv1d(*args, **kwargs, copies=copies)
+        return per_example_conv1d(*args, **kwargs, copies=copies)
 
     def copied(self, t):
         return self.name_of(t) is not None
@@ -323,7 +323,7 @@ class _ParameterUses(TorchFunctionMode):
         """(Items, the dim holding them) when t is the examples' data (not a parameter, nor a table), else None."""
         if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0 or not t.requires_grad:
             return None  # (a constant, sinusoidal positions, whose dim 0 happens to have the items' size, is none)
-        return layout.items_held(t.shape) or layout.items_by_history(t)  # (or examples folded by a reshape)
+        return history.items_held(t.shape) or history.items_by_history(t)  # (or examples folded by a reshape)
 
     def copies(self, param, items):
         """(items.count, *param.shape): one copy of the parameter per item, each receiving its item's gradient."""

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from nanogns.core import layout, trees, uses
+from nanogns.core import history, layout, trees, uses
 from nanogns.core.ids import ExampleIds
 from nanogns.core.mapper import BUFFER_SUFFIX
 from nanogns.core.module_state import state_of
@@ -206,19 +206,19 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     shape = x.shape if isinstance(x, torch.Tensor) else x
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
-    moved_ids = lookup and type(x) is ExampleIds and x._examples_dim != 0 and layout.rows_of_moved_ids(x)
+    moved_ids = lookup and type(x) is ExampleIds and x._examples_dim != 0 and history.rows_of_moved_ids(x)
     rows = (lookup and (moved_ids or layout.untold_ids(shape))) or layout.rows_for(shape, module=module)
     undecided = None
     if not lookup and shape[2:] and shape[0] == shape[1]:
         if not isinstance(rows, str) and rows.kind == "dim0":  # (N, N, ...) rows: sizes cannot tell dim 0 from dim 1
-            undecided = layout.undecided_rows(x)  # where the forward moved its examples
+            undecided = history.undecided_rows(x)  # where the forward moved its examples
             rows = undecided or rows
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)
-        moved = None if lookup or undecided or not isinstance(rows, str) else layout.rows_by_history(x)
+        moved = None if lookup or undecided or not isinstance(rows, str) else history.rows_by_history(x)
         if moved is None and not lookup and not undecided and isinstance(rows, str):
-            moved = layout.rows_by_fold(x) or layout.sequence_first_groups(shape)  # (N*k, ...); (T, N*C, ...)
+            moved = history.rows_by_fold(x) or history.sequence_first_groups(shape)  # (N*k, ...); (T, N*C, ...)
         if moved is not None:  # sizes fit no mapping, and the autograd history moved or folded the examples
             layout.note_uses(buffers)
             return moved, buffers

@@ -1,11 +1,15 @@
 """
-torch.einsum where a shared operand (a table the examples share, core/shared.py; a module's own parameter,
-conversion/intercept.py) meets the examples' data: each item of the examples gets its own copy of the shared
-operand under a new subscript, the one under which the data holds the items, so that each item's output depends on
-its copy alone and backward gives each copy its item's gradient.
+torch.einsum and F.conv1d where a shared operand (a table the examples share, core/shared.py; a module's own
+parameter, conversion/intercept.py) meets the examples' data: each item of the examples gets its own copy of the
+shared operand (in einsum under a new subscript, the one under which the data holds the items; in a convolution as
+one group per example), so that each item's output depends on its copy alone and backward gives each copy its
+item's gradient.
 """
 
 import torch
+
+from nanogns.core import layout
+from nanogns.core.rowmaps import Items
 
 
 def same_items(a, b):
@@ -68,3 +72,33 @@ def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
 
     given = [give(s, t) for s, t in zip(subscripts, operands)]
     return (",".join(s for s, _ in given) + "->" + output, *[t for _, t in given])
+
+
+def per_example_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, copies):
+    """F.conv1d of the examples' data `input` (N, C, L) with a weight and bias shared by the examples (a module's
+    parameters, tables computed from them: Mamba's and the gated DeltaNets' depthwise causal convolutions), each
+    example given its own copy of each, `copies(t, items)` -> (N, *t.shape) or None, as one grouped convolution over
+    the N examples' channels (the same arithmetic), so that backward gives each copy its example's gradient. None
+    when that does not hold (then the caller refuses)."""
+    x = input
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.requires_grad or isinstance(padding, str):
+        return None
+    items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
+    shared = getattr(type(x), "pe_shared", False)  # (a table as the data: none of the examples')
+    if items is None or items.count != items.examples or shared or isinstance(x, torch.nn.Parameter):
+        return None
+    given = [None if t is None else copies(t, items) for t in (weight, bias)]
+    if given[0] is None or (bias is not None and given[1] is None):
+        return None
+    N, (w, b) = x.shape[0], given
+    with torch._C.DisableTorchFunctionSubclass():  # (plain tensors: the copies carry the examples' gradients)
+        out = torch.nn.functional.conv1d(
+            x.reshape(1, N * x.shape[1], x.shape[2]),
+            w.reshape(N * weight.shape[0], *weight.shape[1:]),
+            None if b is None else b.reshape(-1),
+            stride,
+            padding,
+            dilation,
+            groups * N,
+        )
+    return out.view(N, weight.shape[0], out.shape[-1])

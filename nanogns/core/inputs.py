@@ -162,7 +162,7 @@ def folded_by_history(t, count):
             pass  # (a pad of the last dims keeps dim 0)
         elif name == "BmmBackward0" and ndim == 3:  # (b, m, k) @ (b, k, l): its first operand's b and m are kept
             to_t[2] = None
-        elif name not in _KEEPS_DIMS and name.rstrip("0123456789").removesuffix("Backward") not in _SAME_DIMS:
+        elif name not in _KEEPS_DIMS and name.rstrip("0123456789").removesuffix("Backward") not in _FOLD_KEEPS:
             return None
         if to_t[0] is None:
             return None
@@ -182,13 +182,16 @@ def folded_by_history(t, count):
 _KEEPS_DIMS = ("SoftmaxBackward0", "LogSoftmaxBackward0")
 _VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 _SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")
-# the kinds' own autograd functions keep their input's leading dims (x, their first argument, is followed back)
-_SAME_DIMS += ("LinearFunction", "LayerNormFunction", "AffineFunction", "FusedLinearFunction")
-_SAME_DIMS += ("FusedLayerNormFunction", "FusedRMSNormFunction", "NativeLayerNorm", "NativeDropout")
-_SAME_DIMS += ("Convolution", "ConvFunction", "NativeGroupNorm")  # (a convolution keeps its input's dim 0)
-# attention keeps its query's leading dims (the query, its first argument, is followed back)
-_SAME_DIMS += ("ScaledDotProductFlashAttentionForCpu", "ScaledDotProductEfficientAttention")
-_SAME_DIMS += ("ScaledDotProductFlashAttention", "ScaledDotProductCudnnAttention")
+# Ops keeping their first input's leading dims, followed back by folded_by_history only: it ends at a view whose
+# input holds the examples on dim 0 (checked there), where _traced_example_dim ends at the first op it does not
+# know and takes the examples to be on dim 0 there (followed further, through a module that had transposed its data
+# (Longformer's attention), that guess would be wrong more often): the kinds' own functions, convolutions, norms,
+# attention (each follows its first argument: the data, the query)
+_FOLD_KEEPS = _SAME_DIMS + ("LinearFunction", "LayerNormFunction", "AffineFunction", "FusedLinearFunction")
+_FOLD_KEEPS += ("FusedLayerNormFunction", "FusedRMSNormFunction", "NativeLayerNorm", "NativeDropout")
+_FOLD_KEEPS += ("Convolution", "ConvFunction", "NativeGroupNorm")
+_FOLD_KEEPS += ("ScaledDotProductFlashAttentionForCpu", "ScaledDotProductEfficientAttention")
+_FOLD_KEEPS += ("ScaledDotProductFlashAttention", "ScaledDotProductCudnnAttention")
 
 
 def _traced_example_dim(node, ndim, depth):

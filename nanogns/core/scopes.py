@@ -60,6 +60,7 @@ def _scope_hooks(scope_of, current_pass):
         found = current_pass()
         if found is not None:
             found.scopes.append(scope_of(module, args, kwargs))
+            found.sequence_first_ran = found.sequence_first_ran or found.scopes[-1] is SEQUENCE_FIRST
 
     def left(module, args, output):
         found = current_pass()

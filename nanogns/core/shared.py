@@ -48,47 +48,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import layout, trees
-from nanogns.core.einsum import einsum_with_copies, same_items
+from nanogns.core import history, layout, trees
+from nanogns.core.einsum import einsum_with_copies, per_example_conv1d, same_items
 from nanogns.core.pullback import ExampleCopies, Recipe, SlicedTable  # noqa: F401 (Recipe: intercept.py's)
-from nanogns.core.rowmaps import Items
 
-# ops where a table meets the examples' data, broadcast over them
-_ELEMENTWISE = {
-    torch.Tensor.__add__,
-    torch.Tensor.__radd__,
-    torch.Tensor.__iadd__,
-    torch.Tensor.__sub__,
-    torch.Tensor.__rsub__,
-    torch.Tensor.__isub__,
-    torch.Tensor.__mul__,
-    torch.Tensor.__rmul__,
-    torch.Tensor.__imul__,
-    torch.Tensor.__truediv__,
-    torch.Tensor.__rtruediv__,
-    torch.Tensor.__itruediv__,
-    torch.Tensor.add,
-    torch.Tensor.add_,
-    torch.Tensor.sub,
-    torch.Tensor.sub_,
-    torch.Tensor.mul,
-    torch.Tensor.mul_,
-    torch.Tensor.div,
-    torch.Tensor.div_,
-    torch.add,
-    torch.sub,
-    torch.mul,
-    torch.div,
-    torch.where,
-    torch.Tensor.where,
-    torch.Tensor.masked_fill,
-    torch.Tensor.masked_fill_,
-    torch.Tensor.__matmul__,
-    torch.Tensor.__rmatmul__,
-    torch.Tensor.matmul,
-    torch.matmul,
-}
 _MATMUL = {torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.matmul}
+# ops where a table meets the examples' data, broadcast over them: arithmetic (x + t, t - x, x *= t...), where,
+# masked_fill, matmul
+_ELEMENTWISE = {
+    getattr(torch.Tensor, f"__{p}{op}__") for op in ("add", "sub", "mul", "truediv") for p in ("", "r", "i")
+}
+_ELEMENTWISE |= {
+    getattr(torch.Tensor, op) for op in ("add", "sub", "mul", "div", "masked_fill") for op in (op, op + "_")
+}
+_ELEMENTWISE |= {torch.add, torch.sub, torch.mul, torch.div, torch.where, torch.Tensor.where} | _MATMUL
 # queries through which no gradient flows: answered on the plain tensor
 _QUERIES = {
     torch.Tensor.size,
@@ -209,7 +182,8 @@ def _follow(func, args, kwargs):
             if found is not None:
                 return found
         if func is F.conv1d:  # (Qwen3.5's gated DeltaNet: its conv1d.weight.squeeze(1), unsqueezed again)
-            found = per_example_conv1d(*args, **kwargs, copies=lambda t, items: _copies_or_none(t, items, sources))
+            copies = lambda t, items: _copies(t, items, (items.count, *t.shape), sources) if is_shared(t) else None  # noqa
+            found = per_example_conv1d(*args, **kwargs, copies=copies)
             if found is not None:
                 return found
         carried = [(t, items) for t, items in data if _carries_gradient(t)]  # (a constant's size proves nothing)
@@ -260,7 +234,7 @@ def _items(t):
         return None
     items = layout.items_of(t.shape[0])
     if items is None and t.requires_grad and not isinstance(t, nn.Parameter):
-        held = layout.items_by_history(t)  # (N*H, ...): heads folded into the batch by a reshape of (N, ...)
+        held = history.items_by_history(t)  # (N*H, ...): heads folded into the batch by a reshape of (N, ...)
         return held[0] if held is not None and held[1] == 0 else None
     if items is None or (items.count == 1 and not (t.requires_grad and not isinstance(t, nn.Parameter))):
         return None
@@ -364,48 +338,12 @@ def _einsum_meeting(args, kwargs, sources):
     return None if given is None else _run(torch.einsum, given, {})
 
 
-def per_example_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, copies):
-    """F.conv1d of the examples' data `input` (N, C, L) with a weight and bias shared by the examples (a module's
-    parameters, tables computed from them: Mamba's and the gated DeltaNets' depthwise causal convolutions), each
-    example given its own copy of each, `copies(t, items)` -> (N, *t.shape) or None, as one grouped convolution over
-    the N examples' channels (the same arithmetic), so that backward gives each copy its example's gradient. None
-    when that does not hold (then the caller refuses)."""
-    x = input
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.requires_grad or isinstance(padding, str):
-        return None
-    items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
-    if items is None or items.count != items.examples or is_shared(x) or isinstance(x, nn.Parameter):
-        return None
-    given = [None if t is None else copies(t, items) for t in (weight, bias)]
-    if given[0] is None or (bias is not None and given[1] is None):
-        return None
-    N, (w, b) = x.shape[0], given
-    out = _run(
-        F.conv1d,
-        (
-            x.reshape(1, N * x.shape[1], x.shape[2]).as_subclass(torch.Tensor),
-            w.reshape(N * weight.shape[0], *weight.shape[1:]).as_subclass(torch.Tensor),
-            None if b is None else b.reshape(-1).as_subclass(torch.Tensor),
-            stride,
-            padding,
-            dilation,
-            groups * N,
-        ),
-        {},
-    )
-    return out.view(N, weight.shape[0], out.shape[-1])
-
-
-def _copies_or_none(t, items, sources):
-    return _copies(t, items, (items.count, *t.shape), sources) if isinstance(t, SharedRows) else None
-
-
 _BATCHED_MATMUL = {torch.bmm, torch.Tensor.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 
 
 def _held(t):
     """(Items, dim) of data t: layout.items_held, else rows a reshape of (N, ...) folded on dim 0."""
-    return layout.items_held(t.shape) or layout.items_by_history(t)
+    return history.items_held(t.shape) or history.items_by_history(t)
 
 
 def copies_for(t, items):

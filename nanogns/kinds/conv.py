@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.core import layout
+from nanogns.core import history, layout
 from nanogns.core.buffers import (
     PerExampleNormLayer,
     accumulate_pe_sqnorm,
@@ -147,7 +147,7 @@ class _ConvBase(PerExampleNormLayer):
         if rows is not None:
             items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
             if items is None:  # (N*F, C, H, W): frames folded into the batch by a reshape of (N, ...) data
-                held = layout.items_by_history(given)
+                held = history.items_by_history(given)
                 items = held[0] if held is not None and held[1] == 0 else None
             if items is None:
                 refuse_step(

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from nanogns.core import layout, trees
+from nanogns.core import history, layout, trees
 from nanogns.core.ids import ExampleIds, examples_dim
 from nanogns.core.inputs import EXAMPLE_ARGUMENTS, SHAPE_ARGUMENT
 from nanogns.core.registry import own_class_name
@@ -204,7 +204,7 @@ def _probe(module, args, kwargs, mapper, table, key):
                 rows = None
                 if inputs and isinstance(inputs[0], ExampleIds) and examples_dim(inputs[0]) != 0:
                     moved.append(path)  # ids whose examples the forward moved (XLNet's (T, N)): rows from the tag
-                    rows = layout.rows_of_moved_ids(inputs[0].unsqueeze(-1))
+                    rows = history.rows_of_moved_ids(inputs[0].unsqueeze(-1))
                 elif inputs and isinstance(inputs[0], ExampleIds):
                     rows = rows_of(found, output)
                 if isinstance(rows, Rows) and rows.kind != "shared":

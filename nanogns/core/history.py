@@ -1,0 +1,136 @@
+"""
+Where a forward moved or folded its examples off the dim 0 its inputs hold them on, read from how the data was made
+rather than from sizes: the ids' tag through transposes (core/ids.py's examples_dim: XLNet's (T, N) ids), the
+autograd history of data transposed to (T, N, D) (Longformer's attention) or folded by a reshape of (N, ...) data
+(heads, frames, tokens: core/inputs.py's folded_by_history). Each answer is Rows or Items for the running forward
+(core/layout.py's Pass), or None; where sizes could mean either layout and nothing tells which, the reason to refuse.
+"""
+
+import torch
+
+from nanogns.core.ids import ExampleIds
+from nanogns.core.inputs import dim_by_history, folded_by_history
+from nanogns.core.layout import current_pass
+from nanogns.core.rowmaps import Items, Rows, ragged
+
+
+def rows_by_history(x):
+    """Rows 'seqfirst' for a (T, N, D) input whose autograd history moved the examples' dim 0 to dim 1 (Longformer's
+    and LED's hidden states transposed before their projections, T padded to a length no input has), else None.
+    Asked only where the input's sizes fit no mapping."""
+    found = current_pass()
+    if found is None or found.layout is None or found.layout.packed is not None or found.scopes:
+        return None
+    N = found.layout.examples
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != N or x.grad_fn is None or found.ids_moved:
+        return None  # (ids moved to dim 1: the history's data did not arrive with its examples on dim 0)
+    if dim_by_history(x) != 1:
+        return None
+    found.examples_moved = True
+    return Rows("seqfirst", N, positions=x.shape[0])
+
+
+def rows_by_fold(x):
+    """Rows 'dim0' for an input whose dim 0 a view or reshape of (N, ...) data folded the examples into, example after
+    example (N*k, ...), as its autograd history says (items_by_history), k no input's size; else None. Asked only
+    where the input's sizes fit no mapping."""
+    held = items_by_history(x) if isinstance(x, torch.Tensor) else None
+    if held is None or held[1] != 0:
+        return None
+    return Rows("dim0", held[0].examples)
+
+
+def rows_of_moved_ids(ids):
+    """Rows of ids (..., 1) an Embedding looks up whose examples the forward moved off dim 0 (core/ids.py's
+    examples_dim: XLNet transposes its ids to (T, N)): 'seqfirst' for (T, N, 1) ids, whatever T and N; why they
+    cannot be mapped for other moves; None for ids holding their examples on dim 0 (rows_for decides)."""
+    at = ids._examples_dim if isinstance(ids, ExampleIds) else 0
+    found = current_pass()
+    if at == 0 or found is None or found.layout is None:
+        return None
+    found.examples_moved = found.ids_moved = True
+    N = found.layout.examples
+    if at == 1 and ids.dim() == 3 and ids.shape[1] == N and found.layout.packed is None and not found.scopes:
+        return Rows("seqfirst", N, positions=ids.shape[0])
+    rows = sequence_first_groups(ids.shape) if at == 1 and ids.dim() == 3 else None
+    if rows is not None:
+        return rows
+    return (
+        f"its ids have rows {tuple(ids.shape[:-1])}, the forward having moved their examples to dim {at} (a "
+        f"transpose or permute of the ids): only (T, {N}) ids, the forward's {N} examples on dim 1, can be mapped"
+    )
+
+
+def sequence_first_groups(shape):
+    """Rows of a (T, N*k, ...) input in a forward whose ids had their examples moved to dim 1, each example's k rows
+    (its choices) one after the other there (XLNet's multiple choice: (N, C, T) ids flattened to (N*C, T), then
+    transposed): ragged, row (t, j) example j // k; else None."""
+    found = current_pass()
+    if found is None or found.layout is None or not found.ids_moved or found.scopes or len(shape) < 3:
+        return None
+    N, M = found.layout.examples, shape[1]
+    k = next((k for k in found.layout.groups if M == N * k), None)
+    if k is None or shape[0] == M:
+        return None
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return ragged((torch.arange(rows) % M) // k, N)
+
+
+def undecided_rows(x):
+    """Why rows 'dim0' of an input x (N, N, ...) cannot be trusted: its forward moved the examples off dim 0 (its ids
+    transposed, or x's autograd history transposes its data), so dim 0 and dim 1 both have the N examples' sizes and
+    nothing tells which holds them; None when x's examples can only be on dim 0. Asked only for (N, N, ...) inputs."""
+    found = current_pass()
+    if found is None or found.layout is None or found.scopes or found.layout.packed is not None:
+        return None
+    N = found.layout.examples
+    if not isinstance(x, torch.Tensor) or x.shape[0] != N or N == 1:  # (one example: every row is its own)
+        return None
+    if not found.examples_moved:
+        # (around a sequence-first module, the data transposed in and out: the history, which takes an op it does not
+        # know (inside that module) to hold the examples on dim 0, would see only the last transpose; the module's
+        # scope maps its own rows)
+        if found.sequence_first_ran or x.grad_fn is None or dim_by_history(x) == 0:
+            return None
+        found.examples_moved = True
+    return (
+        f"its input has rows {tuple(x.shape[:-1])} for the forward's {N} examples, and this forward moves its "
+        "examples off dim 0 (its ids, or its data, transposed): dim 0 and dim 1 both have the examples' size, and "
+        f"nothing tells which holds them; use micro-batches of a size other than {N}"
+    )
+
+
+def items_held(shape):
+    """(Items, dim) of a tensor of `shape` holding the examples' data in the running forward: its dim 0's items, or
+    the examples on dim 1 in a forward whose ids had their examples moved there (XLNet's (T, N, ...) states: dim 1
+    has the N examples, dim 0 another size); None where sizes cannot tell (N == T there) and outside a forward."""
+    found = current_pass()
+    if found is None or found.layout is None or not len(shape):
+        return None
+    items = found.layout.items_of(shape[0], found.scopes[-1] if found.scopes else None)
+    if items is not None:
+        return None if found.ids_moved and len(shape) > 1 and shape[1] == shape[0] != 1 else (items, 0)
+    N = found.layout.examples
+    if found.ids_moved and not found.scopes and found.layout.packed is None and len(shape) > 1:
+        if shape[1] == N:
+            return Items(N, N), 1
+        if any(shape[1] == N * k for k in found.layout.groups) and shape[0] != shape[1]:  # (T, N*C, ...): choices
+            return Items(shape[1], N), 1
+    return None
+
+
+def items_by_history(t):
+    """(Items, dim) of data t whose dim `dim` a view or reshape of (N, ...) data folded the examples into, example
+    after example (heads folded into the batch: (N*H, T, d); tokens: (H, N*T, d); core/inputs.py's
+    folded_by_history), whatever the sizes; else None. Not asked in a forward that moved its examples off dim 0 (its
+    history would not start at data holding them on dim 0)."""
+    found = current_pass()
+    if found is None or found.layout is None or found.examples_moved or found.scopes or found.layout.packed is not None:
+        return None
+    N = found.layout.examples
+    folded = folded_by_history(t, N) if t.requires_grad and t.dim() > 0 else None
+    if folded is None or folded[1] == 1:
+        return None
+    return Items(t.shape[folded[0]], N), folded[0]
