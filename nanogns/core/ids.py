@@ -94,7 +94,15 @@ _MOVES = frozenset(
 
 
 def _moved(func, args, kwargs, at, before, after):
-    """The dim holding the examples in func's output, for tagged ids (of `before` dims) holding them on dim `at`."""
+    """The dim holding the examples in func's output, for tagged ids (of `before` dims) holding them on dim `at`;
+    None (no longer known) for arguments read otherwise than expected: the user's forward never fails here."""
+    try:
+        return _dim_after(func, args, kwargs, at, before, after)
+    except (IndexError, ValueError, TypeError):
+        return None
+
+
+def _dim_after(func, args, kwargs, at, before, after):
     if at is None:
         return None
     if func not in _MOVES:  # an op keeping the rank keeps the dims (elementwise, slices, clone)
