@@ -822,6 +822,22 @@ def test_choices_on_dim_1_of_sequence_first_states_exact():
     assert_exact(model, lambda part: model(ids[part]).pow(2).mean((1, 2, 3)), 3, parts, monitor)
 
 
+def test_ids_moved_then_flattened_are_refused_saying_so():
+    """Ids transposed and then flattened: where their examples are is no longer known, and the lookup refuses the
+    step saying what the forward did (never a guess from sizes)."""
+
+    class MovesThenFlattens(_TransposesItsIds):
+        def forward(self, ids):
+            return self.head(self.wte(ids.t().reshape(-1)))
+
+    torch.manual_seed(0)
+    model = MovesThenFlattens().double()
+    monitor = lc.convert(model, exclude=["head"])
+    model(ids_batch(3, 5)).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"wte.weight.*moved their examples off dim 0, then reshaped them"):
+        monitor.measure(batch_size=3)
+
+
 def test_the_ids_tag_follows_the_examples_through_moves_of_dims():
     """examples_dim: where tagged ids hold their examples, through transposes, permutes, unsqueezes and ops that
     keep the rank; unknown (None) once the rank changes after a move; 0 for untouched ids."""

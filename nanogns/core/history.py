@@ -55,9 +55,10 @@ def rows_of_moved_ids(ids):
     rows = sequence_first_groups(ids.shape) if at == 1 and ids.dim() == 3 else None
     if rows is not None:
         return rows
+    where = f"to dim {at}" if at is not None else "off dim 0, then reshaped them (where they are is not known)"
     return (
-        f"its ids have rows {tuple(ids.shape[:-1])}, the forward having moved their examples to dim {at} (a "
-        f"transpose or permute of the ids): only (T, {N}) ids, the forward's {N} examples on dim 1, can be mapped"
+        f"its ids have rows {tuple(ids.shape[:-1])}, the forward having moved their examples {where} (a transpose or "
+        f"permute of the ids): only (T, {N}) ids, the forward's {N} examples on dim 1 (or their choices), can be mapped"
     )
 
 
