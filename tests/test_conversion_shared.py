@@ -202,6 +202,19 @@ def run_lm(model):
     return monitor, want, measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
 
 
+def assert_exact_on(model_class, shape):
+    """A model_class() in float64 on random ids of `shape`, one step over micro-batches of 1 and the rest, exact
+    against brute force; returns the ids."""
+    ids = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = model_class().double()
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, shape[0])
+    monitor = lc.convert(model)
+    check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, shape[0])], shape[0]))
+    return ids
+
+
 class GatheredPositions(nn.Module):
     """Positions looked up once for the batch, then joined to each example's tokens by torch.cat: an op in which
     per-example norms cannot follow the table."""
@@ -300,13 +313,7 @@ class HeadsFoldedIntoTheBatch(nn.Module):
 def test_a_table_meeting_heads_folded_into_the_batch_exact():
     """The scores' rows are N*H: their autograd history (a reshape of (N, ...) data) says each example holds H of
     them, one example after the other; the table gets one copy per row, summed per example: exact, B == T."""
-    ids = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    model = HeadsFoldedIntoTheBatch().double()
-    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
-    check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4))
+    assert_exact_on(HeadsFoldedIntoTheBatch, (4, 4))
 
 
 def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
@@ -319,13 +326,7 @@ def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
             scores = torch.tensordot(self.wte(ids), positions, dims=([2], [1]))  # (N, T, T)
             return self.head(torch.cat([self.wte(ids), scores.softmax(-1) @ self.wte(ids)], dim=-1))
 
-    ids = torch.randint(0, V, (4, 5), generator=torch.Generator().manual_seed(1))
-    torch.manual_seed(0)
-    model = GatheredPositions().double()
-    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
-    check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4))
+    ids = assert_exact_on(GatheredPositions, (4, 5))
     model = Joined().double()
     monitor = lc.convert(model)
     model(ids).pow(2).mean().backward()

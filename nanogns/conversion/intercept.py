@@ -289,8 +289,7 @@ class _ParameterUses(TorchFunctionMode):
             return None
         items = _items_of(target_shape[0])
         if items is None and target is not None and not shared.is_shared(target):  # (N*k, ...) rows a reshape made
-            held = history.items_by_history(target)
-            items = held[0] if held is not None and held[1] == 0 else None
+            items = history.items_folded_on_dim0(target)
         leading = (1,) * (len(target_shape) - param.dim()) + tuple(param.shape)
         sign = self.signs.get(id(param), 1)
         if items is None and len(leading) > 1 and leading[:2] == (1, 1):  # (T, N, ...) where the ids were moved
@@ -323,7 +322,7 @@ class _ParameterUses(TorchFunctionMode):
         """(Items, the dim holding them) when t is the examples' data (not a parameter, nor a table), else None."""
         if shared.is_shared(t) or isinstance(t, torch.nn.Parameter) or t.dim() == 0 or not t.requires_grad:
             return None  # (a constant, sinusoidal positions, whose dim 0 happens to have the items' size, is none)
-        return history.items_held(t.shape) or history.items_by_history(t)  # (or examples folded by a reshape)
+        return history.items_of_data(t)
 
     def copies(self, param, items):
         """(items.count, *param.shape): one copy of the parameter per item, each receiving its item's gradient."""

@@ -34,10 +34,8 @@ def rows_by_fold(x):
     """Rows 'dim0' for an input whose dim 0 a view or reshape of (N, ...) data folded the examples into, example after
     example (N*k, ...), as its autograd history says (items_by_history), k no input's size; else None. Asked only
     where the input's sizes fit no mapping."""
-    held = items_by_history(x) if isinstance(x, torch.Tensor) else None
-    if held is None or held[1] != 0:
-        return None
-    return Rows("dim0", held[0].examples)
+    items = items_folded_on_dim0(x) if isinstance(x, torch.Tensor) else None
+    return None if items is None else Rows("dim0", items.examples)
 
 
 def rows_of_moved_ids(ids):
@@ -135,3 +133,15 @@ def items_by_history(t):
     if folded is None or folded[1] == 1:
         return None
     return Items(t.shape[folded[0]], N), folded[0]
+
+
+def items_folded_on_dim0(t):
+    """The Items of data t whose dim 0 holds the examples folded by a reshape (items_by_history), else None."""
+    held = items_by_history(t)
+    return held[0] if held is not None and held[1] == 0 else None
+
+
+def items_of_data(t):
+    """(Items, dim) of the examples' data t: where sizes put them (items_held), else where a reshape folded them
+    (items_by_history); None when neither says."""
+    return items_held(t.shape) or items_by_history(t)

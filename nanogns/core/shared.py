@@ -234,8 +234,7 @@ def _items(t):
         return None
     items = layout.items_of(t.shape[0])
     if items is None and t.requires_grad and not isinstance(t, nn.Parameter):
-        held = history.items_by_history(t)  # (N*H, ...): heads folded into the batch by a reshape of (N, ...)
-        return held[0] if held is not None and held[1] == 0 else None
+        return history.items_folded_on_dim0(t)  # (N*H, ...): heads folded into the batch by a reshape of (N, ...)
     if items is None or (items.count == 1 and not (t.requires_grad and not isinstance(t, nn.Parameter))):
         return None
     return items
@@ -331,7 +330,7 @@ def _einsum_meeting(args, kwargs, sources):
         args,
         kwargs,
         lambda t: isinstance(t, SharedRows),
-        lambda t: _held(t) if _carries_gradient(t) else None,
+        lambda t: history.items_of_data(t) if _carries_gradient(t) else None,
         lambda t, items: _copies(t, items, (items.count, *t.shape), sources),
         lambda t, items: _sliced(t, items, sources),
     )
@@ -339,11 +338,6 @@ def _einsum_meeting(args, kwargs, sources):
 
 
 _BATCHED_MATMUL = {torch.bmm, torch.Tensor.bmm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
-
-
-def _held(t):
-    """(Items, dim) of data t: layout.items_held, else rows a reshape of (N, ...) folded on dim 0."""
-    return history.items_held(t.shape) or history.items_by_history(t)
 
 
 def copies_for(t, items):

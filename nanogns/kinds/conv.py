@@ -147,8 +147,7 @@ class _ConvBase(PerExampleNormLayer):
         if rows is not None:
             items = layout.items_of(x.shape[0]) if layout.current() is not None else Items(x.shape[0], x.shape[0])
             if items is None:  # (N*F, C, H, W): frames folded into the batch by a reshape of (N, ...) data
-                held = history.items_by_history(given)
-                items = held[0] if held is not None and held[1] == 0 else None
+                items = history.items_folded_on_dim0(given)
             if items is None:
                 refuse_step(
                     f"a convolution's input must have the forward's examples (or their items) on dim 0, got shape "
