@@ -216,9 +216,9 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     if isinstance(rows, str) or rows.kind == "shared":  # (the common case asks one question)
         if not isinstance(rows, str) and lookup:  # ids, one row for every example: the Embedding looks up a table
             return rows, tuple(None for _ in buffers)
-        moved = None if lookup or undecided or not isinstance(rows, str) else history.rows_by_history(x)
-        if moved is None and not lookup and not undecided and isinstance(rows, str):
-            moved = history.rows_by_fold(x) or history.sequence_first_groups(shape)  # (N*k, ...); (T, N*C, ...)
+        moved = None
+        if not lookup and not undecided and isinstance(rows, str):  # sizes fit no mapping: how the rows were made
+            moved = history.rows_by_history(x) or history.rows_by_fold(x) or history.sequence_first_groups(shape)
         if moved is not None:  # sizes fit no mapping, and the autograd history moved or folded the examples
             layout.note_uses(buffers)
             return moved, buffers
