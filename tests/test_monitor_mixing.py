@@ -167,3 +167,35 @@ def test_the_check_leaves_a_buffer_saved_for_the_step_s_backward_unwritten():
     assert len(monitor.measurements) == 4  # every parameter measured, the shared types table too
     for m in monitor.measurements:
         assert m.rms_pe_norm == pytest.approx(math.sqrt(pe_sq[m.metadata["name"]]), rel=1e-5), m
+
+
+class BatchMeanLM(nn.Module):
+    """Subtracts the batch's mean between two Linears: example j's outputs depend on every example's inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.inner, self.head = nn.Embedding(20, 6), nn.Linear(6, 6), nn.Linear(6, 20)
+
+    def forward(self, ids):
+        h = self.inner(self.emb(ids))
+        return self.head(h - h.mean(dim=0, keepdim=True))
+
+
+def test_a_step_whose_first_micro_batch_holds_one_example_is_checked_on_a_later_one():
+    """Micro-batches of 1 and 3 examples at every step: a forward of one example tells nothing, so the check takes
+    the step's next forward (before, every step's first forward had one example and the mixing went unseen)."""
+    torch.manual_seed(0)
+    model = BatchMeanLM().double()
+    monitor = nanogns.convert(model)
+    calls = counting_forwards(model)
+    for step in range(2):
+        model.zero_grad()
+        for ids in (torch.randint(0, 20, (1, 3)), torch.randint(0, 20, (3, 3))):  # B == T on purpose
+            lm_losses(model, ids).sum().div(4).backward()
+        with pytest.raises(
+            ValueError,
+            match=r"BatchMeanLM\) mixes the examples of the batch: the outputs of example 0 depend on the inputs of example 1",
+        ):
+            monitor.step(batch_size=4)
+        zero_pe_sqnorm_buffers(model)
+    assert calls == [True, True, True, True, True]  # the check's forward once, at the first step

@@ -113,6 +113,8 @@ def install(
         if not torch.compiler.is_compiling() and not mapper.step_started and mapper.step_watchers:
             mapper.start_step(module, args, kwargs)  # the monitor follows the model, before its layers run
             mapper.step_started = torch.is_grad_enabled()  # (an evaluation's forward does not start the step)
+        elif mapper.later_forwards_watched and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            mapper.later_forward(module, args, kwargs)
         found = read(args, kwargs)
         tagged = None
         if found is not None and mapper.tags_ids and torch.is_grad_enabled() and not torch.compiler.is_compiling():

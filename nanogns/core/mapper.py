@@ -37,6 +37,7 @@ class RowMapper:
         self.watched_norms = set()  # ids of the batch-statistics norms whose mixing forwards are noted (batchnorm.py)
         self.step_watchers = []  # weak references to the monitors told of each step's first forward (start_step)
         self.step_started = False  # a forward with gradients ran since the monitor's last read
+        self.later_forwards_watched = False  # the watchers are told of this step's later forwards too (later_forward)
         self.tags_ids = True  # the root's ids are tagged (core/ids.py); False: none are, as under torch.compile
 
     def note_refusal(self, reason, buffers):
@@ -59,6 +60,7 @@ class RowMapper:
         self.forwards = 0
         self.layouts.clear()
         self.step_started = False
+        self.later_forwards_watched = False
 
     def watch_steps(self, watcher):
         """Call watcher.at_step_start(module, args, kwargs) at the first forward of every step (held weakly)."""
@@ -73,6 +75,15 @@ class RowMapper:
                 self.step_watchers.remove(ref)
             else:
                 watcher.at_step_start(module, args, kwargs)
+
+    def later_forward(self, module, args, kwargs):
+        """Tell the watchers (GNSMonitor.at_later_forward) of a root forward with gradients after the step's first,
+        while one of them asked for it (later_forwards_watched: the mixing check waits for a forward of more than one
+        example)."""
+        for ref in list(self.step_watchers):
+            watcher = ref()
+            if watcher is not None:
+                watcher.at_later_forward(module, args, kwargs)
 
     @property
     def model(self):

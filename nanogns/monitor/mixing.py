@@ -5,7 +5,7 @@ it. A BatchNorm is caught by its class (kinds/batchnorm.py); an op without param
 reshape that folds the batch into the heads, a mean over dim 0) is caught here.
 
 At the first step of a monitor in each training mode (model.train(), model.eval()), `examples_mixed` runs the step's
-first forward again on its inputs, the layers computing plainly (recording nothing: layout.replay()), and asks
+first forward of more than one example (micro-batches of 1 and 3: the 3) again on its inputs, the layers computing plainly (recording nothing: layout.replay()), and asks
 autograd whether the outputs of one example reach the inputs of another: a backward from example j's output rows (a
 random cotangent on them, zero elsewhere) to the examples' first rows (the main floating-point input, or the outputs
 of the Embeddings looking up the examples' ids) gives exactly zero on every row of every other example unless an op
@@ -16,7 +16,7 @@ example j's outputs, and before the next one. The steps in that training mode ar
 What it cannot see: a mixing that happens before any parameter (it mixes data, and leaves every example's gradient
 its own), one that only some batches trigger (it checks the first), the loss (nanogns.verify checks that), models
 run under torch.compile (the root's hooks are compiled) or sharded by FSDP2 (a forward outside the step would run the
-engine's collectives), and a forward of one example.
+engine's collectives), and a step whose every forward holds one example (checked at the next step).
 
 Cost: once per training mode, one forward and two backward passes to the first rows (where the examples mix, one more
 to every module's output); at every other step, a dict lookup. bench/mixing_check.py measures it against a step. The
@@ -35,13 +35,16 @@ from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Rows
 from nanogns.core.table import is_dtensor
 
+ONE_EXAMPLE = "one example"  # examples_mixed's finding for a forward of one example: nothing to tell
+UNDECIDED = "undecided"  # its finding for (N, N, ...) rows where the forward moved the examples: sizes cannot tell
 RELATIVE_ZERO = 1e-6  # a gradient on another example's rows below this fraction of the largest is rounding, not mixing
 
 
 class MixingCheck:
     """The monitor's mixing check: the inputs of the first forward of a step in a training mode not yet checked
-    (`note_inputs`, at the step's first forward), checked when the step is read (`run`), and the finding of each mode
-    noted in the RowMapper at every read (`note`), so that the monitor refuses those steps."""
+    (`note_inputs`, at the step's first forward; replaced by a later forward's while the held one had one example,
+    `note_later`), checked when the step is read (`run`), and the finding of each mode noted in the RowMapper at
+    every read (`note`), so that the monitor refuses those steps."""
 
     def __init__(self):
         self.found = {}  # {training mode: None (no mixing seen), or (where, why)}
@@ -51,6 +54,14 @@ class MixingCheck:
     def note_inputs(self, module, args, kwargs):
         if self.pending is None and module.training not in self.found and torch.is_grad_enabled():
             self.pending = (module, args, kwargs)
+
+    def note_later(self, module, args, kwargs, layouts):
+        """A later forward of the step, given the Layouts of its forwards so far (the last is the held one's): it
+        replaces the held forward when that one had a single example. True while later forwards are still wanted."""
+        if self.pending is None or not layouts or layouts[-1] is None or layouts[-1].examples > 1:
+            return False
+        self.pending = (module, args, kwargs)
+        return True
 
     def run(self, mapper, table):
         """Check the forward noted this step, if any (after the step's backward: its own state is then complete)."""
@@ -66,7 +77,7 @@ class MixingCheck:
         except Exception as e:  # the check is the monitor's own: a failure of it refuses nothing, and is said
             warnings.warn(f"GNS: the check that the forward does not mix the examples could not run ({e!r})")
             found = None
-        if found != "one example":  # (a forward of one example, or of rows sizes cannot map: checked later)
+        if found not in (ONE_EXAMPLE, UNDECIDED):  # (checked at a later step)
             self.found[module.training] = found
 
     def note(self, mapper):
@@ -153,8 +164,8 @@ def _seed(targets, j):
 
 
 def examples_mixed(module, args, kwargs, mapper, table):
-    """None when no example's outputs depend on another example's first rows; (where, why) when they do; "one
-    example" for a forward that cannot tell. Runs `module`'s forward again on (args, kwargs), see the docstring."""
+    """None when no example's outputs depend on another example's first rows; (where, why) when they do; ONE_EXAMPLE
+    or UNDECIDED for a forward that cannot tell. Runs `module`'s forward again on (args, kwargs), see the docstring."""
     if any(is_dtensor(p) for p in module.parameters()):
         return None  # FSDP2: not checked (a forward and backward here would run the engine's collectives)
     key, main = _main_input(args, kwargs)
@@ -243,9 +254,9 @@ def _probe(module, args, kwargs, mapper, table, key):
             ]
             N = found.layout.examples
             if N < 2:
-                return "one example"
+                return ONE_EXAMPLE
             if moved and any(t.dim() > 2 and t.shape[0] == t.shape[1] == N for t, _ in sources + targets):
-                return "one example"  # (N, N, ...) rows where the examples moved: sizes cannot tell; a later step
+                return UNDECIDED  # (N, N, ...) rows where the examples moved: sizes cannot tell; a later step
             if not sources or not targets:
                 return None
             for j in sorted({0, N - 1}):

@@ -212,6 +212,14 @@ class GNSMonitor:
             pass
         if self.mixing is not None:
             self.mixing.note_inputs(module, args, kwargs)
+            self.row_map.later_forwards_watched = self.mixing.pending is not None
+
+    def at_later_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Called by the root's pre-hook at a later forward with gradients of a step whose first forward the mixing
+        check holds: a forward of one example tells nothing, so the check takes the step's first of more
+        (micro-batches of 1 and 3 examples are checked on the 3)."""
+        if self.mixing is not None:
+            self.row_map.later_forwards_watched = self.mixing.note_later(module, args, kwargs, self.row_map.layouts)
 
     def write_record(self, out_dir: Optional[str]) -> None:
         """Write out_dir/PARAMETERS_JSON, what each tracked parameter is (nothing when out_dir is None); a
