@@ -20,11 +20,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from oracle import loss_sqnorms_from_batched_forward
 from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, config, lm_batch, lm_losses, measured
 
 import nanogns as lc
 from nanogns.conversion.intercept import InterceptedForward
 from nanogns.conversion.replay import ReplayedForward
+from nanogns.core.buffers import zero_pe_sqnorm_buffers
 from nanogns.core.module_state import state_of
 from nanogns.kinds.experts_dbrx import PerExampleDbrxExperts
 
@@ -182,14 +184,15 @@ def causal_lms():
 
 # the state-space mixers, whose code reads their children's weights (conv1d.weight.squeeze(1) into a depthwise
 # convolution, dt_proj.weight @ x): kept with their own forward, their own and those children's parameters' uses
-# followed (intercept.py; a probe shows it computes the same), the children they only call converted by kind
+# followed (intercept.py; a probe shows it computes the same), the children they only call converted by kind (Mamba2's
+# norm and out_proj are read too: handed by keyword to its CUDA kernel, a branch the CPU does not take)
 FOLLOWED_WITH_CHILDREN = {
     "Mamba": ("backbone.layers.0.mixer", ("conv1d", "dt_proj", "out_proj", "x_proj")),
-    "Mamba2": ("backbone.layers.0.mixer", ("conv1d",)),
+    "Mamba2": ("backbone.layers.0.mixer", ("conv1d", "norm", "out_proj")),
     "Jamba": ("model.layers.0.mamba", ("conv1d", "dt_proj")),
-    "Zamba2": ("model.layers.0.mamba", ("conv1d",)),
-    "Bamba": ("model.layers.0.mamba", ("conv1d",)),
-    "FalconH1": ("model.layers.0.mamba", ("conv1d",)),
+    "Zamba2": ("model.layers.0.mamba", ("conv1d", "norm", "out_proj")),
+    "Bamba": ("model.layers.0.mamba", ("conv1d", "norm", "out_proj")),
+    "FalconH1": ("model.layers.0.mamba", ("conv1d", "norm", "out_proj")),
 }
 # blocks kept with their own forward, their parameters' uses followed (intercept.py): GPT-OSS's sinks reshaped and
 # expanded over the examples (a table the examples share, core/shared.py); RWKV's attention is replayed alone
@@ -428,3 +431,70 @@ def test_a_module_reading_its_children_s_weights_keeps_its_forward_or_is_replaye
     got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
+
+
+class _TorchAttentionWithBias(nn.Module):
+    """WavLM's attention, cut down: F.multi_head_attention_forward reads the projections' weights (q, k and v by
+    keyword) and drops out inside torch; the first layer's position bias, from a table of distances, is repeated over
+    the batch with the heads folded in ((N*H, T, T)), returned, and passed on to the next layer."""
+
+    def __init__(self, dropout, first, width=6, heads=2):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.v_proj, self.out_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.distance = nn.Embedding(9, heads) if first else None  # (WavLM's layers after the first have none)
+
+    def forward(self, x, bias=None):
+        N, T, _ = x.shape
+        if bias is None:
+            steps = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
+            bias = self.distance(steps).permute(2, 0, 1).unsqueeze(0).repeat(N, 1, 1, 1).view(N * self.heads, T, T)
+        q = x.transpose(0, 1)
+        out, _ = F.multi_head_attention_forward(
+            q, q, q, x.shape[-1], self.heads, torch.empty([0]),
+            torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)), None, None, False, self.dropout,
+            self.out_proj.weight, self.out_proj.bias, self.training, None, need_weights=True, attn_mask=bias,
+            use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
+            v_proj_weight=self.v_proj.weight,
+        )  # fmt: skip
+        return out.transpose(0, 1), bias
+
+
+class _TwoAttentions(nn.Module):
+    def __init__(self, dropout):
+        super().__init__()
+        self.first, self.second = _TorchAttentionWithBias(dropout, True), _TorchAttentionWithBias(dropout, False)
+
+    def forward(self, x):
+        h, bias = self.first(x)
+        return self.second(h, bias)[0]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_a_parent_handing_its_children_s_weights_to_torch_s_attention_is_replayed_exact(dropout):
+    """Children's weights read by keyword are reads (the module is replayed with its children, not left with its
+    own parameters followed and the children recording nothing); torch's attention drops out inside itself, and its
+    replay is given the same masks; a position bias repeated over the batch and folded with the heads is each
+    example's copy, through a replay's output into the next layer. B == T on purpose: uneven micro-batches without
+    dropout; with it, every example's gradient from the same forward."""
+    torch.manual_seed(0)
+    model = _TwoAttentions(dropout).double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    if not dropout:
+        want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    assert isinstance(model.first, ReplayedForward) and state_of(model.first).replay_subtree
+    if not dropout:
+        check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4))
+        return
+    losses = loss_of(slice(0, 4))
+    losses.mean().backward(retain_graph=True)
+    monitor.step(batch_size=4)
+    got = {m.metadata["name"]: m for m in monitor.measurements}
+    zero_pe_sqnorm_buffers(model)
+    per_example, _ = loss_sqnorms_from_batched_forward(model, losses)
+    assert set(got) == {n for n, p in model.named_parameters() if p.requires_grad}
+    for name, m in got.items():
+        assert m.rms_pe_norm**2 == pytest.approx(per_example[name], rel=1e-6, abs=1e-20), name  # (check_exact's)

@@ -199,3 +199,49 @@ def test_a_step_whose_first_micro_batch_holds_one_example_is_checked_on_a_later_
             monitor.step(batch_size=4)
         zero_pe_sqnorm_buffers(model)
     assert calls == [True, True, True, True, True]  # the check's forward once, at the first step
+
+
+class Similarities(nn.Module):
+    """CLIP's head, cut down: each example's text and image embedded, and every text scored against every image."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.image = nn.Linear(5, 4), nn.Linear(6, 4)
+
+    def forward(self, texts, images):
+        per_text = self.text(texts) @ self.image(images).T  # (N, N): example j's row holds every image
+        return per_text, per_text.T  # (and every text, the row of its image)
+
+
+@pytest.mark.parametrize("loss", ["own pair", "contrastive"])
+def test_the_check_follows_the_gradient_the_loss_gives_the_outputs(loss):
+    """Outputs holding every example's image (and text) in each example's row mix them only for a loss that reads
+    the rows: scored on the diagonal (each text with its own image) the step is exact; with a softmax over the row (a
+    contrastive loss) it is refused. Micro-batches of 1 and 3: the check runs on the 3."""
+    torch.manual_seed(0)
+    model = Similarities().double()
+    texts, images = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+
+    def losses_of(part):
+        per_text, per_image = model(texts[part], images[part])
+        if loss == "own pair":
+            return -per_text.diagonal()
+        return -(per_text.log_softmax(1).diagonal() + per_image.log_softmax(1).diagonal()) / 2
+
+    monitor = nanogns.convert(model)
+    for part in (slice(0, 1), slice(1, 4)):
+        losses_of(part).sum().div(4).backward()
+    if loss == "contrastive":
+        with pytest.raises(ValueError, match=r"Similarities\) mixes the examples of the batch"):
+            monitor.step(batch_size=4)
+        return
+    monitor.step(batch_size=4)
+    zero_pe_sqnorm_buffers(model)
+    total = {}  # the oracle: each example's loss from its micro-batch's forward
+    for part in (slice(0, 1), slice(1, 4)):
+        pe_sq, _ = loss_sqnorms_from_batched_forward(model, losses_of(part))
+        for name, value in pe_sq.items():  # (a mean over the part's examples)
+            total[name] = total.get(name, 0.0) + value * (part.stop - part.start)
+    assert {m.metadata["name"] for m in monitor.measurements} == set(total)
+    for m in monitor.measurements:
+        assert m.rms_pe_norm == pytest.approx(math.sqrt(total[m.metadata["name"]] / 4), rel=1e-6), m

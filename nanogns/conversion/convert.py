@@ -211,10 +211,10 @@ class Conversion:
         container = any(True for c in module.children() for _ in c.parameters())
         reads = container and replay.reads_children_parameters(module)
         followed = probe.intercept_problem(module, container and not reads)
-        if followed is None:
+        read = replay.children_read(module) if reads else None
+        if followed is None and not read:  # (a probe of its own parameters: children it reads need theirs followed)
             adopt(module, intercept.InterceptedForward, {"kinds": kinds})
             return None
-        read = replay.children_read(module) if reads else None
         if read and probe.read_children_problem(module, read) is None:  # (Mamba's mixer: conv1d, dt_proj...)
             adopt(module, intercept.InterceptedForward, {"kinds": kinds, "children": read})
             for name in read:  # measured with this module: left as they are

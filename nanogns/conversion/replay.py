@@ -55,7 +55,7 @@ from nanogns.core.buffers import (
     register_pe_sqnorm_buffers,
 )
 from nanogns.core.ids import ExampleIds
-from nanogns.core.inputs import dim_by_history, example_dim, flattened_by_history
+from nanogns.core.inputs import FOLDED_ROWS, dim_by_history, example_dim, flattened_by_history
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Items
@@ -143,8 +143,10 @@ class ReplayedForward(PerExampleNormLayer):
         # several outputs: one may be computed from another (attention weights and the attention's output), so each
         # one's own gradient is read where it leaves the module, at a copy (an in-place op on it stays allowed)
         copies = _Boundary.apply(held, *[flat[i] for i in positions])
-        for i, copy in zip(positions, copies):
+        for i, copy, rows in zip(positions, copies, held.out_rows):
             flat[i] = copy
+            if isinstance(rows, _Rows) and rows.per > 1:  # (its history ends here: the fold said on the tensor)
+                setattr(copy, FOLDED_ROWS, (units.count, rows.per))
         return pytree.tree_unflatten(flat, spec)
 
 
@@ -347,6 +349,10 @@ def _computes_with_children(tree, children):
         if not (isinstance(up, ast.Attribute) and up.attr in dict(child.named_parameters())):
             continue
         use = parents.get(up)  # what is done with self.<child>.<parameter>
+        if isinstance(use, ast.keyword):  # handed to a call by keyword (WavLM: q_proj_weight=self.q_proj.weight)
+            if not (isinstance(use.value, ast.Attribute) and use.value is up):
+                continue
+            use, up = parents.get(use), ast.Name(id="_keyword")  # (the call's func is never this argument)
         if isinstance(use, ast.Attribute):
             if use.attr not in _QUERIES.split("|"):
                 return True
@@ -477,8 +483,11 @@ def _rows(t, units, lengths):
     if count == units.examples and units.example_of_item is None:  # the examples themselves: on whichever dim holds
         # them (Gemma 3n stacks (K, N, ...))
         found = example_dim(t, count)
-        if isinstance(found, str):
-            raise _Ambiguous(found)
+        if isinstance(found, str):  # (N*H, T, T) with N == T: rows a view of (N, ...) made say so themselves
+            folded = flattened_by_history(t, count)
+            if folded is None:
+                raise _Ambiguous(found)
+            return _Rows(0, folded)
         per = _flattened(t, count, lengths)
         if found and per and dim_by_history(t) == 0:  # (N*T, k) rows whose k == N (a router's top-k weights)
             return _Rows(0, per)
@@ -496,6 +505,33 @@ def _flattened(t, count, lengths):
     if count and t.shape[0] % count == 0 and (t.shape[0] // count in lengths or layout.in_windows()):
         return t.shape[0] // count
     return flattened_by_history(t, count)  # (N*k, ...) rows a reshape of (N, ...) made, whatever k
+
+
+@dataclass(frozen=True)
+class _Undecided:
+    """An output's dims `dims` have the examples' size and its history does not say which holds them (`why`): the
+    first example's replay decides (_Held.decide_outputs)."""
+
+    dims: tuple
+    why: str
+
+
+def _output_rows(t, units, lengths, args, kwargs, in_rows):
+    """_Rows of an output of the replayed module, or None (it does not hold the units), or _Undecided where two of
+    its dims have the examples' size: its history alone is a guess past an op it does not know (the projections of
+    WavLM's attention after its own transpose to (T, N, D)), so the first example's replay decides, unless a view
+    of (N, ...) made the rows."""
+    dims = tuple(d for d, n in enumerate(t.shape) if n == units.count) if isinstance(t, torch.Tensor) else ()
+    if len(dims) > 1 and units.count == units.examples > 1 and units.example_of_item is None:
+        folded = flattened_by_history(t, units.count)
+        if folded is not None:
+            return _Rows(0, folded)
+        return _Undecided(
+            dims,
+            f"two of its output's dims (shape {tuple(t.shape)}) have the forward's {units.count} examples, and its "
+            "output for one example alone does not say which holds them",
+        )
+    return _rows(t, units, lengths) or _like_inputs(t, args, kwargs, in_rows)
 
 
 def _like_inputs(out, args, kwargs, in_rows):
@@ -554,11 +590,10 @@ class _Held:
         inputs = pytree.tree_map(_held_input, (args, kwargs))
         self.inputs = pytree.tree_map(_by_example, inputs, self.in_rows)
         self.positions = positions
-        self.out_rows = [
-            _rows(flat[i], units, lengths) or _like_inputs(flat[i], args, kwargs, self.in_rows) for i in positions
-        ]
+        self.out_rows = [_output_rows(flat[i], units, lengths, args, kwargs, self.in_rows) for i in positions]
         self.out = [
-            _by_example(flat[i].detach(), r) if r else flat[i].detach() for i, r in zip(positions, self.out_rows)
+            _by_example(flat[i].detach(), r) if isinstance(r, _Rows) else flat[i].detach()
+            for i, r in zip(positions, self.out_rows)
         ]
         self.draws = draws.drawn
         device = next((t.device.type for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), "cpu")
@@ -594,6 +629,7 @@ class _Held:
     def per_example_grads(self, grads, names):
         """[(examples, *shape) each example's gradient of each parameter of `names`], from the outputs' gradients."""
         N = self.units.count
+        self.decide_outputs()
         if any(r is None for r in self.out_rows):
             raise _Refused(
                 f"its forward is replayed per example, but an output with a gradient does not hold the forward's {N} "
@@ -618,6 +654,29 @@ class _Held:
             return [self.units.to_examples(torch.cat(pieces[name])) for name in names]  # each example's units summed
         except Exception as e:
             raise _Bookkeeping("summing each example's units") from e
+
+    def decide_outputs(self):
+        """Outputs with two dims of the examples' size whose history does not say which holds them (_Undecided):
+        the module run on the first example alone says, its output having size 1 on that dim only."""
+        undecided = [k for k, r in enumerate(self.out_rows) if isinstance(r, _Undecided)]
+        if not undecided:
+            return
+        values = {name: p.detach() for name, p, _ in self.params}
+        inputs = pytree.tree_map(lambda t, r: t[0] if r else t, self.inputs, self.in_rows)
+        args, kwargs = pytree.tree_map(lambda t, r: _one_example(t, r) if r else t, inputs, self.in_rows)
+        values = {**values, **{name: b.clone() for name, b in self.before.items()}}
+        device, dtype, enabled = self.autocast
+        with torch.no_grad(), layout.replay(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            with _ServedDraws(self.draws, 0, self.units.count), _iterated_already(self.module):
+                with torch.nn.utils.stateless._reparametrize_module(self.module, values):
+                    out = getattr(self.module, self.method)(*args, **kwargs)
+        flat = pytree.tree_leaves(out)
+        for k in undecided:
+            dims = [d for d in self.out_rows[k].dims if flat[self.positions[k]].shape[d] == 1]
+            if len(dims) != 1:
+                raise _Refused(f"its forward is replayed per example, but {self.out_rows[k].why}")
+            self.out_rows[k] = _Rows(dims[0])
+            self.out[k] = _by_example(self.out[k], self.out_rows[k])
 
     def check(self, outs, part):
         """The replayed outputs must be the batch's rows: else the module mixes examples (the step is refused)."""
@@ -748,6 +807,21 @@ _DRAWING = {
     torch.Tensor.multinomial,
 }
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
+_PLAIN_DROPOUTS = (F.dropout, torch.dropout)  # (as imported: _dropout_inside swaps F.dropout for a while)
+# torch functions written in Python that call F.dropout inside (WavLM's attention calls multi_head_attention_forward):
+# a mode is off while it handles a function, so these run with F.dropout itself drawing through the mode
+_DRAWING_INSIDE = {F.multi_head_attention_forward}
+
+
+@contextlib.contextmanager
+def _dropout_inside(mask_of):
+    """F.dropout computed by _dropout with keep-masks from mask_of, while a function of _DRAWING_INSIDE runs."""
+    plain = F.dropout
+    F.dropout = lambda *args, **kwargs: _dropout(plain, args, kwargs, mask_of)
+    try:
+        yield
+    finally:
+        F.dropout = plain
 
 
 class _RandomDraws(TorchFunctionMode):
@@ -769,6 +843,9 @@ class _RandomDraws(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _DROPOUTS:
             return _dropout(func, args, kwargs, self.draw)
+        if func in _DRAWING_INSIDE:
+            with _dropout_inside(self.draw):
+                return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if func in _DRAWING and isinstance(out, torch.Tensor):
             self.drawn.append(out.detach().clone())
@@ -798,6 +875,9 @@ class _ServedDraws(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _DROPOUTS:
             return _dropout(func, args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
+        if func in _DRAWING_INSIDE:
+            with _dropout_inside(lambda like, p: self.serve(tuple(like.shape))):
+                return func(*args, **kwargs)
         if func not in _DRAWING:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)  # (its shape, dtype, device; and an in-place fill's target)
@@ -837,7 +917,7 @@ def _dropout(func, args, kwargs, mask_of):
     training = bound.get("training", bound.get("train", True))
     if func in (F.alpha_dropout, F.feature_alpha_dropout) or not training or p == 0.0:
         return func(*args, **kwargs)
-    if func is not F.dropout and func is not torch.dropout:  # channel dropouts: one draw per channel of an example
+    if func not in _PLAIN_DROPOUTS:  # channel dropouts: one draw per channel of an example
         keep = mask_of(x.new_empty(*x.shape[:2], *(1,) * (x.dim() - 2)), p)
     else:
         keep = mask_of(x, p)

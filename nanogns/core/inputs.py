@@ -142,6 +142,9 @@ def folded_by_history(t, count):
     node, ndim = t.grad_fn, t.dim()
     if node is None or not count or ndim == 0:
         return None
+    given = getattr(t, FOLDED_ROWS, None)  # a replayed module's output (replay.py: its history ends at its boundary)
+    if given is not None:
+        return (0, given[1]) if given[0] == count else None
     to_t = list(range(ndim))  # to_t[j]: the dim of t that dim j of the node's output becomes (None: none)
     for _ in range(64):  # (as deep as _traced_example_dim looks)
         name = type(node).__name__
@@ -174,11 +177,22 @@ def folded_by_history(t, count):
     before, dim = tuple(node._saved_self_sym_sizes), to_t[0]
     if not before or before[0] != count or dim is None or t.shape[dim] % count:
         return None
-    if _traced_example_dim(node.next_functions[0][0], len(before), 0) != 0:
+    source = node.next_functions[0][0]
+    if not _copies_per_example(source, count) and _traced_example_dim(source, len(before), 0) != 0:
         return None
     return dim, t.shape[dim] // count
 
 
+def _copies_per_example(node, count):
+    """True where autograd node `node` repeats or expands one row into `count` on dim 0 (WavLM's position bias,
+    repeated over the batch before its heads are folded in): each example's copy is its own use of the row."""
+    if type(node).__name__ not in ("RepeatBackward0", "ExpandBackward0"):
+        return False
+    sizes = tuple(node._saved_self_sym_sizes)
+    return len(sizes) > 0 and sizes[0] == 1
+
+
+FOLDED_ROWS = "_nanogns_folded_rows"  # (examples, rows each) a replayed module's output holds folded on dim 0
 _KEEPS_DIMS = ("SoftmaxBackward0", "LogSoftmaxBackward0")
 _VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 _SAME_DIMS = ("Clone", "ToCopy", "Alias", "Neg", "Tanh", "Sigmoid", "Add", "Sub", "Mul", "Div", "Gelu", "Silu")

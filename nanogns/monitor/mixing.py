@@ -50,17 +50,39 @@ class MixingCheck:
         self.found = {}  # {training mode: None (no mixing seen), or (where, why)}
         self.pending = None  # (module, args, kwargs) of this step's first forward, to be checked at the read
         self.module = None  # the module whose forward was checked (the model; a LightningModule's child)
+        self.cotangents = {}  # {leaf index: the loss's gradient} of the held forward's outputs (_hold_cotangents)
+        self.handle = None  # the forward hook that asks for those gradients
 
     def note_inputs(self, module, args, kwargs):
         if self.pending is None and module.training not in self.found and torch.is_grad_enabled():
-            self.pending = (module, args, kwargs)
+            self.hold(module, args, kwargs)
+
+    def hold(self, module, args, kwargs):
+        """Hold a forward for the check, and ask for the gradients the step's loss gives its outputs: the check
+        follows those back (an output the loss reads on the diagonal only, as CLIP's logits by a per-pair loss, does
+        not mix the examples for it)."""
+        if self.handle is not None:
+            self.handle.remove()
+        self.pending, self.cotangents = (module, args, kwargs), {}
+        self.handle = module.register_forward_hook(self._hold_cotangents)
+
+    def _hold_cotangents(self, module, args, output):
+        self.handle.remove()
+        self.handle = None
+        for i, t in enumerate(trees.leaves(output)):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+                t.register_hook(lambda g, i=i: self._note_cotangent(i, g))
+
+    def _note_cotangent(self, i, grad):
+        if grad is not None:  # (an output the loss does not read is given None by some backward functions)
+            self.cotangents[i] = grad.detach()
 
     def note_later(self, module, args, kwargs, layouts):
         """A later forward of the step, given the Layouts of its forwards so far (the last is the held one's): it
         replaces the held forward when that one had a single example. True while later forwards are still wanted."""
         if self.pending is None or not layouts or layouts[-1] is None or layouts[-1].examples > 1:
             return False
-        self.pending = (module, args, kwargs)
+        self.hold(module, args, kwargs)
         return True
 
     def run(self, mapper, table):
@@ -68,12 +90,12 @@ class MixingCheck:
         if self.pending is None:
             return
         module, args, kwargs = self.pending
-        self.pending = None
+        cotangents, self.pending, self.cotangents = self.cotangents, None, {}
         if module.training in self.found:
             return
         self.module = module
         try:
-            found = examples_mixed(module, args, kwargs, mapper, table)
+            found = examples_mixed(module, args, kwargs, mapper, table, cotangents or None)
         except Exception as e:  # the check is the monitor's own: a failure of it refuses nothing, and is said
             warnings.warn(f"GNS: the check that the forward does not mix the examples could not run ({e!r})")
             found = None
@@ -152,35 +174,40 @@ def reached_example(grad, rows, j):
 
 
 def _seed(targets, j):
-    """A random scalar of example j's output rows (zero weight on every other example's)."""
+    """A scalar of example j's output rows (zero weight on every other example's): weighted by the loss's gradient
+    where the step's backward gave it (targets' third item), else at random."""
     generator = torch.Generator().manual_seed(j)
     seed = 0
-    for t, rows in targets:
+    for t, rows, cotangent in targets:
         shaped = t if t.dim() > 1 else t[:, None]
-        noise = torch.randn(shaped.shape, generator=generator, dtype=torch.float64).to(shaped.device, shaped.dtype)
+        if cotangent is not None:
+            noise = cotangent.reshape(shaped.shape).to(shaped.device, shaped.dtype)
+        else:
+            noise = torch.randn(shaped.shape, generator=generator, dtype=torch.float64).to(shaped.device, shaped.dtype)
         own = rows.example_ids(shaped.numel() // shaped.shape[-1], shaped.device) == j
         seed = seed + (shaped * noise * own.view(*shaped.shape[:-1], 1)).sum()
     return seed
 
 
-def examples_mixed(module, args, kwargs, mapper, table):
+def examples_mixed(module, args, kwargs, mapper, table, cotangents=None):
     """None when no example's outputs depend on another example's first rows; (where, why) when they do; ONE_EXAMPLE
-    or UNDECIDED for a forward that cannot tell. Runs `module`'s forward again on (args, kwargs), see the docstring."""
+    or UNDECIDED for a forward that cannot tell. Runs `module`'s forward again on (args, kwargs), see the docstring.
+    cotangents: {index among the output's leaves: the gradient the step's loss gave it}, or None (all at random)."""
     if any(is_dtensor(p) for p in module.parameters()):
         return None  # FSDP2: not checked (a forward and backward here would run the engine's collectives)
     key, main = _main_input(args, kwargs)
     follow_main = main is not None and main.is_floating_point()
     try:
-        return _probe(module, args, kwargs, mapper, table, key if follow_main else None)
+        return _probe(module, args, kwargs, mapper, table, key if follow_main else None, cotangents)
     except RuntimeError:
         if not follow_main:
             raise
         # a forward that sets requires_grad on what it computes from its input (wav2vec2's feature encoder) runs
         # only with an input that needs no gradient: then the Embeddings' outputs alone are the first rows
-        return _probe(module, args, kwargs, mapper, table, None)
+        return _probe(module, args, kwargs, mapper, table, None, cotangents)
 
 
-def _probe(module, args, kwargs, mapper, table, key):
+def _probe(module, args, kwargs, mapper, table, key, cotangents):
     """examples_mixed with the input at `key` (an index into args, a keyword, or None) followed back too."""
     if key is not None:  # the examples' data: followed back to it
         main = (args[key] if isinstance(key, int) else kwargs[key]).detach().requires_grad_(True)
@@ -246,16 +273,17 @@ def _probe(module, args, kwargs, mapper, table, key):
             if key is not None and rows_of(found, main) is not None:
                 sources.insert(0, (main, rows_of(found, main)))
             targets = [
-                (t if t.dim() > 1 else t[:, None], rows)
-                for t in trees.leaves(output)
+                (t if t.dim() > 1 else t[:, None], rows, None if cotangents is None else cotangents[i])
+                for i, t in enumerate(trees.leaves(output))
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad and t.dim() >= 1
+                if cotangents is None or (i in cotangents and cotangents[i].shape == t.shape)  # (unread by the loss)
                 for rows in [rows_of(found, t)]
                 if rows is not None
             ]
             N = found.layout.examples
             if N < 2:
                 return ONE_EXAMPLE
-            if moved and any(t.dim() > 2 and t.shape[0] == t.shape[1] == N for t, _ in sources + targets):
+            if moved and any(t.dim() > 2 and t.shape[0] == t.shape[1] == N for t, *_ in sources + targets):
                 return UNDECIDED  # (N, N, ...) rows where the examples moved: sizes cannot tell; a later step
             if not sources or not targets:
                 return None
