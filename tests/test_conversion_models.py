@@ -124,10 +124,18 @@ MOE = {
         dict(num_experts=4, moe_intermediate_size=12, head_dim=8),
     ),
     "OLMoE": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, dict(num_experts=4)),
+    # a bank of one expert, every token routed to it (the kind's probe routed each token to 2 before)
+    "HunYuan-1": (
+        transformers.HunYuanMoEV1Config,
+        transformers.HunYuanMoEV1ForCausalLM,
+        dict(num_experts=1, num_experts_per_tok=1, head_dim=8),
+    ),
 }
 
 
-@pytest.mark.parametrize("name, implementation", [("Mixtral", "eager")] + [(name, "default") for name in MOE])
+@pytest.mark.parametrize(
+    "name, implementation", [("Mixtral", "eager"), ("HunYuan-1", "eager")] + [(name, "default") for name in MOE]
+)
 def test_mixture_of_experts_every_parameter_exact(name, implementation):
     """Routers (kept with their own forward), expert banks (the Experts kind) and shared experts: 100% of the
     elements, each within 1e-6. The brute force runs the eager experts (the default grouped matmuls refuse
@@ -138,12 +146,10 @@ def test_mixture_of_experts_every_parameter_exact(name, implementation):
         config(
             config_cls,
             **TINY,
-            **extra,
-            num_key_value_heads=1,
-            num_experts_per_tok=2,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+            **{
+                **dict(num_key_value_heads=1, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                **extra,
+            },
         )
     )
     default = model.config._experts_implementation

@@ -129,8 +129,9 @@ def _probe(module, variant_cls, dtype, tolerance):
         for name, p in params.items()
     }
     hidden = torch.randn(TOKENS, D, generator=gen, dtype=torch.float64).to(device, dtype)
-    top_k_index = torch.stack([torch.randperm(num_experts, generator=gen)[:TOP_K] for _ in range(TOKENS)]).to(device)
-    top_k_weights = torch.rand(TOKENS, TOP_K, generator=gen, dtype=torch.float64).to(device, dtype)
+    top_k = min(TOP_K, num_experts)  # (a bank of one expert routes each token to it)
+    top_k_index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(TOKENS)]).to(device)
+    top_k_weights = torch.rand(TOKENS, top_k, generator=gen, dtype=torch.float64).to(device, dtype)
     grad = torch.randn(TOKENS, D, generator=gen, dtype=torch.float64).to(device, dtype)
 
     def run(forward, param_values):

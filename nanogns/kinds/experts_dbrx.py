@@ -105,8 +105,9 @@ def verify(module, variant_cls):
     }
     values = {name: v.to(device) for name, v in values.items()}
     hidden = torch.randn(1, TOKENS, module.hidden_size, generator=gen, dtype=torch.float64).to(device)
-    index = torch.stack([torch.randperm(module.num_experts, generator=gen)[:TOP_K] for _ in range(TOKENS)])
-    weights = torch.rand(TOKENS, TOP_K, generator=gen, dtype=torch.float64).to(device)
+    top_k = min(TOP_K, module.num_experts)  # (a bank of one expert routes each token to it)
+    index = torch.stack([torch.randperm(module.num_experts, generator=gen)[:top_k] for _ in range(TOKENS)])
+    weights = torch.rand(TOKENS, top_k, generator=gen, dtype=torch.float64).to(device)
     grad = torch.randn(1, TOKENS, module.hidden_size, generator=gen, dtype=torch.float64).to(device)
     twin = copy.copy(module)
     mlp = copy.copy(module.mlp)
