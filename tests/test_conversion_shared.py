@@ -316,6 +316,40 @@ def test_a_table_meeting_heads_folded_into_the_batch_exact():
     assert_exact_on(HeadsFoldedIntoTheBatch, (4, 4))
 
 
+class UnboundHeadsAttention(nn.Module):
+    """SAM's attention (GOT-OCR's vision tower), on tokens: q, k, v made by one projection, reshaped (N, T, 3, H, d),
+    permuted and reshaped to (3, N*H, T, d), then unbound; a relative-position parameter indexed by distance meets
+    the queries in einsum. The examples are folded into dim 1 of the reshape, not dim 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.rel_pos = nn.Parameter(torch.randn(9, 4))
+
+    def forward(self, x):
+        N, T, _ = x.shape
+        q, k, v = self.qkv(x).reshape(N, T, 3, 2, 4).permute(2, 0, 3, 1, 4).reshape(3, N * 2, T, 4).unbind(0)
+        distance = torch.arange(T)[:, None] - torch.arange(T)[None, :] + 4
+        rel = torch.einsum("btc,tkc->btk", q, self.rel_pos[distance])  # (N*H, T, T)
+        out = (torch.bmm(q, k.transpose(1, 2)) + rel).softmax(-1) @ v
+        return self.proj(out.view(N, 2, T, 4).permute(0, 2, 1, 3).reshape(N, T, 8))
+
+
+class UnboundHeadsLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.attn, self.head = nn.Embedding(V, 8), UnboundHeadsAttention(), nn.Linear(8, V)
+
+    def forward(self, ids):
+        return self.head(self.attn(self.wte(ids)))
+
+
+def test_a_table_meeting_heads_folded_into_dim_1_of_a_reshape_then_unbound_exact():
+    """(3, N*H, T, d) from (3, N, H, T, d): the examples sit on dim 1 of the reshape's input (its history: a permute
+    of the (N, ...) projection), and unbind takes dim 0 away; the queries' rows are each example's H: exact, B == T."""
+    assert_exact_on(UnboundHeadsLM, (4, 4))
+
+
 def test_a_table_meeting_the_examples_where_it_cannot_be_followed_is_refused():
     """expand(N, ...) is followed (each example its copy); the same table, met in torch.tensordot (an op no copy
     follows), is refused with the op named (never a number)."""

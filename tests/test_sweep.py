@@ -28,6 +28,9 @@ FINDINGS = (  # the cases whose bugs this sweep found (each fails without its fi
     "transformers/image-text-to-text/qwen2_vl/Qwen2VLForConditionalGeneration",  # patch grids, rotary sections
     "transformers/ctc/wav2vec2/Wav2Vec2ForCTC",  # LayerDrop: a layer skipped in one micro-batch
     "diffusers/transformer/ChronoEditTransformer3DModel/ChronoEditTransformer3DModel",  # a float32 LayerNorm
+    "transformers/image-text-to-text/got_ocr2/GotOcr2ForConditionalGeneration",  # a tower's heads folded in dim 1
+    "transformers/ctc/wavlm/WavLMForCTC",  # children's weights by keyword, dropout inside torch's attention
+    "transformers/causal-lm/hunyuan_v1_moe/HunYuanMoEV1ForCausalLM",  # a bank of one expert
 )
 
 

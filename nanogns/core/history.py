@@ -11,7 +11,7 @@ import torch
 from nanogns.core.ids import ExampleIds
 from nanogns.core.inputs import dim_by_history, folded_by_history
 from nanogns.core.layout import current_pass
-from nanogns.core.rowmaps import Items, Rows, ragged
+from nanogns.core.rowmaps import Items, Rows, Tower, ragged
 
 
 def rows_by_history(x):
@@ -126,13 +126,29 @@ def items_by_history(t):
     folded_by_history), whatever the sizes; else None. Not asked in a forward that moved its examples off dim 0 (its
     history would not start at data holding them on dim 0)."""
     found = current_pass()
-    if found is None or found.layout is None or found.examples_moved or found.scopes or found.layout.packed is not None:
+    if found is None or found.layout is None or found.examples_moved or found.layout.packed is not None:
+        return None
+    if not t.requires_grad or t.dim() == 0:
         return None
     N = found.layout.examples
-    folded = folded_by_history(t, N) if t.requires_grad and t.dim() > 0 else None
+    if found.scopes:  # in a vision tower: its images' (or patches') heads folded, (images*H, ...); GOT-OCR's
+        return _items_folded_in_tower(t, found.scopes[-1], N)
+    folded = folded_by_history(t, N)
     if folded is None or folded[1] == 1:
         return None
     return Items(t.shape[folded[0]], N), folded[0]
+
+
+def _items_folded_in_tower(t, scope, N):
+    """items_by_history in a Tower scope: t's rows folded from one of the counts of rows the tower maps to examples."""
+    if not isinstance(scope, Tower) or scope.reason is not None:
+        return None
+    for count, example_of_item in scope.maps.items():
+        folded = folded_by_history(t, count)
+        if folded is not None and folded[1] > 1:
+            dim, k = folded
+            return Items(t.shape[dim], N, example_of_item.repeat_interleave(k)), dim
+    return None
 
 
 def items_folded_on_dim0(t):

@@ -149,38 +149,94 @@ def folded_by_history(t, count):
     for _ in range(64):  # (as deep as _traced_example_dim looks)
         name = type(node).__name__
         if name in _VIEWS:
-            before = tuple(node._saved_self_sym_sizes)
-            if not before or before[0] == count or to_t[0] is None or before[0] != t.shape[to_t[0]]:
-                break
-            to_t, ndim = [to_t[0]] + [None] * (len(before) - 1), len(before)  # a view keeping dim 0: further back
+            before, after = tuple(node._saved_self_sym_sizes), _output_shape(node)
+            groups = _view_groups(before, after) if after is not None else None
+            if groups is None:
+                return None
+            for j, (ins, first, _) in enumerate(groups):  # the view makes dim j (with others) from input dims ins
+                if to_t[j] is not None and ins and first and before[ins[0]] == count and after[j] % count == 0:
+                    found = _folded_at(node, ins[0], to_t[j], t, count)  # (N, k, ...) folded into one dim
+                    if found is not None:  # (else a dim of the examples' size, not theirs: further back)
+                        return found
+            inner = [None] * len(before)
+            for j, (ins, first, alone) in enumerate(groups):
+                if len(ins) == 1 and alone:
+                    inner[ins[0]] = to_t[j]
+            to_t, ndim = inner, len(before)
         elif name == "TransposeBackward0":
             d0, d1 = node._saved_dim0 % ndim, node._saved_dim1 % ndim
             to_t[d0], to_t[d1] = to_t[d1], to_t[d0]
         elif name == "PermuteBackward0":  # output dim j is input dim dims[j]
             dims = [d % ndim for d in node._saved_dims]
             to_t = [to_t[dims.index(j)] for j in range(ndim)]
-        elif name in ("SplitBackward0", "SplitWithSizesBackward0") and node._saved_dim % ndim != 0:
-            pass  # (a split along another dim keeps dim 0)
+        elif name in ("UnbindBackward0", "SelectBackward0"):  # (q, k, v = qkv.unbind(0): a dim taken away)
+            d = node._saved_dim % (ndim + 1)
+            to_t, ndim = to_t[:d] + [None] + to_t[d:], ndim + 1
+        elif name in ("SplitBackward0", "SplitWithSizesBackward0"):
+            to_t[node._saved_dim % ndim] = None  # (a split along a dim keeps the others)
         elif name == "ConstantPadNdBackward0" and len(node._saved_pad) < 2 * ndim:
-            pass  # (a pad of the last dims keeps dim 0)
+            for k in range(len(node._saved_pad) // 2):  # (a pad of the last dims keeps the others)
+                to_t[ndim - 1 - k] = None
         elif name == "BmmBackward0" and ndim == 3:  # (b, m, k) @ (b, k, l): its first operand's b and m are kept
             to_t[2] = None
-        elif name not in _KEEPS_DIMS and name.rstrip("0123456789").removesuffix("Backward") not in _FOLD_KEEPS:
+        elif name in _KEEPS_DIMS or name.rstrip("0123456789").removesuffix("Backward") in _SAME_DIMS:
+            pass
+        elif name.rstrip("0123456789").removesuffix("Backward") in _FOLD_KEEPS:
+            to_t = to_t[:1] + [None] * (ndim - 1)  # (a convolution, a norm, a kind's function: its leading dim)
+        else:
             return None
-        if to_t[0] is None:
+        if all(d is None for d in to_t):
             return None
         node = node.next_functions[0][0] if node.next_functions else None
         if node is None:
             return None
-    else:
+    return None
+
+
+def _folded_at(view, i, dim, t, count):
+    """folded_by_history's answer at `view`, whose input holds `count` on dim i, folded into dim `dim` of t: (dim,
+    k) when its input's history holds the examples on that dim (or copies one row per example), else None."""
+    if t.shape[dim] % count:
         return None
-    before, dim = tuple(node._saved_self_sym_sizes), to_t[0]
-    if not before or before[0] != count or dim is None or t.shape[dim] % count:
-        return None
-    source = node.next_functions[0][0]
-    if not _copies_per_example(source, count) and _traced_example_dim(source, len(before), 0) != 0:
+    source = view.next_functions[0][0]
+    before = tuple(view._saved_self_sym_sizes)
+    if not (i == 0 and _copies_per_example(source, count)) and _traced_example_dim(source, len(before), 0) != i:
         return None
     return dim, t.shape[dim] // count
+
+
+def _output_shape(node):
+    """The shape of autograd node `node`'s output (its first), or None where torch does not say."""
+    metadata = getattr(node, "_input_metadata", None)
+    return tuple(metadata[0].shape) if metadata else None
+
+
+def _view_groups(before, after):
+    """For each dim of a view's output `after` of input `before` (both shapes), the group of consecutive dims the
+    view reshapes into each other: (the group's input dims, True for the group's first output dim, True when it is
+    the group's only output dim); None when the sizes do not pair up (a zero size). A view keeps the elements' order,
+    so the first output dim of a group whose first input dim holds N items holds them too, outermost."""
+    if 0 in before or 0 in after:
+        return None
+    groups = [((), True, True)] * len(after)
+    i = j = 0
+    while i < len(before) and j < len(after):
+        ins, outs, a, b = [i], [j], before[i], after[j]
+        while a != b:
+            if a < b and i + 1 < len(before):
+                i += 1
+                ins.append(i)
+                a *= before[i]
+            elif b < a and j + 1 < len(after):
+                j += 1
+                outs.append(j)
+                b *= after[j]
+            else:
+                return None
+        for o in outs:
+            groups[o] = (tuple(ins), o == outs[0], len(outs) == 1)
+        i, j = i + 1, j + 1
+    return groups
 
 
 def _copies_per_example(node, count):
