@@ -245,3 +245,23 @@ def test_the_check_follows_the_gradient_the_loss_gives_the_outputs(loss):
     assert {m.metadata["name"] for m in monitor.measurements} == set(total)
     for m in monitor.measurements:
         assert m.rms_pe_norm == pytest.approx(math.sqrt(total[m.metadata["name"]] / 4), rel=1e-6), m
+
+
+def test_steps_of_one_example_per_forward_run_no_check_forward():
+    """A forward of one example cannot mix examples: steps whose every micro-batch holds one run no forward of the
+    check (before, each such step ran one more forward); the first step with a forward of two runs it, once."""
+    torch.manual_seed(0)
+    model = BatchMeanLM().double()
+    monitor = nanogns.convert(model)
+    calls = counting_forwards(model)
+    for _ in range(3):
+        model.zero_grad()
+        for _ in range(2):
+            lm_losses(model, torch.randint(0, 20, (1, 3))).sum().div(2).backward()
+        monitor.step(batch_size=2)
+    assert calls == [True] * 6  # the steps' forwards only
+    model.zero_grad()
+    lm_losses(model, torch.randint(0, 20, (2, 2))).sum().div(2).backward()  # B == T on purpose
+    with pytest.raises(ValueError, match=r"BatchMeanLM\) mixes the examples of the batch"):
+        monitor.step(batch_size=2)
+    assert calls == [True] * 8  # the step's forward, and the check's

@@ -19,7 +19,8 @@ run under torch.compile (the root's hooks are compiled) or sharded by FSDP2 (a f
 engine's collectives), and a step whose every forward holds one example (checked at the next step).
 
 Cost: once per training mode, one forward and two backward passes to the first rows (where the examples mix, one more
-to every module's output); at every other step, a dict lookup. bench/mixing_check.py measures it against a step. The
+to every module's output); at every other step, a dict lookup (and at a step whose forwards each hold one example,
+which cannot mix them, nothing more). bench/mixing_check.py measures it against a step. The
 model's state is left as it was: its buffers (a BatchNorm's running statistics), the random number generators
 (dropout), the per-example norm buffers and the RowMapper's record of the step.
 """
@@ -93,6 +94,8 @@ class MixingCheck:
         cotangents, self.pending, self.cotangents = self.cotangents, None, {}
         if module.training in self.found:
             return
+        if mapper.layouts and all(found is not None and found.examples < 2 for found in mapper.layouts):
+            return  # every forward of the step held one example: none can mix them (the check waits for one that can)
         self.module = module
         try:
             found = examples_mixed(module, args, kwargs, mapper, table, cotangents or None)
