@@ -438,9 +438,9 @@ class _TorchAttentionWithBias(nn.Module):
     keyword) and drops out inside torch; the first layer's position bias, from a table of distances, is repeated over
     the batch with the heads folded in ((N*H, T, T)), returned, and passed on to the next layer."""
 
-    def __init__(self, dropout, first, width=6, heads=2):
+    def __init__(self, dropout, first, how, width=6, heads=2):
         super().__init__()
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.how = heads, dropout, how
         self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
         self.v_proj, self.out_proj = nn.Linear(width, width), nn.Linear(width, width)
         self.distance = nn.Embedding(9, heads) if first else None  # (WavLM's layers after the first have none)
@@ -450,36 +450,48 @@ class _TorchAttentionWithBias(nn.Module):
         if bias is None:
             steps = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 4) + 4
             bias = self.distance(steps).permute(2, 0, 1).unsqueeze(0).repeat(N, 1, 1, 1).view(N * self.heads, T, T)
+        if self.how == "kernel":  # torch's fused attention, called by the module itself: its dropout is inside it
+            q, k, v = (F.linear(x, p.weight, p.bias).view(N, T, self.heads, -1).transpose(1, 2) for p in self.qkv())
+            dropout = self.dropout if self.training else 0.0
+            out = F.scaled_dot_product_attention(q, k, v, bias.view(N, self.heads, T, T), dropout_p=dropout)
+            return self.out_proj(out.transpose(1, 2).reshape(N, T, -1)), bias
         q = x.transpose(0, 1)
         out, _ = F.multi_head_attention_forward(
             q, q, q, x.shape[-1], self.heads, torch.empty([0]),
             torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias)), None, None, False, self.dropout,
-            self.out_proj.weight, self.out_proj.bias, self.training, None, need_weights=True, attn_mask=bias,
+            self.out_proj.weight, self.out_proj.bias, self.training, None, need_weights=self.how == "weights",
+            attn_mask=bias,
             use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight, k_proj_weight=self.k_proj.weight,
             v_proj_weight=self.v_proj.weight,
         )  # fmt: skip
         return out.transpose(0, 1), bias
 
+    def qkv(self):
+        return self.q_proj, self.k_proj, self.v_proj
+
 
 class _TwoAttentions(nn.Module):
-    def __init__(self, dropout):
+    def __init__(self, dropout, how):
         super().__init__()
-        self.first, self.second = _TorchAttentionWithBias(dropout, True), _TorchAttentionWithBias(dropout, False)
+        self.first = _TorchAttentionWithBias(dropout, True, how)
+        self.second = _TorchAttentionWithBias(dropout, False, how)
 
     def forward(self, x):
         h, bias = self.first(x)
         return self.second(h, bias)[0]
 
 
+@pytest.mark.parametrize("how", ["weights", "weights not asked", "kernel"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_a_parent_handing_its_children_s_weights_to_torch_s_attention_is_replayed_exact(dropout):
+def test_a_parent_handing_its_children_s_weights_to_torch_s_attention_is_replayed_exact(dropout, how):
     """Children's weights read by keyword are reads (the module is replayed with its children, not left with its
-    own parameters followed and the children recording nothing); torch's attention drops out inside itself, and its
-    replay is given the same masks; a position bias repeated over the batch and folded with the heads is each
-    example's copy, through a replay's output into the next layer. B == T on purpose: uneven micro-batches without
-    dropout; with it, every example's gradient from the same forward."""
+    own parameters followed and the children recording nothing); torch's attention drops out inside itself (with its
+    weights asked for, by F.dropout; without, in the fused kernel, as F.scaled_dot_product_attention called by the
+    module itself), and its replay is given the same masks; a position bias repeated over the batch and folded with
+    the heads is each example's copy, through a replay's output into the next layer. B == T on purpose: uneven
+    micro-batches without dropout; with it, every example's gradient from the same forward."""
     torch.manual_seed(0)
-    model = _TwoAttentions(dropout).double()
+    model = _TwoAttentions(dropout, how).double()
     x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
     if not dropout:

@@ -811,17 +811,51 @@ _PLAIN_DROPOUTS = (F.dropout, torch.dropout)  # (as imported: _dropout_inside sw
 # torch functions written in Python that call F.dropout inside (WavLM's attention calls multi_head_attention_forward):
 # a mode is off while it handles a function, so these run with F.dropout itself drawing through the mode
 _DRAWING_INSIDE = {F.multi_head_attention_forward}
+_DRAWS_IN_A_KERNEL = {F.scaled_dot_product_attention}  # (its dropout: _attention)
+
+
+_ATTENTION = F.scaled_dot_product_attention  # (as imported: _dropout_inside swaps it for a while)
 
 
 @contextlib.contextmanager
 def _dropout_inside(mask_of):
-    """F.dropout computed by _dropout with keep-masks from mask_of, while a function of _DRAWING_INSIDE runs."""
-    plain = F.dropout
+    """F.dropout and F.scaled_dot_product_attention drawing their keep-masks from mask_of, while a function of
+    _DRAWING_INSIDE runs."""
+    plain, attention = F.dropout, F.scaled_dot_product_attention
     F.dropout = lambda *args, **kwargs: _dropout(plain, args, kwargs, mask_of)
+    F.scaled_dot_product_attention = lambda *args, **kwargs: _attention(args, kwargs, mask_of)
     try:
         yield
     finally:
-        F.dropout = plain
+        F.dropout, F.scaled_dot_product_attention = plain, attention
+
+
+_ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _attention(args, kwargs, mask_of):
+    """F.scaled_dot_product_attention with its dropout's keep-mask from mask_of (the weights' shape): the kernel
+    drops out inside itself, where no mode sees it, so with dropout on it is computed as torch's math backend
+    computes it (softmax of the scaled scores, masked, dropped out by bernoulli(1 - p) / (1 - p), times the values)."""
+    bound = dict(zip(_ATTENTION_ARGUMENTS, args), **kwargs)
+    p = float(bound.get("dropout_p", 0.0))
+    if p == 0.0:
+        return _ATTENTION(*args, **kwargs)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if bound.get("enable_gqa"):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    scale = bound.get("scale") or q.size(-1) ** -0.5
+    scores = q @ k.transpose(-2, -1) * scale
+    if bound.get("is_causal"):
+        causal = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    mask = bound.get("attn_mask")
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(-1)
+    keep = mask_of(weights, p)
+    return (weights * (keep.to(weights.dtype) / (1 - p) if p < 1 else weights * 0)) @ v
 
 
 class _RandomDraws(TorchFunctionMode):
@@ -846,6 +880,8 @@ class _RandomDraws(TorchFunctionMode):
         if func in _DRAWING_INSIDE:
             with _dropout_inside(self.draw):
                 return func(*args, **kwargs)
+        if func in _DRAWS_IN_A_KERNEL:
+            return _attention(args, kwargs, self.draw)
         out = func(*args, **kwargs)
         if func in _DRAWING and isinstance(out, torch.Tensor):
             self.drawn.append(out.detach().clone())
@@ -878,6 +914,8 @@ class _ServedDraws(TorchFunctionMode):
         if func in _DRAWING_INSIDE:
             with _dropout_inside(lambda like, p: self.serve(tuple(like.shape))):
                 return func(*args, **kwargs)
+        if func in _DRAWS_IN_A_KERNEL:
+            return _attention(args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
         if func not in _DRAWING:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)  # (its shape, dtype, device; and an in-place fill's target)
