@@ -181,6 +181,14 @@ class BatchMeanLM(nn.Module):
         return self.head(h - h.mean(dim=0, keepdim=True))
 
 
+def accumulate(model, shapes):
+    """One step's gradients, from micro-batches of random ids of `shapes`, each loss a share of the step's mean."""
+    model.zero_grad()
+    examples = sum(shape[0] for shape in shapes)
+    for shape in shapes:
+        lm_losses(model, torch.randint(0, 20, shape)).sum().div(examples).backward()
+
+
 def test_a_step_whose_first_micro_batch_holds_one_example_is_checked_on_a_later_one():
     """Micro-batches of 1 and 3 examples at every step: a forward of one example tells nothing, so the check takes
     the step's next forward (before, every step's first forward had one example and the mixing went unseen)."""
@@ -189,9 +197,7 @@ def test_a_step_whose_first_micro_batch_holds_one_example_is_checked_on_a_later_
     monitor = nanogns.convert(model)
     calls = counting_forwards(model)
     for step in range(2):
-        model.zero_grad()
-        for ids in (torch.randint(0, 20, (1, 3)), torch.randint(0, 20, (3, 3))):  # B == T on purpose
-            lm_losses(model, ids).sum().div(4).backward()
+        accumulate(model, [(1, 3), (3, 3)])  # B == T on purpose
         with pytest.raises(
             ValueError,
             match=r"BatchMeanLM\) mixes the examples of the batch: the outputs of example 0 depend on the inputs of example 1",
@@ -255,13 +261,10 @@ def test_steps_of_one_example_per_forward_run_no_check_forward():
     monitor = nanogns.convert(model)
     calls = counting_forwards(model)
     for _ in range(3):
-        model.zero_grad()
-        for _ in range(2):
-            lm_losses(model, torch.randint(0, 20, (1, 3))).sum().div(2).backward()
+        accumulate(model, [(1, 3), (1, 3)])
         monitor.step(batch_size=2)
     assert calls == [True] * 6  # the steps' forwards only
-    model.zero_grad()
-    lm_losses(model, torch.randint(0, 20, (2, 2))).sum().div(2).backward()  # B == T on purpose
+    accumulate(model, [(2, 2)])  # B == T on purpose
     with pytest.raises(ValueError, match=r"BatchMeanLM\) mixes the examples of the batch"):
         monitor.step(batch_size=2)
     assert calls == [True] * 8  # the step's forward, and the check's
