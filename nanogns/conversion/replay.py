@@ -663,14 +663,10 @@ class _Held:
             return
         values = {name: p.detach() for name, p, _ in self.params}
         inputs = pytree.tree_map(lambda t, r: t[0] if r else t, self.inputs, self.in_rows)
-        args, kwargs = pytree.tree_map(lambda t, r: _one_example(t, r) if r else t, inputs, self.in_rows)
-        values = {**values, **{name: b.clone() for name, b in self.before.items()}}
         device, dtype, enabled = self.autocast
         with torch.no_grad(), layout.replay(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            with _ServedDraws(self.draws, 0, self.units.count), _iterated_already(self.module):
-                with torch.nn.utils.stateless._reparametrize_module(self.module, values):
-                    out = getattr(self.module, self.method)(*args, **kwargs)
-        flat = pytree.tree_leaves(out)
+            with _ServedDraws(self.draws, 0, self.units.count):
+                flat = self.outputs_of_one(values, inputs)
         for k in undecided:
             dims = [d for d in self.out_rows[k].dims if flat[self.positions[k]].shape[d] == 1]
             if len(dims) != 1:
@@ -694,6 +690,11 @@ class _Held:
 
     def call(self, values, inputs_i):
         """The module's outputs with gradients for one example's inputs (each as _one_example gives it)."""
+        flat = self.outputs_of_one(values, inputs_i)
+        return [flat[i].squeeze(r.dim) if r.per == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
+
+    def outputs_of_one(self, values, inputs_i):
+        """The leaves of the module's output for one example's inputs, computed with parameters `values`."""
         args_i, kwargs_i = pytree.tree_map(lambda t, r: _one_example(t, r) if r else t, inputs_i, self.in_rows)
         values = {**values, **{name: b.clone() for name, b in self.before.items()}}  # (buffers it updates in place)
         if self.method == "forward":
@@ -702,8 +703,7 @@ class _Held:
         else:  # another method, with the same parameters swapped in as functional_call swaps them
             with torch.nn.utils.stateless._reparametrize_module(self.module, values):
                 out = getattr(self.module, self.method)(*args_i, **kwargs_i)
-        flat = pytree.tree_leaves(out)
-        return [flat[i].squeeze(r.dim) if r.per == 1 else flat[i] for i, r in zip(self.positions, self.out_rows)]
+        return pytree.tree_leaves(out)
 
     def replayed_grads(self, values, names, part, grads):
         """(replayed outputs (n, ...), {name: (n, *shape) per-example gradients}) of examples `part`."""
