@@ -830,6 +830,19 @@ def _dropout_inside(mask_of):
         F.dropout, F.scaled_dot_product_attention = plain, attention
 
 
+def _with_masks(func, args, kwargs, mask_of):
+    """func computed with its dropout's keep-masks from mask_of (a dropout, a torch function dropping out inside,
+    attention dropping out in its kernel), or NotImplemented for a function that drops nothing out."""
+    if func in _DROPOUTS:
+        return _dropout(func, args, kwargs, mask_of)
+    if func in _DRAWING_INSIDE:
+        with _dropout_inside(mask_of):
+            return func(*args, **kwargs)
+    if func in _DRAWS_IN_A_KERNEL:
+        return _attention(args, kwargs, mask_of)
+    return NotImplemented
+
+
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -875,13 +888,9 @@ class _RandomDraws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            return _dropout(func, args, kwargs, self.draw)
-        if func in _DRAWING_INSIDE:
-            with _dropout_inside(self.draw):
-                return func(*args, **kwargs)
-        if func in _DRAWS_IN_A_KERNEL:
-            return _attention(args, kwargs, self.draw)
+        masked = _with_masks(func, args, kwargs, self.draw)
+        if masked is not NotImplemented:
+            return masked
         out = func(*args, **kwargs)
         if func in _DRAWING and isinstance(out, torch.Tensor):
             self.drawn.append(out.detach().clone())
@@ -909,13 +918,9 @@ class _ServedDraws(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _DROPOUTS:
-            return _dropout(func, args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
-        if func in _DRAWING_INSIDE:
-            with _dropout_inside(lambda like, p: self.serve(tuple(like.shape))):
-                return func(*args, **kwargs)
-        if func in _DRAWS_IN_A_KERNEL:
-            return _attention(args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
+        masked = _with_masks(func, args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
+        if masked is not NotImplemented:
+            return masked
         if func not in _DRAWING:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)  # (its shape, dtype, device; and an in-place fill's target)
