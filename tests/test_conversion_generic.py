@@ -433,6 +433,44 @@ def test_a_module_reading_its_children_s_weights_keeps_its_forward_or_is_replaye
     check_exact(model, monitor, want, got)
 
 
+class _Text(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = nn.Embedding(7, 6), nn.Linear(6, 6)
+
+    def forward(self, h):
+        return self.proj(h)
+
+
+class _ReadsAGrandchildsRow(nn.Module):
+    """Gemma 4's placeholders, cut down: the positions of one token id take the row of another id, read by this
+    module straight from its grandchild's table (self.text.embed.weight[pad]), not through the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.text = _Text()
+
+    def forward(self, ids):
+        h = torch.where((ids == 1)[..., None], self.text.embed.weight[0, :].view(1, 1, -1), self.text.embed(ids))
+        return self.text(h)
+
+
+def test_a_grandchild_s_parameter_read_by_a_module_is_a_read_and_the_module_replayed_exact():
+    """A parameter read through a child (self.text.embed.weight) is read by this module's own code: the module is
+    replayed with its children, and the row it reads is each example's where that example's placeholders are.
+    B == T on purpose; only some examples hold the placeholder."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ReadsAGrandchildsRow(), nn.Linear(6, 3)).double()
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 2, 3], [1, 1, 4, 6], [2, 5, 1, 3]])
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    assert isinstance(model[0], ReplayedForward) and state_of(model[0]).replay_subtree
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
+
+
 class _TorchAttentionWithBias(nn.Module):
     """WavLM's attention, cut down: F.multi_head_attention_forward reads the projections' weights (q, k and v by
     keyword) and drops out inside torch; the first layer's position bias, from a table of distances, is repeated over

@@ -340,13 +340,17 @@ def _computes_with_children(tree, children):
         if child is None:
             continue
         up = parents.get(node)
+        while isinstance(up, ast.Attribute) and isinstance(child._modules.get(up.attr), torch.nn.Module):
+            # a grandchild's parameter read through the child (Gemma 4's pad row: self.language_model.embed_tokens
+            # .weight[pad]) is the child's to measure no more than its own
+            child, node, up = child._modules[up.attr], up, parents.get(up)
         if isinstance(child, (torch.nn.ParameterDict, torch.nn.ParameterList)):  # PEFT's adapters: self.ia3_l[name]
             if isinstance(up, ast.Subscript) or (isinstance(up, ast.Attribute) and up.attr in ("values", "items")):
                 return True
             continue
         if isinstance(up, ast.Attribute) and up.attr == "parameters" and isinstance(parents.get(up), ast.Call):
             return True
-        if not (isinstance(up, ast.Attribute) and up.attr in dict(child.named_parameters())):
+        if not (isinstance(up, ast.Attribute) and up.attr in child._parameters):
             continue
         use = parents.get(up)  # what is done with self.<child>.<parameter>
         if isinstance(use, ast.keyword):  # handed to a call by keyword (WavLM: q_proj_weight=self.q_proj.weight)
