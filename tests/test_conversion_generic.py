@@ -471,6 +471,45 @@ def test_a_grandchild_s_parameter_read_by_a_module_is_a_read_and_the_module_repl
     check_exact(model, monitor, want, got)
 
 
+class _ReturnsItsBias(nn.Module):
+    """GPT-NeoX-Japanese's attention, cut down: it returns its own bias for its caller to add (own_forward: the
+    bias also used inside, so the module keeps its forward with its parameters' uses followed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6, bias=False)
+        self.scale = nn.Parameter(torch.rand(6) + 0.5)
+        self.bias = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale, self.bias
+
+
+class _AddsTheReturnedBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention, self.out = _ReturnsItsBias(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h, bias = self.attention(x)
+        return self.out(torch.tanh(h + bias.expand_as(h)))
+
+
+def test_a_parameter_a_module_returns_for_its_caller_to_use_is_a_table_exact():
+    """The bias handed back by a module that keeps its own forward is a table the examples share: where the caller
+    broadcasts it over them, each example gets its copy. B == T on purpose."""
+    torch.manual_seed(0)
+    model = _AddsTheReturnedBias().double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    assert isinstance(model.attention, InterceptedForward)
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
+
+
 class _TorchAttentionWithBias(nn.Module):
     """WavLM's attention, cut down: F.multi_head_attention_forward reads the projections' weights (q, k and v by
     keyword) and drops out inside torch; the first layer's position bias, from a table of distances, is repeated over

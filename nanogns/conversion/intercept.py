@@ -230,6 +230,18 @@ class _ParameterUses(TorchFunctionMode):
             return self.table(func(*args, **kwargs), names, (func, args, kwargs))
         return self.refuse(func, names, func(*args, **kwargs))
 
+    def returned(self, t):
+        """An output of the forward: a parameter (or a tensor followed from one) handed back to the caller, which
+        uses it outside this forward (GPT-NeoX-Japanese's attention returns its dense_bias for its layer to add), is a
+        table the examples share (shared.py): where it meets them, each example gets its copy."""
+        name = self.name_of(t)
+        if name is None or not t.requires_grad:
+            return t
+        if t is self.params[name]:
+            return shared.table(t.view_as(t), [(t, self.buffers[name])], shared.Recipe(torch.Tensor.view_as, (t, t)))
+        recipe = self.recipes.get(id(t))
+        return shared.table(t, [(self.params[name], self.buffers[name])], recipe)
+
     def parameters_alone(self, args, kwargs):
         """True when no tensor argument carries the examples' data: all are this module's parameters (or followed
         from them), tables (shared.py) or constants with no gradient and no example dim."""
@@ -452,8 +464,9 @@ class InterceptedForward(PerExampleNormLayer):
         forward = super().forward
         if not torch.is_grad_enabled() or layout.replaying():
             return forward(*args, **kwargs)
-        with _ParameterUses(self):
-            return forward(*args, **kwargs)
+        with _ParameterUses(self) as followed:
+            out = forward(*args, **kwargs)
+        return pytree.tree_map(followed.returned, out)
 
     def pe_adopt(self, options):
         kinds = options.pop("kinds", {})
