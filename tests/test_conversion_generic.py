@@ -471,6 +471,39 @@ def test_a_grandchild_s_parameter_read_by_a_module_is_a_read_and_the_module_repl
     check_exact(model, monitor, want, got)
 
 
+class _ReadsAChildsTableByName(nn.Module):
+    """GLM-4V's vision position embeddings, cut down: the child's table given a name, asked its shape, then viewed
+    and added to every example's rows (resampled to their size in GLM-4V); with `frozen`, the table has no
+    gradient, so the read is no use to follow and the child stays an Embedding layer."""
+
+    def __init__(self, frozen):
+        super().__init__()
+        self.position = nn.Embedding(4, 6)
+        self.position.weight.requires_grad_(not frozen)
+
+    def forward(self, x):
+        table = self.position.weight
+        rows = table.shape[0]
+        return x + table.view(1, rows, -1) + self.position(torch.arange(rows)[None])
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_child_s_parameter_given_a_name_then_computed_with_is_a_read(frozen):
+    """A child's trainable parameter given a name that the code then computes with is a read of the module's own
+    (the module replayed with its children); one frozen is no read. B == T on purpose."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _ReadsAChildsTableByName(frozen), nn.Linear(6, 3)).double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    assert isinstance(model[1], ReplayedForward) != frozen
+    assert (type(model[1].position).__name__ == "PerExampleEmbedding") == frozen
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    assert not monitor.unconverted and list(monitor.untracked) == (["1.position.weight"] if frozen else [])
+    check_exact(model, monitor, want, got)
+
+
 class _ReturnsItsBias(nn.Module):
     """GPT-NeoX-Japanese's attention, cut down: it returns its own bias for its caller to add (own_forward: the
     bias also used inside, so the module keeps its forward with its parameters' uses followed)."""

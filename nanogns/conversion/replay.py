@@ -219,8 +219,8 @@ def reads_children_parameters(module):
     """True when the code of the module's class computes with a parameter of one of its children itself
     (`self.conv1d.weight.view(...)`, `F.linear(x, self.proj.weight)`), rather than calling the child; True when
     the code cannot be read. What its forward runs is read (its forward and the methods it calls), not its
-    constructor nor its initialisation; a parameter only asked about (`.dtype`, `isinstance`), assigned to a name or
-    handed to another child (DeBERTa's relative embeddings given to its LayerNorm: a table, core/shared.py) is
+    constructor nor its initialisation; a frozen parameter, one only asked about (`.dtype`, `isinstance`), whether
+    itself or a name it was given (`w = self.pos.weight; w.shape`), or one handed to another child (DeBERTa's relative embeddings given to its LayerNorm: a table, core/shared.py) is
     no computation of its own; nor is code in a branch this module's own settings never take (BLOOM's attention
     reads its output projection's weight only `if self.pretraining_tp > 1 and ...`: see _untaken)."""
     if parametrize.is_parametrized(module):  # its weight is a parametrisation (a child) of its parameters
@@ -352,25 +352,42 @@ def _computes_with_children(tree, children):
             return True
         if not (isinstance(up, ast.Attribute) and up.attr in child._parameters):
             continue
+        if not child._parameters[up.attr].requires_grad:  # (a frozen table read for its values: no gradient)
+            continue
         use = parents.get(up)  # what is done with self.<child>.<parameter>
-        if isinstance(use, ast.keyword):  # handed to a call by keyword (WavLM: q_proj_weight=self.q_proj.weight)
-            if not (isinstance(use.value, ast.Attribute) and use.value is up):
-                continue
-            use, up = parents.get(use), ast.Name(id="_keyword")  # (the call's func is never this argument)
-        if isinstance(use, ast.Attribute):
-            if use.attr not in _QUERIES.split("|"):
+        if isinstance(use, ast.Assign) and [type(t) for t in use.targets] == [ast.Name]:
+            # given a name (GLM-4V's pos_embed_weight = self.position_embedding.weight): what is done with the name
+            if any(_computes_with(n, parents) for n in _loads_of(tree, use.targets[0].id)):
                 return True
-        elif isinstance(use, ast.Subscript):
-            return True
-        elif isinstance(use, ast.Call) and up is not use.func:
-            func = use.func
-            asking = isinstance(func, ast.Name) and func.id in _ASKING
-            to_child = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
-            if not asking and not to_child:
-                return True
-        elif isinstance(use, (ast.BinOp, ast.UnaryOp)):
+            continue
+        if _computes_with(up, parents):
             return True
     return False
+
+
+def _loads_of(tree, name):
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)]
+
+
+def _computes_with(value, parents):
+    """True when the expression `value` (a child's parameter, or a name it was given) is computed with where it
+    stands: operated on, indexed, a method of it called, or handed to a call (other than a question, isinstance,
+    or a call of one of the module's children)."""
+    use = parents.get(value)
+    if isinstance(use, ast.keyword):  # handed to a call by keyword (WavLM: q_proj_weight=self.q_proj.weight)
+        if use.value is not value:
+            return False
+        use, value = parents.get(use), None  # (the call's func is never this argument)
+    if isinstance(use, ast.Attribute):
+        return use.attr not in _QUERIES.split("|")
+    if isinstance(use, ast.Subscript):
+        return True
+    if isinstance(use, ast.Call) and value is not use.func:
+        func = use.func
+        asking = isinstance(func, ast.Name) and func.id in _ASKING
+        to_child = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+        return not asking and not to_child
+    return isinstance(use, (ast.BinOp, ast.UnaryOp))
 
 
 def forward_methods(cls, skip_torch=False, start="forward"):
