@@ -350,9 +350,8 @@ def _computes_with_children(tree, children):
             continue
         if isinstance(up, ast.Attribute) and up.attr == "parameters" and isinstance(parents.get(up), ast.Call):
             return True
-        if not (isinstance(up, ast.Attribute) and up.attr in child._parameters):
-            continue
-        if not child._parameters[up.attr].requires_grad:  # (a frozen table read for its values: no gradient)
+        param = child._parameters.get(up.attr) if isinstance(up, ast.Attribute) else None
+        if param is None or not param.requires_grad:  # (a frozen table read for its values: no gradient to follow)
             continue
         use = parents.get(up)  # what is done with self.<child>.<parameter>
         if isinstance(use, ast.Assign) and [type(t) for t in use.targets] == [ast.Name]:
