@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 from oracle import loss_sqnorms_from_batched_forward
-from test_conversion_models import SPLIT, TINY, B, brute_force, check_exact, config, lm_batch, lm_losses, measured
+from test_conversion_models import SPLIT, TINY, B, V, brute_force, check_exact, config, lm_batch, lm_losses, measured
 
 import nanogns as lc
 from nanogns.conversion.intercept import InterceptedForward
@@ -384,6 +384,53 @@ def test_a_replayed_module_on_rows_a_reshape_flattened_from_the_examples_exact()
     monitor = lc.convert(model)
     assert isinstance(model.norm, ReplayedForward)
     got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    check_exact(model, monitor, want, got)
+
+
+class _RowsAndAScale(nn.Module):
+    """I-BERT's QuantEmbedding, unquantised: a lookup returning (rows, its scale), whose forward takes more than
+    its ids (no kind's layer, no probe on rows of floats): replayed per example."""
+
+    def __init__(self, n, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, d))
+
+    def forward(self, ids, positions=None):
+        return F.embedding(ids, self.weight), None
+
+
+class _LooksUpIdsMadeForTheBatch(nn.Module):
+    """Token types made with torch.zeros of the ids' shape, (N, T), and positions from torch.arange, one (1, T) row
+    for the batch: ids no example's inputs made, looked up by replayed modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(V, 6), nn.Linear(6, V)
+        self.positions, self.types = _RowsAndAScale(8, 6), _RowsAndAScale(2, 6)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        types = torch.zeros(ids.shape, dtype=torch.long)
+        return self.head(self.wte(ids) + self.positions(positions)[0] * self.types(types)[0])
+
+
+def test_a_replayed_module_given_ids_no_example_made_computes_a_table_exact():
+    """Ids the examples' inputs did not make (untagged) are a table's, whatever their sizes (core/ids.py): the
+    replayed modules looking them up compute tables the examples share (replay.py's pe_table), each example given
+    its copy of the positions' row and its own rows of the token types' where they meet its tokens. Exact, the
+    second micro-batch of 4 examples of 4 tokens. Before, the replay looked for the examples among the ids' dims by
+    their sizes: the positions' (1, T) row, T == N, was replayed one position at a time as if each were an example
+    (wrong numbers, which this test caught), and with T != N refused; the token types' (N, T) zeros taken for the
+    examples' rows."""
+    torch.manual_seed(0)
+    model = _LooksUpIdsMadeForTheBatch().double()
+    ids = torch.randint(0, V, (5, 4), generator=torch.Generator().manual_seed(1))
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 5)
+    monitor = lc.convert(model)
+    assert isinstance(model.positions, ReplayedForward) and isinstance(model.types, ReplayedForward)
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 5)], 5)
+    assert {"positions.weight", "types.weight"} <= set(got)
     check_exact(model, monitor, want, got)
 
 

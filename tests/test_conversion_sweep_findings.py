@@ -690,10 +690,13 @@ def test_parameters_expanded_to_a_batch_size_their_forward_is_given_exact():
     assert "its own forward" in lc.convert(_CrossAttends()).explain()["embeddings"]
 
 
-def test_a_replayed_embedding_of_multiple_choice_ids_exact():
+@pytest.mark.parametrize("types_given", [True, False], ids=["token types given", "token types made by the model"])
+def test_a_replayed_embedding_of_multiple_choice_ids_exact(types_given):
     """I-BERT's QuantEmbedding is replayed per example; its input is the (B*C, T) ids of the choices, integers:
-    each example's choices are its units (the token types passed: zeros the model makes itself are no example's
-    ids, and a replay does not take a tensor for the examples' by its size)."""
+    each example's choices are its units. Token types not given are zeros the model makes itself (torch.zeros of
+    the ids' shape): no example's ids, so the replay does not take them for the examples' by their size; the
+    embedding of them is a table the examples share (replay.py's pe_table), each choice given its own rows where
+    it meets the choices' embeddings."""
     from test_conversion_models import TINY, config
 
     torch.manual_seed(0)
@@ -708,7 +711,7 @@ def test_a_replayed_embedding_of_multiple_choice_ids_exact():
     assert_exact(
         model,
         lambda part: F.cross_entropy(
-            model(input_ids=ids[part], token_type_ids=torch.zeros_like(ids[part])).logits,
+            model(input_ids=ids[part], token_type_ids=torch.zeros_like(ids[part]) if types_given else None).logits,
             answers[part],
             reduction="none",
         ),

@@ -244,14 +244,17 @@ class _ParameterUses(TorchFunctionMode):
 
     def parameters_alone(self, args, kwargs):
         """True when no tensor argument carries the examples' data: all are this module's parameters (or followed
-        from them), tables (shared.py) or constants with no gradient and no example dim."""
+        from them), tables (shared.py) or constants, through which no gradient flows (as items_of_data and
+        shared.py hold: a constant whose dim 0 happens to have the items' size, Funnel's relative positions of 4
+        rows in a step of 2 examples of 2 choices, is no example's). The result is a table: where it meets the
+        examples, torch's broadcasting gives each its copy or its own slice (shared.py), whatever its sizes."""
         current = layout.current()
         if current is None:
             return False
         for t in _tensors((args, kwargs)):
             if self.name_of(t) is not None or shared.is_shared(t):
                 continue
-            if t.requires_grad or (t.dim() >= 1 and layout.items_of(t.shape[0]) is not None):
+            if t.requires_grad:
                 return False
         return True
 

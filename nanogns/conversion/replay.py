@@ -46,7 +46,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from nanogns.core import layout, uses
+from nanogns.core import layout, shared, uses
 from nanogns.core.buffers import (
     PerExampleNormLayer,
     add_pe_sqnorm,
@@ -54,7 +54,7 @@ from nanogns.core.buffers import (
     refuse_step,
     register_pe_sqnorm_buffers,
 )
-from nanogns.core.ids import ExampleIds
+from nanogns.core.ids import ExampleIds, untagged
 from nanogns.core.inputs import FOLDED_ROWS, dim_by_history, example_dim, flattened_by_history
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import own_class_name
@@ -106,6 +106,8 @@ class ReplayedForward(PerExampleNormLayer):
         if not buffers:
             return plain(*args, **kwargs)
         current = layout.current()
+        if _given_no_examples(args, kwargs):  # ids the forward did not compute from its examples: a table's
+            return self.pe_table(plain, args, kwargs, params)
         units, reason = _units(args, kwargs, current)
         if reason is not None:
             refuse_step(f"its {method} is replayed per example, but {reason}", buffers)
@@ -148,6 +150,41 @@ class ReplayedForward(PerExampleNormLayer):
             if isinstance(rows, _Rows) and rows.per > 1:  # (its history ends here: the fold said on the tensor)
                 setattr(copy, FOLDED_ROWS, (units.count, rows.per))
         return pytree.tree_unflatten(flat, spec)
+
+    def pe_table(self, plain, args, kwargs, params):
+        """plain(*args, **kwargs) given no example's data (_given_no_examples): its floating-point outputs with a
+        gradient are a table the examples share (core/shared.py), computed from the parameters under it, as an
+        Embedding kind's lookup of such ids is; where the table meets the examples each gets its copy, or its own
+        slice (a table of one row per example), and its gradient is pulled back through the forward's graph, so
+        no replay is needed and no example dim is looked for among ids whose sizes say nothing."""
+        state = state_of(self)
+        state.replay_calls += 1
+        try:
+            out = plain(*args, **kwargs)
+        finally:
+            state.replay_calls -= 1
+        sources = {id(param): (param, buffer) for _, param, buffer in params}
+        given = untagged((args, kwargs))
+        flat, spec = pytree.tree_flatten(out)
+        single = isinstance(out, torch.Tensor)
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+                found = dict(sources)  # (a table its children computed keeps their sources too)
+                found.update({id(p): (p, b) for p, b in t.pe_sources} if shared.is_shared(t) else {})
+                recipe = shared.Recipe(plain, given[0], given[1], None if single else i)
+                flat[i] = shared.table(t.as_subclass(torch.Tensor), found.values(), recipe)
+        return pytree.tree_unflatten(flat, spec)
+
+
+def _given_no_examples(args, kwargs):
+    """True when the forward tags its examples' ids (core/ids.py) and every tensor a module is given is integer or
+    boolean and without that tag (I-BERT's token types made with torch.zeros, positions from torch.arange): it
+    computes from no example's data, as an Embedding looking up such ids looks up a table (layout.looks_up_a_table),
+    whatever their sizes."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(tensors) and all(
+        not (t.is_floating_point() or t.is_complex()) and layout.looks_up_a_table(t) for t in tensors
+    )
 
 
 @functools.lru_cache(maxsize=None)
