@@ -4,7 +4,8 @@ brute-force loop over examples (float64, two uneven micro-batches, padded sequen
 gradient_checkpointing_enable with reentrant and non-reentrant checkpoints, torch.utils.checkpoint with a
 selective policy (which ops are saved, which recomputed), and FSDP2 on 2 CPU ranks (test_monitor_distributed.py
 runs the same worker for DDP). Expert banks and routers included (Mixtral, Qwen3-MoE), a tied head (GPT-2), a
-layer shared across depth (its uses summed, core/uses.py).
+layer shared across depth (its uses summed, core/uses.py), a table dropped out inside the region (drawn again as
+it was drawn where its pull-back computes it again).
 
     python -m pytest -q tests/test_conversion_checkpointing.py
 
@@ -24,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 from test_conversion_models import MOE, SPLIT, TINY, B, brute_force, check_exact, config, lm_batch, lm_losses, measured
+from test_conversion_shared import DroppedRelativeEmbeddings, MaskedDropout, V
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import nanogns as lc
@@ -220,4 +222,50 @@ def test_multihead_attention_is_exact_under_checkpointing(form):
     got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, B)], B)
     assert not monitor.unconverted and not monitor.untracked
     assert "layers.0.self_attn.in_proj_weight" in got
+    check_exact(model, monitor, want, got)
+
+
+class CheckpointedDroppedTable(DroppedRelativeEmbeddings):
+    """DroppedRelativeEmbeddings with its attention checkpointed in the given form, the table dropped out inside the
+    region by the custom Function (SEW-D's XDropout) or F.dropout (DeBERTa's nn.Dropout). Each forward draws from
+    the same seed, so the oracle's forward (without checkpoints) draws the same mask."""
+
+    def __init__(self, form, dropout):
+        super().__init__(p=0.5)
+        self.form, self.dropout = form, dropout
+
+    def forward(self, ids):
+        torch.manual_seed(7)
+        x = self.wte(ids)
+        h = (
+            checkpoint(self.attend, x, self.rel.weight, **FORMS[self.form])
+            if self.form
+            else self.attend(x, self.rel.weight)
+        )
+        return self.head(h)
+
+    def attend(self, x, weight):
+        table = self.norm(weight)
+        table = MaskedDropout.apply(table, self.p) if self.dropout == "function" else F.dropout(table, self.p)
+        by_position = self.q(x) @ self.q(table).transpose(-1, -2)
+        T = x.shape[1]
+        distance = (torch.arange(T)[None, :] - torch.arange(T)[:, None]).clamp(-4, 3) + 4
+        return by_position.gather(-1, distance.expand(x.shape[0], -1, -1)).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("dropout", ["function", "F.dropout"])
+@pytest.mark.parametrize("form", ["non-reentrant", "selective"])
+def test_a_table_dropped_out_in_a_checkpointed_region_is_exact(form, dropout):
+    """Where the forward's graph of the table cannot run backward again, its pull-back computes the table again from
+    its recipe: its dropout draws the mask it drew in the forward (before, a new one: wrong numbers), B == T."""
+    torch.manual_seed(0)
+    model = CheckpointedDroppedTable(None, dropout).double()
+    ids = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(1))
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    model.form = form
+    monitor = lc.convert(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first step's check that no op mixes the examples cannot run (selective)
+        got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     check_exact(model, monitor, want, got)

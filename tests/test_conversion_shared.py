@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from oracle import loss_sqnorms_from_batched_forward
 from test_conversion_models import (
     NO_DROPOUT,
     SPLIT,
@@ -369,3 +370,121 @@ def test_a_constant_whose_rows_happen_to_be_the_batch_is_not_taken_for_the_examp
     micro-batch of 6 examples meeting 6 rows of positions."""
     _, monitor = assert_exact_on(TablesMetEverywhere, (7, 5))
     assert not monitor.unconverted and not monitor.untracked
+
+
+class MaskedDropout(torch.autograd.Function):
+    """SEW-D's XDropout, reduced: a dropout written as a custom autograd.Function, its keep-mask drawn inside its
+    forward (which torch runs without gradients) and kept for its backward. Function.apply is no op that a table's
+    __torch_function__ sees; the ops of its forward are."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        ctx.scale = 1.0 / (1 - p)
+        if p == 0:
+            return x
+        mask = (1 - torch.empty_like(x).bernoulli_(1 - p)).to(torch.bool)
+        ctx.save_for_backward(mask)
+        return x.masked_fill(mask, 0) * ctx.scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.scale == 1:
+            return grad, None
+        (mask,) = ctx.saved_tensors
+        return grad.masked_fill(mask, 0) * ctx.scale, None
+
+
+class ScaledByTheExamples(torch.autograd.Function):
+    """A custom Function given the table and the examples' data: its output (N, ...) is no table."""
+
+    @staticmethod
+    def forward(ctx, table, x):
+        ctx.save_for_backward(table, x)
+        return table * x.mean(1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        table, x = ctx.saved_tensors
+        grad_x = (grad * table).sum(1, keepdim=True).expand_as(x) / x.shape[1]
+        return (grad * x.mean(1, keepdim=True)).sum(0, keepdim=True), grad_x
+
+
+class DroppedRelativeEmbeddings(nn.Module):
+    """SEW-D's disentangled attention, reduced: the relative-position embeddings' weight, a LayerNorm of it, dropped
+    out by a custom autograd.Function (one mask for the table, which every example shares), projected by the query
+    projection that also serves the tokens, and met by each example's queries in a matmul (through `through`:
+    MaskedDropout at p, or ScaledByTheExamples given the tokens)."""
+
+    def __init__(self, p=0.5, through="dropout"):
+        super().__init__()
+        self.p, self.through = p, through
+        self.wte, self.rel = nn.Embedding(V, 8), nn.Embedding(8, 8)
+        self.norm, self.q, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, V)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        table = self.norm(self.rel.weight)
+        if self.through == "dropout":
+            table = MaskedDropout.apply(table, self.p)
+        else:
+            table = ScaledByTheExamples.apply(table.unsqueeze(0), x)
+        by_position = self.q(x) @ self.q(table).transpose(-1, -2)  # (N, T, 8 relative positions)
+        distance = (torch.arange(ids.shape[1])[None, :] - torch.arange(ids.shape[1])[:, None]).clamp(-4, 3) + 4
+        scores = by_position.gather(-1, distance.expand(ids.shape[0], -1, -1)).softmax(-1)  # (N, T, T)
+        return self.head(scores @ x)
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (5, 3)])
+@pytest.mark.parametrize("p", [0.5, 0.0])
+def test_a_table_dropped_out_by_a_custom_autograd_function_exact(shape, p):
+    """The table's dropout is a custom autograd.Function (SEW-D's XDropout): its output is still the table (its
+    forward's ops are on the table alone), met by each example's queries; each example's gradient reaches the
+    embeddings' weight and the LayerNorm through the Function's backward. The mask is drawn at random, so the oracle
+    takes each example's gradient from the step's own forwards (training mode, B == T on purpose)."""
+    ids = torch.randint(0, V, shape, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = DroppedRelativeEmbeddings(p).double()
+    monitor = lc.convert(model)
+    losses = []
+    for part in (slice(0, 1), slice(1, shape[0])):
+        losses.append(model(ids[part]).pow(2).mean((1, 2)))
+        (losses[-1].sum() / shape[0]).backward(retain_graph=True)
+    got = {m.metadata["name"]: m for m in monitor.measure(batch_size=shape[0])}
+    per_example, batch = loss_sqnorms_from_batched_forward(model, losses)
+    assert set(got) == {name for name, _ in model.named_parameters()}
+    for name, m in got.items():
+        assert m.norm**2 == pytest.approx(batch[name], rel=1e-6), name
+        assert m.rms_pe_norm**2 == pytest.approx(per_example[name], rel=1e-6), name
+
+
+def test_a_table_given_to_a_custom_autograd_function_with_the_examples_data_is_refused():
+    """A custom Function given the table and the examples' data returns the examples' data, no table: the query
+    projection's rows are the examples', but no example's own gradient of the table reaches its sources, and their
+    step is refused (never a number)."""
+    ids = torch.randint(0, V, (4, 4), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = DroppedRelativeEmbeddings(through="examples").double()
+    monitor = lc.convert(model)
+    model(ids).pow(2).mean().backward()
+    with pytest.raises(ValueError, match=r"rel.weight has a gradient .* recorded no example"):
+        monitor.measure(batch_size=4)
+
+
+class TableUnderNoGrad(GatheredPositions):
+    """A table's statistic computed under torch.no_grad() in the forward (a constant: no gradient reaches the
+    positions through it), met by the examples in torch.tensordot, an op per-example copies do not follow."""
+
+    def forward(self, ids):
+        positions = self.wpe(torch.arange(ids.shape[1]).unsqueeze(0))  # (1, T, 4)
+        with torch.no_grad():
+            scale = positions.abs().mean(-1)  # (1, T)
+        tokens = self.wte(ids)
+        mixed = torch.tensordot(tokens, scale.squeeze(0), dims=([1], [0]))  # (N, 4)
+        x = tokens + positions.expand(ids.shape[0], -1, -1) + mixed.unsqueeze(1)
+        return self.head(torch.cat([x, tokens], dim=-1))
+
+
+def test_a_table_computed_under_no_grad_is_a_constant_where_it_meets_the_examples():
+    """A table made under no_grad carries no gradient to its sources: meeting the examples in an op not followed is
+    no refusal of them, and the step is exact (the positions' gradient comes from their expand alone)."""
+    assert_exact_on(TableUnderNoGrad, (4, 4))

@@ -57,6 +57,7 @@ from nanogns.core.buffers import (
 from nanogns.core.ids import ExampleIds, untagged
 from nanogns.core.inputs import FOLDED_ROWS, dim_by_history, example_dim, flattened_by_history
 from nanogns.core.module_state import state_of
+from nanogns.core.pullback import DRAWING, DROPOUTS
 from nanogns.core.registry import own_class_name
 from nanogns.core.rowmaps import Items
 
@@ -839,31 +840,9 @@ def _failure(module, method, error):
     return f"{name}'s {method}, replayed on one example's inputs, fails ({type(error).__name__}: {error})"
 
 
-# random functions (and the dropouts drawing inside torch): what a replayed module draws is drawn once, in its
-# forward, and the same numbers are served to its replay, each example its rows of them
-_DRAWING = {
-    torch.rand,
-    torch.rand_like,
-    torch.randn,
-    torch.randn_like,
-    torch.randint,
-    torch.randint_like,
-    torch.bernoulli,
-    torch.normal,
-    torch.multinomial,
-    torch.randperm,
-    torch.Tensor.bernoulli,
-    torch.Tensor.bernoulli_,
-    torch.Tensor.uniform_,
-    torch.Tensor.normal_,
-    torch.Tensor.exponential_,
-    torch.Tensor.geometric_,
-    torch.Tensor.cauchy_,
-    torch.Tensor.log_normal_,
-    torch.Tensor.random_,
-    torch.Tensor.multinomial,
-}
-_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
+# random functions (DRAWING) and the dropouts drawing inside torch (DROPOUTS; both core/pullback.py's): what a
+# replayed module draws is drawn once, in its forward, and the same numbers are served to its replay, each example
+# its rows of them
 _PLAIN_DROPOUTS = (F.dropout, torch.dropout)  # (as imported: _dropout_inside swaps F.dropout for a while)
 # torch functions written in Python that call F.dropout inside (WavLM's attention calls multi_head_attention_forward):
 # a mode is off while it handles a function, so these run with F.dropout itself drawing through the mode
@@ -890,7 +869,7 @@ def _dropout_inside(mask_of):
 def _with_masks(func, args, kwargs, mask_of):
     """func computed with its dropout's keep-masks from mask_of (a dropout, a torch function dropping out inside,
     attention dropping out in its kernel), or NotImplemented for a function that drops nothing out."""
-    if func in _DROPOUTS:
+    if func in DROPOUTS:
         return _dropout(func, args, kwargs, mask_of)
     if func in _DRAWING_INSIDE:
         with _dropout_inside(mask_of):
@@ -949,7 +928,7 @@ class _RandomDraws(TorchFunctionMode):
         if masked is not NotImplemented:
             return masked
         out = func(*args, **kwargs)
-        if func in _DRAWING and isinstance(out, torch.Tensor):
+        if func in DRAWING and isinstance(out, torch.Tensor):
             self.drawn.append(out.detach().clone())
         return out
 
@@ -978,7 +957,7 @@ class _ServedDraws(TorchFunctionMode):
         masked = _with_masks(func, args, kwargs, lambda like, p: self.serve(tuple(like.shape)))
         if masked is not NotImplemented:
             return masked
-        if func not in _DRAWING:
+        if func not in DRAWING:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)  # (its shape, dtype, device; and an in-place fill's target)
         if not isinstance(out, torch.Tensor):

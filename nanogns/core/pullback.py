@@ -4,15 +4,46 @@ its copy (ExampleCopies) or its slice (SlicedTable), pulled back through the tab
 it was computed from, batched over the examples (torch.autograd.grad with is_grads_batched), and recorded.
 
 Where the forward's graph of the table cannot run backward a second time (a table computed inside a region under
-selective activation checkpointing, whose saved tensors are freed after the one backward allowed), the table is
-computed again from its Recipe (how it was computed: the op, its parameters, constants and the other tables' or
-followed tensors' recipes) and the pull-back runs through that.
+activation checkpointing, whose saved tensors are freed after the one backward allowed), the table is computed
+again from its Recipe (how it was computed: the op, its parameters, constants and the other tables' or followed
+tensors' recipes) and the pull-back runs through that. An op drawing at random (a dropout of the table, the mask a
+custom dropout draws) draws again from the random state it drew from, so the table computed again is the one the
+forward computed, as torch's checkpoint restores the random state for its recompute.
 """
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from nanogns.core import trees, uses
 from nanogns.core.buffers import add_pe_sqnorm
+
+# ops drawing at random (conversion/replay.py serves their draws to a module's replay); DROPOUTS draw inside
+DRAWING = {
+    torch.rand,
+    torch.rand_like,
+    torch.randn,
+    torch.randn_like,
+    torch.randint,
+    torch.randint_like,
+    torch.bernoulli,
+    torch.normal,
+    torch.multinomial,
+    torch.randperm,
+    torch.Tensor.bernoulli,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.uniform_,
+    torch.Tensor.normal_,
+    torch.Tensor.exponential_,
+    torch.Tensor.geometric_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.random_,
+    torch.Tensor.multinomial,
+}
+DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
 
 
 class Recipe:
@@ -22,10 +53,34 @@ class Recipe:
     that graph cannot be run backward a second time (selective activation checkpointing), through the table
     computed again from its recipe (`recomputed`)."""
 
-    __slots__ = ("func", "args", "kwargs", "index")
+    __slots__ = ("func", "args", "kwargs", "index", "random_state")
 
-    def __init__(self, func, args, kwargs=None, index=None):
+    def __init__(self, func, args, kwargs=None, index=None, random_state=None):
         self.func, self.args, self.kwargs, self.index = func, args, kwargs or {}, index
+        self.random_state = random_state  # (random_state_at: func draws at random), drawn from again
+
+
+def random_state_at(tensors):
+    """The random state an op on `tensors` draws from: the CPU generator's, and that of each accelerator they are
+    on (as torch.utils.checkpoint keeps it for its recompute)."""
+    on_devices = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta")]
+    device_type = on_devices[0].device.type if on_devices else None
+    devices, states = get_device_states(*on_devices) if on_devices else ([], [])
+    return torch.get_rng_state(), device_type, devices, states
+
+
+@contextlib.contextmanager
+def _drawing_from(random_state):
+    """Draw from random_state in the block (None: as now), the random state outside it left as it was."""
+    if random_state is None:
+        yield
+        return
+    cpu, device_type, devices, states = random_state
+    with torch.random.fork_rng(devices=devices, device_type=device_type or "cuda"):
+        torch.set_rng_state(cpu)
+        if devices:
+            set_device_states(devices, states, device_type=device_type)
+        yield
 
 
 def recomputed(value):
@@ -33,7 +88,7 @@ def recomputed(value):
     if not isinstance(value, Recipe):
         return value.as_subclass(torch.Tensor) if getattr(type(value), "pe_shared", False) else value
     args, kwargs = trees.map_leaves(recomputed, (value.args, value.kwargs))
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunctionSubclass(), _drawing_from(value.random_state):
         out = value.func(*args, **kwargs)
     return out if value.index is None else trees.leaves(out)[value.index]
 

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from nanogns.core import history, layout, trees
 from nanogns.core.einsum import einsum_with_copies, per_example_conv1d, same_items
-from nanogns.core.pullback import ExampleCopies, Recipe, SlicedTable  # noqa: F401 (Recipe: intercept.py's)
+from nanogns.core.pullback import DRAWING, DROPOUTS, ExampleCopies, Recipe, SlicedTable, random_state_at
 
 _MATMUL = {torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.matmul}
 # ops where a table meets the examples' data, broadcast over them: arithmetic (x + t, t - x, x *= t...), where,
@@ -156,12 +156,16 @@ def _run(func, args, kwargs):
 def _follow(func, args, kwargs):
     flat = trees.leaves((args, kwargs))
     tables = [t for t in flat if isinstance(t, SharedRows)]
+    graded = torch.is_grad_enabled()
     sources = {}
     for t in tables:
-        sources.update({id(p): (p, b) for p, b in t.pe_sources})
+        if t.requires_grad or not graded:  # (a table made without gradients, under no_grad, carries none to them)
+            sources.update({id(p): (p, b) for p, b in t.pe_sources})
     current = layout.current()
-    if current is None or not torch.is_grad_enabled() or layout.replaying():  # outside a forward: plain tensors
-        return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
+    if current is None or layout.replaying() or not (graded or _in_a_forward_with_gradients()):
+        return _run(func, *trees.map_leaves(_plain, (args, kwargs)))  # outside a forward: plain tensors
+    if not graded:
+        return _without_gradients(func, args, kwargs, flat, sources)
     if func is torch.Tensor.expand_as and len(args) == 2 and isinstance(args[0], SharedRows) and not kwargs:
         if isinstance(args[1], torch.Tensor) and not isinstance(args[1], SharedRows) and _items(args[1]) is not None:
             # expand_as(x) is expand(x's sizes): x gives only its shape (a table of one row per example, Flaubert's
@@ -210,10 +214,18 @@ def _follow(func, args, kwargs):
             sources,
             f"meets data of shape {tuple(data[0].shape)}, whose dim 0 is not the {current.examples} examples",
         )
+    return _as_tables(func, args, kwargs, others, sources)
+
+
+def _as_tables(func, args, kwargs, others, sources):
+    """func's outputs on tables, constants and parameters: tables computed from the tables' sources and the
+    parameters among `others`."""
     for p in others:
         if isinstance(p, nn.Parameter) and p.requires_grad:
             sources[id(p)] = (p, layout.current_pass().mapper.buffer_of(p))
-    out = _run(func, *trees.map_leaves(_plain, (args, kwargs)))
+    plain = trees.map_leaves(_plain, (args, kwargs))
+    drawn_from = random_state_at(trees.leaves(plain)) if func in DRAWING or func in DROPOUTS else None
+    out = _run(func, *plain)
     given = trees.map_leaves(recipe_of, (args, kwargs))
     single = isinstance(out, torch.Tensor)
     positions = iter(range(len(trees.leaves(out))))
@@ -222,9 +234,29 @@ def _follow(func, args, kwargs):
         index = None if single else next(positions)
         if not isinstance(t, torch.Tensor):
             return t
-        return table(t, sources.values(), Recipe(func, given[0], given[1], index))
+        return table(t, sources.values(), Recipe(func, given[0], given[1], index, drawn_from))
 
     return trees.map_leaves(as_table, out)
+
+
+def _in_a_forward_with_gradients():
+    """True in a root forward with gradients (or its recompute by activation checkpointing, in a backward pass): an
+    op run there without them is in a region under no_grad, or in a custom autograd.Function's forward."""
+    found = layout.current_pass()
+    return found is not None and (found.counting or layout.in_backward())
+
+
+def _without_gradients(func, args, kwargs, flat, sources):
+    """An op run without gradients in a forward with them. torch runs a custom autograd.Function's forward so (SEW-D's
+    XDropout of its relative-position embeddings), and Function.apply is no op that __torch_function__ sees: the ops
+    inside its forward are followed instead. An op on tables and parameters alone gives a table, so a forward made
+    of such ops returns one, which apply returns as it is, its gradient now through the Function's backward; any
+    other tensor among the op's operands (the examples' data, a constant: without gradients no history tells them
+    apart) leaves its result plain, as every op's outside a forward. A table that stays without gradients (a region
+    under no_grad) carries none to its sources where an op with gradients takes it (_follow)."""
+    if any(isinstance(t, torch.Tensor) and not isinstance(t, (SharedRows, nn.Parameter)) for t in flat):
+        return _run(func, *trees.map_leaves(_plain, (args, kwargs)))
+    return _as_tables(func, args, kwargs, [t for t in flat if isinstance(t, nn.Parameter)], sources)
 
 
 def _items(t):
