@@ -10,7 +10,9 @@ as a user calls it (no position ids passed):
   the head, DeBERTa's projections (each example's rows and the shared table);
 - a table meeting the examples in expand_as, torch.cat, torch.bmm and torch.einsum, and a parameter read by its
   module in torch.einsum (XLM, RoCBert, LED, Funnel, Pegasus-X: the architecture sweep's classes);
-- a table meeting the examples in an op that per-example norms do not follow is refused, naming the op.
+- a table meeting the examples in an op that per-example norms do not follow is refused, naming the op;
+- a table dropped out by a custom autograd.Function (SEW-D's XDropout: the ops of its forward followed), a Function
+  given the examples' data refused, a table's statistic under no_grad a constant where it meets the examples.
 
     python -m pytest -q tests/test_conversion_shared.py
 

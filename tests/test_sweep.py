@@ -31,6 +31,7 @@ FINDINGS = (  # the cases whose bugs this sweep found (each fails without its fi
     "transformers/image-text-to-text/got_ocr2/GotOcr2ForConditionalGeneration",  # a tower's heads folded in dim 1
     "transformers/ctc/wavlm/WavLMForCTC",  # children's weights by keyword, dropout inside torch's attention
     "transformers/causal-lm/hunyuan_v1_moe/HunYuanMoEV1ForCausalLM",  # a bank of one expert
+    "transformers/ctc/sew-d/SEWDForCTC",  # a table through a custom autograd.Function (its XDropout)
 )
 
 

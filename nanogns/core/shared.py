@@ -33,7 +33,10 @@ looked up without the examples' tag, core/layout.py), so no decision rests on si
 dim 0 may hold items of the examples (their choices, windows, a tower's images: Items): the copies are then
 per item, and an example's gradient its items' sum. Any other meeting refuses the step with the op named. A table
 that is an Embedding's lookup met as it is is looked up again for each example (the Embedding kind's own
-per-example norms, no pull-back).
+per-example norms, no pull-back). A custom autograd.Function is no op __torch_function__ sees, and torch runs its
+forward without gradients: there, as under no_grad, an op on tables and parameters alone gives a table (SEW-D's
+XDropout of its relative embeddings returns one, its gradient through the Function's backward), and an op with any
+other tensor a plain result; a table that stays without gradients carries none to its sources.
 
 Tables start where a layer of a kind is handed one: an Embedding looking up ids the forward did not compute from
 its example inputs (positions from torch.arange, as one (1, T) row or (T,); GPT-2's, BERT's, CLIP's and nanoGPT's
