@@ -518,6 +518,62 @@ def test_a_grandchild_s_parameter_read_by_a_module_is_a_read_and_the_module_repl
     check_exact(model, monitor, want, got)
 
 
+class _Heads(nn.Module):
+    """JetMoE's mixture of attention heads, reduced: its parent calls its map and reduce (its forward is never
+    called), which call its children (a Linear each) and add its own bias to every example's rows; with `reads`,
+    reduce computes with its child's weight itself."""
+
+    def __init__(self, reads):
+        super().__init__()
+        self.reads = reads
+        self.inp, self.out = nn.Linear(6, 4), nn.Linear(4, 6)
+        self.bias = nn.Parameter(torch.randn(6))
+
+    def map(self, x):
+        return torch.tanh(self.inp(x))
+
+    def reduce(self, h):
+        y = F.linear(h, self.out.weight * 2.0, self.out.bias) if self.reads else self.out(h)
+        return y + self.bias
+
+    def forward(self, x):
+        raise NotImplementedError("its parent calls map and reduce")
+
+
+class _CallsItsChildsMethods(nn.Module):
+    def __init__(self, reads):
+        super().__init__()
+        self.heads, self.head = _Heads(reads), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.heads.reduce(self.heads.map(x)))
+
+
+@pytest.mark.parametrize("reads", [False, True], ids=["calls its children", "reads a child's weight"])
+def test_a_module_whose_parent_calls_its_methods_has_its_own_parameters_followed_or_is_replayed(reads):
+    """A module whose parent calls its methods besides its forward (JetMoE's attention calls its heads' map and
+    reduce): where its code only calls its children, its own parameters' uses are followed in each call and its
+    children are each a kind's layer; where it computes with a child's weight itself, it is replayed per example with
+    its children in each call. Exact either way, B == T on purpose."""
+    torch.manual_seed(0)
+    model = _CallsItsChildsMethods(reads).double()
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    found = monitor.explain()
+    if reads:
+        assert found["heads"].startswith("replayed with its parent's calls: replayed per example")
+        assert isinstance(model.heads, ReplayedForward)
+    else:
+        assert found["heads"].startswith("followed with its parent's calls: its own forward, its parameters' uses")
+        assert isinstance(model.heads, InterceptedForward)
+        assert type(model.heads.inp).__name__ == type(model.heads.out).__name__ == "PerExampleLinear"
+    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    assert not monitor.unconverted and not monitor.untracked
+    check_exact(model, monitor, want, got)
+
+
 class _ReadsAChildsTableByName(nn.Module):
     """GLM-4V's vision position embeddings, cut down: the child's table given a name, asked its shape, then viewed
     and added to every example's rows (resampled to their size in GLM-4V); with `frozen`, the table has no

@@ -197,6 +197,42 @@ def test_a_token_routed_to_no_expert_adds_nothing():
     assert total == pytest.approx(sum(per_token), rel=1e-6)
 
 
+@pytest.mark.parametrize("batch, top_k", [(B, 2), (T, 2), (B, 1)], ids=["B5-top2", "B7-top2", "B5-top1"])
+def test_jetmoe_banks_of_rows_regrouped_by_expert_exact(batch, top_k):
+    """JetMoE's expert banks (JetMoeParallelExperts: `bank(rows, expert_size)`, the rows regrouped by expert, whose
+    examples the ParallelExperts kind reads from the router's gather) in its MLP and in its attention, whose mixture
+    of attention heads the attention runs through map and reduce (their bias followed in each call, the banks each a
+    kind's layer): every parameter, 100% of the elements, within 1e-6; also with as many examples as tokens (B == T)
+    and one expert per token (top-1: as many rows as tokens, which no size tells from the tokens' own)."""
+    torch.manual_seed(0)
+    # (JetMoE's RMSNorm computes in float32 in a float64 model too, the converted norm in float64: gradients agree to
+    # about 1e-7, which weights drawn larger than JetMoE's 0.01 keep far below the router's gradient)
+    jetmoe = dict(num_key_value_heads=2, kv_channels=4, num_local_experts=3, num_experts_per_tok=top_k)
+    jetmoe.update(initializer_range=0.2)
+    model = transformers.JetMoeForCausalLM(
+        transformers.JetMoeConfig(**{**TINY, "num_attention_heads": None}, **jetmoe, pad_token_id=0)
+    )
+    model.config.num_attention_heads = 2 * top_k
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # (JetMoE leaves its biases as torch.empty made them)
+                p.normal_(std=0.1)
+    ids = torch.randint(0, V, (batch, T), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(batch, T, dtype=torch.long)
+    mask[1, -2:] = 0
+    mask[3, -3:] = 0
+    model.double()
+    loss_of = lambda part: lm_losses(model, ids[part], mask[part])  # noqa: E731
+    want = brute_force(model, loss_of, batch)
+    monitor = lc.convert(model)
+    assert not monitor.unconverted and not monitor.untracked
+    explained = monitor.explain()
+    assert explained["model.layers.0.mlp.input_linear"].startswith("a kind's layer: the ParallelExperts kind's")
+    assert explained["model.layers.0.self_attention.experts"].startswith("followed with its parent's calls")
+    got = measured(monitor, model, loss_of, [slice(0, SPLIT), slice(SPLIT, batch)], batch)
+    check_exact(model, monitor, want, got)
+
+
 # -----------------------------------------------------------------------------
 # language models with their own layouts and layers
 

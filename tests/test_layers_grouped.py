@@ -137,3 +137,118 @@ def test_no_grad_computes_the_output_only():
     with torch.no_grad():
         torch.testing.assert_close(block(x, index, weights), want)
     assert all(b.abs().sum() == 0 for n, b in block.named_buffers() if n.endswith("_pe_sqnorm"))
+
+
+# -----------------------------------------------------------------------------
+# banks given their rows grouped by expert (kinds/experts_parallel.py)
+
+
+class GroupedBank(nn.Module):
+    """A bank of the ScatterMoE and JetMoE kind, of this test's own: bank(rows, expert_size), the rows grouped by
+    expert, its matrices stored (E, out, in) or (E, in, out)."""
+
+    def __init__(self, features, out, transposed):
+        super().__init__()
+        self.transposed = transposed
+        shape = (E, features, out) if transposed else (E, out, features)
+        self.bank = nn.Parameter(torch.randn(*shape) / features**0.5)
+
+    def forward(self, rows, expert_size):
+        parts = rows.split(expert_size, dim=0)
+        return torch.cat(
+            [p @ self.bank[e] if self.transposed else F.linear(p, self.bank[e]) for e, p in enumerate(parts)]
+        )
+
+
+class RegroupedMoE(nn.Module):
+    """JetMoE's MLP, reduced: a router's top-k over the (N*T, D) token rows; the rows gathered by the (token, k)
+    slots sorted by expert, each expert's last slot first (its rows in no order of their examples, as an unstable
+    sort leaves them); two banks (act(h1) * h2 between, cut by a slice); the rows scattered back, gated.
+    `gathered` False: each expert's rows picked by a mask and joined by torch.cat, no gather in their history;
+    `shuffled`: the token rows first gathered in a shuffled order (as many rows as tokens), then by expert."""
+
+    def __init__(self, transposed, top_k=K_TOP, gathered=True, shuffled=False):
+        super().__init__()
+        self.top_k, self.gathered, self.shuffled = top_k, gathered, shuffled
+        self.norm = nn.RMSNorm(D)  # (as in a model: the rows a gather takes have an autograd history)
+        self.router = nn.Linear(D, E, bias=False)
+        self.up = GroupedBank(D, 2 * I, transposed)
+        self.down = GroupedBank(I, D, transposed)
+
+    def forward(self, x):
+        flat = self.norm(x).reshape(-1, D)
+        gates, experts = self.router(flat).softmax(-1).topk(self.top_k, dim=-1)
+        slots = experts.flatten()
+        order = (slots * slots.numel() - torch.arange(slots.numel())).argsort()
+        token = order // self.top_k
+        sizes = torch.bincount(slots, minlength=E).tolist()
+        rows = flat[token] if self.gathered else torch.cat([flat[(experts == e).any(-1)] for e in range(E)])
+        if self.shuffled:  # the bank's rows gathered from the tokens shuffled (row j of them: token place[j])
+            place = torch.randperm(len(flat), generator=torch.Generator().manual_seed(len(flat)))
+            rows = flat[place][place.argsort()[token]]
+        h = self.up(rows, sizes)
+        y = self.down(F.silu(h[:, :I]) * h[:, I:], sizes) * gates.flatten()[order, None]
+        return torch.zeros_like(flat).index_add(0, token, y).view(x.shape)
+
+
+@pytest.mark.parametrize("transposed, shuffled", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("examples", [N, T], ids=["N5", "N6"])  # (N == T: as many examples as tokens)
+def test_a_bank_of_rows_grouped_by_expert_reads_their_examples_from_the_gather(transposed, shuffled, examples):
+    """Each bank's per-example norms, the rows' examples read from the gather that grouped them (and from the one
+    before it, for tokens shuffled first: as many rows as tokens, never mapped by their number), equal to the
+    brute-force loop (float64, two uneven micro-batches accumulated), its gradient and output the module's own."""
+    torch.manual_seed(0)
+    block = RegroupedMoE(transposed, shuffled=shuffled).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(examples, T, D, generator=gen, dtype=torch.float64)
+    grad = torch.randn(examples, T, D, generator=gen, dtype=torch.float64)
+    want = per_example_sqnorms_by_loop(block, x, grad)
+    block.zero_grad(set_to_none=True)
+    out = block(x)
+    out.backward(grad)
+    plain = {name: p.grad.clone() for name, p in block.named_parameters()}
+    block.zero_grad(set_to_none=True)
+    lc.convert(block)
+    assert type(block.up).__name__ == "PerExampleParallelExperts(GroupedBank)"
+    torch.testing.assert_close(block(x), out.detach())
+    for part in (slice(0, 2), slice(2, examples)):
+        block(x[part]).backward(grad[part])
+    for name, p in block.named_parameters():
+        module, _, attr = name.rpartition(".")
+        total, count = block.get_buffer(f"{module}.{attr}_pe_sqnorm").tolist()
+        assert count == examples, name
+        assert total == pytest.approx(want[name].sum().item(), rel=1e-6), name
+        torch.testing.assert_close(p.grad, plain[name])
+
+
+def test_rows_grouped_by_expert_with_no_gather_behind_them_are_refused_whatever_their_number():
+    """One expert per token gives as many rows as the (N*T, D) tokens; joined by torch.cat from masks, no gather
+    says which example each row serves, so the step is refused naming that, never mapped by their number."""
+    torch.manual_seed(0)
+    block = RegroupedMoE(False, top_k=1, gathered=False).double()
+    monitor = lc.convert(block)
+    block(torch.randn(N, T, D, dtype=torch.float64)).pow(2).sum().backward()
+    with pytest.raises(ValueError, match=r"up.bank: this step is not measured.*shows no gather of the examples' rows"):
+        monitor.step(batch_size=N)
+
+
+class MaskedBank(nn.Module):
+    """A 3-D parameter and a forward of two arguments that computes no grouped products (a mask over experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bank = nn.Parameter(torch.randn(E, D, D))
+
+    def forward(self, x, mask):
+        return torch.einsum("ntd,eod,e->nto", x, self.bank, mask)
+
+
+def test_a_module_shaped_like_a_bank_that_computes_otherwise_is_no_bank():
+    """The bank's probe decides, not its shape: a look-alike is left to the paths it took before (replayed per
+    example), exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.bank = MaskedBank()
+    model.forward = lambda x: model.bank(x, torch.ones(E, dtype=x.dtype))
+    monitor = lc.convert(model.double())
+    assert monitor.explain()["bank"].startswith("probed: replayed per example")

@@ -53,6 +53,28 @@ def llama4_experts():
     return experts
 
 
+def jetmoe_bank():
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeParallelExperts
+
+    bank = JetMoeParallelExperts(num_experts=3, input_size=5, output_size=4)
+    nn.init.normal_(bank.weight, std=0.3)
+    return bank
+
+
+def grouped_rows():
+    """16 rows grouped by expert as JetMoE's router groups them: 4 examples' 2 tokens each (the (8, 5) token rows a
+    forward flattens), each token routed to 2 of 3 experts, gathered by the slots sorted by expert (an expert's rows
+    in no order of their examples: the last token's first); and the size of each expert's group (a list, as JetMoE
+    hands it)."""
+    tokens = torch.randn(8, 5, requires_grad=True)
+    return tokens[GROUPED_SLOTS // 2], torch.bincount(ROUTES.flatten(), minlength=3).tolist()
+
+
+ROUTES = torch.stack([torch.randperm(3, generator=torch.Generator().manual_seed(t))[:2] for t in range(8)])
+GROUPED_SLOTS = (ROUTES.flatten() * 16 - torch.arange(16)).argsort()  # (token, k) slots by expert, then last first
+EXAMPLE_OF_GROUPED_ROW = GROUPED_SLOTS // 2 // 2  # (each example: 2 tokens)
+
+
 def routed():
     x = torch.randn(8, 5)
     index = torch.stack([torch.randperm(3)[:2] for _ in range(8)])
@@ -76,6 +98,7 @@ BUILD = {
     "Experts": (mixtral_experts, routed),  # 8 token rows: 4 examples of 2 (layout below)
     "DbrxExperts": (dbrx_experts, lambda: (routed()[0].view(4, 2, 5), *routed()[1:])),
     "DenseExperts": (llama4_experts, lambda: (torch.randn(3 * 8, 5),)),  # each of 3 experts: 8 token rows
+    "ParallelExperts": (jetmoe_bank, grouped_rows),  # 16 rows grouped by expert, gathered from 4 examples' 8 tokens
 }
 ENTRIES = [(kind.name, name) for kind in layer_kinds.KINDS.values() for name in kind.variants if name != "nn"]
 
@@ -107,10 +130,11 @@ def test_every_registered_variant_is_exact_and_a_drop_in_for_its_kind(kind, name
     assert [(n, p.shape) for n, p in module.named_parameters()] == [
         (n, p.shape) for n, p in reference.named_parameters()
     ]
-    inputs = tuple(x.double() if x.is_floating_point() else x for x in make_input())
+    floating = lambda x: isinstance(x, torch.Tensor) and x.is_floating_point()  # noqa: E731
+    inputs = tuple(x.double() if floating(x) else x for x in make_input())
     want = reference(*inputs)
     with layout_of(4, (2,) if kind.endswith("Experts") else ()):
-        got = module(*(x.to(dtype) if x.is_floating_point() else x for x in inputs))
+        got = module(*(x.to(dtype) if floating(x) else x for x in inputs))
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
     torch.testing.assert_close(got.double(), want, rtol=rel, atol=rel)
     got.pow(2).sum().backward()
@@ -122,9 +146,13 @@ def test_every_registered_variant_is_exact_and_a_drop_in_for_its_kind(kind, name
         return
     assert set(recorded) == {n for n, _ in module.named_parameters()}
     # example i's loss is the part of the summed loss its rows make (token rows of the experts: 2 per example; the
-    # dense experts' rows are each expert's 8 token rows, example after example)
+    # dense experts' rows are each expert's 8 token rows, example after example; the rows grouped by expert, each
+    # its token's example)
     by_example = want.view(3, 4, -1).transpose(0, 1) if kind == "DenseExperts" else want
-    pe_sq, _ = loss_sqnorms_from_batched_forward(reference, by_example.reshape(4, -1).pow(2).sum(dim=1))
+    losses = by_example.reshape(4, -1).pow(2).sum(dim=1)
+    if kind == "ParallelExperts":
+        losses = want.new_zeros(4).index_add(0, EXAMPLE_OF_GROUPED_ROW, want.pow(2).sum(dim=1))
+    pe_sq, _ = loss_sqnorms_from_batched_forward(reference, losses)
     for n, buffer in recorded.items():
         assert buffer[1].item() == 4, n
         assert buffer[0].item() == pytest.approx(4 * pe_sq[n], rel=rel), n  # [sum_i ||g_i||^2, count]

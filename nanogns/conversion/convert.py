@@ -262,6 +262,27 @@ def _called_methods(at):
     return called if called and any(p.requires_grad for p in at.module.parameters()) else None
 
 
+def _followed_calls(at):
+    """The methods its parent calls (_called_methods), where the module's code computes with none of its children's
+    parameters itself, in its forward or in those methods (it calls its children: each is measured on its own), and no
+    weight of it is a parametrisation; else None."""
+    called = _called_methods(at)
+    if not called or replay.reparametrised(at.module) or replay.children_read(at.module, called) != ():
+        return None
+    return called
+
+
+def _follow_calls(at, called):
+    """Its own parameters' uses followed in its forward and in each method its parent calls (intercept.py)."""
+    if not owns_untracked_parameters(at.module):
+        return None
+    kinds = intercept.parameter_kinds(at.module)
+    if all(at.conversion.choice[KINDS.kind(k).config_key] == "nn" for k in kinds.values()):
+        return None
+    adopt(at.module, intercept.followed_class(called), {"kinds": kinds})
+    return None
+
+
 def _replay_with_calls(at, called):
     adopt(at.module, replay.replayed_class(called), {"subtree": True})
     return None
@@ -312,6 +333,16 @@ PATHS = (
         lambda at, _: None,
         "convert() was called again",
         descends=False,
+    ),
+    Path(
+        "followed with its parent's calls",
+        _followed_calls,
+        _follow_calls,
+        lambda called: (
+            f"its parent calls its methods {list(called)}, which run its parameters outside its forward, and its code "
+            "calls its children without computing with their parameters: its own parameters' uses are followed in "
+            "each call (conversion/intercept.py), its children measured each on its own"
+        ),
     ),
     Path(
         "replayed with its parent's calls",

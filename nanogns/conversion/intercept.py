@@ -42,6 +42,8 @@ as for a layer shared across depth; a parameter whose gradient came from
 somewhere else than these calls is an error at the step.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -464,11 +466,14 @@ class InterceptedForward(PerExampleNormLayer):
     """The class a module gets when its own forward is kept (core/registry.py:adopt puts it first in the MRO)."""
 
     def forward(self, *args, **kwargs):
-        forward = super().forward
+        return self.pe_followed(super().forward, args, kwargs)
+
+    def pe_followed(self, plain, args, kwargs):
+        """plain(*args, **kwargs), its forward or another of its methods, with its parameters' uses followed."""
         if not torch.is_grad_enabled() or layout.replaying():
-            return forward(*args, **kwargs)
+            return plain(*args, **kwargs)
         with _ParameterUses(self) as followed:
-            out = forward(*args, **kwargs)
+            out = plain(*args, **kwargs)
         return pytree.tree_map(followed.returned, out)
 
     def pe_adopt(self, options):
@@ -481,6 +486,23 @@ class InterceptedForward(PerExampleNormLayer):
             names = [name for name, _ in child.named_parameters(recurse=False)]
             register_pe_sqnorm_buffers(child, names)
             state_of(child).kinds.update(parameter_kinds(child))
+
+
+@functools.lru_cache(maxsize=None)
+def followed_class(methods):
+    """InterceptedForward with the module's `methods` (names of methods its parent calls besides its forward: JetMoE's
+    mixture of attention heads, map and reduce) run with its parameters' uses followed too."""
+
+    def wrapper(name):
+        def method(self, *args, **kwargs):
+            return self.pe_followed(getattr(super(cls, self), name), args, kwargs)
+
+        method.__name__ = name
+        return method
+
+    cls = type("InterceptedMethods", (InterceptedForward,), {name: wrapper(name) for name in methods})
+    cls.__module__ = __name__
+    return cls
 
 
 def parameter_kinds(module):

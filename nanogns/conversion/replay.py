@@ -348,15 +348,20 @@ def _static_value(node, module):
 _ASKING = {"isinstance", "getattr", "hasattr", "type", "id", "len", "callable"}
 
 
-def children_read(module):
+def children_read(module, methods=()):
     """The names of the children whose parameters the module's code computes with itself (the rules of
-    reads_children_parameters, child by child); None when the code cannot be read."""
+    reads_children_parameters, child by child), in its forward and in `methods` (those its parent calls); None when
+    the code cannot be read."""
     children = {name: child for name, child in module.named_children() if any(True for _ in child.parameters())}
     if not children:
         return ()
-    found = forward_methods(next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns")), True)
-    if found is None:
-        return None
+    cls = next(c for c in type(module).__mro__ if not c.__module__.startswith("nanogns"))
+    found = {}
+    for start in ("forward", *methods):
+        reached = forward_methods(cls, True, start)
+        if reached is None:
+            return None
+        found.update(reached)
     read = set()
     for _, text in found.values():
         try:

@@ -2,15 +2,16 @@
 Where a forward moved or folded its examples off the dim 0 its inputs hold them on, read from how the data was made
 rather than from sizes: the ids' tag through transposes (core/ids.py's examples_dim: XLNet's (T, N) ids), the
 autograd history of data transposed to (T, N, D) (Longformer's attention) or folded by a reshape of (N, ...) data
-(heads, frames, tokens: core/inputs.py's folded_by_history). Each answer is Rows or Items for the running forward
+(heads, frames, tokens: core/inputs.py's folded_by_history) or gathered by an index from the examples' rows
+(tokens regrouped by expert: rows_by_gather). Each answer is Rows or Items for the running forward
 (core/layout.py's Pass), or None; where sizes could mean either layout and nothing tells which, the reason to refuse.
 """
 
 import torch
 
 from nanogns.core.ids import ExampleIds
-from nanogns.core.inputs import dim_by_history, folded_by_history
-from nanogns.core.layout import current_pass
+from nanogns.core.inputs import _FOLD_KEEPS, dim_by_history, folded_by_history, folded_by_node
+from nanogns.core.layout import current_pass, rows_for
 from nanogns.core.rowmaps import Items, Rows, Tower, ragged
 
 
@@ -161,3 +162,94 @@ def items_of_data(t):
     """(Items, dim) of the examples' data t: where sizes put them (items_held), else where a reshape folded them
     (items_by_history); None when neither says."""
     return items_held(t.shape) or items_by_history(t)
+
+
+# autograd nodes whose output's row r is computed from their (first) input's row r alone, dim 0 kept: elementwise
+# ops and activations, and the kinds' row-wise layers (a Linear's, an expert bank's: kinds/grouped.py); a split or
+# slice keeps them too when it cuts a later dim (rows_by_gather)
+_ROWWISE = _FOLD_KEEPS + ("GroupedLinearFunction", "Relu", "LeakyRelu", "Elu", "Mish", "Softplus", "Hardswish")
+_GATHERS = ("IndexBackward0", "IndexSelectBackward0")
+
+
+def rows_by_gather(x):
+    """Rows 'ragged' of x (R, D) whose rows its autograd history gathered by an index from the rows of the examples'
+    data (x = source[index] or source.index_select(0, index), source (S, D) rows the layout maps: tokens regrouped by
+    expert), followed back through ops that keep each row a row (_ROWWISE: an activation, act(h1) * h2, a split or
+    slice of the features, an expert bank's own function): row s is the source's row index[s], of that row's
+    example. None where the history shows no such gather (whatever x's sizes); a str saying why where it does but the
+    source's rows cannot be mapped to examples."""
+    found = current_pass()
+    if found is None or found.layout is None or not isinstance(x, torch.Tensor) or x.dim() != 2:
+        return None
+    gather = _gather_behind(x.grad_fn, x.shape[0])
+    return None if gather is None else _gathered_rows(gather, x.shape[0])
+
+
+def _gather_behind(node, R):
+    """The gather node (of an index of R rows) that made the rows of autograd node `node`'s output, R of them,
+    followed back through _ROWWISE ops; else None."""
+    for _ in range(64):  # (as deep as folded_by_history looks)
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name in _GATHERS:
+            return node if _gather_index(node, R) is not None else None
+        if name in ("SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"):
+            if _signed(node._saved_dim) % len(node._saved_self_sym_sizes) == 0:  # (a split of the rows themselves)
+                return None
+        elif name.rstrip("0123456789").removesuffix("Backward") not in _ROWWISE:
+            return None
+        # the input whose rows are the output's: the first with R rows (a row's weight (R, 1) or the features (R, D))
+        node = next((f for f, _ in node.next_functions if f is not None and _rows_of_node(f) == R), None)
+    return None
+
+
+def _gather_index(node, R):
+    """(index (R,), the source's shape (S, D)) of a gather node taking R rows of a source of rows by an index;
+    None for other gathers (of another dim, by a mask, of a source other than rows)."""
+    if type(node).__name__ == "IndexBackward0":
+        indices = node._saved_indices
+        index = indices[0] if indices and all(i is None for i in indices[1:]) else None
+    else:
+        index = node._saved_index if _signed(node._saved_dim) == 0 else None
+    source = tuple(node._saved_self_sym_sizes)
+    if index is None or index.dim() != 1 or index.numel() != R or len(source) != 2:
+        return None
+    if index.is_floating_point() or index.dtype == torch.bool:  # (a mask: its rows' positions are not saved)
+        return None
+    return index, source
+
+
+def _gathered_rows(node, R, depth=0):
+    """rows_by_gather's answer at gather node `node` of R rows: its source's rows, mapped as those of a gather behind
+    them (rows regrouped twice), else as the layout maps rows of the source's shape, else as a reshape of (N, ...) data
+    folded them; each row of the gather its source row's example."""
+    index, source = _gather_index(node, R)
+    behind = _gather_behind(node.next_functions[0][0], source[0]) if depth < 8 else None
+    rows = _gathered_rows(behind, source[0], depth + 1) if behind is not None else rows_for(source)
+    if isinstance(rows, str) and behind is None:  # (N*k, D) rows a reshape of (N, ...) data folded (top-k slots)
+        found = current_pass()
+        N = found.layout.examples
+        moved = found.examples_moved or found.layout.packed is not None or found.scopes
+        folded = None if moved else folded_by_node(node.next_functions[0][0], source, N)
+        rows = Rows("dim0", N) if folded is not None and folded[0] == 0 else rows
+    if isinstance(rows, str) or rows.kind == "shared":
+        why = rows if isinstance(rows, str) else "they are one row for every example, not the examples' own"
+        return (
+            f"its {R} input rows were gathered by an index from {source[0]} rows of shape {source}, whose examples "
+            f"cannot be told ({why})"
+        )
+    example_of_source = rows.example_ids(source[0], index.device)
+    return ragged(example_of_source.index_select(0, index.long()), rows.examples)
+
+
+def _rows_of_node(node):
+    """dim 0 of autograd node `node`'s output (its first), or None where torch does not say."""
+    metadata = getattr(node, "_input_metadata", None)
+    shape = tuple(metadata[0].shape) if metadata else ()
+    return shape[0] if shape else None
+
+
+def _signed(dim):
+    """A dim autograd saved as an unsigned integer (-1 comes back as 2**64 - 1) as Python's signed int."""
+    return dim - 2**64 if dim >= 2**63 else dim

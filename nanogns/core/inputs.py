@@ -139,12 +139,20 @@ def folded_by_history(t, count):
     t's autograd history says (followed back through transposes and ops that keep the dims: bmm, softmax,
     elementwise ops), whatever the sizes; else None. (A view keeps the elements' order: each example's elements stay
     together, and rows do not straddle two examples when the folded dim is a multiple of them.)"""
-    node, ndim = t.grad_fn, t.dim()
-    if node is None or not count or ndim == 0:
+    if t.grad_fn is None or not count or t.dim() == 0:
         return None
     given = getattr(t, FOLDED_ROWS, None)  # a replayed module's output (replay.py: its history ends at its boundary)
     if given is not None:
         return (0, given[1]) if given[0] == count else None
+    return folded_by_node(t.grad_fn, tuple(t.shape), count)
+
+
+def folded_by_node(node, shape, count):
+    """folded_by_history of the output of autograd node `node`, of `shape`: for a tensor known by the node that made
+    it alone (the source a gather took its rows from: core/history.py's rows_by_gather)."""
+    ndim = len(shape)
+    if node is None or not count or ndim == 0:
+        return None
     to_t = list(range(ndim))  # to_t[j]: the dim of t that dim j of the node's output becomes (None: none)
     for _ in range(64):  # (as deep as _traced_example_dim looks)
         name = type(node).__name__
@@ -155,7 +163,7 @@ def folded_by_history(t, count):
                 return None
             for j, (ins, first, _) in enumerate(groups):  # the view makes dim j (with others) from input dims ins
                 if to_t[j] is not None and ins and first and before[ins[0]] == count and after[j] % count == 0:
-                    found = _folded_at(node, ins[0], to_t[j], t, count)  # (N, k, ...) folded into one dim
+                    found = _folded_at(node, ins[0], to_t[j], shape, count)  # (N, k, ...) folded into one dim
                     if found is not None:  # (else a dim of the examples' size, not theirs: further back)
                         return found
             inner = [None] * len(before)
@@ -193,16 +201,17 @@ def folded_by_history(t, count):
     return None
 
 
-def _folded_at(view, i, dim, t, count):
-    """folded_by_history's answer at `view`, whose input holds `count` on dim i, folded into dim `dim` of t: (dim,
-    k) when its input's history holds the examples on that dim (or copies one row per example), else None."""
-    if t.shape[dim] % count:
+def _folded_at(view, i, dim, shape, count):
+    """folded_by_history's answer at `view`, whose input holds `count` on dim i, folded into dim `dim` of a tensor of
+    `shape`: (dim, k) when its input's history holds the examples on that dim (or copies one row per example), else
+    None."""
+    if shape[dim] % count:
         return None
     source = view.next_functions[0][0]
     before = tuple(view._saved_self_sym_sizes)
     if not (i == 0 and _copies_per_example(source, count)) and _traced_example_dim(source, len(before), 0) != i:
         return None
-    return dim, t.shape[dim] // count
+    return dim, shape[dim] // count
 
 
 def _output_shape(node):

@@ -24,6 +24,7 @@ from nanogns.kinds import (
     experts,
     experts_dbrx,
     experts_dense,
+    experts_parallel,
     groupnorm,
     layernorm,
     linear,
@@ -44,6 +45,7 @@ KINDS = Registry(
     experts.KIND,
     experts_dbrx.KIND,
     experts_dense.KIND,
+    experts_parallel.KIND,
 )
 
 

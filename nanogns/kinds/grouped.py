@@ -76,14 +76,20 @@ class Segments:
     segment (long), and `buckets`, segments of similar lengths padded together: [(source (count * longest,),
     padding (P,), count, longest)], slot j of the bucket's rows holding row source[j], or zeros for the slots in
     `padding` (segments sorted by length, a bucket closed when the next is shorter than BUCKET_RATIO of its
-    longest, so padding at most about doubles a Gram)."""
+    longest, so padding at most about doubles a Gram).
 
-    def __init__(self, keys):
+    keys: (S,) the rows' keys (expert * examples + example), sorted; order: (S,) the row each sorted key is, for rows
+    not in that order (a bank given its rows grouped by expert but not by example inside each expert's: the row
+    of sorted position j is order[j]), or None when the rows are in the keys' order."""
+
+    def __init__(self, keys, order=None):
         rows = keys.numel()
         device = keys.device
         changes = torch.ones(rows, dtype=torch.bool, device=device)
         changes[1:] = keys[1:] != keys[:-1]
         self.segment = torch.cumsum(changes, 0) - 1
+        if order is not None:  # each row's segment, in the rows' own order
+            self.segment = torch.empty_like(self.segment).index_copy_(0, order, self.segment)
         starts = torch.nonzero(changes).squeeze(1).tolist()
         self.count = len(starts)
         sizes = [end - start for start, end in zip(starts, starts[1:] + [rows])]
@@ -99,6 +105,8 @@ class Segments:
             offset = torch.arange(longest, device=device).repeat(len(members))
             beyond = offset >= length  # the padding slots: any row (0) copied, then zeroed
             source = (first + offset).masked_fill_(beyond, 0)
+            if order is not None:
+                source = order.index_select(0, source)
             self.buckets.append((source, torch.nonzero(beyond).squeeze(1), len(members), longest))
 
     def padded(self, t, dtype):
