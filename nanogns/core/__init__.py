@@ -5,10 +5,12 @@ lists the route as calls):
     registry.py      LayerKind: what the project knows about a kind (the list of kinds is nanogns/kinds/__init__.py)
     rowmaps.py       the values: Rows (which example each row of a layer's input is), Items, Tower, Layout
     inputs.py        a forward's Layout read from what the model was called with; example_dim
-    ids.py           ExampleIds, the tag that follows the examples' ids through the model's ops
+    ids.py           ExampleIds, the tag that follows the examples' ids through the model's ops; MadeIds, the one
+                     on ids made from no example's data in a forward given no ids
     layout.py        install(model), whose hooks start a Pass at each forward; the Pass running now, and what layers
                      ask of it (rows_for, note_uses, note_refusal, ...)
-    scopes.py        the scopes inside a forward: windows, sequence-first modules, vision towers
+    scopes.py        the scopes inside a forward: windows, sequence-first modules, vision towers, the windows in
+                     which made ids are tagged
     mapper.py        RowMapper: a model's refusals and its last Pass, read by the monitor
     module_state.py  what the package keeps on a user's module (state_of), besides its buffers
     buffers.py       the `<param>_pe_sqnorm` buffers ([sum of per-example squared norms, count]) and the mixin

@@ -1,5 +1,6 @@
 """
-The tag that follows the examples' ids: ExampleIds, a torch.Tensor subclass.
+The tags on a forward's ids: ExampleIds follows the examples' ids, MadeIds the tensors the forward made from none of
+its examples' data.
 
 The root forward's pre-hook (core/layout.py's install) tags the integer tensors among the model's arguments (`tagged_inputs`);
 every op on a tagged tensor returns its integer and boolean results tagged too, so that the ids the model computes
@@ -7,9 +8,20 @@ from its example inputs (views, shifted or masked ids, token types) stay known a
 sizes, and ids made otherwise (positions from torch.arange, relative-position buckets, a buffer) stay plain: an
 Embedding looking up plain ids looks up a table the examples share (core/shared.py, core/layout.py's
 looks_up_a_table). Under torch.compile nothing is tagged (a traced forward keeps no Python tags).
+
+A forward whose arguments hold no integer tensor (audio features, latents, pixels) has nothing to tag, and there an
+untagged id tells nothing: an int tensor can be made from the examples' data (an argmax, a quantizer's codes). What
+is known instead is how some ids were made: by a constructor that takes no tensor (torch.arange, torch.full, ...),
+then by ops on such tensors and numbers alone (wav2vec2-BERT's relative distances `arange(T)[None] - arange(T)[:,
+None]`, clamped). Those hold no example's data, whatever their sizes: MadeIds tags them, and an Embedding looking
+them up looks up a table the examples share. The constructors are seen by a TorchFunctionMode (MadeHere), which sees
+every op while it is on; it is on only in such forwards, in windows (`open_window`): from the start of the forward of
+a module that calls an Embedding (core/scopes.py's made_ids_callers, the root's in core/layout.py's install) to that
+module's first lookup (core/layout.py's looks_up_a_table) or the end of its forward, whichever comes first.
 """
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from nanogns.core import trees
 
@@ -50,6 +62,117 @@ class ExampleIds(torch.Tensor):
             out._examples_dim = moved
             ExampleIds._moved_any = True
         return out
+
+
+class MadeIds(torch.Tensor):
+    """Tensors the forward made from none of its examples' data (see the module docstring): the result of a
+    constructor that takes no tensor (MadeHere tags it), and every op's result whose tensor arguments are all
+    MadeIds (__torch_function__); an op taking any other tensor gives a plain result. A write into one from
+    anything else (an in-place op, a view written into) moves its version counter, shared by its views, past the
+    one it was tagged at: it is then no longer taken as made (`is_made`)."""
+
+    _made_version = -1  # the tensor's version counter when it was tagged
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if len(types) != 1 or next(iter(types)) is not MadeIds:  # another tag among the arguments
+            if any(t is ExampleIds or getattr(t, "pe_shared", False) for t in types):
+                return NotImplemented  # the examples' ids or a table (core/shared.py): their tags follow the op
+            return func(*trees.map_leaves(_unmade, args), **trees.map_leaves(_unmade, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            made = all(_made_tensor(t) for t in trees.leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+            out = func(*args, **kwargs)
+            return trees.map_leaves(_stamp, out) if made else out
+
+
+def _made_tensor(t):
+    return type(t) is MadeIds and t._version == t._made_version
+
+
+def _stamp(t):
+    """t (a result of MadeIds alone) tagged at its current version; called with torch functions disabled."""
+    if type(t) is torch.Tensor:
+        t = t.as_subclass(MadeIds)
+    if type(t) is MadeIds:
+        t._made_version = t._version
+    return t
+
+
+def _unmade(t):
+    return t.as_subclass(torch.Tensor) if type(t) is MadeIds else t
+
+
+def is_made(ids):
+    """True for ids made in the forward from none of its examples' data (MadeIds, not written into since)."""
+    if type(ids) is not MadeIds:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return ids._version == ids._made_version
+
+
+# constructors whose result holds nothing but their numbers (and a tensor argument's dtype, device or shape: the
+# *_like and new_* ones); torch.empty's memory is what it was, torch.tensor's lists may hold the examples' values
+_CONSTRUCTORS = frozenset(
+    {
+        torch.arange,
+        torch.range,
+        torch.zeros,
+        torch.ones,
+        torch.full,
+        torch.eye,
+        torch.linspace,
+        torch.logspace,
+        torch.tril_indices,
+        torch.triu_indices,
+    }
+)
+_FROM_A_TENSOR_S_SHAPE = frozenset(
+    {
+        torch.zeros_like,
+        torch.ones_like,
+        torch.full_like,
+        torch.Tensor.new_zeros,
+        torch.Tensor.new_ones,
+        torch.Tensor.new_full,
+    }
+)
+
+
+class MadeHere(TorchFunctionMode):
+    """While on: the result of a constructor given no tensor (but the one whose shape a *_like or new_* takes) is
+    MadeIds. Not under a torch.func transform (vmap of a mask builder)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _CONSTRUCTORS or func in _FROM_A_TENSOR_S_SHAPE:
+            given = trees.leaves((args[1:], kwargs) if func in _FROM_A_TENSOR_S_SHAPE else (args, kwargs))
+            if type(out) is torch.Tensor and not any(isinstance(t, torch.Tensor) for t in given):
+                if not torch._C._are_functorch_transforms_active():
+                    with torch._C.DisableTorchFunctionSubclass():
+                        return _stamp(out)
+        return out
+
+
+def open_window():
+    """Turn a MadeHere on (pushed on torch's stack of function modes); returns it."""
+    mode = MadeHere()
+    torch._C._push_on_torch_function_stack(mode)
+    return mode
+
+
+def close_window(mode):
+    """Turn `mode` off: taken from torch's stack of function modes, wherever it is in it (the modes pushed after it
+    and still on are put back as they were)."""
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for top in reversed(above):
+        torch._C._push_on_torch_function_stack(top)
 
 
 def _moved_source(args):
@@ -134,7 +257,7 @@ def _dim_after(func, args, kwargs, at, before, after):
 def _written_into(target):
     """A plain integer tensor into which the examples' ids were written (`shifted = ids.new_zeros(ids.shape);
     shifted[:, 1:] = ids[:, :-1]`: T5's, BART's and MVP's decoder inputs) holds the examples' ids: tagged in place."""
-    if type(target) is torch.Tensor and not (target.is_floating_point() or target.is_complex()):
+    if type(target) in (torch.Tensor, MadeIds) and not (target.is_floating_point() or target.is_complex()):
         target.__class__ = ExampleIds
 
 

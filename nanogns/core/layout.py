@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from nanogns.core import scopes
-from nanogns.core.ids import ExampleIds, tagged_inputs
+from nanogns.core.ids import ExampleIds, MadeIds, is_made, tagged_inputs
 from nanogns.core.inputs import grouped, layout_of_inputs  # noqa: F401 (grouped: documented here)
 from nanogns.core.mapper import RowMapper
 from nanogns.core.module_state import state_of
@@ -65,6 +65,8 @@ class Pass:
         self.examples_moved = False  # its ids or data were seen with their examples moved off dim 0 (a transpose)
         self.ids_moved = False  # its ids were (an autograd history then starts at data whose examples are not dim 0)
         self.sequence_first_ran = False  # a sequence-first module (batch_first=False) ran in it (core/scopes.py)
+        self.windows = []  # [[module, its MadeHere or None once closed], ...] open now, innermost last (core/ids.py)
+        self.root_data = ()  # weak references to the root's floating-point arguments, in a forward with no ids
         if counting:
             for shared in mapper.shared:
                 for address in shared.addresses():
@@ -119,7 +121,9 @@ def install(
         tagged = None
         if found is not None and mapper.tags_ids and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             tagged = tagged_inputs(args, kwargs)  # the examples' ids, tagged for the forward's layers
-        enter(found, mapper, tagged is not None, tagged[1] if tagged is not None else kwargs)
+        this = enter(found, mapper, tagged is not None, tagged[1] if tagged is not None else kwargs)
+        if tagged is None and _opens_window(this):  # no ids to tag: those made from no example's data are (ids.py)
+            scopes.start_made_ids(this, model, mapper, (args, kwargs), current_pass, _opens_window)
         return tagged
 
     mapper.handles += (
@@ -186,7 +190,22 @@ def enter(layout, mapper, tagged, inputs):
 
 def leave(module, args, kwargs, output):
     """The root forward's hook (install): its Pass is no longer the one running (it may stay the last)."""
-    PASSES.active.pop()
+    this = PASSES.active.pop()
+    if this.windows:  # (the root's own, and any a module's exception left open)
+        scopes.close_windows(this.windows)
+
+
+def _opens_window(found):
+    """True when a module calling an Embedding opens a window (core/ids.py's MadeHere) in the forward of Pass `found`:
+    one that tagged no ids and has a Layout, with gradients, eagerly (a traced forward keeps no tags), not in a
+    module's replay (whose layers compute plainly)."""
+    return (
+        not found.tagged
+        and found.layout is not None
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and PASSES.replays == 0
+    )
 
 
 @contextlib.contextmanager
@@ -304,10 +323,17 @@ def items_of(dim0):
 def looks_up_a_table(ids):
     """True when an Embedding looking up `ids` in the running forward looks up a table the examples share: ids the
     forward did not compute from its example inputs (untagged: positions from torch.arange, relative-position
-    buckets, a buffer's ids), whatever their sizes. Where no forward tags its ids (a bare layer, a user's
-    layout_of, torch.compile), False: rows_for decides ((1, ...) ids are a table)."""
+    buckets, a buffer's ids), whatever their sizes; in a forward with no ids to tag, those it made from no example's
+    data (core/ids.py's MadeIds). Where no forward tags its ids (a bare layer, a user's layout_of, torch.compile),
+    and for other ids there, False: rows_for decides ((1, ...) ids are a table)."""
     found = current_pass()
-    return found is not None and found.tagged and found.layout is not None and not isinstance(ids, ExampleIds)
+    if found is None or found.layout is None:
+        return False
+    if found.windows:  # the caller's ids are made: the innermost window still open closes (core/scopes.py)
+        scopes.close_innermost(found.windows)
+    if found.tagged:
+        return not isinstance(ids, ExampleIds)
+    return type(ids) is MadeIds and is_made(ids)
 
 
 def untold_ids(shape):

@@ -39,6 +39,7 @@ class RowMapper:
         self.step_started = False  # a forward with gradients ran since the monitor's last read
         self.later_forwards_watched = False  # the watchers are told of this step's later forwards too (later_forward)
         self.tags_ids = True  # the root's ids are tagged (core/ids.py); False: none are, as under torch.compile
+        self.made_ids_callers = None  # the modules calling an Embedding (core/scopes.py), at a forward with no ids
 
     def note_refusal(self, reason, buffers):
         for buffer in buffers:

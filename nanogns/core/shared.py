@@ -53,7 +53,9 @@ import torch.nn.functional as F
 
 from nanogns.core import history, layout, trees
 from nanogns.core.einsum import einsum_with_copies, per_example_conv1d, same_items
+from nanogns.core.ids import MadeIds, is_made
 from nanogns.core.pullback import DRAWING, DROPOUTS, ExampleCopies, Recipe, SlicedTable, random_state_at
+from nanogns.core.scopes import is_root_data
 
 _MATMUL = {torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.Tensor.matmul, torch.matmul}
 # ops where a table meets the examples' data, broadcast over them: arithmetic (x + t, t - x, x *= t...), where,
@@ -264,13 +266,14 @@ def _without_gradients(func, args, kwargs, flat, sources):
 
 def _items(t):
     """The Items of t when it is the examples' data (its dim 0 holds the forward's examples, or their choices,
-    windows, images...; with one example, a tensor carrying gradients), else None."""
-    if t.dim() == 0:
+    windows, images...; with one example, a tensor carrying gradients or the root's input), else None. Ids the
+    forward made from no example's data (core/ids.py's MadeIds) are none."""
+    if t.dim() == 0 or (type(t) is MadeIds and is_made(t)):
         return None
     items = layout.items_of(t.shape[0])
     if items is None and t.requires_grad and not isinstance(t, nn.Parameter):
         return history.items_folded_on_dim0(t)  # (N*H, ...): heads folded into the batch by a reshape of (N, ...)
-    if items is None or (items.count == 1 and not (t.requires_grad and not isinstance(t, nn.Parameter))):
+    if items is None or (items.count == 1 and not _carries_gradient(t) and not is_root_data(layout.current_pass(), t)):
         return None
     return items
 
@@ -383,11 +386,9 @@ def copies_for(t, items):
 
 
 def _note_uses(sources):
-    """Each meeting is a use of every parameter the table was computed from (core/uses.py)."""
-    current = layout.current_pass()
-    buffers = [b for _, b in sources.values() if b is not None]
-    if current is not None:
-        current.note_uses(buffers)
+    """Each meeting is a use of every parameter the table was computed from (core/uses.py); one in a recompute by
+    activation checkpointing is none (layout.note_uses)."""
+    layout.note_uses([b for _, b in sources.values() if b is not None])
 
 
 def _copies(s, items, shape, sources):
