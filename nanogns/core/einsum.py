@@ -3,12 +3,12 @@ torch.einsum and F.conv1d where a shared operand (a table the examples share, co
 parameter, conversion/intercept.py) meets the examples' data: each item of the examples gets its own copy of the
 shared operand (in einsum under a new subscript, the one under which the data holds the items; in a convolution as
 one group per example), so that each item's output depends on its copy alone and backward gives each copy its
-item's gradient.
+item's gradient; in a join along another dim than 0 (and a batched matmul) each item gets its slice of it.
 """
 
 import torch
 
-from nanogns.core import layout
+from nanogns.core import layout, trees
 from nanogns.core.rowmaps import Items
 
 
@@ -72,6 +72,34 @@ def einsum_with_copies(args, kwargs, copied, items_of, copy, slices=None):
 
     given = [give(s, t) for s, t in zip(subscripts, operands)]
     return (",".join(s for s, _ in given) + "->" + output, *[t for _, t in given])
+
+
+# ops that keep dim 0 of their operands as their output's dim 0 (operands of equal dim 0): where the examples' data
+# holds the items on dim 0, a shared operand of as many rows gives item i its slice i
+ALONG_EXAMPLES = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.bmm, torch.Tensor.bmm, torch.baddbmm}
+_JOINS = (torch.cat, torch.concat, torch.concatenate, torch.stack)
+
+
+def along_examples(func, args, kwargs, data, shared_type, sliced):
+    """The arguments of cat / stack along a dim other than 0, bmm, baddbmm of shared operands (of `shared_type`) with
+    the examples' data (`data`: [(tensor, its Items)], dim 0 holding the items): dim 0 of the output is the operands'
+    dim 0, so item i's output holds only slice i of each shared operand, which is given as `sliced(t, items)` (dim 0
+    of the items' count, as the op requires). None when the op joins along dim 0 (the output's rows are no longer
+    the items) or the operands' dim 0 differ."""
+    items = data[0][1]
+    if not all(same_items(found, items) for _, found in data):
+        return None
+    operands = list(args[0]) if func in _JOINS else list(args)
+    if func in _JOINS:
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        rank = operands[0].dim() + (1 if func is torch.stack else 0)
+        if not isinstance(dim, int) or dim % max(rank, 1) == 0:
+            return None
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+    if any(t.dim() == 0 or t.shape[0] != items.count for t in tensors):
+        return None
+    given = lambda t: sliced(t, items) if isinstance(t, shared_type) else t  # noqa: E731
+    return trees.map_leaves(given, (args, kwargs))
 
 
 def per_example_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, copies):

@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanogns.core import history, layout, trees
-from nanogns.core.einsum import einsum_with_copies, per_example_conv1d, same_items
+from nanogns.core.einsum import ALONG_EXAMPLES, along_examples, einsum_with_copies, per_example_conv1d
 from nanogns.core.ids import MadeIds, is_made
 from nanogns.core.pullback import DRAWING, DROPOUTS, ExampleCopies, Recipe, SlicedTable, random_state_at
 from nanogns.core.scopes import is_root_data
@@ -196,10 +196,10 @@ def _follow(func, args, kwargs):
             if found is not None:
                 return found
         carried = [(t, items) for t, items in data if _carries_gradient(t)]  # (a constant's size proves nothing)
-        if func in _ALONG_EXAMPLES and carried:
-            found = _along_examples(func, args, kwargs, carried, sources)
+        if func in ALONG_EXAMPLES and carried:  # each item given its slice of each table
+            found = along_examples(func, args, kwargs, carried, SharedRows, lambda t, i: _sliced(t, i, sources))
             if found is not None:
-                return found
+                return _run(func, *found)
         return _refused(func, args, kwargs, sources, "meets the examples' data there")
     data = [t for t in others if t.requires_grad and not isinstance(t, nn.Parameter)]
     if data and (func is torch.functional.einsum or func is torch.einsum):  # (data holding its examples on dim 1)
@@ -320,36 +320,6 @@ def _at_meeting(func, args, kwargs, items, rank, sources):
         if aligned == 0:
             return t.as_subclass(torch.Tensor)  # torch's own error: it does not broadcast
         return _copies(t, items, (count,) + (1,) * (-aligned - 1) + tuple(t.shape), sources)
-
-    args, kwargs = trees.map_leaves(given, (args, kwargs))
-    return _run(func, args, kwargs)
-
-
-# ops that keep dim 0 of their operands as their output's dim 0 (operands of equal dim 0): where the examples' data
-# holds the items on dim 0, a table of as many rows gives item i its slice i
-_ALONG_EXAMPLES = {torch.cat, torch.concat, torch.concatenate, torch.stack, torch.bmm, torch.Tensor.bmm, torch.baddbmm}
-
-
-def _along_examples(func, args, kwargs, data, sources):
-    """cat / stack along a dim other than 0, bmm, baddbmm of tables with the examples' data, whose dim 0 holds the
-    items: dim 0 of the output is the operands' dim 0, so item i's output holds only slice i of each table, and
-    each table (dim 0 of the items' count, as the op requires) is given to the items slice by slice. None when the
-    op concatenates along dim 0 (the output's rows are no longer the items) or the operands' dim 0 differ."""
-    items = data[0][1]
-    if not all(same_items(found, items) for _, found in data):
-        return None
-    operands = list(args[0]) if func in (torch.cat, torch.concat, torch.concatenate, torch.stack) else list(args)
-    if func in (torch.cat, torch.concat, torch.concatenate, torch.stack):
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-        rank = operands[0].dim() + (1 if func is torch.stack else 0)
-        if not isinstance(dim, int) or dim % max(rank, 1) == 0:
-            return None
-    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
-    if any(t.dim() == 0 or t.shape[0] != items.count for t in tensors):
-        return None
-
-    def given(t):
-        return _sliced(t, items, sources) if isinstance(t, SharedRows) else t
 
     args, kwargs = trees.map_leaves(given, (args, kwargs))
     return _run(func, args, kwargs)
