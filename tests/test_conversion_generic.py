@@ -434,6 +434,42 @@ def test_a_replayed_module_given_ids_no_example_made_computes_a_table_exact():
     check_exact(model, monitor, want, got)
 
 
+class _NormsItsRow(nn.Module):
+    """A module given a row the forward built from no example ((1, T, D) sinusoidal positions), which it normalises
+    with its own weight; two inputs, so no probe can check its forward: replayed."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, pos, other=None):
+        return F.layer_norm(pos, (6,), self.w, None) if other is None else pos
+
+
+class _AddsANormedRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.pos, self.head = nn.Embedding(V, 6), _NormsItsRow(), nn.Linear(6, V)
+
+    def forward(self, ids):
+        steps = torch.arange(ids.shape[1], dtype=torch.float64)[None, :, None]
+        return self.head(self.wte(ids) + self.pos(torch.sin(steps * torch.arange(1, 7, dtype=torch.float64))))
+
+
+def test_a_replayed_module_given_a_built_row_whose_length_is_the_batch_never_takes_it_for_the_examples():
+    """(1, T, D) positions with T == N: the only dim of the examples' size is not dim 0, and no op made the row from
+    the examples' data, so it holds none (it was replayed one position at a time, as if each were an example: a wrong
+    number). The step is refused, as at any other T."""
+    torch.manual_seed(0)
+    model = _AddsANormedRow().double()
+    ids = torch.randint(0, V, (5, 4), generator=torch.Generator().manual_seed(1))
+    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
+    monitor = lc.convert(model)
+    assert isinstance(model.pos, ReplayedForward)
+    with pytest.raises(ValueError, match=r"pos\.w: this step is not measured.*none of its inputs has the forward's 4"):
+        measured(monitor, model, loss_of, [slice(0, 1), slice(1, 5)], 5)
+
+
 class _ReadsItsConv(nn.Module):
     """Reads its children's weights itself, as Mamba's mixer does: a depthwise causal convolution of
     conv.weight.squeeze(1) (F.conv1d of a table computed from the child's weight), proj.weight @ x, and a child it

@@ -106,8 +106,12 @@ def example_dim(t, count):
     """The dim of t that holds `count` examples: the only dim of that size; where several have it (Gemma 3n stacks its
     (N, T, D) states into (K, N, T, D), and K may equal N), the one t's autograd history puts the examples on
     (torch.stack, unsqueeze, repeat, expand, permute, transpose, select followed back to data with the examples on
-    dim 0). None when no dim has that size; a str saying why when the history does not tell."""
+    dim 0). None when no dim has that size, or when t has no history and only other dims than 0 have it; a str
+    saying why when the history does not tell."""
     dims = [d for d, n in enumerate(t.shape) if n == count]
+    if dims and dims[0] != 0 and t.grad_fn is None and t._base is None:
+        return None  # a tensor no op made from another (a root input, a constant the forward built, (1, T, D)
+        # positions with T == N) holds examples on dim 0 if anywhere: data arrives with them there
     if len(dims) <= 1:
         return dims[0] if dims else None
     found = _traced_example_dim(t.grad_fn, t.dim(), 0)
