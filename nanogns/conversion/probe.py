@@ -31,7 +31,6 @@ refuses a bfloat16 input with float32 weights, and so does the candidate). A
 module whose forward fails in float64 is probed in its own dtype only.
 """
 
-import collections
 import copy
 import inspect
 import math
@@ -44,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from nanogns.conversion import intercept
 from nanogns.core import layout, shared
-from nanogns.core.registry import adopt
+from nanogns.core.registry import adopt, adopted_twin
 from nanogns.errors import NotSupported
 from nanogns.kinds import KINDS
 
@@ -460,16 +459,12 @@ def intercept_problem(module, container=False):
         )
     except Exception as e:
         return None if checked_at_each_step else f"its forward fails on a probe input ({type(e).__name__}: {e})"
-    twin = copy.copy(module)  # the module's attributes, buffers and children; its own parameters replaced below
-    twin.__dict__.update(
-        _parameters={name: nn.Parameter(v.clone()) for name, v in values.items()},
-        _buffers=dict(module._buffers),
-        _forward_hooks={},
-        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
-        _backward_hooks={},
-        _backward_pre_hooks={},
+    twin = adopted_twin(
+        module,
+        intercept.InterceptedForward,
+        {"kinds": {}},
+        {name: nn.Parameter(v.clone()) for name, v in values.items()},
     )
-    adopt(twin, intercept.InterceptedForward, {"kinds": {}})
     tables = []  # outputs that are tables the examples share (shared.py): their uses count where they meet them
 
     def forward(p, inp):

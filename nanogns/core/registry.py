@@ -17,6 +17,8 @@ the layers never imports transformers.
 adopt(module, variant class, options) turns a module of another class into a kind's layer in place.
 """
 
+import collections
+import copy
 import functools
 import importlib
 import sys
@@ -191,6 +193,22 @@ def adopted_class(variant_cls, original_cls, roles=()):
 def own_class_name(module):
     """The name of the class a module had before it was adopted ("BatchNorm2d", not "PerExampleBatchNorm(...)")."""
     return getattr(type(module), "pe_original_class", type(module)).__name__
+
+
+def adopted_twin(module, variant_cls, options, parameters=None):
+    """A shallow copy of `module` (its attributes, buffers and children; `parameters` for its own, else the same
+    ones) with none of its hooks, adopted as `variant_cls`: a probe runs it beside the module to compare them, and
+    nothing the original registers fires."""
+    twin = copy.copy(module)
+    twin.__dict__.update(
+        _parameters=dict(module._parameters) if parameters is None else parameters,
+        _buffers=dict(module._buffers),
+        _forward_hooks={},
+        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
+        _backward_hooks={},
+        _backward_pre_hooks={},
+    )
+    return adopt(twin, variant_cls, options)
 
 
 def adopt(module, variant_cls, options):

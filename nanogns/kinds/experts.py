@@ -29,7 +29,6 @@ norms by the Gram trick (kinds/grouped.py), after a probe in float64 shows it
 computes what the module computes (outputs and every gradient).
 """
 
-import collections
 import math
 
 import torch
@@ -38,7 +37,7 @@ import torch.nn as nn
 from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, count_examples_in_backward, refuse_step
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, adopt
+from nanogns.core.registry import LayerKind, adopted_twin
 from nanogns.kinds import grouped
 
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
@@ -112,7 +111,6 @@ PROBE_DTYPES = ((torch.float64, 1e-9), (torch.float32, 1e-4))  # (dtype, max rel
 
 def _probe(module, variant_cls, dtype, tolerance):
     """verify's probe in one dtype."""
-    import copy
 
     gen = torch.Generator().manual_seed(0)
     params = dict(module.named_parameters(recurse=False))
@@ -146,16 +144,7 @@ def _probe(module, variant_cls, dtype, tolerance):
         want = run(lambda p, x: torch.func.functional_call(module, p, (x, top_k_index, top_k_weights)), values)
     except Exception as e:
         return f"its forward fails on a {where} ({type(e).__name__}: {e})"
-    twin = copy.copy(module)
-    twin.__dict__.update(
-        _parameters=dict(module._parameters),
-        _buffers=dict(module._buffers),
-        _forward_hooks={},
-        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
-        _backward_hooks={},
-        _backward_pre_hooks={},
-    )
-    adopt(twin, variant_cls, {})
+    twin = adopted_twin(module, variant_cls, {})
     try:
         got = run(lambda p, x: torch.func.functional_call(twin, p, (x, top_k_index, top_k_weights)), values)
     except Exception as e:

@@ -16,8 +16,6 @@ sequences): the Linear kind's per-example norm (core/matmul.py) of E x N (expert
 experts. A probe in float64 checks the converted module computes what the module computes.
 """
 
-import collections
-import copy
 import inspect
 import math
 
@@ -28,7 +26,7 @@ from nanogns.core import layout
 from nanogns.core.buffers import PerExampleNormLayer, accumulate_pe_sqnorm, autocast_inputs, refuse_step
 from nanogns.core.matmul import linear_pe_sqnorm
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, adopt
+from nanogns.core.registry import LayerKind, adopted_twin
 
 BANKS = ("gate_up_proj", "down_proj")
 
@@ -133,16 +131,7 @@ def verify(module, variant_cls):
     }
     hidden = torch.randn(E * 12, D, generator=gen, dtype=torch.float64).to(device)
     grad = torch.randn(E * 12, D, generator=gen, dtype=torch.float64).to(device)
-    twin = copy.copy(module)
-    twin.__dict__.update(
-        _parameters=dict(module._parameters),
-        _buffers=dict(module._buffers),
-        _forward_hooks={},
-        _forward_pre_hooks=collections.OrderedDict(),
-        _backward_hooks={},
-        _backward_pre_hooks={},
-    )
-    adopt(twin, variant_cls, {})
+    twin = adopted_twin(module, variant_cls, {})
     found = []
     for target in (module, twin):
         leaves = {name: nn.Parameter(v.clone()) for name, v in values.items()}

@@ -28,8 +28,6 @@ the grouped products, in which layout of the bank; then a probe shows the conver
 computes (outputs and every gradient).
 """
 
-import collections
-import copy
 import inspect
 import itertools
 import math
@@ -40,7 +38,7 @@ import torch.nn as nn
 from nanogns.core import history, layout
 from nanogns.core.buffers import PerExampleNormLayer, autocast_inputs, count_examples_in_backward, refuse_step
 from nanogns.core.module_state import state_of
-from nanogns.core.registry import LayerKind, adopt
+from nanogns.core.registry import LayerKind, adopted_twin
 from nanogns.core.rowmaps import Rows
 from nanogns.kinds import grouped
 
@@ -191,16 +189,7 @@ def verify(module, variant_cls):
     sizes = _probe_sizes(E)
     features = param.shape[1 if transposed else 2]
     x0 = torch.randn(sum(sizes), features, generator=gen, dtype=torch.float64)
-    twin = copy.copy(module)
-    twin.__dict__.update(
-        _parameters=dict(module._parameters),
-        _buffers=dict(module._buffers),
-        _forward_hooks={},
-        _forward_pre_hooks=collections.OrderedDict(),  # (adopt registers a hook)
-        _backward_hooks={},
-        _backward_pre_hooks={},
-    )
-    adopt(twin, variant_cls, {"transposed": transposed})
+    twin = adopted_twin(module, variant_cls, {"transposed": transposed})
     found = []
     for target in (module, twin):
         leaf = nn.Parameter(value.clone())
