@@ -301,6 +301,16 @@ def test_group_norm_weight_norm_channel_norm_and_layer_scale_are_exact(name):
     check_exact(model, monitor, want, got)
 
 
+def _converted_and_stepped(model):
+    """`model` converted and stepped on (4, 4, 6) frames, B == T on purpose, in micro-batches of 1 and 3, with the
+    brute force over the same forwards: (monitor, want, got)."""
+    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 4)
+    monitor = lc.convert(model)
+    return monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+
+
 class BatchScaled(nn.Module):
     """Divides every row by the batch's mean norm: a module that mixes the examples of a batch."""
 
@@ -378,12 +388,8 @@ def test_a_replayed_module_on_rows_a_reshape_flattened_from_the_examples_exact()
     (N, ...) data) says each example holds H*T of them, one example after the other. Replayed, exact, B == T."""
     torch.manual_seed(0)
     model = _FlattensItsHeads().double()
-    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
+    monitor, want, got = _converted_and_stepped(model)
     assert isinstance(model.norm, ReplayedForward)
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     check_exact(model, monitor, want, got)
 
 
@@ -502,16 +508,12 @@ def test_a_module_reading_its_children_s_weights_keeps_its_forward_or_is_replaye
     Linear of its own), else replayed per example with its children; exact either way, B == T on purpose."""
     torch.manual_seed(0)
     model = nn.Sequential(_ReadsItsConv(unfollowed, bias), nn.Linear(6, 3)).double()
-    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
+    monitor, want, got = _converted_and_stepped(model)
     if unfollowed:
         assert isinstance(model[0], ReplayedForward) and state_of(model[0]).replay_subtree
     else:
         assert isinstance(model[0], InterceptedForward) and state_of(model[0]).read_children == ("conv", "proj")
         assert type(model[0].inp).__name__ == "PerExampleLinear"
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
 
@@ -593,10 +595,7 @@ def test_a_module_whose_parent_calls_its_methods_has_its_own_parameters_followed
     its children in each call. Exact either way, B == T on purpose."""
     torch.manual_seed(0)
     model = _CallsItsChildsMethods(reads).double()
-    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
+    monitor, want, got = _converted_and_stepped(model)
     found = monitor.explain()
     if reads:
         assert found["heads"].startswith("replayed with its parent's calls: replayed per example")
@@ -605,7 +604,6 @@ def test_a_module_whose_parent_calls_its_methods_has_its_own_parameters_followed
         assert found["heads"].startswith("followed with its parent's calls: its own forward, its parameters' uses")
         assert isinstance(model.heads, InterceptedForward)
         assert type(model.heads.inp).__name__ == type(model.heads.out).__name__ == "PerExampleLinear"
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
 
@@ -632,13 +630,9 @@ def test_a_child_s_parameter_given_a_name_then_computed_with_is_a_read(frozen):
     (the module replayed with its children); one frozen is no read. B == T on purpose."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), _ReadsAChildsTableByName(frozen), nn.Linear(6, 3)).double()
-    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
+    monitor, want, got = _converted_and_stepped(model)
     assert isinstance(model[1], ReplayedForward) != frozen
     assert (type(model[1].position).__name__ == "PerExampleEmbedding") == frozen
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert not monitor.unconverted and list(monitor.untracked) == (["1.position.weight"] if frozen else [])
     check_exact(model, monitor, want, got)
 
@@ -672,12 +666,8 @@ def test_a_parameter_a_module_returns_for_its_caller_to_use_is_a_table_exact():
     broadcasts it over them, each example gets its copy. B == T on purpose."""
     torch.manual_seed(0)
     model = _AddsTheReturnedBias().double()
-    x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
+    monitor, want, got = _converted_and_stepped(model)
     assert isinstance(model.attention, InterceptedForward)
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
 
