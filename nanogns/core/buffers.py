@@ -204,6 +204,13 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
             refuse_step(FUNCTORCH, buffers)
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
+    if not lookup and shape is not x and not shape[2:] and not torch.compiler.is_compiling():
+        # rows an index took from the examples' rows in another order (tokens sorted or permuted across examples) are
+        # as many as the tokens: mapped by their number, example after example, they would give a wrong number
+        gathered = history.rows_by_gather(x)
+        if isinstance(gathered, Rows):
+            layout.note_uses(buffers)
+            return gathered, buffers
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     moved_ids = lookup and type(x) is ExampleIds and x._examples_dim != 0 and history.rows_of_moved_ids(x)

@@ -169,6 +169,8 @@ def items_of_data(t):
 # slice keeps them too when it cuts a later dim (rows_by_gather)
 _ROWWISE = _FOLD_KEEPS + ("GroupedLinearFunction", "Relu", "LeakyRelu", "Elu", "Mish", "Softplus", "Hardswish")
 _GATHERS = ("IndexBackward0", "IndexSelectBackward0")
+# views that only fold or unfold the leading dims of data (..., D), each row where it was in row-major order
+_REFOLDS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 
 
 def rows_by_gather(x):
@@ -186,15 +188,20 @@ def rows_by_gather(x):
 
 
 def _gather_behind(node, R):
-    """The gather node (of an index of R rows) that made the rows of autograd node `node`'s output, R of them,
-    followed back through _ROWWISE ops; else None."""
+    """The gather node (of an index of R rows) that made the rows of autograd node `node`'s output, R of them (its
+    leading dims' product), followed back through _ROWWISE ops and views that only fold or unfold the leading dims
+    ((N, T, D) <-> (N*T, D): each row where it was, in row-major order); else None."""
     for _ in range(64):  # (as deep as folded_by_history looks)
         if node is None:
             return None
         name = type(node).__name__
         if name in _GATHERS:
             return node if _gather_index(node, R) is not None else None
-        if name in ("SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"):
+        if name in _REFOLDS:
+            source = node._saved_self_sym_sizes
+            if not source or source[-1] != _last_dim(node) or _leading(source) != R:
+                return None
+        elif name in ("SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"):
             if _signed(node._saved_dim) % len(node._saved_self_sym_sizes) == 0:  # (a split of the rows themselves)
                 return None
         elif name.rstrip("0123456789").removesuffix("Backward") not in _ROWWISE:
@@ -244,10 +251,25 @@ def _gathered_rows(node, R, depth=0):
 
 
 def _rows_of_node(node):
-    """dim 0 of autograd node `node`'s output (its first), or None where torch does not say."""
+    """The rows of autograd node `node`'s output (its first): the product of its leading dims (all but the last), or
+    None where torch does not say."""
     metadata = getattr(node, "_input_metadata", None)
     shape = tuple(metadata[0].shape) if metadata else ()
-    return shape[0] if shape else None
+    return _leading(shape) if shape else None
+
+
+def _last_dim(node):
+    """The last dim of autograd node `node`'s output, or None where torch does not say."""
+    metadata = getattr(node, "_input_metadata", None)
+    return metadata[0].shape[-1] if metadata and len(metadata[0].shape) else None
+
+
+def _leading(shape):
+    """The product of a shape's leading dims (all but the last): its rows."""
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return rows
 
 
 def _signed(dim):
