@@ -25,13 +25,11 @@ from nanogns.core import ids
 from nanogns.errors import StepNotMeasured
 
 
-def assert_exact(model, loss_of, n, before_convert=True):
-    """Convert, one step over micro-batches of example 0 and the rest, exact against brute force (taken from the
-    converted model when `before_convert` is False: a kind computing in float64 where the original upcasts its
-    statistics to float32, as diffusers' RMSNorm does, is not the same forward); returns the monitor."""
-    want = brute_force(model, loss_of, n) if before_convert else None
+def assert_exact(model, loss_of, n):
+    """Convert, one step over micro-batches of example 0 and the rest, exact against brute force; returns the
+    monitor."""
+    want = brute_force(model, loss_of, n)
     monitor = lc.convert(model)
-    want = want or brute_force(model, loss_of, n)
     check_exact(model, monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, n)], n))
     assert not monitor.unconverted and not monitor.untracked
     return monitor
