@@ -233,6 +233,24 @@ def test_jetmoe_banks_of_rows_regrouped_by_expert_exact(batch, top_k):
     check_exact(model, monitor, want, got)
 
 
+def test_convert_called_again_leaves_the_expert_banks_as_they_are():
+    """A bank a first convert() made a kind's layer (the Experts kind's, by structure; the ParallelExperts kind's) is
+    no bank to convert again: the second call leaves it as it is (it had raised, building an impossible class)."""
+    torch.manual_seed(0)
+    jetmoe = transformers.JetMoeForCausalLM(
+        transformers.JetMoeConfig(**{**TINY, "num_attention_heads": None}, num_key_value_heads=2, kv_channels=4)
+    )
+    mixtral = transformers.MixtralForCausalLM(
+        config(transformers.MixtralConfig, **TINY, num_local_experts=3, num_key_value_heads=1)
+    )
+    for model, bank in ((jetmoe, "model.layers.0.mlp.input_linear"), (mixtral, "model.layers.0.mlp.experts")):
+        first = lc.convert(model).explain()[bank]
+        cls = type(model.get_submodule(bank))
+        monitor = lc.convert(model)
+        assert type(model.get_submodule(bank)) is cls and monitor.explain()[bank] == first
+        assert not monitor.unconverted
+
+
 # -----------------------------------------------------------------------------
 # language models with their own layouts and layers
 

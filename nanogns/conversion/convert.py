@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 import torch.nn as nn
 
 from nanogns.conversion import intercept, probe, replay
-from nanogns.core.buffers import BUFFER_SUFFIX
+from nanogns.core.buffers import BUFFER_SUFFIX, PerExampleNormLayer
 from nanogns.core.module_state import state_of
 from nanogns.core.registry import ROLES, LayerKind, adopt
 from nanogns.errors import SettingNotValid
@@ -289,12 +289,16 @@ def _replay_with_calls(at, called):
 
 
 def _kind(at):
-    """The kind of a module by its exact class, as a subclass keeping its class's forward, or by its structure."""
+    """The kind of a module by its exact class, as a subclass keeping its class's forward, or by its structure (a
+    module a convert() made a layer of a kind already is none: convert() called again leaves it as it is)."""
     conversion, module = at.conversion, at.module
     return (
         conversion.known.get(type(module))
         or conversion.inherited_kind(module)
-        or next((k for k in conversion.structural if k.matches(module)), None)
+        or next(
+            (k for k in conversion.structural if not isinstance(module, PerExampleNormLayer) and k.matches(module)),
+            None,
+        )
     )
 
 
