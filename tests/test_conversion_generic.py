@@ -754,7 +754,9 @@ def test_a_parent_handing_its_children_s_weights_to_torch_s_attention_is_replaye
 class _ShufflesItsTokens(nn.Module):
     """Token rows (N*T, D) taken by an index in another order, across examples (as a router's dispatch sorts them),
     through a Linear and a LayerNorm, then put back: as many rows as the tokens, so their number alone would map them
-    example after example."""
+    example after example. `refold`: the rows as they are ("rows"), folded back to (N, T, D) after the Linear and
+    flattened again for the norm ("after"), or folded to (N, T, D) before the Linear ("before"), whose dims alone
+    would map them as the examples' own."""
 
     def __init__(self, refold):
         super().__init__()
@@ -764,17 +766,22 @@ class _ShufflesItsTokens(nn.Module):
     def forward(self, x):
         flat = self.inp(x).reshape(-1, 6)
         order = torch.randperm(len(flat), generator=torch.Generator().manual_seed(len(flat)))
-        h = self.lin(flat[order])
-        if self.refold:  # (the rows folded back to (N, T, D) and flattened again on their way to the norm)
+        gathered = flat[order]
+        if self.refold == "before":
+            h = self.lin(gathered.view(x.shape)).reshape(-1, 6)
+        else:
+            h = self.lin(gathered)
+        if self.refold == "after":
             h = torch.tanh(h.view(x.shape)).reshape(-1, 6)
         return torch.zeros_like(flat).index_add(0, order, self.norm(h)).view(x.shape)
 
 
-@pytest.mark.parametrize("refold", [False, True])
+@pytest.mark.parametrize("refold", ["rows", "after", "before"])
 def test_token_rows_gathered_in_another_order_are_mapped_by_the_gather_not_their_number(refold):
     """Row s of a gathered input is the source's row order[s], of that row's example (core/history.py's
-    rows_by_gather), whatever the number of rows; mapped by their number, the Linear gave 34.97 against the oracle's
-    29.99. Micro-batches of 1 and 3 examples of 3 tokens: the batch's size is the sequence's on purpose."""
+    rows_if_gathered), whatever the number of rows or the dims they were viewed as; mapped by their number, the
+    Linear gave 34.97 against the oracle's 29.99. Micro-batches of 1 and 3 examples of 3 tokens: the batch's size is
+    the sequence's on purpose."""
     torch.manual_seed(0)
     model = _ShufflesItsTokens(refold).double()
     x = torch.randn(4, 3, 6, dtype=torch.float64)

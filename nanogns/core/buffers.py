@@ -204,17 +204,26 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
             refuse_step(FUNCTORCH, buffers)
         return None, tuple(None for _ in buffers)
     shape = x.shape if isinstance(x, torch.Tensor) else x
-    if not lookup and shape is not x and not shape[2:] and not torch.compiler.is_compiling():
-        # rows an index took from the examples' rows in another order (tokens sorted or permuted across examples) are
-        # as many as the tokens: mapped by their number, example after example, they would give a wrong number
-        gathered = history.rows_by_gather(x)
-        if isinstance(gathered, Rows):
+    compiling = None
+    if not lookup and shape is not x:  # rows an index took in another order (core/history.py's rows_if_gathered):
+        compiling = torch.compiler.is_compiling()  # (asked once, for rows_for too; grad_fn breaks a traced graph)
+        node = None if compiling else x.grad_fn
+        # (asked of 2-D rows and of views of them only: the other (N, T, D) inputs pay no call)
+        if node is not None and (
+            not shape[2:] or type(node).__name__ in history.REFOLDS and not node._saved_self_sym_sizes[2:]
+        ):
+            gathered = history.rows_if_gathered(x)
+        else:
+            gathered = None
+        if gathered is not None:
             layout.note_uses(buffers)
             return gathered, buffers
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     moved_ids = lookup and type(x) is ExampleIds and x._examples_dim != 0 and history.rows_of_moved_ids(x)
-    rows = (lookup and (moved_ids or layout.untold_ids(shape))) or layout.rows_for(shape, module=module)
+    rows = (lookup and (moved_ids or layout.untold_ids(shape))) or layout.rows_for(
+        shape, module=module, compiling=compiling
+    )
     undecided = None
     if not lookup and shape[2:] and shape[0] == shape[1]:
         if not isinstance(rows, str) and rows.kind == "dim0":  # (N, N, ...) rows: sizes cannot tell dim 0 from dim 1

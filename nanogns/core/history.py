@@ -170,7 +170,7 @@ def items_of_data(t):
 _ROWWISE = _FOLD_KEEPS + ("GroupedLinearFunction", "Relu", "LeakyRelu", "Elu", "Mish", "Softplus", "Hardswish")
 _GATHERS = ("IndexBackward0", "IndexSelectBackward0")
 # views that only fold or unfold the leading dims of data (..., D), each row where it was in row-major order
-_REFOLDS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+REFOLDS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 
 
 def rows_by_gather(x):
@@ -187,6 +187,22 @@ def rows_by_gather(x):
     return None if gather is None else _gathered_rows(gather, x.shape[0])
 
 
+def rows_if_gathered(x):
+    """Rows 'ragged' of a layer's input x (..., D) whose rows an index took, in any order, from rows whose examples
+    the layout maps (rows_by_gather's gather, behind ops that keep each row a row and views that only fold or unfold
+    the leading dims: (N*T, D) rows gathered, then viewed as (N, T, D)); None where x's history shows no such gather
+    or the gather's source cannot be mapped (sizes then decide, as for any input). Rows gathered in another order
+    (tokens permuted across examples) are as many as the tokens: counted off example after example, by their number
+    or their dims, they would give a wrong number."""
+    found = current_pass()
+    if found is None or found.layout is None or x.dim() < 2:
+        return None
+    R = _leading(x.shape)
+    gather = _gather_behind(x.grad_fn, R)
+    rows = None if gather is None else _gathered_rows(gather, R)
+    return rows if isinstance(rows, Rows) else None
+
+
 def _gather_behind(node, R):
     """The gather node (of an index of R rows) that made the rows of autograd node `node`'s output, R of them (its
     leading dims' product), followed back through _ROWWISE ops and views that only fold or unfold the leading dims
@@ -197,7 +213,7 @@ def _gather_behind(node, R):
         name = type(node).__name__
         if name in _GATHERS:
             return node if _gather_index(node, R) is not None else None
-        if name in _REFOLDS:
+        if name in REFOLDS:
             source = node._saved_self_sym_sizes
             if not source or source[-1] != _last_dim(node) or _leading(source) != R:
                 return None

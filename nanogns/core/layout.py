@@ -283,13 +283,13 @@ def collecting():
         PASSES.collectors.remove(mapper)
 
 
-def rows_for(shape, batch_first=False, module=None):
+def rows_for(shape, batch_first=False, module=None, compiling=None):
     """Rows of an input of `shape` under the current layout (dim 0 when none is set), or why it cannot be mapped.
     batch_first: the layer has put its input's examples on dim 0 itself (nn.MultiheadAttention with
     batch_first=False transposes its (T, N) input): no sequence-first scope applies. module: the layer asking;
     the scope it ran in during the forward is kept, so that a recompute in backward (activation checkpointing of
     one block, whose recompute never enters the scope's module: a vision tower's, a sequence-first one) maps its
-    rows as the forward did."""
+    rows as the forward did. compiling: torch.compiler.is_compiling(), where the caller has asked it already."""
     found = current_pass()
     if found is None or found.layout is None:
         return Rows("dim0", shape[0] if len(shape) > 1 else 1)
@@ -302,7 +302,8 @@ def rows_for(shape, batch_first=False, module=None):
             scope = found.module_scopes.get(id(module))
     if batch_first and scope is SEQUENCE_FIRST:
         scope = None
-    if torch.compiler.is_compiling():  # (a traced forward's shapes are symbolic: a dict of them, a guard each)
+    if torch.compiler.is_compiling() if compiling is None else compiling:  # (a traced forward's shapes are symbolic:
+        # a dict of them, a guard each)
         return found.layout.rows_for(shape, scope)
     key = (shape if type(shape) is torch.Size else tuple(shape), scope)  # (the layers of a model meet few shapes)
     rows = found.rows.get(key)
