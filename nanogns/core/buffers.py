@@ -208,9 +208,10 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
     if not lookup and shape is not x:  # rows an index took in another order (core/history.py's rows_if_gathered):
         compiling = torch.compiler.is_compiling()  # (asked once, for rows_for too; grad_fn breaks a traced graph)
         node = None if compiling else x.grad_fn
-        # (asked of 2-D rows and of views of them only: the other (N, T, D) inputs pay no call)
-        if node is not None and (
-            not shape[2:] or type(node).__name__ in history.REFOLDS and not node._saved_self_sym_sizes[2:]
+        # (asked of 2-D rows, of views of them and of gathers only: the other (N, T, D) inputs pay no call)
+        name = type(node).__name__ if node is not None else None
+        if name is not None and (
+            not shape[2:] or name in history.GATHERS or name in history.REFOLDS and not node._saved_self_sym_sizes[2:]
         ):
             gathered = history.rows_if_gathered(x)
         else:

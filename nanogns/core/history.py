@@ -168,7 +168,7 @@ def items_of_data(t):
 # ops and activations, and the kinds' row-wise layers (a Linear's, an expert bank's: kinds/grouped.py); a split or
 # slice keeps them too when it cuts a later dim (rows_by_gather)
 _ROWWISE = _FOLD_KEEPS + ("GroupedLinearFunction", "Relu", "LeakyRelu", "Elu", "Mish", "Softplus", "Hardswish")
-_GATHERS = ("IndexBackward0", "IndexSelectBackward0")
+GATHERS = ("IndexBackward0", "IndexSelectBackward0")
 # views that only fold or unfold the leading dims of data (..., D), each row where it was in row-major order
 REFOLDS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 
@@ -190,7 +190,8 @@ def rows_by_gather(x):
 def rows_if_gathered(x):
     """Rows 'ragged' of a layer's input x (..., D) whose rows an index took, in any order, from rows whose examples
     the layout maps (rows_by_gather's gather, behind ops that keep each row a row and views that only fold or unfold
-    the leading dims: (N*T, D) rows gathered, then viewed as (N, T, D)); None where x's history shows no such gather
+    the leading dims: (N*T, D) rows gathered, then viewed as (N, T, D); or (N, T, D) data whose examples an index
+    took in another order); None where x's history shows no such gather
     or the gather's source cannot be mapped (sizes then decide, as for any input). Rows gathered in another order
     (tokens permuted across examples) are as many as the tokens: counted off example after example, by their number
     or their dims, they would give a wrong number."""
@@ -211,7 +212,7 @@ def _gather_behind(node, R):
         if node is None:
             return None
         name = type(node).__name__
-        if name in _GATHERS:
+        if name in GATHERS:
             return node if _gather_index(node, R) is not None else None
         if name in REFOLDS:
             source = node._saved_self_sym_sizes
@@ -228,15 +229,16 @@ def _gather_behind(node, R):
 
 
 def _gather_index(node, R):
-    """(index (R,), the source's shape (S, D)) of a gather node taking R rows of a source of rows by an index;
-    None for other gathers (of another dim, by a mask, of a source other than rows)."""
+    """(index (n,), the source's shape (S, ..., D)) of a gather node taking R rows by an index on dim 0 of a source:
+    of rows (S, D), n == R, or of slabs of rows (S, T, D), each index taking T of them (examples permuted whole:
+    h[order] of (N, T, D) data), n * T == R; None for other gathers (of another dim, by a mask)."""
     if type(node).__name__ == "IndexBackward0":
         indices = node._saved_indices
         index = indices[0] if indices and all(i is None for i in indices[1:]) else None
     else:
         index = node._saved_index if _signed(node._saved_dim) == 0 else None
     source = tuple(node._saved_self_sym_sizes)
-    if index is None or index.dim() != 1 or index.numel() != R or len(source) != 2:
+    if index is None or index.dim() != 1 or len(source) < 2 or index.numel() * _leading(source[1:]) != R:
         return None
     if index.is_floating_point() or index.dtype == torch.bool:  # (a mask: its rows' positions are not saved)
         return None
@@ -248,8 +250,9 @@ def _gathered_rows(node, R, depth=0):
     them (rows regrouped twice), else as the layout maps rows of the source's shape, else as a reshape of (N, ...) data
     folded them; each row of the gather its source row's example."""
     index, source = _gather_index(node, R)
-    behind = _gather_behind(node.next_functions[0][0], source[0]) if depth < 8 else None
-    rows = _gathered_rows(behind, source[0], depth + 1) if behind is not None else rows_for(source)
+    S = _leading(source)  # (the source's rows: index[j] took its rows index[j] * T ... index[j] * T + T - 1)
+    behind = _gather_behind(node.next_functions[0][0], S) if depth < 8 else None
+    rows = _gathered_rows(behind, S, depth + 1) if behind is not None else rows_for(source)
     if isinstance(rows, str) and behind is None:  # (N*k, D) rows a reshape of (N, ...) data folded (top-k slots)
         found = current_pass()
         N = found.layout.examples
@@ -259,10 +262,10 @@ def _gathered_rows(node, R, depth=0):
     if isinstance(rows, str) or rows.kind == "shared":
         why = rows if isinstance(rows, str) else "they are one row for every example, not the examples' own"
         return (
-            f"its {R} input rows were gathered by an index from {source[0]} rows of shape {source}, whose examples "
+            f"its {R} input rows were gathered by an index from {S} rows of shape {source}, whose examples "
             f"cannot be told ({why})"
         )
-    example_of_source = rows.example_ids(source[0], index.device)
+    example_of_source = rows.example_ids(S, index.device).view(source[0], -1)
     return ragged(example_of_source.index_select(0, index.long()), rows.examples)
 
 
