@@ -821,3 +821,41 @@ def test_a_layer_given_the_examples_in_another_order_maps_them_by_the_gather():
     got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert {"lin.weight", "lin.bias"} <= set(got)
     check_exact(model, monitor, want, got)
+
+
+class _LooksUpPositions(nn.Module):
+    """A table's rows by position, `table[pos]` (as a parameter, or computed from one), one row per token."""
+
+    def __init__(self, computed):
+        super().__init__()
+        self.computed = computed
+        self.table = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, pos):
+        return (self.table * 2 if self.computed else self.table)[pos]
+
+
+class _ScalesByPosition(nn.Module):
+    def __init__(self, computed):
+        super().__init__()
+        self.look, self.inp, self.lin = _LooksUpPositions(computed), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        n, t, d = x.shape
+        return self.lin(self.look(torch.arange(t).repeat(n)) * self.inp(x).reshape(-1, d)).view(x.shape)
+
+
+@pytest.mark.parametrize("computed", [False, True])
+def test_rows_gathered_from_a_table_of_the_batch_s_size_are_not_taken_for_the_examples(computed):
+    """A table of 3 rows looked up by position for 3 examples of 3 tokens: a gather, but of a table's rows, each taken
+    once per example; the layer given them is mapped as any input (mapped by the gather, each row was given the
+    example whose number is its position: 19.42 against the oracle's 17.46)."""
+    torch.manual_seed(0)
+    model = _ScalesByPosition(computed).double()
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    loss_of = lambda part: model(x[part]).pow(2).sum((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, 3)
+    monitor = lc.convert(model)
+    got = measured(monitor, model, loss_of, [slice(0, 3)], 3)
+    assert {"lin.weight", "look.table"} <= set(got)
+    check_exact(model, monitor, want, got)

@@ -188,20 +188,32 @@ def rows_by_gather(x):
 
 
 def rows_if_gathered(x):
-    """Rows 'ragged' of a layer's input x (..., D) whose rows an index took, in any order, from rows whose examples
-    the layout maps (rows_by_gather's gather, behind ops that keep each row a row and views that only fold or unfold
-    the leading dims: (N*T, D) rows gathered, then viewed as (N, T, D); or (N, T, D) data whose examples an index
-    took in another order); None where x's history shows no such gather
-    or the gather's source cannot be mapped (sizes then decide, as for any input). Rows gathered in another order
-    (tokens permuted across examples) are as many as the tokens: counted off example after example, by their number
-    or their dims, they would give a wrong number."""
+    """Rows 'ragged' of a layer's input x (..., D) whose rows an index took, each once and in any order, from rows the
+    forward computed and the layout maps (rows_by_gather's gather, behind ops that keep each row a row and views
+    that only fold or unfold the leading dims: (N*T, D) rows gathered, then viewed as (N, T, D); or (N, T, D) data
+    whose examples an index put in another order). None where x's history shows no such gather, where the gather
+    takes a table's rows (_takes_computed_rows_once), or where its source cannot be mapped: sizes then decide, as
+    for any input. Rows gathered in another order (tokens permuted across examples) are as many as the tokens:
+    counted off example after example, by their number or their dims, they would give a wrong number."""
     found = current_pass()
     if found is None or found.layout is None or x.dim() < 2:
         return None
     R = _leading(x.shape)
     gather = _gather_behind(x.grad_fn, R)
-    rows = None if gather is None else _gathered_rows(gather, R)
+    rows = _gathered_rows(gather, R) if gather is not None and _takes_computed_rows_once(gather, R) else None
     return rows if isinstance(rows, Rows) else None
+
+
+def _takes_computed_rows_once(node, R):
+    """True when gather node `node` takes each row it takes once (a permutation or a selection of rows) from a tensor
+    the forward computed. A parameter's or a constant's rows, or rows taken more than once (positions looked up for
+    each example), are a table's: whatever its size, its rows are no examples' (a table of N rows is not N
+    examples), and the layer's rows are mapped as any input's."""
+    made = node.next_functions[0][0]
+    if made is None or type(made).__name__ == "AccumulateGrad":
+        return False
+    index = _gather_index(node, R)[0]
+    return torch.unique(index).numel() == index.numel()
 
 
 def _gather_behind(node, R):
