@@ -756,7 +756,8 @@ class _ShufflesItsTokens(nn.Module):
     through a Linear and a LayerNorm, then put back: as many rows as the tokens, so their number alone would map them
     example after example. `refold`: the rows as they are ("rows"), folded back to (N, T, D) after the Linear and
     flattened again for the norm ("after"), or folded to (N, T, D) before the Linear ("before"), whose dims alone
-    would map them as the examples' own."""
+    would map them as the examples' own; or taken by torch.gather with the order expanded over the features
+    ("torch.gather")."""
 
     def __init__(self, refold):
         super().__init__()
@@ -766,7 +767,7 @@ class _ShufflesItsTokens(nn.Module):
     def forward(self, x):
         flat = self.inp(x).reshape(-1, 6)
         order = torch.randperm(len(flat), generator=torch.Generator().manual_seed(len(flat)))
-        gathered = flat[order]
+        gathered = torch.gather(flat, 0, order[:, None].expand(-1, 6)) if self.refold == "torch.gather" else flat[order]
         if self.refold == "before":
             h = self.lin(gathered.view(x.shape)).reshape(-1, 6)
         else:
@@ -776,7 +777,7 @@ class _ShufflesItsTokens(nn.Module):
         return torch.zeros_like(flat).index_add(0, order, self.norm(h)).view(x.shape)
 
 
-@pytest.mark.parametrize("refold", ["rows", "after", "before"])
+@pytest.mark.parametrize("refold", ["rows", "after", "before", "torch.gather"])
 def test_token_rows_gathered_in_another_order_are_mapped_by_the_gather_not_their_number(refold):
     """Row s of a gathered input is the source's row order[s], of that row's example (core/history.py's
     rows_if_gathered), whatever the number of rows or the dims they were viewed as; mapped by their number, the

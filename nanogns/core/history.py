@@ -168,7 +168,7 @@ def items_of_data(t):
 # ops and activations, and the kinds' row-wise layers (a Linear's, an expert bank's: kinds/grouped.py); a split or
 # slice keeps them too when it cuts a later dim (rows_by_gather)
 _ROWWISE = _FOLD_KEEPS + ("GroupedLinearFunction", "Relu", "LeakyRelu", "Elu", "Mish", "Softplus", "Hardswish")
-GATHERS = ("IndexBackward0", "IndexSelectBackward0")
+GATHERS = ("IndexBackward0", "IndexSelectBackward0", "GatherBackward0")
 # views that only fold or unfold the leading dims of data (..., D), each row where it was in row-major order
 REFOLDS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 
@@ -244,6 +244,8 @@ def _gather_index(node, R):
     """(index (n,), the source's shape (S, ..., D)) of a gather node taking R rows by an index on dim 0 of a source:
     of rows (S, D), n == R, or of slabs of rows (S, T, D), each index taking T of them (examples permuted whole:
     h[order] of (N, T, D) data), n * T == R; None for other gathers (of another dim, by a mask)."""
+    if type(node).__name__ == "GatherBackward0":
+        return _whole_rows_gathered(node, R)
     if type(node).__name__ == "IndexBackward0":
         indices = node._saved_indices
         index = indices[0] if indices and all(i is None for i in indices[1:]) else None
@@ -255,6 +257,18 @@ def _gather_index(node, R):
     if index.is_floating_point() or index.dtype == torch.bool:  # (a mask: its rows' positions are not saved)
         return None
     return index, source
+
+
+def _whole_rows_gathered(node, R):
+    """_gather_index of torch.gather(source, 0, index) (GatherBackward0) on (S, D) rows whose index takes whole rows,
+    each of its R rows one value (order[:, None].expand(-1, D), as a dispatch sorting tokens writes it): (that
+    value per row, (S, D)); None for other gathers (along the features, or mixing rows within a row)."""
+    source = tuple(node._saved_self.shape)
+    index = node._saved_index
+    if len(source) != 2 or _signed(node._saved_dim) % 2 != 0 or index.dim() != 2 or index.shape[0] != R:
+        return None
+    rows = index[:, 0]
+    return (rows, source) if bool((index == rows[:, None]).all()) else None
 
 
 def _gathered_rows(node, R, depth=0):
