@@ -301,14 +301,20 @@ def test_group_norm_weight_norm_channel_norm_and_layer_scale_are_exact(name):
     check_exact(model, monitor, want, got)
 
 
+def _stepped(model, x, parts):
+    """`model` converted and stepped on inputs `x` (its examples on dim 0) in micro-batches `parts`, each example's
+    loss the mean square of its output, with the brute force over the same forwards: (monitor, want, got)."""
+    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
+    want = brute_force(model, loss_of, len(x))
+    monitor = lc.convert(model)
+    return monitor, want, measured(monitor, model, loss_of, parts, len(x))
+
+
 def _converted_and_stepped(model):
     """`model` converted and stepped on (4, 4, 6) frames, B == T on purpose, in micro-batches of 1 and 3, with the
     brute force over the same forwards: (monitor, want, got)."""
     x = torch.randn(4, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    loss_of = lambda part: model(x[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
-    return monitor, want, measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    return _stepped(model, x, [slice(0, 1), slice(1, 4)])
 
 
 class BatchScaled(nn.Module):
@@ -431,11 +437,8 @@ def test_a_replayed_module_given_ids_no_example_made_computes_a_table_exact():
     torch.manual_seed(0)
     model = _LooksUpIdsMadeForTheBatch().double()
     ids = torch.randint(0, V, (5, 4), generator=torch.Generator().manual_seed(1))
-    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 5)
-    monitor = lc.convert(model)
+    monitor, want, got = _stepped(model, ids, [slice(0, 1), slice(1, 5)])
     assert isinstance(model.positions, ReplayedForward) and isinstance(model.types, ReplayedForward)
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 5)], 5)
     assert {"positions.weight", "types.weight"} <= set(got)
     check_exact(model, monitor, want, got)
 
@@ -547,11 +550,8 @@ def test_a_grandchild_s_parameter_read_by_a_module_is_a_read_and_the_module_repl
     torch.manual_seed(0)
     model = nn.Sequential(_ReadsAGrandchildsRow(), nn.Linear(6, 3)).double()
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 2, 3], [1, 1, 4, 6], [2, 5, 1, 3]])
-    loss_of = lambda part: model(ids[part]).pow(2).mean((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
+    monitor, want, got = _stepped(model, ids, [slice(0, 1), slice(1, 4)])
     assert isinstance(model[0], ReplayedForward) and state_of(model[0]).replay_subtree
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
     assert not monitor.unconverted and not monitor.untracked
     check_exact(model, monitor, want, got)
 
@@ -785,11 +785,7 @@ def test_token_rows_gathered_in_another_order_are_mapped_by_the_gather_not_their
     the sequence's on purpose."""
     torch.manual_seed(0)
     model = _ShufflesItsTokens(refold).double()
-    x = torch.randn(4, 3, 6, dtype=torch.float64)
-    loss_of = lambda part: model(x[part]).pow(2).sum((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    monitor, want, got = _stepped(model, torch.randn(4, 3, 6, dtype=torch.float64), [slice(0, 1), slice(1, 4)])
     assert {"lin.weight", "norm.weight"} <= set(got)
     check_exact(model, monitor, want, got)
 
@@ -815,11 +811,7 @@ def test_a_layer_given_the_examples_in_another_order_maps_them_by_the_gather():
     names (lin.weight 58.13 against the oracle's 62.27 before). Micro-batches of 1 and 3 examples of 3 tokens."""
     torch.manual_seed(0)
     model = _UsesItsLinearInTwoOrders().double()
-    x = torch.randn(4, 3, 5, dtype=torch.float64)
-    loss_of = lambda part: model(x[part]).pow(2).sum((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 4)
-    monitor = lc.convert(model)
-    got = measured(monitor, model, loss_of, [slice(0, 1), slice(1, 4)], 4)
+    monitor, want, got = _stepped(model, torch.randn(4, 3, 5, dtype=torch.float64), [slice(0, 1), slice(1, 4)])
     assert {"lin.weight", "lin.bias"} <= set(got)
     check_exact(model, monitor, want, got)
 
@@ -853,10 +845,6 @@ def test_rows_gathered_from_a_table_of_the_batch_s_size_are_not_taken_for_the_ex
     example whose number is its position: 19.42 against the oracle's 17.46)."""
     torch.manual_seed(0)
     model = _ScalesByPosition(computed).double()
-    x = torch.randn(3, 3, 4, dtype=torch.float64)
-    loss_of = lambda part: model(x[part]).pow(2).sum((1, 2))  # noqa: E731
-    want = brute_force(model, loss_of, 3)
-    monitor = lc.convert(model)
-    got = measured(monitor, model, loss_of, [slice(0, 3)], 3)
+    monitor, want, got = _stepped(model, torch.randn(3, 3, 4, dtype=torch.float64), [slice(0, 3)])
     assert {"lin.weight", "look.table"} <= set(got)
     check_exact(model, monitor, want, got)
