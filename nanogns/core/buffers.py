@@ -214,11 +214,9 @@ def rows_or_refuse(x, buffers, params=(), lookup=False, module=None):
             not shape[2:] or name in history.GATHERS or name in history.REFOLDS and not node._saved_self_sym_sizes[2:]
         ):
             gathered = history.rows_if_gathered(x)
-        else:
-            gathered = None
-        if gathered is not None:
-            layout.note_uses(buffers)
-            return gathered, buffers
+            if gathered is not None:
+                layout.note_uses(buffers)
+                return gathered, buffers
     if lookup and layout.looks_up_a_table(x):  # ids not computed from the examples' inputs: a table's
         return Rows("shared", layout.current().examples), tuple(None for _ in buffers)
     moved_ids = lookup and type(x) is ExampleIds and x._examples_dim != 0 and history.rows_of_moved_ids(x)

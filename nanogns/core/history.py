@@ -7,10 +7,12 @@ autograd history of data transposed to (T, N, D) (Longformer's attention) or fol
 (core/layout.py's Pass), or None; where sizes could mean either layout and nothing tells which, the reason to refuse.
 """
 
+import math
+
 import torch
 
 from nanogns.core.ids import ExampleIds
-from nanogns.core.inputs import _FOLD_KEEPS, dim_by_history, folded_by_history, folded_by_node
+from nanogns.core.inputs import _FOLD_KEEPS, _output_shape, dim_by_history, folded_by_history, folded_by_node
 from nanogns.core.layout import current_pass, rows_for
 from nanogns.core.rowmaps import Items, Rows, Tower, ragged
 
@@ -72,10 +74,7 @@ def sequence_first_groups(shape):
     k = next((k for k in found.layout.groups if M == N * k), None)
     if k is None or shape[0] == M:
         return None
-    rows = 1
-    for n in shape[:-1]:
-        rows *= n
-    return ragged((torch.arange(rows) % M) // k, N)
+    return ragged((torch.arange(math.prod(shape[:-1])) % M) // k, N)
 
 
 def undecided_rows(x):
@@ -198,7 +197,7 @@ def rows_if_gathered(x):
     found = current_pass()
     if found is None or found.layout is None or x.dim() < 2:
         return None
-    R = _leading(x.shape)
+    R = math.prod(x.shape[:-1])
     gather = _gather_behind(x.grad_fn, R)
     rows = _gathered_rows(gather, R) if gather is not None and _takes_computed_rows_once(gather, R) else None
     return rows if isinstance(rows, Rows) else None
@@ -228,7 +227,7 @@ def _gather_behind(node, R):
             return node if _gather_index(node, R) is not None else None
         if name in REFOLDS:
             source = node._saved_self_sym_sizes
-            if not source or source[-1] != _last_dim(node) or _leading(source) != R:
+            if not source or source[-1] != _last_dim(node) or math.prod(source[:-1]) != R:
                 return None
         elif name in ("SplitBackward0", "SplitWithSizesBackward0", "SliceBackward0"):
             if _signed(node._saved_dim) % len(node._saved_self_sym_sizes) == 0:  # (a split of the rows themselves)
@@ -252,7 +251,7 @@ def _gather_index(node, R):
     else:
         index = node._saved_index if _signed(node._saved_dim) == 0 else None
     source = tuple(node._saved_self_sym_sizes)
-    if index is None or index.dim() != 1 or len(source) < 2 or index.numel() * _leading(source[1:]) != R:
+    if index is None or index.dim() != 1 or len(source) < 2 or index.numel() * math.prod(source[1:-1]) != R:
         return None
     if index.is_floating_point() or index.dtype == torch.bool:  # (a mask: its rows' positions are not saved)
         return None
@@ -276,7 +275,7 @@ def _gathered_rows(node, R, depth=0):
     them (rows regrouped twice), else as the layout maps rows of the source's shape, else as a reshape of (N, ...) data
     folded them; each row of the gather its source row's example."""
     index, source = _gather_index(node, R)
-    S = _leading(source)  # (the source's rows: index[j] took its rows index[j] * T ... index[j] * T + T - 1)
+    S = math.prod(source[:-1])  # (the source's rows: index[j] took its rows index[j] * T ... index[j] * T + T - 1)
     behind = _gather_behind(node.next_functions[0][0], S) if depth < 8 else None
     rows = _gathered_rows(behind, S, depth + 1) if behind is not None else rows_for(source)
     if isinstance(rows, str) and behind is None:  # (N*k, D) rows a reshape of (N, ...) data folded (top-k slots)
@@ -298,23 +297,14 @@ def _gathered_rows(node, R, depth=0):
 def _rows_of_node(node):
     """The rows of autograd node `node`'s output (its first): the product of its leading dims (all but the last), or
     None where torch does not say."""
-    metadata = getattr(node, "_input_metadata", None)
-    shape = tuple(metadata[0].shape) if metadata else ()
-    return _leading(shape) if shape else None
+    shape = _output_shape(node)
+    return math.prod(shape[:-1]) if shape else None
 
 
 def _last_dim(node):
     """The last dim of autograd node `node`'s output, or None where torch does not say."""
-    metadata = getattr(node, "_input_metadata", None)
-    return metadata[0].shape[-1] if metadata and len(metadata[0].shape) else None
-
-
-def _leading(shape):
-    """The product of a shape's leading dims (all but the last): its rows."""
-    rows = 1
-    for n in shape[:-1]:
-        rows *= n
-    return rows
+    shape = _output_shape(node)
+    return shape[-1] if shape else None
 
 
 def _signed(dim):
