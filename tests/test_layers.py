@@ -104,6 +104,26 @@ def test_linear_pe_sqnorm_both_paths_per_example(T, K, L):
     torch.testing.assert_close(grad_weight, torch.einsum("ntl,ntk->lk", g, x))
 
 
+@pytest.mark.parametrize("chunk_elements", [2**22, 2 * 6 * 5, 6 * 5, 1])
+@pytest.mark.parametrize("N", [0, 1, 5])
+def test_materialised_pe_grads_in_one_chunk_or_several(chunk_elements, N, monkeypatch):
+    """The one-chunk path (every example's dW_i at once) and the loop over chunks of examples (the last one shorter:
+    5 examples in chunks of 2) give the same sum and norms, also for no example and one; with and without the sum."""
+    monkeypatch.setattr(matmul, "SIMULTANEOUS_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(2)
+    x, g = torch.randn(N, 4, 5, dtype=torch.float64), torch.randn(N, 4, 6, dtype=torch.float64)
+    expected = torch.stack([(g[i].T @ x[i]).pow(2).sum() for i in range(N)]) if N else torch.zeros(0).double()
+    grad_weight, weight_pe_sqnorms = matmul.materialised_pe_grads(x, g)
+    torch.testing.assert_close(weight_pe_sqnorms, expected)
+    torch.testing.assert_close(grad_weight, torch.einsum("ntl,ntk->lk", g, x))
+    assert matmul.materialised_pe_grads(x, g, with_sum=False)[0] is None
+    torch.testing.assert_close(matmul.materialised_pe_grads(x, g, with_sum=False)[1], expected)
+    x32, g32 = x.float(), g.float()  # float32: the norms in float32, the sum too
+    grad_weight32, weight_pe_sqnorms32 = matmul.materialised_pe_grads(x32, g32)
+    assert grad_weight32.dtype == weight_pe_sqnorms32.dtype == torch.float32
+    torch.testing.assert_close(weight_pe_sqnorms32.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_linear_cost_rules():
     assert matmul.linear_uses_gram(1, 8, 8)  # a single row: Gram is N*(K+L)
     assert matmul.linear_uses_gram(64, 768, 768)

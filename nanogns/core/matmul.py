@@ -98,6 +98,12 @@ def materialised_pe_grads(x, g, with_sum=True):
     N, _, K = x.shape
     L = g.shape[-1]
     dtype = norm_dtype(x)
+    if N * K * L <= SIMULTANEOUS_CHUNK_ELEMENTS or N <= 1:  # one chunk (every Linear of a small model): no workspace,
+        if x.dtype != dtype:  # slice or copy, five ops where the loop dispatches twelve
+            x, g = x.to(dtype), g.to(dtype)
+        pe_grad = torch.bmm(g.transpose(1, 2), x)  # (N, L, K)
+        pe_sqnorms = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
+        return (pe_grad.sum(dim=0) if with_sum else None), pe_sqnorms
     chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
     # (not read under torch.compile: a Python int from torch would break the graph; the rounding only saves time)
     threads = torch.get_num_threads() if x.device.type == "cpu" and not torch.compiler.is_compiling() else 1
