@@ -42,7 +42,9 @@ CHOICES = {
     "all-layer shim": ("shim", "shim", "shim"),
     "all-layer gns": ("gns", "gns", "gns"),
     "all-layer fused": ("fused", "gns", "fused"),
+    "arithmetic floor": ("nn", "nn", "nn"),  # plain layers doing the gns layers' per-example arithmetic, bare
 }
+FLOOR = "arithmetic floor"  # bench/arithmetic_floor.py: what the step would cost with no bookkeeping at all
 DEFAULT_CPU = ["nn", "LayerNorm-only gns", "all-layer shim", "all-layer gns"]
 
 
@@ -115,6 +117,9 @@ def build(args, name):
                 dropout=0.0,
             )
         ).to(args.device)
+    import arithmetic_floor  # (bench/arithmetic_floor.py)
+
+    floor_sink = arithmetic_floor.install(model) if name == FLOOR else None
     with contextlib.redirect_stdout(io.StringIO()):  # (and its optimizer's groups)
         optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=args.dtype == "float16")
@@ -143,6 +148,8 @@ def build(args, name):
         if tracked:
             tracker.measure(batch_size=args.batch_size * ga)
             zero_pe_sqnorm_buffers(model)
+        if floor_sink is not None:
+            floor_sink.zero_()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
@@ -229,6 +236,8 @@ def main(argv=None):
     unknown = [n for n in names if n not in CHOICES]
     if unknown:
         raise SystemExit(f"step_overhead.py: unknown choice(s) {unknown}; choose from {list(CHOICES)}")
+    if FLOOR in names and args.dtype != "float32":
+        raise SystemExit(f"step_overhead.py: {FLOOR!r} runs in float32 only (no autocast); drop it or --dtype")
     if "nn" not in names:
         names = ["nn"] + names  # ratios need the plain baseline
     passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--choices")]
