@@ -9,6 +9,8 @@ example at a time (tests/oracle.py). Tolerances, relative to the oracle:
 float64 1e-6 (the buffers are float32), float32 1e-5, bf16 / fp16 3e-2.
 """
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
@@ -122,6 +124,39 @@ def test_materialised_pe_grads_in_one_chunk_or_several(chunk_elements, N, monkey
     grad_weight32, weight_pe_sqnorms32 = matmul.materialised_pe_grads(x32, g32)
     assert grad_weight32.dtype == weight_pe_sqnorms32.dtype == torch.float32
     torch.testing.assert_close(weight_pe_sqnorms32.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_materialised_pe_grads_results_outlive_the_kept_workspace():
+    """The CPU workspace the per-example gradients are formed in is kept between calls (core/matmul.py:
+    _Workspaces): what a call returns must not be a view of it, and two threads computing at once must not share
+    it (each thread's results are its own examples' norms)."""
+    torch.manual_seed(3)
+    pairs = [(torch.randn(4, 3, 5), torch.randn(4, 3, 6)) for _ in range(6)]
+    expected = [
+        (torch.einsum("ntl,ntk->lk", g, x), torch.einsum("ntl,ntk->nlk", g, x).pow(2).sum((1, 2))) for x, g in pairs
+    ]
+    first = matmul.materialised_pe_grads(*pairs[0])
+    matmul.materialised_pe_grads(*pairs[1])  # writes the same workspace
+    for got, want in zip(first, expected[0]):
+        torch.testing.assert_close(got, want)
+    results, barrier = {}, threading.Barrier(2)
+
+    def run(thread):
+        barrier.wait()
+        for _ in range(200):
+            for i in range(thread, len(pairs), 2):
+                results.setdefault(i, []).append(matmul.materialised_pe_grads(*pairs[i]))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(len(pairs)))
+    for i, outputs in results.items():
+        for grad_weight, pe_sqnorms in outputs:
+            torch.testing.assert_close(grad_weight, expected[i][0])
+            torch.testing.assert_close(pe_sqnorms, expected[i][1])
 
 
 def test_linear_cost_rules():

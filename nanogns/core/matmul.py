@@ -32,6 +32,9 @@ Rows are mapped to examples by layout.py (flattened (N*T, K) inputs and packed
 sequences too); the functions here take the per-example views (N, T, K).
 """
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -91,17 +94,53 @@ def gram_pe_sqnorm(x, g):
     return (x_gram * g_gram).sum(dim=(1, 2))
 
 
+class _Workspaces(threading.local):
+    """Each thread's CPU workspace per dtype for the per-example weight gradients, kept between calls. A fresh one
+    per Linear call (megabytes, freed at once) is, as often as not, handed back to the system by glibc's malloc and
+    its pages fault in again at the next call: the 4 x 256 GPT's all-layer step in its own process made 2,300 to
+    8,300 page faults a step, 51 to 1,900 with the kept workspace (bench/RESULTS.md, issue 47). Per thread: two
+    backwards running at once in two threads never share one. At most SIMULTANEOUS_CHUNK_ELEMENTS elements each
+    (16 MB in float32). GPUs' caching allocators keep their blocks already."""
+
+    def __init__(self):
+        self.by_dtype = {}
+
+    def get(self, shape, dtype):
+        elements = math.prod(shape)
+        work = self.by_dtype.get(dtype)
+        if work is None or work.numel() < elements:
+            work = self.by_dtype[dtype] = torch.empty(elements, dtype=dtype)
+        return work[:elements].view(shape)
+
+
+_WORKSPACES = _Workspaces()
+
+
+def _workspace(shape, dtype, x, g, building_graph):
+    """Where bmm writes a chunk of dW_i (out=): the thread's kept CPU workspace for plain tensors, a fresh tensor on
+    other devices, under torch.compile and for tensor subclasses (a fake tensor's workspace is no real one), None in
+    a backward that builds a graph (create_graph=True: out= takes no tensor that requires a gradient)."""
+    if building_graph:
+        return None
+    device = x.device
+    if device.type == "cpu" and type(x) is type(g) is torch.Tensor and not torch.compiler.is_compiling():
+        return _WORKSPACES.get(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def materialised_pe_grads(x, g, with_sum=True):
     """Form dW_i = g_i^T x_i (L, K) for x (N, T, K), g (N, T, L) in float32 (float64 for float64), so the
     norms are those of the Gram trick and the kernel, a chunk of examples at a time (at most
-    SIMULTANEOUS_CHUNK_ELEMENTS elements, one reused workspace); return (sum_i dW_i or None, ||dW_i||^2 (N,))."""
+    SIMULTANEOUS_CHUNK_ELEMENTS elements, in a workspace reused by every chunk and, on the CPU, by every call:
+    _Workspaces); return (sum_i dW_i or None, ||dW_i||^2 (N,))."""
     N, _, K = x.shape
     L = g.shape[-1]
     dtype = norm_dtype(x)
-    if N * K * L <= SIMULTANEOUS_CHUNK_ELEMENTS or N <= 1:  # one chunk (every Linear of a small model): no workspace,
-        if x.dtype != dtype:  # slice or copy, five ops where the loop dispatches twelve
+    building_graph = torch.is_grad_enabled() and (g.requires_grad or x.requires_grad)
+    if N * K * L <= SIMULTANEOUS_CHUNK_ELEMENTS or N <= 1:  # one chunk (every Linear of a small model): no slice
+        if x.dtype != dtype:  # or copy, five ops where the loop dispatches twelve
             x, g = x.to(dtype), g.to(dtype)
-        pe_grad = torch.bmm(g.transpose(1, 2), x)  # (N, L, K)
+        pe_grad = torch.bmm(g.transpose(1, 2), x, out=_workspace((N, L, K), dtype, x, g, building_graph))
         pe_sqnorms = torch.linalg.vector_norm(pe_grad.flatten(1), dim=1).pow(2)
         return (pe_grad.sum(dim=0) if with_sum else None), pe_sqnorms
     chunk = max(1, min(N, SIMULTANEOUS_CHUNK_ELEMENTS // max(1, K * L)))
@@ -109,16 +148,13 @@ def materialised_pe_grads(x, g, with_sum=True):
     threads = torch.get_num_threads() if x.device.type == "cpu" and not torch.compiler.is_compiling() else 1
     if chunk > threads:  # a multiple of the CPU threads sharing each bmm: 7 examples on 2 threads cost 15% more than 6
         chunk -= chunk % threads
-    work = torch.empty(chunk, L, K, dtype=dtype, device=x.device)
+    work = _workspace((chunk, L, K), dtype, x, g, building_graph)
     grad_weight = None
     weight_pe_sqnorms = torch.empty(N, dtype=dtype, device=x.device)
     for start in range(0, N, chunk):
         n = min(chunk, N - start)
         g_chunk, x_chunk = g[start : start + n].to(dtype), x[start : start + n].to(dtype)  # no copy for float32
-        if torch.is_grad_enabled() and (g_chunk.requires_grad or x_chunk.requires_grad):  # a backward building a
-            pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk)  # graph (create_graph=True): out= takes none
-        else:
-            pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=work[:n])  # (n, L, K)
+        pe_grad = torch.bmm(g_chunk.transpose(1, 2), x_chunk, out=None if work is None else work[:n])  # (n, L, K)
         if with_sum:
             chunk_sum = pe_grad.sum(dim=0)
             grad_weight = chunk_sum if grad_weight is None else grad_weight.add_(chunk_sum)
