@@ -41,3 +41,11 @@ def test_the_floor_computes_plain_gradients_and_the_oracle_s_norms(strategy, bia
         torch.testing.assert_close(p_floor.grad, p_plain.grad, msg=name)
     expected = sum(v.sum() for v in per_example_sqnorms_by_loop(plain, inputs, grad_out).values())
     torch.testing.assert_close(sink, expected)
+
+
+@pytest.mark.parametrize("shape, strategy", [((4, 3, 5, 6), "gram"), ((2, 64, 8, 8), "materialise")])
+def test_one_linear_s_floor_is_timed_under_the_strategy_the_gns_linear_picks(shape, strategy, capsys):
+    plain_ms, added_ms, picked = arithmetic_floor.linear_floor(*shape, rounds=2)
+    assert picked == strategy and plain_ms > 0 and added_ms == added_ms  # (a time, not NaN)
+    arithmetic_floor.main(["--shapes=" + ",".join(map(str, shape)), "--rounds=2"])
+    assert f"| {', '.join(map(str, shape))} | {strategy} |" in capsys.readouterr().out
