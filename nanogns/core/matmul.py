@@ -21,12 +21,13 @@ FLOPs on top of one plain GEMM. `linear_strategy` converts bytes into FLOPs with
 the device's machine balance (MACHINE_BALANCE, FLOPs per byte: the ratio
 measured by bench/linear_strategies.py), so short sequences take the Gram trick
 even where it has more FLOPs. Materialising goes a chunk of examples at a time
-(at most SIMULTANEOUS_CHUNK_ELEMENTS elements of dW_i), bounding its memory. The
-shim computes the norms on top of PyTorch's own weight gradient, so there
-materialising pays its FLOPs too (`linear_uses_gram`). Every choice is exact and
-works in float32 (float64 for float64): it changes the cost, not the numbers.
-The gns and fused Linear compute neither the gradient nor the norms of a frozen
-weight or bias (requires_grad=False).
+(at most SIMULTANEOUS_CHUNK_ELEMENTS elements of dW_i), bounding its memory; on
+the CPU into a workspace of that size kept per thread between calls (_Workspaces:
+a fresh one per call faults its pages in again). The shim computes the norms on
+top of PyTorch's own weight gradient, so there materialising pays its FLOPs too
+(`linear_uses_gram`). Every choice is exact and works in float32 (float64 for
+float64): it changes the cost, not the numbers. The gns and fused Linear compute
+neither the gradient nor the norms of a frozen weight or bias (requires_grad=False).
 
 Rows are mapped to examples by layout.py (flattened (N*T, K) inputs and packed
 sequences too); the functions here take the per-example views (N, T, K).
