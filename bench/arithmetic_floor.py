@@ -1,24 +1,27 @@
 """
 The per-example arithmetic of the all-layer `gns` step without the layers' bookkeeping: a lower bound on what any
-Python cut can bring the step to (issue 47). `install(model)` makes every nn.Linear and nn.LayerNorm of a plain
-model compute, in its backward, what the gns layers compute there (each Linear's weight gradient and per-example
+Python cut can bring the step to (issue 47). `install(model)` makes every nn.Linear, nn.LayerNorm and nn.Embedding
+of a plain model compute, in its backward, what the gns layers compute there (each Linear's weight gradient and per-example
 squared norms by core/matmul.py's linear_weight_grad_and_pe_sqnorm under the same strategy rule; each LayerNorm's
 per-example weight and bias gradients as LayerNormFunction's batched backward forms them) inside one bare autograd
 Function per layer: no mapping of rows to examples, no buffers, no hooks, no monitor. The squared norms are added
-to one tensor (`floor_sink(model)`) so that nothing is left out as unused.
+to one tensor (the sink `install` returns) so that nothing is left out as unused.
 
 bench/step_overhead.py times it as the choice "arithmetic floor" beside nn and the gns choices, in the same rounds:
 
     python bench/step_overhead.py --n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=8 \\
         --choices="nn,arithmetic floor,all-layer gns" --steps=40 --memory=False
 
-For one Linear, `python bench/arithmetic_floor.py --shapes=B,T,K,L` times nn.Linear's forward and backward and,
-in the same rounds, the per-example ops alone (the weight's norms by the strategy the gns Linear picks, the bias's
-per-example sums): the ratio (plain + those ops) / plain is the floor of bench/linear_strategies.py's gns ratio.
+For one Linear, `python bench/arithmetic_floor.py --shapes=B,T,K,L` times, in the same rounds, nn.Linear's forward
+and backward, the floor's bare Function doing the gns Linear's arithmetic (the weight's norms by the strategy the
+gns Linear picks, the bias's per-example sums) and the gns Linear itself: the floor of bench/linear_strategies.py's
+gns ratio, and how far the gns Linear is above it.
 
-Embeddings stay plain (their per-example norms are left out: the floor is lower than the gns layers' arithmetic,
-never higher). Inputs are taken as (N, T, D), examples on dim 0, as the nanoGPT model gives them; float32 or
-float64, no autocast.
+Every nn.Embedding computes the gns Embedding's (its weight gradient by one index_add, its per-example norms by
+embedding_pe_sqnorm), and an embedding whose weight a Linear shares (nanoGPT's wte and lm_head) adds the tied
+weight's cross term as the gns layers do (core/tied.py: the head's P, the embedding's 2 <e_i, h_i>). Inputs are
+taken as (N, T, D) and ids as (N, T), examples on dim 0, as the nanoGPT model gives them; plain embeddings only (no
+padding row, max_norm or sparse gradients); float32 or float64, no autocast.
 """
 
 import argparse
@@ -33,25 +36,24 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanogns.core.matmul import (  # noqa: E402
-    bias_pe_grads,
-    gram_pe_sqnorm,
-    linear_strategy,
-    linear_weight_grad_and_pe_sqnorm,
-    materialised_pe_grads,
-)
+from nanogns.core.matmul import linear_strategy, linear_weight_grad_and_pe_sqnorm  # noqa: E402
+from nanogns.core.rowmaps import Rows  # noqa: E402
+from nanogns.core.tied import _head_cross_term  # noqa: E402  (the tied head's arithmetic, as the gns head runs it)
+from nanogns.kinds.embedding import embedding_pe_sqnorm  # noqa: E402
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, sink):
+    def forward(ctx, x, weight, bias, sink, tie=None):
         ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.has_bias = sink, bias is not None
+        ctx.sink, ctx.has_bias, ctx.tie = sink, bias is not None, tie
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        if ctx.tie is not None and "ids" in ctx.tie:  # a head tied to an embedding: P for the cross term
+            ctx.tie["P"] = _head_cross_term(ctx.tie["ids"], x, Rows("dim0", x.shape[0]), g)
         grad_weight, pe_sqnorms = linear_weight_grad_and_pe_sqnorm(x, g)
         ctx.sink.add_(pe_sqnorms.sum())
         grad_bias = None
@@ -59,7 +61,31 @@ class _Linear(torch.autograd.Function):
             pe_grad_bias = g.sum(dim=1)
             ctx.sink.add_(pe_grad_bias.pow(2).sum())
             grad_bias = pe_grad_bias.sum(dim=0)
-        return g @ weight, grad_weight.to(weight.dtype), grad_bias, None
+        return g @ weight, grad_weight.to(weight.dtype), grad_bias, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    """The gns Embedding's backward arithmetic: the weight gradient by one index_add, the per-example norms by
+    embedding_pe_sqnorm, and for a weight tied to a head the cross term 2 <e_i, h_i> from the head's P (tied.py)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, sink, tie):
+        ctx.save_for_backward(ids)
+        ctx.sink, ctx.tie, ctx.weight_shape = sink, tie, weight.shape
+        if tie is not None:
+            tie["ids"] = ids
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        num_embeddings, dim = ctx.weight_shape
+        grad_weight = torch.zeros(ctx.weight_shape, dtype=g.dtype, device=g.device)
+        grad_weight.index_add_(0, ids.reshape(-1), g.reshape(-1, dim))
+        ctx.sink.add_(embedding_pe_sqnorm(ids, g, num_embeddings).sum())
+        if ctx.tie is not None and "P" in ctx.tie:
+            ctx.sink.add_(2 * (g.to(ctx.tie["P"].dtype) * ctx.tie.pop("P")).sum())
+        return None, grad_weight, None, None
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -88,43 +114,61 @@ class _LayerNorm(torch.autograd.Function):
 
 
 def install(model):
-    """Make every nn.Linear and nn.LayerNorm of `model` compute the gns layers' per-example arithmetic (module
-    docstring); returns the sink its squared norms add to (zeroed by the caller after each step)."""
+    """Make every nn.Linear, nn.LayerNorm and nn.Embedding of `model` compute the gns layers' per-example arithmetic
+    (module docstring); returns the sink its squared norms add to (zeroed by the caller after each step)."""
     param = next(model.parameters())  # the norms' dtype: float32, float64 for a float64 model (as the buffers sum)
     sink = torch.zeros((), dtype=torch.float64 if param.dtype == torch.float64 else torch.float32, device=param.device)
-    for module in model.modules():
+    modules = list(model.modules())
+    # an embedding and a head sharing one weight (nanoGPT's wte and lm_head): the head's P reaches the embedding
+    ties = {id(m.weight): {} for m in modules if type(m) is nn.Embedding}
+    ties = {key: tie for key, tie in ties.items() if any(type(m) is nn.Linear and id(m.weight) == key for m in modules)}
+    for module in modules:
         if type(module) is nn.Linear:
-            module.forward = lambda x, m=module: _Linear.apply(x, m.weight, m.bias, sink)
+            tie = ties.get(id(module.weight))
+            module.forward = lambda x, m=module, tie=tie: _Linear.apply(x, m.weight, m.bias, sink, tie)
+        elif type(module) is nn.Embedding:
+            tie = ties.get(id(module.weight))
+            module.forward = lambda ids, m=module, tie=tie: _Embedding.apply(ids, m.weight, sink, tie)
         elif type(module) is nn.LayerNorm:
             module.forward = lambda x, m=module: _LayerNorm.apply(x, m.weight, m.bias, m.eps, sink)
     return sink
 
 
 def linear_floor(B, T, K, L, rounds):
-    """(plain ms, ms the per-example ops add, strategy): medians over interleaved rounds for one Linear with a bias.
-    Under the Gram trick the plain weight-gradient GEMM stays and the Grams and the bias sums are added; under
-    materialise the per-example products replace that GEMM, so what they add is their time less the GEMM's."""
+    """{"plain" | "floor" | "gns": (median ms, median ratio to plain, (quartiles))} for one Linear with a bias on a
+    (B, T, K) input that requires a gradient, forward and backward: nn.Linear, the floor's bare Function (_Linear:
+    the gns Linear's arithmetic under its strategy rule, nothing else) and the gns Linear itself, taking turns in
+    each round so that the machine's drift hits them alike; plus "strategy" (what the rule picks). The whole layer is
+    timed, not its extra ops alone: those, timed apart, find x and g in the cache and read lower than they cost in a
+    backward (bench/RESULTS.md, issue 47)."""
+    from nanogns.kinds.linear import PerExampleLinear
+
     torch.manual_seed(0)
-    layer = nn.Linear(K, L)
+    plain = nn.Linear(K, L)
+    gns = PerExampleLinear(K, L)
+    gns.load_state_dict(plain.state_dict())
     x, g = torch.randn(B, T, K, requires_grad=True), torch.randn(B, T, L)
-    xd, x2, g2 = x.detach(), x.detach().reshape(-1, K), g.reshape(-1, L)
-    strategy = linear_strategy(T, K, L)
-    weight_norms = gram_pe_sqnorm if strategy == "gram" else materialised_pe_grads
+    sink = torch.zeros(())
     timed = {
-        "plain": lambda: layer(x).backward(g),
-        "weight gradient GEMM": lambda: g2.t() @ x2,
-        "per-example ops": lambda: (weight_norms(xd, g), bias_pe_grads(g).pow(2).sum(dim=1)),
+        "plain": lambda: plain(x).backward(g),
+        "floor": lambda: _Linear.apply(x, plain.weight, plain.bias, sink).backward(g),
+        "gns": lambda: gns(x).backward(g),
     }
     times = {name: [] for name in timed}
+    names = list(timed)
     for r in range(rounds + 3):  # three rounds of warm-up
-        for name, run in timed.items():
+        for name in names[r % 3 :] + names[: r % 3]:  # the first to run rotates
             t0 = time.perf_counter()
-            run()
+            timed[name]()
             if r >= 3:
                 times[name].append(time.perf_counter() - t0)
-    ms = {name: statistics.median(v) * 1000 for name, v in times.items()}
-    added = ms["per-example ops"] - (ms["weight gradient GEMM"] if strategy == "materialise" else 0.0)
-    return ms["plain"], added, strategy
+        x.grad = None
+    result = {"strategy": linear_strategy(T, K, L)}
+    for name, values in times.items():
+        ratios = [v / p for v, p in zip(values, times["plain"])]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], ratios[0], ratios[0])
+        result[name] = (statistics.median(values) * 1000, statistics.median(ratios), (quartiles[0], quartiles[2]))
+    return result
 
 
 def main(argv=None):
@@ -132,13 +176,15 @@ def main(argv=None):
     p.add_argument("--shapes", default="64,32,256,256", help="B,T,K,L[;B,T,K,L...] (default: 64,32,256,256)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default: 30)")
     args = p.parse_args(argv)
-    print(f"cpu, float32, {torch.get_num_threads()} threads, wall clock, median of {args.rounds} interleaved rounds")
-    print("| B, T, K, L | strategy | plain ms | per-example ops beyond plain ms | floor ratio |")
+    print(f"cpu, float32, {torch.get_num_threads()} threads, wall clock, median of {args.rounds} interleaved rounds;")
+    print("forward + backward of one Linear with a bias, ratio to nn.Linear's in the same round [quartiles]")
+    print("| B, T, K, L | strategy | plain ms | arithmetic floor | gns |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(";"):
         B, T, K, L = (int(v) for v in shape.split(","))
-        plain, extra, strategy = linear_floor(B, T, K, L, args.rounds)
-        print(f"| {B}, {T}, {K}, {L} | {strategy} | {plain:.2f} | {extra:.2f} | {(plain + extra) / plain:.3f} |")
+        r = linear_floor(B, T, K, L, args.rounds)
+        floor, gns = (f"{r[n][1]:.3f} [{r[n][2][0]:.3f}, {r[n][2][1]:.3f}]" for n in ("floor", "gns"))
+        print(f"| {B}, {T}, {K}, {L} | {r['strategy']} | {r['plain'][0]:.2f} | {floor} | {gns} |")
 
 
 if __name__ == "__main__":
