@@ -43,17 +43,19 @@ from nanogns.kinds.embedding import embedding_pe_sqnorm  # noqa: E402
 
 
 class _Linear(torch.autograd.Function):
+    """The gns Linear's backward arithmetic; for a head tied to an embedding (ids and carrier given), also P for the
+    cross term, handed to the embedding as the carrier's gradient (autograd's dataflow, as core/tied.py's taps)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, sink, tie=None):
-        ctx.save_for_backward(x, weight)
-        ctx.sink, ctx.has_bias, ctx.tie = sink, bias is not None, tie
+    def forward(ctx, x, weight, bias, sink, ids=None, carrier=None):
+        ctx.save_for_backward(x, weight, ids)
+        ctx.sink, ctx.has_bias, ctx.tied = sink, bias is not None, carrier is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        if ctx.tie is not None and "ids" in ctx.tie:  # a head tied to an embedding: P for the cross term
-            ctx.tie["P"] = _head_cross_term(ctx.tie["ids"], x, Rows("dim0", x.shape[0]), g)
+        x, weight, ids = ctx.saved_tensors
+        p = _head_cross_term(ids, x, Rows("dim0", x.shape[0]), g) if ctx.tied else None
         grad_weight, pe_sqnorms = linear_weight_grad_and_pe_sqnorm(x, g)
         ctx.sink.add_(pe_sqnorms.sum())
         grad_bias = None
@@ -61,31 +63,51 @@ class _Linear(torch.autograd.Function):
             pe_grad_bias = g.sum(dim=1)
             ctx.sink.add_(pe_grad_bias.pow(2).sum())
             grad_bias = pe_grad_bias.sum(dim=0)
-        return g @ weight, grad_weight.to(weight.dtype), grad_bias, None, None
+        return g @ weight, grad_weight.to(weight.dtype), grad_bias, None, None, p
 
 
 class _Embedding(torch.autograd.Function):
     """The gns Embedding's backward arithmetic: the weight gradient by one index_add, the per-example norms by
-    embedding_pe_sqnorm, and for a weight tied to a head the cross term 2 <e_i, h_i> from the head's P (tied.py)."""
+    embedding_pe_sqnorm; returns (out, carrier), the carrier's gradient being the tied head's P (or None), from
+    which this backward adds the cross term 2 <e_i, h_i> (core/tied.py)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, sink, tie):
+    def forward(ctx, ids, weight, sink):
         ctx.save_for_backward(ids)
-        ctx.sink, ctx.tie, ctx.weight_shape = sink, tie, weight.shape
-        if tie is not None:
-            tie["ids"] = ids
-        return F.embedding(ids, weight)
+        ctx.set_materialize_grads(False)
+        ctx.sink, ctx.weight_shape = sink, weight.shape
+        out = F.embedding(ids, weight)
+        return out, out.new_empty(out.shape, dtype=sink.dtype)  # (a real tensor, not a view: as tied.py's)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, p):
         (ids,) = ctx.saved_tensors
         num_embeddings, dim = ctx.weight_shape
         grad_weight = torch.zeros(ctx.weight_shape, dtype=g.dtype, device=g.device)
         grad_weight.index_add_(0, ids.reshape(-1), g.reshape(-1, dim))
         ctx.sink.add_(embedding_pe_sqnorm(ids, g, num_embeddings).sum())
-        if ctx.tie is not None and "P" in ctx.tie:
-            ctx.sink.add_(2 * (g.to(ctx.tie["P"].dtype) * ctx.tie.pop("P")).sum())
-        return None, grad_weight, None, None
+        if p is not None:
+            ctx.sink.add_(2 * (g.to(p.dtype) * p).sum())
+        return None, grad_weight, None
+
+
+class _Tie:
+    """What the tied embedding's last forward leaves for the head: its ids and the carrier of P."""
+
+    ids = carrier = None
+
+
+def _embedding_forward(module, ids, sink, tie):
+    out, carrier = _Embedding.apply(ids, module.weight, sink)
+    if tie is not None:
+        tie.ids, tie.carrier = ids, carrier
+    return out
+
+
+def _linear_forward(module, x, sink, tie):
+    if tie is None or tie.carrier is None:
+        return _Linear.apply(x, module.weight, module.bias, sink)
+    return _Linear.apply(x, module.weight, module.bias, sink, tie.ids, tie.carrier)
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -120,15 +142,14 @@ def install(model):
     sink = torch.zeros((), dtype=torch.float64 if param.dtype == torch.float64 else torch.float32, device=param.device)
     modules = list(model.modules())
     # an embedding and a head sharing one weight (nanoGPT's wte and lm_head): the head's P reaches the embedding
-    ties = {id(m.weight): {} for m in modules if type(m) is nn.Embedding}
-    ties = {key: tie for key, tie in ties.items() if any(type(m) is nn.Linear and id(m.weight) == key for m in modules)}
+    heads = {id(m.weight) for m in modules if type(m) is nn.Linear}
+    ties = {id(m.weight): _Tie() for m in modules if type(m) is nn.Embedding and id(m.weight) in heads}
     for module in modules:
+        tie = ties.get(id(getattr(module, "weight", None)))
         if type(module) is nn.Linear:
-            tie = ties.get(id(module.weight))
-            module.forward = lambda x, m=module, tie=tie: _Linear.apply(x, m.weight, m.bias, sink, tie)
+            module.forward = lambda x, m=module, tie=tie: _linear_forward(m, x, sink, tie)
         elif type(module) is nn.Embedding:
-            tie = ties.get(id(module.weight))
-            module.forward = lambda ids, m=module, tie=tie: _Embedding.apply(ids, m.weight, sink, tie)
+            module.forward = lambda ids, m=module, tie=tie: _embedding_forward(m, ids, sink, tie)
         elif type(module) is nn.LayerNorm:
             module.forward = lambda x, m=module: _LayerNorm.apply(x, m.weight, m.bias, m.eps, sink)
     return sink
