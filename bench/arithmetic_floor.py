@@ -155,13 +155,14 @@ def install(model):
     return sink
 
 
-def linear_floor(B, T, K, L, rounds):
+def linear_floor(B, T, K, L, rounds, clock=time.perf_counter):
     """{"plain" | "floor" | "gns": (median ms, median ratio to plain, (quartiles))} for one Linear with a bias on a
     (B, T, K) input that requires a gradient, forward and backward: nn.Linear, the floor's bare Function (_Linear:
     the gns Linear's arithmetic under its strategy rule, nothing else) and the gns Linear itself, taking turns in
     each round so that the machine's drift hits them alike; plus "strategy" (what the rule picks). The whole layer is
     timed, not its extra ops alone: those, timed apart, find x and g in the cache and read lower than they cost in a
-    backward (bench/RESULTS.md, issue 47)."""
+    backward (bench/RESULTS.md, issue 47). `clock`: time.perf_counter (wall) or time.process_time (the process's
+    CPU time)."""
     from nanogns.kinds.linear import PerExampleLinear
 
     torch.manual_seed(0)
@@ -179,10 +180,10 @@ def linear_floor(B, T, K, L, rounds):
     names = list(timed)
     for r in range(rounds + 3):  # three rounds of warm-up
         for name in names[r % 3 :] + names[: r % 3]:  # the first to run rotates
-            t0 = time.perf_counter()
+            t0 = clock()
             timed[name]()
             if r >= 3:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(clock() - t0)
         x.grad = None
     result = {"strategy": linear_strategy(T, K, L)}
     for name, values in times.items():
@@ -196,14 +197,27 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64,32,256,256", help="B,T,K,L[;B,T,K,L...] (default: 64,32,256,256)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default: 30)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=["wall", "cpu"],
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone",
+    )
     args = p.parse_args(argv)
-    print(f"cpu, float32, {torch.get_num_threads()} threads, wall clock, median of {args.rounds} interleaved rounds;")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    print(
+        f"cpu, float32, {torch.get_num_threads()} threads, {'wall clock' if args.clock == 'wall' else 'CPU time'}, "
+        f"median of {args.rounds} interleaved rounds;"
+    )
     print("forward + backward of one Linear with a bias, ratio to nn.Linear's in the same round [quartiles]")
     print("| B, T, K, L | strategy | plain ms | arithmetic floor | gns |")
     print("|---|---|---|---|---|")
     for shape in args.shapes.split(";"):
         B, T, K, L = (int(v) for v in shape.split(","))
-        r = linear_floor(B, T, K, L, args.rounds)
+        r = linear_floor(B, T, K, L, args.rounds, clock)
         floor, gns = (f"{r[n][1]:.3f} [{r[n][2][0]:.3f}, {r[n][2][1]:.3f}]" for n in ("floor", "gns"))
         print(f"| {B}, {T}, {K}, {L} | {r['strategy']} | {r['plain'][0]:.2f} | {floor} | {gns} |")
 

@@ -88,7 +88,7 @@ def test_one_linear_s_floor_is_timed_under_the_strategy_the_gns_linear_picks(sha
     assert timed["strategy"] == strategy
     assert all(timed[name][0] > 0 and timed[name][1] > 0 for name in ("plain", "floor", "gns"))
     assert timed["plain"][1] == 1.0  # each round's plain time over itself
-    arithmetic_floor.main(["--shapes=" + ",".join(map(str, shape)), "--rounds=2"])
+    arithmetic_floor.main(["--shapes=" + ",".join(map(str, shape)), "--rounds=2", "--clock=cpu"])
     assert f"| {', '.join(map(str, shape))} | {strategy} |" in capsys.readouterr().out
 
 
