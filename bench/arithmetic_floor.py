@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import timing  # noqa: E402  (bench/timing.py)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -197,17 +198,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="64,32,256,256", help="B,T,K,L[;B,T,K,L...] (default: 64,32,256,256)")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default: 30)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
-    p.add_argument(
-        "--clock",
-        default="wall",
-        choices=["wall", "cpu"],
-        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone",
-    )
+    timing.add_options(p)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = timing.apply(args)
     print(
         f"cpu, float32, {torch.get_num_threads()} threads, {'wall clock' if args.clock == 'wall' else 'CPU time'}, "
         f"median of {args.rounds} interleaved rounds;"

@@ -23,10 +23,10 @@ import contextlib
 import io
 import statistics
 import sys
-import time
 import warnings
 
 import call_overhead  # bench/call_overhead.py: the counters (and the repository on sys.path)
+import timing  # bench/timing.py
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -134,7 +134,7 @@ def make_step(name, converted, batch=8):
 
 def timed(names, rounds, warmup, clock):
     """{name: [converted / plain per round]} and {name: (plain ms, converted ms) medians}, interleaved."""
-    tick = time.process_time if clock == "cpu" else time.perf_counter
+    tick = timing.CLOCKS[clock]
     ratios, medians = {}, {}
     for name in names:
         plain, _ = make_step(name, False)
@@ -177,8 +177,7 @@ def quartiles(values):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {MODELS}")
-    p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall (default) or the process's CPU")
-    p.add_argument("--threads", type=int, default=0, help="torch's CPU threads (default: 0, torch's own choice)")
+    timing.add_options(p)
     p.add_argument("--rounds", type=int, default=15, help="timed rounds (default: 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each (default: 2)")
     p.add_argument("--count", action="store_true", help="count ops and Python calls per step instead of timing")
@@ -187,8 +186,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {MODELS}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    timing.apply(args)
     if args.count:
         print("| model | ops: plain | converted | added | Python calls: plain | converted | added |")
         print("|---|---|---|---|---|---|---|")

@@ -28,11 +28,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import timing  # noqa: E402  (bench/timing.py)
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import train_settings  # noqa: E402  (bench/train_settings.py)
@@ -48,14 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per layer (default: 2)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
-    p.add_argument(
-        "--clock",
-        default="wall",
-        choices=["wall", "cpu"],
-        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
-        "whatever else the machine runs",
-    )
+    timing.add_options(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="default: float32")
     p.add_argument("--memory", default="True", choices=["True", "False"], help="measure peak memory (default: True)")
     p.add_argument("--layers", default=None, help="comma-separated layer names (default: all available)")
@@ -166,7 +159,7 @@ def interleaved_ratios(shape, names, args, dtype):
         for _ in range(args.warmup):
             step()
     times = {n: [] for n in names}
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = timing.CLOCKS[args.clock]
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for n in order:
@@ -211,8 +204,7 @@ def _status_mb(key):
 def main(argv=None):
     args = parse_args(argv)
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
-    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
-        torch.set_num_threads(args.threads)
+    timing.apply(args)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return

@@ -18,8 +18,8 @@ step still runs every layer); Llama's steps compute the same with either.
 
 import argparse
 import statistics
-import time
 
+import timing  # bench/timing.py
 import torch
 import transformers
 
@@ -34,8 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=8, help="examples B (default: 8)")
     p.add_argument("--length", type=int, default=64, help="frames or tokens per example T (default: 64)")
     p.add_argument("--steps", type=int, default=9, help="timed rounds (default: 9)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: 0, torch's own)")
-    p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall or cpu (default: wall)")
+    timing.add_options(p)
     return p.parse_args(argv)
 
 
@@ -111,9 +110,7 @@ def measure(name, args, clock):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = timing.apply(args)
     print(
         f"B={args.batch_size} T={args.length} hidden={args.hidden} layers={args.layers} "
         f"threads={torch.get_num_threads()} clock={args.clock}"

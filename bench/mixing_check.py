@@ -19,8 +19,8 @@ import io
 import os
 import statistics
 import sys
-import time
 
+import timing  # bench/timing.py
 import torch
 import torch.nn.functional as F
 
@@ -61,12 +61,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="examples per step, B (default: 8)")
     p.add_argument("--block", type=int, default=64, help="tokens per example (default: 64)")
     p.add_argument("--repeat", type=int, default=5, help="runs of each, median taken (default: 5)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: 0, torch's own)")
-    p.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="wall or process CPU time (default: wall)")
+    timing.add_options(p)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    clock = timing.apply(args)
     model = build(args.n_layer, args.block)
     plain = build(args.n_layer, args.block)
     monitor = lc.convert(model, check_mixing=False)

@@ -30,13 +30,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import timing  # noqa: E402  (bench/timing.py)
 import train_settings  # noqa: E402  (bench/train_settings.py)
 
 CHOICES = ("plain default", "plain eager", "per-example")  # ratios to the first: transformers' default experts
@@ -45,14 +45,7 @@ CHOICES = ("plain default", "plain eager", "per-example")  # ratios to the first
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
-    p.add_argument(
-        "--clock",
-        default="wall",
-        choices=["wall", "cpu"],
-        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
-        "whatever else the machine runs",
-    )
+    timing.add_options(p)
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype (default: float32)"
     )
@@ -151,8 +144,7 @@ def main(argv=None):
     train_settings.set_training_precision()  # TF32 as train.py: the torch strategies timed as they train
     import torch
 
-    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
-        torch.set_num_threads(args.threads)
+    timing.apply(args)
     if args.one:
         print(json.dumps({"peak_mb": peak_memory_mb(args)}))
         return
@@ -174,7 +166,7 @@ def main(argv=None):
             step()
     times = {name: [] for name in CHOICES}
     names = list(CHOICES)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = timing.CLOCKS[args.clock]
     for r in range(args.steps):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
             t0 = clock()

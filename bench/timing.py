@@ -1,0 +1,35 @@
+"""
+How the timing benchmarks take their clock, all alike: `--threads` (torch's CPU threads; 0 leaves torch's own
+choice) and `--clock` (wall: the elapsed time a user waits for; cpu: the process's CPU time, which with
+--threads=1 is the compute alone, whatever else the machine runs).
+
+    import timing
+    timing.add_options(parser)
+    args = parser.parse_args()
+    clock = timing.apply(args)   # sets torch's threads; time.perf_counter or time.process_time
+"""
+
+import time
+
+import torch
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def add_options(parser):
+    """Add --threads and --clock to an argparse parser."""
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: 0, torch's own choice)")
+    parser.add_argument(
+        "--clock",
+        default="wall",
+        choices=list(CLOCKS),
+        help="wall: elapsed time (default); cpu: the process's CPU time, with --threads=1 the compute alone, "
+        "whatever else the machine runs",
+    )
+
+
+def apply(args):
+    """Set torch's CPU threads from args.threads (0: leave them) and return args.clock's timer."""
+    if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
+        torch.set_num_threads(args.threads)
+    return CLOCKS[args.clock]
