@@ -1,10 +1,10 @@
 """
 The per-example arithmetic of the all-layer `gns` step without the layers' bookkeeping: a lower bound on what any
 Python cut can bring the step to (issue 47). `install(model)` makes every nn.Linear, nn.LayerNorm and nn.Embedding
-of a plain model compute, in its backward, what the gns layers compute there (each Linear's weight gradient and per-example
-squared norms by core/matmul.py's linear_weight_grad_and_pe_sqnorm under the same strategy rule; each LayerNorm's
-per-example weight and bias gradients as LayerNormFunction's batched backward forms them) inside one bare autograd
-Function per layer: no mapping of rows to examples, no buffers, no hooks, no monitor. The squared norms are added
+of a plain model compute, in its backward, what the gns layers compute there (each Linear's weight gradient and
+per-example squared norms by core/matmul.py's linear_weight_grad_and_pe_sqnorm under the same strategy rule; each
+LayerNorm's per-example weight and bias gradients as LayerNormFunction's batched backward forms them; each
+Embedding's as below) inside one bare autograd Function per layer: no mapping of rows to examples, no buffers, no hooks, no monitor. The squared norms are added
 to one tensor (the sink `install` returns) so that nothing is left out as unused.
 
 bench/step_overhead.py times it as the choice "arithmetic floor" beside nn and the gns choices, in the same rounds:
