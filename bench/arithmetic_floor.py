@@ -4,8 +4,9 @@ Python cut can bring the step to (issue 47). `install(model)` makes every nn.Lin
 of a plain model compute, in its backward, what the gns layers compute there (each Linear's weight gradient and
 per-example squared norms by core/matmul.py's linear_weight_grad_and_pe_sqnorm under the same strategy rule; each
 LayerNorm's per-example weight and bias gradients as LayerNormFunction's batched backward forms them; each
-Embedding's as below) inside one bare autograd Function per layer: no mapping of rows to examples, no buffers, no hooks, no monitor. The squared norms are added
-to one tensor (the sink `install` returns) so that nothing is left out as unused.
+Embedding's as below) inside one bare autograd Function per layer: no mapping of rows to examples, no buffers, no
+hooks, no monitor. The squared norms are added to one tensor (the sink `install` returns) so that nothing is left
+out as unused.
 
 bench/step_overhead.py times it as the choice "arithmetic floor" beside nn and the gns choices, in the same rounds:
 
