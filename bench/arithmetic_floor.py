@@ -189,9 +189,8 @@ def linear_floor(B, T, K, L, rounds, clock=time.perf_counter):
         x.grad = None
     result = {"strategy": linear_strategy(T, K, L)}
     for name, values in times.items():
-        ratios = [v / p for v, p in zip(values, times["plain"])]
-        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0], ratios[0], ratios[0])
-        result[name] = (statistics.median(values) * 1000, statistics.median(ratios), (quartiles[0], quartiles[2]))
+        q1, median, q3 = timing.quartiles([v / p for v, p in zip(values, times["plain"])])
+        result[name] = (statistics.median(values) * 1000, median, (q1, q3))
     return result
 
 

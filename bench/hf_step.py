@@ -169,11 +169,6 @@ def counted(names):
     return found
 
 
-def quartiles(values):
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], statistics.median(values), q[2]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {MODELS}")
@@ -201,7 +196,7 @@ def main(argv=None):
     print("| model | plain step ms | converted step ms | ratio |")
     print("|---|---|---|---|")
     for name in names:
-        lo, mid, hi = quartiles(ratios[name])
+        lo, mid, hi = timing.quartiles(ratios[name])
         print(f"| {name} | {medians[name][0]:.1f} | {medians[name][1]:.1f} | {mid:.2f} [{lo:.2f}, {hi:.2f}] |")
 
 

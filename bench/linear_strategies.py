@@ -170,8 +170,8 @@ def interleaved_ratios(shape, names, args, dtype):
     ratios = {}
     for n in names:
         per_round = [t / p for t, p in zip(times[n], plain)]
-        q1, _, q3 = statistics.quantiles(per_round, n=4) if len(per_round) > 1 else per_round * 3
-        ratios[n] = (statistics.median(per_round), q1, q3)
+        q1, median, q3 = timing.quartiles(per_round)
+        ratios[n] = (median, q1, q3)
     return ratios, {n: statistics.median(v) * 1000 for n, v in times.items()}
 
 

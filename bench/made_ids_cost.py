@@ -100,11 +100,11 @@ def measure(name, args, clock):
         ids.MadeHere.__torch_function__ = mode_call
         layout._opens_window = opens
     ratios = sorted(a / b for a, b in zip(times["on"], times["off"]))
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    q1, median, q3 = timing.quartiles(ratios)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     print(
         f"{name:14s} ops under the mode per step {ops:5d}   on {on * 1e3:8.2f} ms   off {off * 1e3:8.2f} ms   "
-        f"on/off {statistics.median(ratios):.3f} [{q[0]:.3f}, {q[2]:.3f}]"
+        f"on/off {median:.3f} [{q1:.3f}, {q3:.3f}]"
     )
 
 

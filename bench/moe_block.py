@@ -184,9 +184,9 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     for name in CHOICES:
         ratios = [t / b for t, b in zip(times[name], times[base])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        q1, median, q3 = timing.quartiles(ratios)
         print(
-            f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
+            f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {median:.3f} "
             f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / peaks[base]:.3f} |"
         )
 

@@ -264,9 +264,9 @@ def main(argv=None):
     print("|---|---|---|---|---|" + ("---|" if compiled else ""))
     for name in names:
         ratios = [t / base for t, base in zip(times[name], times["nn"])]
-        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        q1, median, q3 = timing.quartiles(ratios)
         print(
-            f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {statistics.median(ratios):.3f} "
+            f"| {name} | {statistics.median(times[name]) * 1000:.1f} | {median:.3f} "
             f"[{q1:.3f}, {q3:.3f}] | {peaks[name]:.0f} | {peaks[name] / base_peak:.3f} |"
             + (f" {graphs[name][0]} / {graphs[name][1]} |" if compiled else "")
         )

@@ -7,8 +7,10 @@ choice) and `--clock` (wall: the elapsed time a user waits for; cpu: the process
     timing.add_options(parser)
     args = parser.parse_args()
     clock = timing.apply(args)   # sets torch's threads; time.perf_counter or time.process_time
+    q1, median, q3 = timing.quartiles(ratios)
 """
 
+import statistics
 import time
 
 import torch
@@ -33,3 +35,10 @@ def apply(args):
     if args.threads:  # one thread: no parallel region waits for a core another job holds (a shared machine)
         torch.set_num_threads(args.threads)
     return CLOCKS[args.clock]
+
+
+def quartiles(values):
+    """(first quartile, median, third quartile) of `values`, as the benchmarks print a ratio over rounds; all three
+    the one value when there is one."""
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    return q[0], statistics.median(values), q[2]

@@ -30,6 +30,8 @@ import warnings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import timing  # noqa: E402  (bench/timing.py)
+
 CHOICES = {
     "albert": ("plain", "per-example (shared group, summed uses)", "per-example, one group per layer"),
     "mamba": ("plain", "per-example (mixers replayed)"),
@@ -173,9 +175,9 @@ def run(args, model_name, passthrough):
     print("|---|---|---|---|---|")
     for name in choices:
         ratios = [t / b for t, b in zip(times[name], times["plain"])]
-        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        q1, median, q3 = timing.quartiles(ratios)
         print(
-            f"| {name} | {statistics.median(times[name]) * 1000:.0f} | {statistics.median(ratios):.2f} "
+            f"| {name} | {statistics.median(times[name]) * 1000:.0f} | {median:.2f} "
             f"[{q1:.2f}, {q3:.2f}] | {peaks[name]:.0f} | {peaks[name] / peaks['plain']:.2f} |",
             flush=True,
         )

@@ -27,3 +27,8 @@ def test_the_clock_named_is_the_clock_timed_by_and_threads_are_set_only_when_ask
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_quartiles_are_the_first_and_third_quartiles_around_the_median_and_one_value_stands_for_all():
+    assert timing.quartiles([1.0, 4.0, 2.0, 3.0, 5.0]) == (1.5, 3.0, 4.5)  # statistics.quantiles' exclusive method
+    assert timing.quartiles([1.25]) == (1.25, 1.25, 1.25)
