@@ -100,9 +100,9 @@ class _Workspaces(threading.local):
     per Linear call (megabytes, freed at once) is, as often as not, handed back to the system by glibc's malloc and
     its pages fault in again at the next call: the 4 x 256 GPT's all-layer step in its own process made 2,541 to
     6,448 page faults a step, 128 to 2,891 with the kept workspace (bench/step_faults.py, three runs each;
-    bench/RESULTS.md, issue 47). Per thread: two
-    backwards running at once in two threads never share one. At most SIMULTANEOUS_CHUNK_ELEMENTS elements each
-    (16 MB in float32). GPUs' caching allocators keep their blocks already."""
+    bench/RESULTS.md, issue 47). Per thread: two backwards running at once in two threads never share one. At most
+    SIMULTANEOUS_CHUNK_ELEMENTS elements each (16 MB in float32). GPUs' caching allocators keep their blocks
+    already."""
 
     def __init__(self):
         self.by_dtype = {}
